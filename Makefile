@@ -1,0 +1,55 @@
+# kvoffload developer entry points. Every target sets up .venv first if needed.
+#   make run    set up, then start the service (CPU pool, loopback, embedded defaults)
+#   make test   set up, then run the test suite
+#   make lint   ruff check, ruff format --check, mypy
+#   make bench  run every benchmark (tables on stdout, JSON under bench/results/)
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.kvoffload-installed
+# CPU wheel of torch used where no GPU is present; pinned because an unpinned
+# torch on PyPI resolves to a multi-GB CUDA build.
+CPU_TORCH ?= torch==2.13.0
+# Optional extra index for torch (e.g. the PyTorch CPU wheel index on machines
+# whose default index serves CUDA wheels only).
+TORCH_INDEX_URL ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup run test lint format bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		echo "setup: GPU found, installing CUDA torch"; \
+		$(PIP) install -q 'torch>=2.4'; \
+	else \
+		echo "setup: no GPU, installing CPU torch ($(CPU_TORCH))"; \
+		$(PIP) install -q $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) '$(CPU_TORCH)'; \
+	fi
+	$(PIP) install -q -e '.[dev]'
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/kvoffload serve
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+format: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench: setup
+	$(PY) bench/manager_ops.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis bench/results

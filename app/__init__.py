@@ -1,0 +1,1 @@
+"""kvoffload's HTTP face: app factory, routes, settings, CLI. Knows manager/ and transfer/."""

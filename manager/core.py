@@ -1,0 +1,746 @@
+"""The offload manager: which blocks live in the host pool, in which slot, in which state.
+
+Primitives (all batch-native, all carrying a ``ReqContext``):
+
+- ``lookup(keys)``: per key HIT / PENDING / MISS plus ``hit_prefix``; changes only statistics.
+- ``prepare_load(keys)`` / ``complete_load(keys)``: pin ready blocks for a host->device copy and
+  unpin them afterwards. Pins are counted per request, so a request can only release what it
+  holds and a retried ``complete_load`` cannot unpin twice.
+- ``touch(keys)``: record a use (policy order); keys that are not ready are ignored.
+- ``prepare_store(keys)`` / ``complete_store(keys, success)``: reserve slots for the keys not yet
+  resident, evicting unpinned ready blocks if needed, then make them ready (or drop them).
+  ``prepare_store`` is all-or-nothing: ``None`` and no change when the room cannot be made.
+- ``on_new_request`` / ``on_request_finished``: the request lifecycle. Pins and pending stores are
+  *leases* owned by the request. A normal finish keeps them until their ``complete_*`` call
+  arrives (a store may finish after its request). An abort releases every pin at once and drops
+  every pending store from the index; the slot of a dropped store stays reserved until the
+  writer reports (``complete_store``) or its lease expires, because a copy may still be writing
+  into it and the slot must not be handed to another block under that copy.
+- ``expire_requests(lease_ttl)``: force-release the leases of requests silent for longer than the
+  TTL (a crashed engine cannot leak the pool). Time comes only from the injected clock.
+- ``take_events()``: KV events since the last call, drained once, in order.
+- ``switch_policy(name, params)``: rebuild a new policy from the resident blocks, coldest first;
+  block state is untouched and no block is lost. ``reset()``: drop every unpinned ready block.
+
+Block states: a key is *pending* from ``prepare_store`` until ``complete_store``, then *ready*;
+a ready block with a ref count above zero is *pinned*. The policy only holds ready blocks, and
+the manager only lets it evict ready blocks with a zero ref count that are not part of the
+store offer being served. Invariant: ``free + pending + ready == num_blocks``, where *pending*
+also counts the reserved slots of dropped in-flight stores.
+
+Not thread-safe: the service calls it from one event loop, each call runs to completion.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from manager.errors import (
+    InvalidArgumentError,
+    KeyNotReadyError,
+    NotPinnedError,
+    UnknownRequestError,
+)
+from manager.policies import EvictionPolicy, create_policy, policy_class
+from manager.spec import (
+    MAX_KEY_BYTES,
+    AllBlocksCleared,
+    BlockKey,
+    BlockRemoved,
+    BlockStored,
+    CompleteStoreOutput,
+    KVEvent,
+    LookupOutput,
+    LookupResult,
+    ManagerStats,
+    PolicyInfo,
+    PolicySwitch,
+    PrepareStoreOutput,
+    ReleasedLeases,
+    ReqContext,
+    RequestLeases,
+    ResetCounts,
+)
+
+HIT = LookupResult.HIT
+PENDING = LookupResult.PENDING
+MISS = LookupResult.MISS
+
+Clock = Callable[[], float]
+DEFAULT_MAX_EVENTS = 1_000_000
+
+
+class _Block:
+    """One resident block. ``owner`` is the request whose store is in flight (None: ready)."""
+
+    __slots__ = ("owner", "ref_cnt", "slot")
+
+    def __init__(self, slot: int, owner: _Request) -> None:
+        self.slot = slot
+        self.ref_cnt = 0
+        self.owner: _Request | None = owner
+
+
+class _Request:
+    """Server-side accounting of one request: its leases and the keys it used, in order."""
+
+    __slots__ = (
+        "finished",
+        "keys",
+        "kv_transfer_params",
+        "orderings",
+        "pending",
+        "pins",
+        "renewed_at",
+        "req_id",
+        "reserved",
+    )
+
+    def __init__(self, ctx: ReqContext, now: float) -> None:
+        self.req_id = ctx.req_id
+        self.kv_transfer_params = ctx.kv_transfer_params
+        self.pins: dict[BlockKey, int] = {}
+        # Keys whose store this request has in flight (the block is in the index, pending).
+        self.pending: set[BlockKey] = set()
+        # Slots of stores dropped by an abort while their copy may still be running.
+        self.reserved: dict[BlockKey, int] = {}
+        # Keys this request used, head to tail (first use), for tail-before-head reordering.
+        self.keys: dict[BlockKey, None] = {}
+        # Number of calls that changed policy order for these keys; one call orders its own
+        # batch correctly, so a reorder is only needed after two or more.
+        self.orderings = 0
+        self.renewed_at = now
+        self.finished = False
+
+    def holds_leases(self) -> bool:
+        return bool(self.pins or self.pending or self.reserved)
+
+
+class ReuseFilter:
+    """Admit a new key only on its ``threshold``-th store offer.
+
+    Offer counts live in a bounded LRU tracker (``max_tracked`` keys, the least recently offered
+    forgotten first). A key keeps its count after admission, so a block that proved reuse once
+    is admitted again at once if it is evicted and offered anew.
+    """
+
+    def __init__(self, threshold: int, max_tracked: int) -> None:
+        if threshold < 2:
+            raise InvalidArgumentError(f"reuse filter threshold must be >= 2, got {threshold}")
+        if max_tracked <= 0:
+            raise InvalidArgumentError(f"reuse tracker size must be positive, got {max_tracked}")
+        self.threshold = threshold
+        self.max_tracked = max_tracked
+        self._offers: OrderedDict[BlockKey, int] = OrderedDict()
+
+    def split(self, keys: Sequence[BlockKey]) -> tuple[list[BlockKey], list[BlockKey]]:
+        """(admitted, skipped) for an offer of ``keys``, counting this offer; changes nothing."""
+        get = self._offers.get
+        need = self.threshold - 1
+        admitted = [k for k in keys if get(k, 0) >= need]
+        if len(admitted) == len(keys):
+            return admitted, []
+        return admitted, [k for k in keys if get(k, 0) < need]
+
+    def record(self, keys: Sequence[BlockKey]) -> None:
+        """Count one offer of each key."""
+        offers = self._offers
+        for key in keys:
+            offers[key] = offers.pop(key, 0) + 1
+        while len(offers) > self.max_tracked:
+            offers.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._offers)
+
+    def offers(self, key: BlockKey) -> int:
+        """Offers counted for ``key`` (0 when untracked)."""
+        return self._offers.get(key, 0)
+
+
+class OffloadManager:
+    """Bookkeeping of the host pool; see the module docstring for the contract."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        policy: str = "lru",
+        policy_params: Mapping[str, Any] | None = None,
+        store_threshold: int = 0,
+        *,
+        reuse_tracker_size: int | None = None,
+        clock: Clock = time.monotonic,
+        enable_events: bool = True,
+        max_events: int = DEFAULT_MAX_EVENTS,
+    ) -> None:
+        if type(num_blocks) is not int or num_blocks <= 0:
+            raise InvalidArgumentError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        if type(store_threshold) is not int or store_threshold < 0:
+            raise InvalidArgumentError(
+                f"store_threshold must be a non-negative integer, got {store_threshold!r}"
+            )
+        if max_events <= 0:
+            raise InvalidArgumentError(f"max_events must be positive, got {max_events}")
+        self.num_blocks = num_blocks
+        self._policy: EvictionPolicy = create_policy(policy, num_blocks, policy_params)
+        self._generation = 1
+        self._clock = clock
+        self._reuse: ReuseFilter | None = None
+        if store_threshold >= 2:
+            tracked = reuse_tracker_size if reuse_tracker_size is not None else 4 * num_blocks
+            self._reuse = ReuseFilter(store_threshold, tracked)
+        self.store_threshold = store_threshold
+
+        self._blocks: dict[BlockKey, _Block] = {}
+        # The lookup fast path reads only this dict: key -> HIT (ready) or PENDING.
+        self._status: dict[BlockKey, LookupResult] = {}
+        # Free slots as a stack; popping from the end hands out 0, 1, 2, ... first.
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._num_ready = 0
+        self._num_pinned = 0
+        self._num_reserved = 0
+        self._requests: dict[str, _Request] = {}
+
+        self._enable_events = enable_events
+        self._events: deque[KVEvent] = deque(maxlen=max_events)
+        self._event_seq = 0
+
+        self._lookup_hit = 0
+        self._lookup_pending = 0
+        self._lookup_miss = 0
+        self._loads = 0
+        self._stores_prepared = 0
+        self._stores_completed = 0
+        self._stores_failed = 0
+        self._stores_reused = 0
+        self._stores_skipped = 0
+        self._stores_refused = 0
+        self._evictions = 0
+        self._forced_lease_releases = 0
+        self._policy_switches = 0
+        self._events_dropped = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def on_new_request(self, ctx: ReqContext) -> bool:
+        """Start (or renew) request ``ctx.req_id``; returns True if it was new.
+
+        Idempotent: announcing a live request again renews its leases and updates its
+        ``kv_transfer_params``. A finished request that still holds leases cannot be restarted.
+        """
+        req_id = ctx.req_id
+        if type(req_id) is not str or not req_id:
+            raise InvalidArgumentError(f"req_id must be a non-empty string, got {req_id!r}")
+        req = self._requests.get(req_id)
+        now = self._clock()
+        if req is None:
+            self._requests[req_id] = _Request(ctx, now)
+            return True
+        if req.finished:
+            raise InvalidArgumentError(
+                f"request {req_id!r} has finished and still holds leases; use a new req_id"
+            )
+        req.kv_transfer_params = ctx.kv_transfer_params
+        req.renewed_at = now
+        return False
+
+    def on_request_finished(self, ctx: ReqContext, abort: bool = False) -> ReleasedLeases:
+        """End request ``ctx.req_id``.
+
+        Normal finish: pins and pending stores stay valid until their ``complete_*`` calls (the
+        record is dropped once it holds nothing). Abort: every pin is released and every pending
+        store dropped from the index at once; see the module docstring for their slots. Finishing
+        a finished request again is a no-op, except that ``abort=True`` still aborts it.
+        """
+        req = self._requests.get(ctx.req_id)
+        if req is None:
+            raise UnknownRequestError(ctx.req_id)
+        req.renewed_at = self._clock()
+        req.finished = True
+        released = ReleasedLeases(ctx.req_id, 0, 0)
+        if abort:
+            released = self._release(req, writers_alive=True)
+        if not req.holds_leases():
+            self._forget(req)
+        return released
+
+    def expire_requests(
+        self, lease_ttl: float, idle_ttl: float | None = None
+    ) -> list[ReleasedLeases]:
+        """Force-release requests that have been silent too long.
+
+        A request holding leases (pins, pending stores, reserved slots) and silent for more than
+        ``lease_ttl`` seconds loses them all and is forgotten: its engine is presumed gone, so
+        its slots are freed at once. With ``idle_ttl``, requests holding nothing and silent for
+        longer are forgotten too. Every call a request makes renews it. Returns what was
+        released, one entry per request that held leases.
+        """
+        now = self._clock()
+        out: list[ReleasedLeases] = []
+        for req in list(self._requests.values()):
+            idle = now - req.renewed_at
+            if req.holds_leases():
+                if idle > lease_ttl:
+                    out.append(self._release(req, writers_alive=False))
+                    self._forced_lease_releases += 1
+                    self._forget(req)
+            elif idle_ttl is not None and idle > idle_ttl:
+                self._forget(req)
+        return out
+
+    def release_request(self, req_id: str) -> ReleasedLeases:
+        """Operator action: release every lease of ``req_id`` now and forget the request.
+
+        Like lease expiry, the request's writers are presumed gone: reserved slots are freed.
+        """
+        req = self._requests.get(req_id)
+        if req is None:
+            raise UnknownRequestError(req_id)
+        released = self._release(req, writers_alive=False)
+        self._forced_lease_releases += 1
+        self._forget(req)
+        return released
+
+    def _live(self, ctx: ReqContext) -> _Request:
+        req = self._requests.get(ctx.req_id)
+        if req is None or req.finished:
+            raise UnknownRequestError(ctx.req_id)
+        req.renewed_at = self._clock()
+        return req
+
+    def _any(self, ctx: ReqContext) -> _Request:
+        """The request, live or finished-with-leases (``complete_*`` may follow a finish)."""
+        req = self._requests.get(ctx.req_id)
+        if req is None:
+            raise UnknownRequestError(ctx.req_id)
+        req.renewed_at = self._clock()
+        return req
+
+    def _release(self, req: _Request, *, writers_alive: bool) -> ReleasedLeases:
+        blocks = self._blocks
+        pins = 0
+        for key, count in req.pins.items():
+            block = blocks[key]
+            block.ref_cnt -= count
+            pins += count
+            if block.ref_cnt == 0:
+                self._num_pinned -= 1
+        req.pins.clear()
+        dropped = len(req.pending)
+        for key in req.pending:
+            block = blocks.pop(key)
+            del self._status[key]
+            if writers_alive:
+                req.reserved[key] = block.slot
+                self._num_reserved += 1
+            else:
+                self._free.append(block.slot)
+        req.pending.clear()
+        self._stores_failed += dropped
+        if not writers_alive and req.reserved:
+            self._free.extend(req.reserved.values())
+            self._num_reserved -= len(req.reserved)
+            req.reserved.clear()
+        return ReleasedLeases(req.req_id, pins, dropped)
+
+    def _forget(self, req: _Request) -> None:
+        """Drop a request record; reorder its blocks tail-before-head if it used several calls."""
+        self._requests.pop(req.req_id, None)
+        if req.orderings > 1:
+            self._policy.request_finished(list(req.keys))
+
+    # ------------------------------------------------------------------ lookups and loads
+
+    def lookup(self, keys: Sequence[BlockKey], ctx: ReqContext) -> LookupOutput:
+        """Per-key state and the count of leading hits. Changes nothing but statistics."""
+        self._live(ctx)
+        status_get = self._status.get
+        results = [status_get(k, MISS) for k in keys]
+        n = len(results)
+        hits = results.count(HIT)
+        pending = results.count(PENDING)
+        if hits == n:
+            prefix = n
+        elif hits == 0:
+            prefix = 0
+        else:
+            prefix = 0
+            for r in results:
+                if r is not HIT:
+                    break
+                prefix += 1
+        self._lookup_hit += hits
+        self._lookup_pending += pending
+        self._lookup_miss += n - hits - pending
+        return LookupOutput(results, prefix)
+
+    def prepare_load(self, keys: Sequence[BlockKey], ctx: ReqContext) -> list[int]:
+        """Pin every key (ref count +1 per occurrence) and return their slots, in order.
+
+        Every key must be ready; otherwise ``KeyNotReadyError`` names the missing and pending
+        keys and nothing is pinned.
+        """
+        req = self._live(ctx)
+        status_get = self._status.get
+        states = [status_get(k) for k in keys]
+        if states.count(HIT) != len(states):
+            missing = [k for k, s in zip(keys, states, strict=True) if s is None]
+            pending = [k for k, s in zip(keys, states, strict=True) if s is PENDING]
+            raise KeyNotReadyError(missing, pending)
+        blocks = self._blocks
+        pins = req.pins
+        pins_get = pins.get
+        slots = []
+        newly_pinned = 0
+        for key in keys:
+            block = blocks[key]
+            if block.ref_cnt == 0:
+                newly_pinned += 1
+            block.ref_cnt += 1
+            slots.append(block.slot)
+            pins[key] = pins_get(key, 0) + 1
+        self._num_pinned += newly_pinned
+        self._loads += len(slots)
+        return slots
+
+    def complete_load(self, keys: Sequence[BlockKey], ctx: ReqContext) -> None:
+        """Unpin keys this request pinned (once per occurrence).
+
+        A key the request does not hold pinned (as many times as listed) raises
+        ``NotPinnedError`` and nothing is unpinned. Allowed after a normal finish.
+        """
+        req = self._any(ctx)
+        pins = req.pins
+        if len(set(keys)) == len(keys):
+            bad = [k for k in keys if k not in pins]
+        else:
+            bad = [k for k, c in Counter(keys).items() if pins.get(k, 0) < c]
+        if bad:
+            raise NotPinnedError(req.req_id, bad)
+        blocks = self._blocks
+        unpinned = 0
+        for key in keys:
+            count = pins[key] - 1
+            if count:
+                pins[key] = count
+            else:
+                del pins[key]
+            block = blocks[key]
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                unpinned += 1
+        self._num_pinned -= unpinned
+        if req.finished and not req.holds_leases():
+            self._forget(req)
+
+    def touch(self, keys: Sequence[BlockKey], ctx: ReqContext) -> None:
+        """Record a use of the ready keys among ``keys`` (head first); others are ignored."""
+        req = self._live(ctx)
+        self._policy.touch(keys)
+        req.keys.update(dict.fromkeys(keys))
+        req.orderings += 1
+
+    # ------------------------------------------------------------------ stores
+
+    def prepare_store(self, keys: Sequence[BlockKey], ctx: ReqContext) -> PrepareStoreOutput | None:
+        """Reserve slots for the offered keys that are not resident yet.
+
+        Resident keys (ready or pending) are skipped and counted as reuse; with a reuse filter,
+        new keys below their threshold are returned in ``skipped_keys``. Room is made by
+        evicting unpinned ready blocks that are not part of this offer. If that cannot cover the
+        need, returns ``None`` and changes nothing (not even the reuse counts). Evicted keys are
+        reported as one ``BlockRemoved`` event.
+        """
+        req = self._live(ctx)
+        status_get = self._status.get
+        blocks = self._blocks
+        fresh: dict[BlockKey, None] = {}
+        protected: set[BlockKey] = set()
+        reused = 0
+        for key in keys:
+            state = status_get(key)
+            if state is None:
+                fresh[key] = None
+            else:
+                reused += 1
+                if state is HIT and blocks[key].ref_cnt == 0:
+                    protected.add(key)
+        new_keys = list(fresh)
+        for key in new_keys:
+            if type(key) is not bytes or not 0 < len(key) <= MAX_KEY_BYTES:
+                raise InvalidArgumentError(
+                    f"keys must be 1..{MAX_KEY_BYTES} bytes, got {key!r:.80}"
+                )
+        skipped: list[BlockKey] = []
+        admitted = new_keys
+        if self._reuse is not None and new_keys:
+            admitted, skipped = self._reuse.split(new_keys)
+
+        free = self._free
+        shortfall = len(admitted) - len(free)
+        victims: list[BlockKey] = []
+        if shortfall > 0:
+            evictable = self._num_ready - self._num_pinned - len(protected)
+            if shortfall > evictable:
+                self._stores_refused += 1
+                return None
+            if protected:
+
+                def can_evict(key: BlockKey) -> bool:
+                    return blocks[key].ref_cnt == 0 and key not in protected
+
+            else:
+                can_evict = self._can_evict
+            chosen = self._policy.evict(shortfall, can_evict)
+            if chosen is None:  # the count above is exact; this guards a policy bug
+                self._stores_refused += 1
+                return None
+            victims = chosen
+            status = self._status
+            for key in victims:
+                free.append(blocks.pop(key).slot)
+                del status[key]
+            self._num_ready -= len(victims)
+            self._evictions += len(victims)
+            self._emit_removed(victims)
+
+        if self._reuse is not None and new_keys:
+            self._reuse.record(new_keys)
+        slots = []
+        status = self._status
+        pending = req.pending
+        for key in admitted:
+            slot = free.pop()
+            blocks[key] = _Block(slot, req)
+            status[key] = PENDING
+            pending.add(key)
+            slots.append(slot)
+        self._stores_prepared += len(admitted)
+        self._stores_reused += reused
+        self._stores_skipped += len(skipped)
+        return PrepareStoreOutput(admitted, slots, victims, skipped)
+
+    def _can_evict(self, key: BlockKey) -> bool:
+        return self._blocks[key].ref_cnt == 0
+
+    def complete_store(
+        self, keys: Sequence[BlockKey], ctx: ReqContext, success: bool = True
+    ) -> CompleteStoreOutput:
+        """Finish this request's stores of ``keys``.
+
+        Success: its pending blocks become ready (one ``BlockStored`` event, policy insert).
+        Failure: its pending blocks are dropped and their slots freed. Keys that are not a store
+        this request has in flight are left untouched and reported in ``ignored``, so a repeated
+        call is a no-op. Allowed after a normal finish or an abort (an abort's reserved slot is
+        freed here).
+        """
+        req = self._any(ctx)
+        pending = req.pending
+        blocks = self._blocks
+        status = self._status
+        mine: list[BlockKey] = []
+        dropped: list[BlockKey] = []
+        ignored: list[BlockKey] = []
+        for key in keys:
+            if key in pending:
+                pending.discard(key)
+                mine.append(key)
+            elif key in req.reserved:
+                self._free.append(req.reserved.pop(key))
+                self._num_reserved -= 1
+                dropped.append(key)
+            else:
+                ignored.append(key)
+        completed: list[BlockKey] = []
+        if success:
+            for key in mine:
+                blocks[key].owner = None
+                status[key] = HIT
+            completed = mine
+            self._num_ready += len(mine)
+            self._stores_completed += len(mine)
+            if mine:
+                self._policy.insert(mine)
+                self._emit(BlockStored(self._next_seq(), mine))
+                req.keys.update(dict.fromkeys(mine))
+                req.orderings += 1
+        else:
+            free = self._free
+            for key in mine:
+                free.append(blocks.pop(key).slot)
+                del status[key]
+            self._stores_failed += len(mine)
+            dropped = mine + dropped
+        if req.finished and not req.holds_leases():
+            self._forget(req)
+        return CompleteStoreOutput(completed, dropped, ignored)
+
+    # ------------------------------------------------------------------ events
+
+    def _next_seq(self) -> int:
+        self._event_seq += 1
+        return self._event_seq
+
+    def _emit(self, event: KVEvent) -> None:
+        if not self._enable_events:
+            return
+        if len(self._events) == self._events.maxlen:
+            self._events_dropped += 1
+        self._events.append(event)
+
+    def _emit_removed(self, keys: list[BlockKey]) -> None:
+        if keys:
+            self._emit(BlockRemoved(self._next_seq(), keys))
+
+    def take_events(self) -> list[KVEvent]:
+        """Every event since the last call, oldest first; each event is returned once.
+
+        Events carry increasing ``seq`` numbers; a gap means the bounded buffer overflowed
+        (also counted in ``stats().events_dropped``).
+        """
+        events = list(self._events)
+        self._events.clear()
+        return events
+
+    # ------------------------------------------------------------------ policy and admin
+
+    @property
+    def policy(self) -> PolicyInfo:
+        """The active policy."""
+        p = self._policy
+        return PolicyInfo(p.name, dict(p.params), self._generation)
+
+    def switch_policy(self, name: str, params: Mapping[str, Any] | None = None) -> PolicySwitch:
+        """Replace the eviction policy live.
+
+        The new policy is built from the resident ready blocks, coldest first; slots, ref counts,
+        pending stores and readiness are untouched. The same name with the same parameters is a
+        no-op (``changed`` false, generation kept). An unknown name or bad parameters raise a
+        ``PolicyError`` and change nothing.
+        """
+        previous = self.policy
+        parsed = policy_class(name).parse_params(dict(params or {}))
+        if name == previous.name and parsed == previous.params:
+            return PolicySwitch(previous, previous, 0, changed=False)
+        new_policy = create_policy(name, self.num_blocks, parsed)
+        migrated = new_policy.rebuild(self._policy.coldest_first())
+        if migrated != len(self._policy) or migrated != self._num_ready:
+            raise AssertionError(
+                f"policy rebuild migrated {migrated} of {self._num_ready} ready blocks"
+            )
+        self._policy = new_policy
+        self._generation += 1
+        self._policy_switches += 1
+        return PolicySwitch(previous, self.policy, migrated, changed=True)
+
+    def reset(self) -> ResetCounts:
+        """Drop every ready block that no request has pinned.
+
+        Pinned blocks (a load may be reading them) and pending stores (a copy may be writing
+        them) are kept. Emits ``AllBlocksCleared`` when no ready block remains, else a
+        ``BlockRemoved`` listing the dropped keys.
+        """
+        blocks = self._blocks
+        status = self._status
+        victims = [k for k, b in blocks.items() if b.owner is None and b.ref_cnt == 0]
+        for key in victims:
+            self._free.append(blocks.pop(key).slot)
+            del status[key]
+        self._policy.remove(victims)
+        self._num_ready -= len(victims)
+        if self._num_ready == 0:
+            self._emit(AllBlocksCleared(self._next_seq()))
+        else:
+            self._emit_removed(victims)
+        return ResetCounts(
+            dropped=len(victims),
+            kept_pinned=self._num_pinned,
+            kept_pending=len(blocks) - self._num_ready + self._num_reserved,
+        )
+
+    # ------------------------------------------------------------------ introspection
+
+    def stats(self) -> ManagerStats:
+        """Current gauges and counters."""
+        ready = self._num_ready
+        return ManagerStats(
+            num_blocks=self.num_blocks,
+            free=len(self._free),
+            pending=len(self._blocks) - ready + self._num_reserved,
+            ready=ready,
+            pinned=self._num_pinned,
+            live_requests=len(self._requests),
+            policy=self._policy.name,
+            lookup_hit=self._lookup_hit,
+            lookup_pending=self._lookup_pending,
+            lookup_miss=self._lookup_miss,
+            loads=self._loads,
+            stores_prepared=self._stores_prepared,
+            stores_completed=self._stores_completed,
+            stores_failed=self._stores_failed,
+            stores_reused=self._stores_reused,
+            stores_skipped=self._stores_skipped,
+            stores_refused=self._stores_refused,
+            evictions=self._evictions,
+            forced_lease_releases=self._forced_lease_releases,
+            policy_switches=self._policy_switches,
+            events_dropped=self._events_dropped,
+        )
+
+    def requests(self) -> list[RequestLeases]:
+        """Every request the manager tracks (live, or finished with leases), with its leases."""
+        now = self._clock()
+        return [
+            RequestLeases(
+                req_id=r.req_id,
+                pins=dict(r.pins),
+                pending_stores=sorted(r.pending) + sorted(r.reserved),
+                idle_seconds=max(0.0, now - r.renewed_at),
+            )
+            for r in self._requests.values()
+        ]
+
+    def slot_of(self, key: BlockKey) -> int | None:
+        """Host slot of a resident (ready or pending) key, or None."""
+        block = self._blocks.get(key)
+        return None if block is None else block.slot
+
+    def ref_count(self, key: BlockKey) -> int:
+        """Ref count of a resident key (0 when not resident)."""
+        block = self._blocks.get(key)
+        return 0 if block is None else block.ref_cnt
+
+    def resident_keys(self) -> list[BlockKey]:
+        """Every ready key, the policy's next victim first."""
+        return list(self._policy.coldest_first())
+
+
+def create_manager(
+    num_blocks: int,
+    policy: str = "lru",
+    store_threshold: int = 0,
+    *,
+    policy_params: Mapping[str, Any] | None = None,
+    reuse_tracker_size: int | None = None,
+    clock: Clock = time.monotonic,
+    enable_events: bool = True,
+    max_events: int = DEFAULT_MAX_EVENTS,
+) -> OffloadManager:
+    """Build an ``OffloadManager`` for a pool of ``num_blocks`` slots.
+
+    ``store_threshold >= 2`` turns on the reuse filter (a new key is admitted on its N-th
+    offer); ``clock`` is the only time source the manager reads.
+    """
+    return OffloadManager(
+        num_blocks,
+        policy,
+        policy_params,
+        store_threshold,
+        reuse_tracker_size=reuse_tracker_size,
+        clock=clock,
+        enable_events=enable_events,
+        max_events=max_events,
+    )

@@ -1,0 +1,27 @@
+"""Eviction policies: one interface (``EvictionPolicy``), a registry by name.
+
+Importing this package registers the built-in policies.
+"""
+
+from __future__ import annotations
+
+from manager.policies.arc import ARCPolicy
+from manager.policies.base import CanEvict, EvictionPolicy
+from manager.policies.lru import LRUPolicy
+from manager.policies.registry import (
+    available_policies,
+    create_policy,
+    policy_class,
+    register_policy,
+)
+
+__all__ = [
+    "ARCPolicy",
+    "CanEvict",
+    "EvictionPolicy",
+    "LRUPolicy",
+    "available_policies",
+    "create_policy",
+    "policy_class",
+    "register_policy",
+]

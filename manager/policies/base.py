@@ -1,0 +1,97 @@
+"""The eviction-policy interface.
+
+A policy only *orders* keys: it decides which resident block to drop next. Block state (slot,
+ref count, readiness) lives in the manager, which tells the policy about the life of every ready
+block and asks it for victims:
+
+- ``insert(keys)``: the keys became ready (a store completed). They are new to the policy.
+- ``touch(keys)``: the keys were used (a hit). Keys the policy does not hold are ignored.
+- ``request_finished(keys)``: a request that used ``keys`` ended; reorder them so that its tail
+  blocks go before its head blocks, without counting a new use.
+- ``remove(keys)``: the manager dropped the keys itself (failed store, reset, clear).
+- ``evict(n, can_evict)``: choose ``n`` victims among keys with ``can_evict(key)`` true, remove
+  them and return them; or return ``None`` and change nothing if fewer than ``n`` qualify.
+- ``coldest_first()``: every held key, the next victim first (used to rebuild another policy
+  during a live switch).
+
+Every batch argument is ordered head to tail (the order of the blocks in a request's prefix).
+Within one call the head must end up hotter than the tail: a prefix is useless without its
+head, so the tail should go first.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, ClassVar
+
+from manager.errors import InvalidPolicyParamsError
+
+CanEvict = Callable[[bytes], bool]
+
+
+class EvictionPolicy(ABC):
+    """Base of every policy; subclasses register themselves with ``@register_policy``."""
+
+    name: ClassVar[str]
+
+    def __init__(self, capacity: int, params: Mapping[str, Any] | None = None) -> None:
+        if capacity <= 0:
+            raise InvalidPolicyParamsError(f"capacity must be positive, got {capacity}")
+        self.capacity = capacity
+        self.params: dict[str, Any] = self.parse_params(dict(params or {}))
+
+    @classmethod
+    def parse_params(cls, params: dict[str, Any]) -> dict[str, Any]:
+        """Validate ``params`` and return them with defaults filled in.
+
+        The default accepts no parameter at all; a policy with parameters overrides this.
+        """
+        if params:
+            raise InvalidPolicyParamsError(
+                f"policy {cls.name!r} takes no parameters, got {sorted(params)}"
+            )
+        return {}
+
+    @abstractmethod
+    def insert(self, keys: Sequence[bytes]) -> None:
+        """Admit keys that just became ready (none of them is held yet)."""
+
+    @abstractmethod
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Record a use of the held keys among ``keys``."""
+
+    @abstractmethod
+    def request_finished(self, keys: Sequence[bytes]) -> None:
+        """Reorder the held keys among ``keys`` tail-before-head, counting no new use."""
+
+    @abstractmethod
+    def remove(self, keys: Sequence[bytes]) -> None:
+        """Forget the held keys among ``keys`` (not an eviction: no ghost entry)."""
+
+    @abstractmethod
+    def evict(self, n: int, can_evict: CanEvict) -> list[bytes] | None:
+        """Remove and return ``n`` evictable keys, or return ``None`` and change nothing."""
+
+    @abstractmethod
+    def coldest_first(self) -> Iterator[bytes]:
+        """Iterate over every held key, the next victim first."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of held keys."""
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is held."""
+
+    def rebuild(self, coldest_first: Iterator[bytes]) -> int:
+        """Fill an empty policy from another policy's order; returns the number of keys.
+
+        ``insert`` applies a batch tail first, so the batch is passed hottest first: the
+        coldest key goes in first and stays the next victim.
+        """
+        keys = list(coldest_first)
+        keys.reverse()
+        self.insert(keys)
+        return len(keys)

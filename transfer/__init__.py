@@ -1,0 +1,1 @@
+"""kvoffload's transfer layer: host pool, registered device KV caches, transfer worker (torch)."""
