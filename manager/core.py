@@ -44,7 +44,7 @@ from manager.errors import (
     NotPinnedError,
     UnknownRequestError,
 )
-from manager.policies import EvictionPolicy, create_policy, policy_class
+from manager.policies import CanEvict, EvictionPolicy, create_policy, policy_class
 from manager.spec import (
     MAX_KEY_BYTES,
     AllBlocksCleared,
@@ -71,17 +71,6 @@ MISS = LookupResult.MISS
 
 Clock = Callable[[], float]
 DEFAULT_MAX_EVENTS = 1_000_000
-
-
-class _Block:
-    """One resident block. ``owner`` is the request whose store is in flight (None: ready)."""
-
-    __slots__ = ("owner", "ref_cnt", "slot")
-
-    def __init__(self, slot: int, owner: _Request) -> None:
-        self.slot = slot
-        self.ref_cnt = 0
-        self.owner: _Request | None = owner
 
 
 class _Request:
@@ -194,13 +183,15 @@ class OffloadManager:
             self._reuse = ReuseFilter(store_threshold, tracked)
         self.store_threshold = store_threshold
 
-        self._blocks: dict[BlockKey, _Block] = {}
-        # The lookup fast path reads only this dict: key -> HIT (ready) or PENDING.
+        # Block state as parallel dicts, so that the common batch cases run as C-level dict
+        # operations: every resident key has a status (HIT = ready, PENDING = store in flight)
+        # and a slot; only pinned keys have a ref count.
         self._status: dict[BlockKey, LookupResult] = {}
+        self._slot: dict[BlockKey, int] = {}
+        self._refs: dict[BlockKey, int] = {}
         # Free slots as a stack; popping from the end hands out 0, 1, 2, ... first.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._num_ready = 0
-        self._num_pinned = 0
         self._num_reserved = 0
         self._requests: dict[str, _Request] = {}
 
@@ -320,24 +311,27 @@ class OffloadManager:
         return req
 
     def _release(self, req: _Request, *, writers_alive: bool) -> ReleasedLeases:
-        blocks = self._blocks
+        refs = self._refs
         pins = 0
         for key, count in req.pins.items():
-            block = blocks[key]
-            block.ref_cnt -= count
+            left = refs[key] - count
             pins += count
-            if block.ref_cnt == 0:
-                self._num_pinned -= 1
+            if left:
+                refs[key] = left
+            else:
+                del refs[key]
         req.pins.clear()
         dropped = len(req.pending)
+        status, slot_of = self._status, self._slot
         for key in req.pending:
-            block = blocks.pop(key)
-            del self._status[key]
+            del status[key]
+            slot = slot_of.pop(key)
             if writers_alive:
-                req.reserved[key] = block.slot
-                self._num_reserved += 1
+                req.reserved[key] = slot
             else:
-                self._free.append(block.slot)
+                self._free.append(slot)
+        if writers_alive:
+            self._num_reserved += dropped
         req.pending.clear()
         self._stores_failed += dropped
         if not writers_alive and req.reserved:
@@ -390,19 +384,20 @@ class OffloadManager:
             missing = [k for k, s in zip(keys, states, strict=True) if s is None]
             pending = [k for k, s in zip(keys, states, strict=True) if s is PENDING]
             raise KeyNotReadyError(missing, pending)
-        blocks = self._blocks
+        slot_of = self._slot
+        slots = [slot_of[k] for k in keys]
+        refs = self._refs
         pins = req.pins
-        pins_get = pins.get
-        slots = []
-        newly_pinned = 0
-        for key in keys:
-            block = blocks[key]
-            if block.ref_cnt == 0:
-                newly_pinned += 1
-            block.ref_cnt += 1
-            slots.append(block.slot)
-            pins[key] = pins_get(key, 0) + 1
-        self._num_pinned += newly_pinned
+        once = dict.fromkeys(keys, 1)
+        if len(once) == len(slots) and refs.keys().isdisjoint(once):
+            # Common case: distinct keys that nobody holds pinned (so this request neither).
+            refs.update(once)
+            pins.update(once)
+        else:
+            refs_get, pins_get = refs.get, pins.get
+            for key in keys:
+                refs[key] = refs_get(key, 0) + 1
+                pins[key] = pins_get(key, 0) + 1
         self._loads += len(slots)
         return slots
 
@@ -414,25 +409,39 @@ class OffloadManager:
         """
         req = self._any(ctx)
         pins = req.pins
-        if len(set(keys)) == len(keys):
-            bad = [k for k in keys if k not in pins]
-        else:
-            bad = [k for k, c in Counter(keys).items() if pins.get(k, 0) < c]
-        if bad:
-            raise NotPinnedError(req.req_id, bad)
-        blocks = self._blocks
-        unpinned = 0
-        for key in keys:
-            count = pins[key] - 1
-            if count:
-                pins[key] = count
+        refs = self._refs
+        pins_get = pins.get
+        held = [pins_get(k, 0) for k in keys]
+        n = len(held)
+        if held.count(1) == n and len(set(keys)) == n:
+            # Common case: each key pinned once by this request and listed once.
+            if [refs[k] for k in keys].count(1) == n:
+                for key in keys:
+                    del pins[key]
+                    del refs[key]
             else:
-                del pins[key]
-            block = blocks[key]
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                unpinned += 1
-        self._num_pinned -= unpinned
+                for key in keys:
+                    del pins[key]
+                    left = refs[key] - 1
+                    if left:
+                        refs[key] = left
+                    else:
+                        del refs[key]
+        else:
+            bad = [k for k, c in Counter(keys).items() if pins_get(k, 0) < c]
+            if bad:
+                raise NotPinnedError(req.req_id, bad)
+            for key in keys:
+                left = pins[key] - 1
+                if left:
+                    pins[key] = left
+                else:
+                    del pins[key]
+                left = refs[key] - 1
+                if left:
+                    refs[key] = left
+                else:
+                    del refs[key]
         if req.finished and not req.holds_leases():
             self._forget(req)
 
@@ -455,25 +464,31 @@ class OffloadManager:
         reported as one ``BlockRemoved`` event.
         """
         req = self._live(ctx)
-        status_get = self._status.get
-        blocks = self._blocks
-        fresh: dict[BlockKey, None] = {}
+        status = self._status
+        status_get = status.get
+        refs = self._refs
+        states = [status_get(k) for k in keys]
+        reused = len(states) - states.count(None)
         protected: set[BlockKey] = set()
-        reused = 0
-        for key in keys:
-            state = status_get(key)
-            if state is None:
-                fresh[key] = None
-            else:
-                reused += 1
-                if state is HIT and blocks[key].ref_cnt == 0:
-                    protected.add(key)
-        new_keys = list(fresh)
-        for key in new_keys:
-            if type(key) is not bytes or not 0 < len(key) <= MAX_KEY_BYTES:
-                raise InvalidArgumentError(
-                    f"keys must be 1..{MAX_KEY_BYTES} bytes, got {key!r:.80}"
-                )
+        if reused == 0:
+            new_keys = list(dict.fromkeys(keys))
+        else:
+            fresh = (k for k, s in zip(keys, states, strict=True) if s is None)
+            new_keys = list(dict.fromkeys(fresh))
+            protected = {
+                k
+                for k, s in zip(keys, states, strict=True)
+                if s is HIT and k not in refs  # resident, ready and evictable
+            }
+        if new_keys and (
+            set(map(type, new_keys)) != {bytes}
+            or min(map(len, new_keys)) == 0
+            or max(map(len, new_keys)) > MAX_KEY_BYTES
+        ):
+            bad = next(
+                k for k in new_keys if type(k) is not bytes or not 0 < len(k) <= MAX_KEY_BYTES
+            )
+            raise InvalidArgumentError(f"keys must be 1..{MAX_KEY_BYTES} bytes, got {bad!r:.80}")
         skipped: list[BlockKey] = []
         admitted = new_keys
         if self._reuse is not None and new_keys:
@@ -483,48 +498,49 @@ class OffloadManager:
         shortfall = len(admitted) - len(free)
         victims: list[BlockKey] = []
         if shortfall > 0:
-            evictable = self._num_ready - self._num_pinned - len(protected)
+            evictable = self._num_ready - len(refs) - len(protected)
             if shortfall > evictable:
                 self._stores_refused += 1
                 return None
+            can_evict: CanEvict | None = None
             if protected:
 
                 def can_evict(key: BlockKey) -> bool:
-                    return blocks[key].ref_cnt == 0 and key not in protected
+                    return key not in refs and key not in protected
 
-            else:
-                can_evict = self._can_evict
+            elif refs:
+
+                def can_evict(key: BlockKey) -> bool:
+                    return key not in refs
+
             chosen = self._policy.evict(shortfall, can_evict)
             if chosen is None:  # the count above is exact; this guards a policy bug
                 self._stores_refused += 1
                 return None
             victims = chosen
-            status = self._status
+            slot_pop, status_pop = self._slot.pop, status.pop
+            free.extend([slot_pop(k) for k in victims])
             for key in victims:
-                free.append(blocks.pop(key).slot)
-                del status[key]
+                status_pop(key)
             self._num_ready -= len(victims)
             self._evictions += len(victims)
             self._emit_removed(victims)
 
         if self._reuse is not None and new_keys:
             self._reuse.record(new_keys)
-        slots = []
-        status = self._status
-        pending = req.pending
-        for key in admitted:
-            slot = free.pop()
-            blocks[key] = _Block(slot, req)
-            status[key] = PENDING
-            pending.add(key)
-            slots.append(slot)
-        self._stores_prepared += len(admitted)
+        count = len(admitted)
+        if count:
+            slots = free[-count:]
+            del free[-count:]
+            self._slot.update(zip(admitted, slots, strict=True))
+            status.update(dict.fromkeys(admitted, PENDING))
+            req.pending.update(admitted)
+        else:
+            slots = []
+        self._stores_prepared += count
         self._stores_reused += reused
         self._stores_skipped += len(skipped)
         return PrepareStoreOutput(admitted, slots, victims, skipped)
-
-    def _can_evict(self, key: BlockKey) -> bool:
-        return self._blocks[key].ref_cnt == 0
 
     def complete_store(
         self, keys: Sequence[BlockKey], ctx: ReqContext, success: bool = True
@@ -539,39 +555,40 @@ class OffloadManager:
         """
         req = self._any(ctx)
         pending = req.pending
-        blocks = self._blocks
-        status = self._status
-        mine: list[BlockKey] = []
+        mine: list[BlockKey]
         dropped: list[BlockKey] = []
         ignored: list[BlockKey] = []
-        for key in keys:
-            if key in pending:
-                pending.discard(key)
-                mine.append(key)
-            elif key in req.reserved:
-                self._free.append(req.reserved.pop(key))
-                self._num_reserved -= 1
-                dropped.append(key)
-            else:
-                ignored.append(key)
+        if pending.issuperset(keys) and len(set(keys)) == len(keys):
+            mine = list(keys)
+            pending.difference_update(mine)
+        else:
+            mine = []
+            for key in keys:
+                if key in pending:
+                    pending.discard(key)
+                    mine.append(key)
+                elif key in req.reserved:
+                    self._free.append(req.reserved.pop(key))
+                    self._num_reserved -= 1
+                    dropped.append(key)
+                else:
+                    ignored.append(key)
         completed: list[BlockKey] = []
         if success:
-            for key in mine:
-                blocks[key].owner = None
-                status[key] = HIT
             completed = mine
-            self._num_ready += len(mine)
-            self._stores_completed += len(mine)
             if mine:
+                self._status.update(dict.fromkeys(mine, HIT))
+                self._num_ready += len(mine)
+                self._stores_completed += len(mine)
                 self._policy.insert(mine)
                 self._emit(BlockStored(self._next_seq(), mine))
                 req.keys.update(dict.fromkeys(mine))
                 req.orderings += 1
-        else:
-            free = self._free
+        elif mine:
+            status_pop, slot_pop = self._status.pop, self._slot.pop
             for key in mine:
-                free.append(blocks.pop(key).slot)
-                del status[key]
+                status_pop(key)
+            self._free.extend([slot_pop(k) for k in mine])
             self._stores_failed += len(mine)
             dropped = mine + dropped
         if req.finished and not req.holds_leases():
@@ -643,11 +660,12 @@ class OffloadManager:
         them) are kept. Emits ``AllBlocksCleared`` when no ready block remains, else a
         ``BlockRemoved`` listing the dropped keys.
         """
-        blocks = self._blocks
         status = self._status
-        victims = [k for k, b in blocks.items() if b.owner is None and b.ref_cnt == 0]
+        refs = self._refs
+        victims = [k for k, s in status.items() if s is HIT and k not in refs]
+        slot_pop = self._slot.pop
+        self._free.extend([slot_pop(k) for k in victims])
         for key in victims:
-            self._free.append(blocks.pop(key).slot)
             del status[key]
         self._policy.remove(victims)
         self._num_ready -= len(victims)
@@ -657,8 +675,8 @@ class OffloadManager:
             self._emit_removed(victims)
         return ResetCounts(
             dropped=len(victims),
-            kept_pinned=self._num_pinned,
-            kept_pending=len(blocks) - self._num_ready + self._num_reserved,
+            kept_pinned=len(refs),
+            kept_pending=len(status) - self._num_ready + self._num_reserved,
         )
 
     # ------------------------------------------------------------------ introspection
@@ -669,9 +687,9 @@ class OffloadManager:
         return ManagerStats(
             num_blocks=self.num_blocks,
             free=len(self._free),
-            pending=len(self._blocks) - ready + self._num_reserved,
+            pending=len(self._status) - ready + self._num_reserved,
             ready=ready,
-            pinned=self._num_pinned,
+            pinned=len(self._refs),
             live_requests=len(self._requests),
             policy=self._policy.name,
             lookup_hit=self._lookup_hit,
@@ -705,13 +723,11 @@ class OffloadManager:
 
     def slot_of(self, key: BlockKey) -> int | None:
         """Host slot of a resident (ready or pending) key, or None."""
-        block = self._blocks.get(key)
-        return None if block is None else block.slot
+        return self._slot.get(key)
 
     def ref_count(self, key: BlockKey) -> int:
         """Ref count of a resident key (0 when not resident)."""
-        block = self._blocks.get(key)
-        return 0 if block is None else block.ref_cnt
+        return self._refs.get(key, 0)
 
     def resident_keys(self) -> list[BlockKey]:
         """Every ready key, the policy's next victim first."""

@@ -85,11 +85,16 @@ class ARCPolicy(EvictionPolicy):
             else:
                 t2.pop(key, None)
 
-    def evict(self, n: int, can_evict: CanEvict) -> list[bytes] | None:
+    def evict(self, n: int, can_evict: CanEvict | None = None) -> list[bytes] | None:
         if n <= 0:
             return []
-        it1 = (k for k in self._t1 if can_evict(k))
-        it2 = (k for k in self._t2 if can_evict(k))
+        it1: Iterator[bytes]
+        it2: Iterator[bytes]
+        if can_evict is None:
+            it1, it2 = iter(self._t1), iter(self._t2)
+        else:
+            it1 = (k for k in self._t1 if can_evict(k))
+            it2 = (k for k in self._t2 if can_evict(k))
         from1: list[bytes] = []
         from2: list[bytes] = []
         len1 = len(self._t1)

@@ -9,8 +9,9 @@ block and asks it for victims:
 - ``request_finished(keys)``: a request that used ``keys`` ended; reorder them so that its tail
   blocks go before its head blocks, without counting a new use.
 - ``remove(keys)``: the manager dropped the keys itself (failed store, reset, clear).
-- ``evict(n, can_evict)``: choose ``n`` victims among keys with ``can_evict(key)`` true, remove
-  them and return them; or return ``None`` and change nothing if fewer than ``n`` qualify.
+- ``evict(n, can_evict)``: choose ``n`` victims among keys with ``can_evict(key)`` true (every
+  held key when ``can_evict`` is ``None``, the manager's fast path when nothing is pinned),
+  remove them and return them; or return ``None`` and change nothing if fewer than ``n`` qualify.
 - ``coldest_first()``: every held key, the next victim first (used to rebuild another policy
   during a live switch).
 
@@ -70,7 +71,7 @@ class EvictionPolicy(ABC):
         """Forget the held keys among ``keys`` (not an eviction: no ghost entry)."""
 
     @abstractmethod
-    def evict(self, n: int, can_evict: CanEvict) -> list[bytes] | None:
+    def evict(self, n: int, can_evict: CanEvict | None = None) -> list[bytes] | None:
         """Remove and return ``n`` evictable keys, or return ``None`` and change nothing."""
 
     @abstractmethod

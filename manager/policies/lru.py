@@ -24,9 +24,7 @@ class LRUPolicy(EvictionPolicy):
         self._order: OrderedDict[bytes, None] = OrderedDict()
 
     def insert(self, keys: Sequence[bytes]) -> None:
-        order = self._order
-        for key in reversed(keys):
-            order[key] = None
+        self._order.update(dict.fromkeys(reversed(keys)))
 
     def touch(self, keys: Sequence[bytes]) -> None:
         order = self._order
@@ -42,9 +40,15 @@ class LRUPolicy(EvictionPolicy):
         for key in keys:
             pop(key, None)
 
-    def evict(self, n: int, can_evict: CanEvict) -> list[bytes] | None:
+    def evict(self, n: int, can_evict: CanEvict | None = None) -> list[bytes] | None:
         if n <= 0:
             return []
+        order = self._order
+        if can_evict is None:
+            if n > len(order):
+                return None
+            popitem = order.popitem
+            return [popitem(last=False)[0] for _ in range(n)]
         victims: list[bytes] = []
         for key in self._order:
             if can_evict(key):
@@ -53,7 +57,6 @@ class LRUPolicy(EvictionPolicy):
                     break
         else:
             return None
-        order = self._order
         for key in victims:
             del order[key]
         return victims
