@@ -96,7 +96,8 @@ class _Request:
         self.pending: set[BlockKey] = set()
         # Slots of stores dropped by an abort while their copy may still be running.
         self.reserved: dict[BlockKey, int] = {}
-        # Keys this request used, head to tail (first use), for tail-before-head reordering.
+        # The request's chain, head to tail in order of first use (keys it loaded, offered for
+        # store or touched), for tail-before-head reordering when the record is dropped.
         self.keys: dict[BlockKey, None] = {}
         # Number of calls that changed policy order for these keys; one call orders its own
         # batch correctly, so a reorder is only needed after two or more.
@@ -343,7 +344,7 @@ class OffloadManager:
     def _forget(self, req: _Request) -> None:
         """Drop a request record; reorder its blocks tail-before-head if it used several calls."""
         self._requests.pop(req.req_id, None)
-        if req.orderings > 1:
+        if req.orderings > 1 or self._policy.wants_request_chains:
             self._policy.request_finished(list(req.keys))
 
     # ------------------------------------------------------------------ lookups and loads
@@ -399,6 +400,7 @@ class OffloadManager:
                 refs[key] = refs_get(key, 0) + 1
                 pins[key] = pins_get(key, 0) + 1
         self._loads += len(slots)
+        req.keys.update(dict.fromkeys(once))
         return slots
 
     def complete_load(self, keys: Sequence[BlockKey], ctx: ReqContext) -> None:
@@ -467,7 +469,13 @@ class OffloadManager:
         status = self._status
         status_get = status.get
         refs = self._refs
-        states = [status_get(k) for k in keys]
+        try:
+            states = [status_get(k) for k in keys]
+        except TypeError:  # an unhashable key (bytearray, list, ...) is not a key at all
+            bad = next(k for k in keys if type(k) is not bytes)
+            raise InvalidArgumentError(
+                f"keys must be 1..{MAX_KEY_BYTES} bytes, got {bad!r:.80}"
+            ) from None
         reused = len(states) - states.count(None)
         protected: set[BlockKey] = set()
         if reused == 0:
@@ -537,6 +545,7 @@ class OffloadManager:
             req.pending.update(admitted)
         else:
             slots = []
+        req.keys.update(dict.fromkeys(keys))
         self._stores_prepared += count
         self._stores_reused += reused
         self._stores_skipped += len(skipped)
@@ -582,7 +591,6 @@ class OffloadManager:
                 self._stores_completed += len(mine)
                 self._policy.insert(mine)
                 self._emit(BlockStored(self._next_seq(), mine))
-                req.keys.update(dict.fromkeys(mine))
                 req.orderings += 1
         elif mine:
             status_pop, slot_pop = self._status.pop, self._slot.pop

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from manager.policies.arc import ARCPolicy
 from manager.policies.base import CanEvict, EvictionPolicy
+from manager.policies.lfu import LFUPolicy
 from manager.policies.lru import LRUPolicy
 from manager.policies.registry import (
     available_policies,
@@ -14,12 +15,15 @@ from manager.policies.registry import (
     policy_class,
     register_policy,
 )
+from manager.policies.slru import SLRUPolicy
 
 __all__ = [
     "ARCPolicy",
     "CanEvict",
     "EvictionPolicy",
+    "LFUPolicy",
     "LRUPolicy",
+    "SLRUPolicy",
     "available_policies",
     "create_policy",
     "policy_class",

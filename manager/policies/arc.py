@@ -8,8 +8,9 @@ T1 grows; a store of a key found in B2 shrinks it. Victims come from T1 while T1
 together hold at most ``2c`` keys. The algorithm has no parameter to tune.
 
 Mapping to the manager's calls: ``insert`` is the miss path (a ghost hit adapts ``p`` and goes
-straight to T2), ``touch`` the hit path (T1 -> T2, or MRU of T2). ``coldest_first`` yields T1
-then T2, each least recent first.
+straight to T2), ``touch`` the hit path (T1 -> T2, or MRU of T2). ``coldest_first`` yields the
+keys in the order ``evict`` would take them if all were evictable: the least recent of T1 while
+T1 is above ``p``, then T2, then the rest of T1, each least recent first.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ class ARCPolicy(EvictionPolicy):
             it2 = (k for k in self._t2 if can_evict(k))
         from1: list[bytes] = []
         from2: list[bytes] = []
+        chosen: list[bytes] = []
         len1 = len(self._t1)
         p = self._p
         while len(from1) + len(from2) < n:
@@ -107,6 +109,7 @@ class ARCPolicy(EvictionPolicy):
                 key = next(second, None)
                 if key is None:
                     return None
+            chosen.append(key)
             if first is it1:
                 from1.append(key)
                 len1 -= 1
@@ -120,7 +123,7 @@ class ARCPolicy(EvictionPolicy):
             del t2[key]
             b2[key] = None
         self._trim_ghosts()
-        return from1 + from2
+        return chosen
 
     def _trim_ghosts(self) -> None:
         cap = self.capacity
@@ -131,7 +134,11 @@ class ARCPolicy(EvictionPolicy):
             b2.popitem(last=False)
 
     def coldest_first(self) -> Iterator[bytes]:
-        return iter([*self._t1, *self._t2])
+        t1 = list(self._t1)
+        above = 0  # how many T1 keys evict takes before it turns to T2
+        while above < len(t1) and len(t1) - above > self._p:
+            above += 1
+        return iter([*t1[:above], *self._t2, *t1[above:]])
 
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)

@@ -6,8 +6,9 @@ block and asks it for victims:
 
 - ``insert(keys)``: the keys became ready (a store completed). They are new to the policy.
 - ``touch(keys)``: the keys were used (a hit). Keys the policy does not hold are ignored.
-- ``request_finished(keys)``: a request that used ``keys`` ended; reorder them so that its tail
-  blocks go before its head blocks, without counting a new use.
+- ``request_finished(keys)``: a request ended; ``keys`` is its chain, head to tail (the keys it
+  loaded, offered for store or touched, in order of first use; some may not be held). Reorder
+  the held ones so that its tail blocks go before its head blocks, counting no new use.
 - ``remove(keys)``: the manager dropped the keys itself (failed store, reset, clear).
 - ``evict(n, can_evict)``: choose ``n`` victims among keys with ``can_evict(key)`` true (every
   held key when ``can_evict`` is ``None``, the manager's fast path when nothing is pinned),
@@ -35,6 +36,10 @@ class EvictionPolicy(ABC):
     """Base of every policy; subclasses register themselves with ``@register_policy``."""
 
     name: ClassVar[str]
+    #: The manager calls ``request_finished`` only when a request ordered its keys in two or
+    #: more calls (one call already files its batch tail first). A policy that learns from
+    #: whole request chains sets this to get every finished request's chain.
+    wants_request_chains: ClassVar[bool] = False
 
     def __init__(self, capacity: int, params: Mapping[str, Any] | None = None) -> None:
         if capacity <= 0:

@@ -1,0 +1,221 @@
+"""``kvoffload replay``: replay a request trace against the real manager, per policy and capacity.
+
+Reads a Mooncake-format trace (JSON lines with ``hash_ids``), runs ``manager.replay.replay`` for
+every requested policy and capacity plus Belady's MIN (the ceiling) at each capacity, and prints
+a table of prefix hit ratios and their fraction of Belady's. ``--json`` prints the rows as JSON
+instead; ``--plot FILE.png`` saves hit ratio against capacity per policy (needs matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from manager import InvalidArgumentError, ManagerError, available_policies
+from manager.replay import BELADY, ReplayResult, parse_trace, replay
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Register the ``replay`` subcommand on an argparse subparsers object."""
+    parser: argparse.ArgumentParser = sub.add_parser(
+        "replay",
+        help="replay a request trace against the manager (hit ratio per policy and capacity)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("trace", type=Path, help="Mooncake-format JSON-lines trace")
+    parser.add_argument(
+        "--policy",
+        default="all",
+        help="policy name, comma-separated names, or 'all' (every registered policy)",
+    )
+    parser.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="policy parameter (repeatable; applies to a single --policy)",
+    )
+    parser.add_argument(
+        "--capacity",
+        required=True,
+        help="pool capacity in blocks, or comma-separated capacities (e.g. 5000,10000,20000)",
+    )
+    parser.add_argument("--store-threshold", type=int, default=0)
+    parser.add_argument("--no-belady", action="store_true", help="skip the Belady ceiling")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--plot", type=Path, help="save hit ratio vs capacity to this PNG")
+    return parser
+
+
+def parse_param(text: str) -> tuple[str, Any]:
+    """``k=v`` -> (k, v) with v as int, float, bool or str."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise InvalidArgumentError(f"--param expects K=V, got {text!r}")
+    value: Any = raw
+    if raw.lower() in ("true", "false"):
+        value = raw.lower() == "true"
+    else:
+        for cast in (int, float):
+            try:
+                value = cast(raw)
+                break
+            except ValueError:
+                pass
+    return key, value
+
+
+def parse_capacities(text: str) -> list[int]:
+    """``"5000,10000"`` -> ``[5000, 10000]``; every capacity must be a positive integer."""
+    try:
+        caps = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise InvalidArgumentError(f"--capacity expects integers, got {text!r}") from None
+    if not caps or any(c <= 0 for c in caps):
+        raise InvalidArgumentError(f"--capacity expects positive integers, got {text!r}")
+    return caps
+
+
+def sweep(
+    requests: Sequence[Sequence[bytes]],
+    policies: Sequence[str],
+    capacities: Sequence[int],
+    *,
+    store_threshold: int = 0,
+    params: dict[str, Any] | None = None,
+    belady: bool = True,
+    progress: TextIO | None = None,
+) -> list[dict[str, Any]]:
+    """Replay every (policy, capacity); rows carry ``fraction_of_belady`` when measured."""
+    ceiling: dict[int, float] = {}
+    rows: list[dict[str, Any]] = []
+    names = ([BELADY] if belady else []) + list(policies)
+    for name in names:
+        for cap in capacities:
+            label = f"{name} @ {cap}"
+            started = time.perf_counter()
+
+            def report(done: int, total: int, label: str = label) -> None:
+                if progress is not None:
+                    width = 30
+                    filled = width * done // total
+                    bar = "#" * filled + "-" * (width - filled)
+                    progress.write(f"\r{label:<24} [{bar}] {done}/{total}")
+                    progress.flush()
+
+            result: ReplayResult = replay(
+                requests,
+                name,
+                cap,
+                store_threshold=0 if name == BELADY else store_threshold,
+                params=None if name == BELADY else params,
+                progress=report if progress is not None else None,
+            )
+            if progress is not None:
+                progress.write("\r" + " " * 72 + "\r")
+            row = result.to_dict()
+            row["seconds"] = round(time.perf_counter() - started, 3)
+            if name == BELADY:
+                ceiling[cap] = result.hit_ratio
+            elif cap in ceiling and ceiling[cap] > 0:
+                row["fraction_of_belady"] = result.hit_ratio / ceiling[cap]
+            rows.append(row)
+    return rows
+
+
+def format_table(rows: Sequence[dict[str, Any]], capacities: Sequence[int]) -> str:
+    """One line per policy: hit ratio (and fraction of Belady) per capacity."""
+    by_policy: dict[str, dict[int, dict[str, Any]]] = {}
+    for row in rows:
+        by_policy.setdefault(row["policy"], {})[row["capacity"]] = row
+    head = f"{'policy':<12}" + "".join(f"{'cap ' + str(c):>22}" for c in capacities)
+    lines = [head, "-" * len(head)]
+    for policy, cells in by_policy.items():
+        parts = []
+        for cap in capacities:
+            cell = cells.get(cap)
+            if cell is None:
+                parts.append(f"{'':>22}")
+                continue
+            frac = cell.get("fraction_of_belady")
+            text = f"{cell['hit_ratio']:.3f}" + (f" ({frac:.2f}x B)" if frac is not None else "")
+            parts.append(f"{text:>22}")
+        lines.append(f"{policy:<12}" + "".join(parts))
+    return "\n".join(lines)
+
+
+def save_plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
+    """Hit ratio against capacity, one line per policy, Belady dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    by_policy: dict[str, list[tuple[int, float]]] = {}
+    for row in rows:
+        by_policy.setdefault(row["policy"], []).append((row["capacity"], row["hit_ratio"]))
+    for policy, points in by_policy.items():
+        points.sort()
+        style = "--" if policy == BELADY else "-"
+        ax.plot([c for c, _ in points], [h for _, h in points], style, marker="o", label=policy)
+    ax.set_xlabel("capacity (blocks)")
+    ax.set_ylabel("prefix hit ratio")
+    ax.set_title("kvoffload replay: prefix hit ratio by policy")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    """Execute ``kvoffload replay``; returns the exit status (2 for bad input)."""
+    try:
+        capacities = parse_capacities(args.capacity)
+        if args.policy == "all":
+            policies = available_policies()
+        else:
+            policies = [p for p in args.policy.split(",") if p]
+            unknown = [p for p in policies if p not in available_policies()]
+            if unknown:
+                raise InvalidArgumentError(
+                    f"unknown policy {', '.join(unknown)}; available: "
+                    f"{', '.join(available_policies())}"
+                )
+        params = dict(parse_param(p) for p in args.param)
+        if params and len(policies) != 1:
+            raise InvalidArgumentError("--param applies to a single --policy")
+        try:
+            with args.trace.open(encoding="utf-8") as fh:
+                requests = parse_trace(fh)
+        except OSError as exc:
+            raise InvalidArgumentError(f"cannot read trace {args.trace}: {exc}") from None
+        rows = sweep(
+            requests,
+            policies,
+            capacities,
+            store_threshold=args.store_threshold,
+            params=params or None,
+            belady=not args.no_belady,
+            progress=err if err.isatty() else None,
+        )
+    except ManagerError as exc:
+        err.write(f"kvoffload replay: {exc}\n")
+        return 2
+    if args.json:
+        out.write(json.dumps(rows, indent=2) + "\n")
+    else:
+        out.write(format_table(rows, capacities) + "\n")
+    if args.plot is not None:
+        save_plot(rows, args.plot)
+        if not args.json:
+            out.write(f"plot saved to {args.plot}\n")
+    return 0
