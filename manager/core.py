@@ -70,6 +70,7 @@ PENDING = LookupResult.PENDING
 MISS = LookupResult.MISS
 
 Clock = Callable[[], float]
+ChainListener = Callable[[list[BlockKey]], None]
 DEFAULT_MAX_EVENTS = 1_000_000
 
 
@@ -195,6 +196,7 @@ class OffloadManager:
         self._num_ready = 0
         self._num_reserved = 0
         self._requests: dict[str, _Request] = {}
+        self._chain_listeners: list[ChainListener] = []
 
         self._enable_events = enable_events
         self._events: deque[KVEvent] = deque(maxlen=max_events)
@@ -344,8 +346,20 @@ class OffloadManager:
     def _forget(self, req: _Request) -> None:
         """Drop a request record; reorder its blocks tail-before-head if it used several calls."""
         self._requests.pop(req.req_id, None)
-        if req.orderings > 1 or self._policy.wants_request_chains:
-            self._policy.request_finished(list(req.keys))
+        reorder = req.orderings > 1 or self._policy.wants_request_chains
+        if reorder or self._chain_listeners:
+            chain = list(req.keys)
+            if reorder:
+                self._policy.request_finished(chain)
+            for listener in self._chain_listeners:
+                listener(chain)
+
+    def add_chain_listener(self, listener: ChainListener) -> None:
+        """Call ``listener(chain)`` with every request's chain (head to tail) when its record
+        is dropped (finish with no lease left, lease expiry, release). It must not call back
+        into the manager; the shadow evaluator only queues the chain.
+        """
+        self._chain_listeners.append(listener)
 
     # ------------------------------------------------------------------ lookups and loads
 
