@@ -213,6 +213,7 @@ class OffloadManager:
         self._stores_skipped = 0
         self._stores_refused = 0
         self._evictions = 0
+        self._evictions_by_policy: dict[str, int] = {}
         self._forced_lease_releases = 0
         self._policy_switches = 0
         self._events_dropped = 0
@@ -546,6 +547,8 @@ class OffloadManager:
                 status_pop(key)
             self._num_ready -= len(victims)
             self._evictions += len(victims)
+            name = self._policy.name
+            self._evictions_by_policy[name] = self._evictions_by_policy.get(name, 0) + len(victims)
             self._emit_removed(victims)
 
         if self._reuse is not None and new_keys:
@@ -725,6 +728,7 @@ class OffloadManager:
             stores_skipped=self._stores_skipped,
             stores_refused=self._stores_refused,
             evictions=self._evictions,
+            evictions_by_policy=dict(self._evictions_by_policy),
             forced_lease_releases=self._forced_lease_releases,
             policy_switches=self._policy_switches,
             events_dropped=self._events_dropped,

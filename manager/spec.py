@@ -158,7 +158,8 @@ class ManagerStats:
 
     Blocks: ``free + pending + ready == num_blocks``; ``pinned`` counts ready blocks with a
     ref count above zero (a subset of ``ready``). Counters are totals since creation; key
-    counters count keys, not calls.
+    counters count keys, not calls. ``evictions_by_policy`` splits ``evictions`` by the policy
+    that chose the victims.
     """
 
     num_blocks: int
@@ -179,6 +180,7 @@ class ManagerStats:
     stores_skipped: int
     stores_refused: int
     evictions: int
+    evictions_by_policy: dict[str, int]
     forced_lease_releases: int
     policy_switches: int
     events_dropped: int

@@ -1,0 +1,181 @@
+"""Metrics: values, exemplars, bounded labels and the live-request table, at registry level."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.openmetrics.exposition import generate_latest
+
+from app.metrics import LiveRequestRow, Metrics, ServiceSnapshot, exemplar, failure_reason
+from manager import ReqContext, create_manager
+
+
+@pytest.fixture
+def manager():
+    return create_manager(num_blocks=8)
+
+
+def snapshot_of(m, live: list[LiveRequestRow] | None = None) -> ServiceSnapshot:
+    return ServiceSnapshot(
+        stats=m.stats(),
+        policy=m.policy,
+        block_bytes=4096,
+        pool_pinned=False,
+        inflight={"store": 2},
+        oldest_inflight_seconds=1.5,
+        events_dropped=3,
+        prefix_hit_ratio=0.25,
+        projected_hit_ratio={"arc": 0.5, "lru": 0.4},
+        live_requests=live or [],
+    )
+
+
+def test_per_call_metrics_count_and_carry_the_req_id_exemplar() -> None:
+    reg = CollectorRegistry()
+    met = Metrics(reg)
+    met.http_call("/v1/requests/{req_id}/lookup", "POST", 200, 0.0004, "req-1")
+    met.http_call("/v1/requests/{req_id}/lookup", "POST", 200, 0.002, "req-2")
+    met.manager_op("lookup", "ok", "req-2", {"hit": 3, "pending": 0, "miss": 1})
+    labels = {"route": "/v1/requests/{req_id}/lookup", "method": "POST", "status": "200"}
+    assert reg.get_sample_value("kvoffload_http_requests_total", labels) == 2
+    hist = {"route": "/v1/requests/{req_id}/lookup", "method": "POST"}
+    assert reg.get_sample_value("kvoffload_http_request_duration_seconds_count", hist) == 2
+    assert (
+        reg.get_sample_value(
+            "kvoffload_http_request_duration_seconds_bucket", {**hist, "le": "0.0005"}
+        )
+        == 1
+    )
+    assert (
+        reg.get_sample_value("kvoffload_manager_keys_total", {"op": "lookup", "result": "hit"}) == 3
+    )
+    assert (
+        reg.get_sample_value("kvoffload_manager_keys_total", {"op": "lookup", "result": "pending"})
+        is None
+    )  # zero counts create no series
+    text = generate_latest(reg).decode()
+    assert 'status="200"} 2.0 # {req_id="req-2"} 1.0' in text
+    assert '} 1.0 # {req_id="req-1"} 0.0004' in text
+    assert 'result="hit"} 3.0 # {req_id="req-2"} 3.0' in text
+
+
+def test_transfer_failures_use_bounded_reasons() -> None:
+    reg = CollectorRegistry()
+    met = Metrics(reg)
+    met.transfer_done("store", True, 4096, 0.01, None, "r")
+    met.transfer_done("load", False, 0, 5.0, "deadline passed after 5.0 s", "r")
+    met.transfer_done("load", False, 0, 0.1, "RuntimeError: boom /dev/shm/x", "r")
+    assert reg.get_sample_value("kvoffload_transfer_bytes_total", {"direction": "store"}) == 4096
+    assert (
+        reg.get_sample_value(
+            "kvoffload_transfer_failures_total", {"direction": "load", "reason": "deadline"}
+        )
+        == 1
+    )
+    assert (
+        reg.get_sample_value(
+            "kvoffload_transfer_failures_total", {"direction": "load", "reason": "error"}
+        )
+        == 1
+    )
+    assert (
+        reg.get_sample_value(
+            "kvoffload_transfer_jobs_total", {"direction": "load", "result": "failed"}
+        )
+        == 2
+    )
+
+
+@pytest.mark.parametrize(
+    ("reason", "label"),
+    [(None, "error"), ("Deadline", "deadline"), ("shutdown", "shutdown"),
+     ("injected fault", "injected"), ("anything else", "error")],
+)  # fmt: skip
+def test_failure_reason_labels(reason, label) -> None:
+    assert failure_reason(reason) == label
+
+
+@pytest.mark.parametrize(
+    ("req_id", "ok"),
+    [("r1", True), ("a" * 120, True), ("a" * 121, False), ('x"}', False), ("", False),
+     (None, False), ("sp ace", False)],
+)  # fmt: skip
+def test_exemplars_only_for_safe_req_ids(req_id, ok) -> None:
+    assert (exemplar(req_id) is not None) is ok
+
+
+def test_state_is_read_from_the_snapshot_at_scrape_time(manager) -> None:
+    reg = CollectorRegistry()
+    Metrics(reg, snapshot=lambda: snapshot_of(manager))
+    assert reg.get_sample_value("kvoffload_blocks", {"state": "free"}) == 8
+    ctx = ReqContext("r1")
+    manager.on_new_request(ctx)
+    out = manager.prepare_store([b"a", b"b"], ctx)
+    manager.complete_store(out.keys_to_store, ctx)
+    manager.prepare_load([b"a"], ctx)
+    assert reg.get_sample_value("kvoffload_blocks", {"state": "free"}) == 6
+    assert reg.get_sample_value("kvoffload_blocks", {"state": "ready"}) == 2
+    assert reg.get_sample_value("kvoffload_blocks", {"state": "pinned"}) == 1
+    assert reg.get_sample_value("kvoffload_live_requests") == 1
+    assert reg.get_sample_value("kvoffload_policy_info", {"policy": "lru"}) == 1
+    assert reg.get_sample_value("kvoffload_policy_generation") == 1
+    assert reg.get_sample_value("kvoffload_transfer_inflight_jobs", {"direction": "store"}) == 2
+    assert reg.get_sample_value("kvoffload_transfer_inflight_jobs", {"direction": "load"}) == 0
+    assert reg.get_sample_value("kvoffload_events_dropped_total") == 3
+    assert reg.get_sample_value("kvoffload_policy_projected_hit_ratio", {"policy": "arc"}) == 0.5
+    manager.switch_policy("arc")
+    assert reg.get_sample_value("kvoffload_policy_info", {"policy": "arc"}) == 1
+    assert reg.get_sample_value("kvoffload_policy_info", {"policy": "lru"}) is None
+
+
+def test_evictions_are_split_by_the_policy_that_chose_them(manager) -> None:
+    reg = CollectorRegistry()
+    Metrics(reg, snapshot=lambda: snapshot_of(manager))
+    ctx = ReqContext("r1")
+    manager.on_new_request(ctx)
+    for i in range(10):
+        out = manager.prepare_store([bytes([i])], ctx)
+        manager.complete_store(out.keys_to_store, ctx)
+    manager.switch_policy("arc")
+    for i in range(10, 13):
+        out = manager.prepare_store([bytes([i])], ctx)
+        manager.complete_store(out.keys_to_store, ctx)
+    assert reg.get_sample_value("kvoffload_evictions_total", {"policy": "lru"}) == 2
+    assert reg.get_sample_value("kvoffload_evictions_total", {"policy": "arc"}) == 3
+
+
+def test_live_request_series_are_opt_in_capped_and_vanish_with_the_request(manager) -> None:
+    rows = [LiveRequestRow(f"r{i}", 1, 0, 2, 3) for i in range(5)]
+    live: list[LiveRequestRow] = list(rows)
+    off = CollectorRegistry()
+    Metrics(off, snapshot=lambda: snapshot_of(manager, live))
+    assert (
+        off.get_sample_value("kvoffload_request_blocks", {"req_id": "r0", "kind": "pinned"}) is None
+    )
+    on = CollectorRegistry()
+    Metrics(
+        on, snapshot=lambda: snapshot_of(manager, live), live_request_series=True, max_live_series=3
+    )
+    assert on.get_sample_value("kvoffload_request_blocks", {"req_id": "r0", "kind": "stored"}) == 3
+    assert (
+        on.get_sample_value("kvoffload_request_blocks", {"req_id": "r3", "kind": "stored"}) is None
+    )
+    live.pop(0)  # r0 finished
+    assert (
+        on.get_sample_value("kvoffload_request_blocks", {"req_id": "r0", "kind": "stored"}) is None
+    )
+    assert on.get_sample_value("kvoffload_request_blocks", {"req_id": "r1", "kind": "loaded"}) == 2
+
+
+def test_no_family_but_the_live_table_has_a_req_id_label(manager) -> None:
+    reg = CollectorRegistry()
+    met = Metrics(reg, snapshot=lambda: snapshot_of(manager, [LiveRequestRow("r", 1, 1, 1, 1)]),
+                  live_request_series=True)  # fmt: skip
+    met.http_call("/livez", "GET", 200, 0.001, "r")
+    met.manager_op("touch", "ok", "r", {"ok": 1})
+    met.transfer_done("store", True, 1, 0.1, None, "r")
+    met.policy_switched("lru", "arc")
+    for family in reg.collect():
+        for sample in family.samples:
+            if family.name != "kvoffload_request_blocks":
+                assert "req_id" not in sample.labels, family.name
