@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.exposition import generate_latest
@@ -179,3 +182,39 @@ def test_no_family_but_the_live_table_has_a_req_id_label(manager) -> None:
         for sample in family.samples:
             if family.name != "kvoffload_request_blocks":
                 assert "req_id" not in sample.labels, family.name
+
+
+CATALOGUE = Path(__file__).resolve().parents[2] / "deploy" / "metrics_catalogue.json"
+
+
+def test_exported_families_match_the_deploy_catalogue_exactly(manager) -> None:
+    """Names, types, label names and exemplars agree with deploy/metrics_catalogue.json."""
+    entries = {e["name"]: e for e in json.loads(CATALOGUE.read_text())["metrics"]}
+    reg = CollectorRegistry()
+    met = Metrics(
+        reg,
+        snapshot=lambda: snapshot_of(manager, [LiveRequestRow("r", 1, 1, 1, 1)]),
+        live_request_series=True,
+    )
+    ctx = ReqContext("r")
+    manager.on_new_request(ctx)
+    for i in range(10):  # evict, so the evictions family has a series
+        out = manager.prepare_store([bytes([i])], ctx)
+        manager.complete_store(out.keys_to_store, ctx)
+    met.http_call("/livez", "GET", 200, 0.001, "r")
+    met.manager_op("lookup", "ok", "r", {"hit": 1})
+    met.transfer_done("store", True, 1, 0.1, None, "r")
+    met.transfer_done("load", False, 0, 0.1, "deadline", "r")
+    met.policy_switched("lru", "arc")
+    exported = {}
+    for family in reg.collect():
+        name = family.name + ("_total" if family.type == "counter" else "")
+        labels = {k for s in family.samples for k in s.labels if k != "le"}
+        with_exemplar = any(s.exemplar is not None for s in family.samples)
+        exported[name] = (family.type, labels, with_exemplar)
+    assert set(exported) == set(entries)
+    for name, (kind, labels, with_exemplar) in exported.items():
+        entry = entries[name]
+        assert kind == entry["type"], name
+        assert labels == set(entry.get("labels", [])), name
+        assert with_exemplar == ("req_id" in entry.get("exemplar_labels", [])), name

@@ -1,0 +1,316 @@
+"""deploy/metrics_catalogue.json is well formed, and every PromQL expression in deploy/ (rules,
+dashboard, Kubernetes copies) uses only its metrics, their labels and their label values."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.deploy.helpers import (
+    CATALOGUE,
+    DASHBOARD,
+    K8S,
+    README,
+    TARGET_LABELS,
+    all_rules,
+    catalogue,
+    dashboard_expressions,
+    load_json,
+    load_yaml_all,
+    recording_rule_names,
+    rule_groups,
+    series_index,
+)
+from tests.deploy.promql import (
+    Analysis,
+    PromQLScanError,
+    Selector,
+    analyse,
+    analyse_variable_query,
+    tokenize,
+)
+
+LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+METRIC_NAME = re.compile(r"^kvoffload_[a-z0-9_]+$")
+RECORD_NAME = re.compile(r"^[a-z_]+:kvoffload_[a-z0-9_]+:[a-z0-9_]+$")
+
+
+# --- the catalogue itself ---------------------------------------------------------------------
+
+
+def test_catalogue_entries_are_well_formed() -> None:
+    raw = load_json(CATALOGUE)
+    names = [entry["name"] for entry in raw["metrics"]]
+    assert len(names) == len(set(names)), "duplicate metric names"
+    assert raw["prefix"] == "kvoffload_"
+    for entry in raw["metrics"]:
+        name = entry["name"]
+        assert set(entry) <= {
+            "name",
+            "type",
+            "labels",
+            "label_values",
+            "results_by_op",
+            "exemplar_labels",
+            "opt_in",
+            "help",
+        }, name
+        assert METRIC_NAME.match(name), name
+        assert entry["type"] in ("counter", "gauge", "histogram"), name
+        assert entry["help"].strip(), f"{name}: empty help"
+        if entry["type"] == "counter":
+            assert name.endswith("_total"), f"{name}: counters are exported with _total"
+        else:
+            assert not name.endswith("_total"), f"{name}: only counters end in _total"
+        if entry["type"] == "histogram":
+            assert name.endswith("_seconds"), f"{name}: histograms here measure seconds"
+        labels = entry["labels"]
+        assert len(labels) == len(set(labels)), name
+        for label in labels:
+            assert LABEL_NAME.match(label), (name, label)
+            assert not label.startswith("__"), (name, label)
+            assert label not in ("le", "quantile"), (name, label)
+            assert label not in TARGET_LABELS, f"{name}: {label} is set by the scraper"
+        assert set(entry.get("label_values", {})) <= set(labels), name
+        for values in entry.get("label_values", {}).values():
+            assert values, name
+            assert len(values) == len(set(values)), name
+        if entry.get("exemplar_labels"):
+            assert entry["type"] in ("histogram", "counter"), f"{name}: exemplars need one"
+
+
+def test_req_id_is_an_exemplar_label_except_on_the_opt_in_live_request_gauge() -> None:
+    for metric in catalogue().values():
+        if "req_id" in metric.labels:
+            assert metric.opt_in, metric.name
+            assert metric.type == "gauge", metric.name
+            assert metric.name == "kvoffload_request_blocks"
+    with_exemplars = {m.name for m in catalogue().values() if "req_id" in m.exemplar_labels}
+    # Every per-call instrument carries the request's exemplar; scrape-time state does not.
+    assert with_exemplars == {
+        "kvoffload_http_requests_total",
+        "kvoffload_http_request_duration_seconds",
+        "kvoffload_manager_ops_total",
+        "kvoffload_manager_keys_total",
+        "kvoffload_transfer_jobs_total",
+        "kvoffload_transfer_bytes_total",
+        "kvoffload_transfer_duration_seconds",
+        "kvoffload_transfer_failures_total",
+    }
+
+
+def test_keys_results_by_op_match_the_label_values() -> None:
+    keys = catalogue()["kvoffload_manager_keys_total"]
+    assert set(keys.results_by_op) == set(keys.label_values["op"])
+    flat = [r for results in keys.results_by_op.values() for r in results]
+    assert sorted(flat) == sorted(keys.label_values["result"])
+
+
+def test_readme_documents_every_metric() -> None:
+    text = README.read_text(encoding="utf-8")
+    missing = [name for name in catalogue() if f"`{name}" not in text]
+    assert not missing, f"deploy/README.md does not list {missing}"
+
+
+# --- the scanner ------------------------------------------------------------------------------
+
+
+def test_scanner_finds_names_matchers_and_grouping_labels() -> None:
+    a = analyse(
+        "histogram_quantile(0.99, sum by (le, route) (rate("
+        'kvoffload_http_request_duration_seconds_bucket{job=~"$job", route!="/livez"}'
+        "[$__rate_interval])))"
+        " / on (instance) group_left (policy) (kvoffload_policy_info == 1)"
+        " > bool 1e-3 unless absent(kvoffload_blocks offset 5m) or vector(0)"
+    )
+    assert a.metric_names == {
+        "kvoffload_http_request_duration_seconds_bucket",
+        "kvoffload_policy_info",
+        "kvoffload_blocks",
+    }
+    assert a.grouping_labels == {"le", "route", "instance", "policy"}
+    assert {"histogram_quantile", "sum", "rate", "absent", "vector"} <= a.functions
+    bucket = next(s for s in a.selectors if s.name and s.name.endswith("_bucket"))
+    assert [(m.label, m.op, m.value) for m in bucket.matchers] == [
+        ("job", "=~", "$job"),
+        ("route", "!=", "/livez"),
+    ]
+
+
+def test_scanner_handles_aggregation_clauses_subqueries_and_recording_rules() -> None:
+    a = analyse(
+        "max without (policy) (kvoffload_policy_projected_hit_ratio)"
+        " - sum(instance:kvoffload_lookup_keys:rate5m) by (job)"
+        " + max_over_time(kvoffload_transfer_oldest_inflight_seconds[1h:5m])"
+        ' + count_values("x", {__name__="kvoffload_live_requests"})'
+    )
+    assert a.metric_names == {
+        "kvoffload_policy_projected_hit_ratio",
+        "instance:kvoffload_lookup_keys:rate5m",
+        "kvoffload_transfer_oldest_inflight_seconds",
+        "kvoffload_live_requests",
+    }
+    assert a.grouping_labels == {"policy", "job"}
+    assert "max" in a.functions
+    assert "count_values" in a.functions
+
+
+def test_scanner_reads_strings_and_durations_without_inventing_names() -> None:
+    assert analyse('label_replace(vector(1), "dst", "$1", "src", "(.*)")').metric_names == set()
+    assert analyse("time() - 1h30m").metric_names == set()
+    assert [t.kind for t in tokenize("rate(x[5m]) * 2.5e9")] == [
+        "ident",
+        "op",
+        "ident",
+        "op",
+        "number",
+        "op",
+        "op",
+        "op",
+        "number",
+    ]
+    with pytest.raises(PromQLScanError):
+        analyse("rate(x{job=}[5m])")
+    with pytest.raises(PromQLScanError):
+        analyse("x ? y")
+
+
+def test_scanner_reads_grafana_label_values_queries() -> None:
+    analysis, label = analyse_variable_query('label_values(kvoffload_blocks{job=~"$job"}, state)')
+    assert label == "state"
+    assert analysis.metric_names == {"kvoffload_blocks"}
+    analysis, label = analyse_variable_query("label_values(job)")
+    assert label == "job"
+    assert analysis.metric_names == set()
+
+
+# --- expressions in deploy/ use only the catalogue --------------------------------------------
+
+
+def _problems(where: str, analysis: Analysis, records: set[str]) -> list[str]:
+    all_labels = {label for m in catalogue().values() for label in m.labels}
+    known_labels = all_labels | TARGET_LABELS | {"le"}
+    problems = []
+    for label in sorted(analysis.grouping_labels - known_labels):
+        problems.append(f"{where}: groups by unknown label {label!r}")
+    for selector in analysis.selectors:
+        problems.extend(_selector_problems(where, selector, records, known_labels))
+    bare = {m.name for m in catalogue().values() if m.type == "histogram"}
+    for name in sorted(analysis.metric_names & bare):
+        problems.append(f"{where}: histogram {name} is queried as _bucket/_sum/_count")
+    return problems
+
+
+def _selector_problems(
+    where: str, selector: Selector, records: set[str], known_labels: set[str]
+) -> list[str]:
+    name = selector.name
+    if name is None:
+        return [f"{where}: selector without a metric name"]
+    if name in records:
+        # Recording rules keep catalogue labels (and target labels) only.
+        return [
+            f"{where}: {name} has no label {m.label!r}"
+            for m in selector.matchers
+            if m.label not in known_labels
+        ]
+    metric = series_index().get(name)
+    if metric is None:
+        return [f"{where}: {name} is not in deploy/metrics_catalogue.json"]
+    problems = []
+    allowed = set(metric.labels) | TARGET_LABELS | {"__name__"}
+    if name.endswith("_bucket"):
+        allowed.add("le")
+    fixed: dict[str, str] = {}
+    for m in selector.matchers:
+        if m.label not in allowed:
+            problems.append(f"{where}: {name} has no label {m.label!r}")
+            continue
+        values = metric.label_values.get(m.label)
+        if values is None or "$" in m.value:
+            continue
+        if m.op in ("=", "!="):
+            wanted = [m.value]
+            if m.op == "=":
+                fixed[m.label] = m.value
+        elif re.fullmatch(r"[A-Za-z0-9_]+(\|[A-Za-z0-9_]+)*", m.value):
+            wanted = m.value.split("|")
+        else:
+            continue
+        for value in wanted:
+            if value not in values:
+                problems.append(f"{where}: {name}{{{m.label}}} never takes the value {value!r}")
+    if (
+        metric.results_by_op
+        and "op" in fixed
+        and "result" in fixed
+        and fixed["result"] not in metric.results_by_op.get(fixed["op"], ())
+    ):
+        problems.append(f"{where}: {name} has no result {fixed['result']!r} for op {fixed['op']!r}")
+    return problems
+
+
+def test_rule_expressions_use_only_catalogue_metrics() -> None:
+    records = recording_rule_names()
+    problems = []
+    for rule in all_rules():
+        where = f"rule {rule.get('record') or rule.get('alert')}"
+        problems += _problems(where, analyse(rule["expr"]), records)
+    assert not problems, "\n".join(problems)
+
+
+def test_recording_rules_follow_the_naming_convention_and_are_defined_once() -> None:
+    records = [r["record"] for r in all_rules() if "record" in r]
+    assert len(records) == len(set(records))
+    for name in records:
+        assert RECORD_NAME.match(name), f"{name}: use level:kvoffload_metric:operations"
+
+
+def test_dashboard_expressions_use_only_catalogue_metrics() -> None:
+    records = recording_rule_names()
+    dashboard = load_json(DASHBOARD)
+    expressions = dashboard_expressions(dashboard)
+    assert len(expressions) > 20
+    problems = []
+    for where, analysis in expressions:
+        problems += _problems(where, analysis, records)
+    assert not problems, "\n".join(problems)
+
+
+def test_kubernetes_rule_copy_uses_only_catalogue_metrics() -> None:
+    (rule,) = load_yaml_all(K8S / "prometheusrule.yaml")
+    records = {r["record"] for g in rule_groups(rule["spec"]) for r in g["rules"] if "record" in r}
+    problems = []
+    for group in rule_groups(rule["spec"]):
+        for r in group["rules"]:
+            where = f"k8s rule {r.get('record') or r.get('alert')}"
+            problems += _problems(where, analyse(r["expr"]), records)
+    assert not problems, "\n".join(problems)
+
+
+def test_checker_rejects_what_it_should() -> None:
+    records = {"instance:kvoffload_x:rate5m"}
+    bad = {
+        "rate(kvoffload_http_requests[5m])": "not in deploy/metrics_catalogue.json",
+        "kvoffload_transfer_duration_seconds": "queried as _bucket",
+        'kvoffload_blocks{state="used"}': "never takes the value 'used'",
+        'kvoffload_blocks{status="free"}': "has no label 'status'",
+        'kvoffload_manager_keys_total{op="lookup", result="stored"}': "no result 'stored'",
+        'kvoffload_http_requests_total{req_id="r1"}': "has no label 'req_id'",
+        'kvoffload_transfer_jobs_total{result=~"ok|broken"}': "never takes the value 'broken'",
+        "sum by (reqid) (kvoffload_live_requests)": "unknown label 'reqid'",
+        'kvoffload_pool_capacity_blocks{le="1"}': "has no label 'le'",
+    }
+    for expr, message in bad.items():
+        problems = _problems("t", analyse(expr), records)
+        assert any(message in p for p in problems), (expr, problems)
+    good = [
+        "sum by (le) (rate(kvoffload_transfer_duration_seconds_bucket"
+        '{direction="load", le="+Inf"}[5m]))',
+        'kvoffload_request_blocks{req_id="r1", kind="pinned"}',
+        'instance:kvoffload_x:rate5m{job="kvoffload", op="lookup"}',
+        'kvoffload_manager_keys_total{op="prepare_load", result="pinned", node=~"$node"}',
+    ]
+    for expr in good:
+        assert _problems("t", analyse(expr), records) == [], expr

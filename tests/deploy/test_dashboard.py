@@ -1,0 +1,199 @@
+"""The Grafana dashboard and its provisioning: stable uids, unique panel ids, a sane layout, the
+panels the operators asked for, exemplars linked to logs by req_id."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.parse
+from typing import Any
+
+import pytest
+
+from tests.deploy.helpers import (
+    COMPOSE,
+    DASHBOARD,
+    DASHBOARD_PROVIDER,
+    DATASOURCES,
+    dashboard_panels,
+    load_json,
+    load_yaml,
+)
+from tests.deploy.promql import analyse
+
+DASHBOARD_UID = "kvoffload-overview"
+UID = re.compile(r"^[A-Za-z0-9_-]{1,40}$")
+DS_VARIABLE = {"type": "prometheus", "uid": "${datasource}"}
+
+
+@pytest.fixture(scope="module")
+def dashboard() -> dict[str, Any]:
+    data: dict[str, Any] = load_json(DASHBOARD)
+    return data
+
+
+def _exprs(panel: dict[str, Any]) -> list[str]:
+    return [t["expr"] for t in panel.get("targets", []) if "expr" in t]
+
+
+def _names(panel: dict[str, Any]) -> set[str]:
+    return {name for expr in _exprs(panel) for name in analyse(expr).metric_names}
+
+
+def _panels_using(dashboard: dict[str, Any], *metrics: str) -> list[dict[str, Any]]:
+    return [p for p in dashboard_panels(dashboard) if set(metrics) <= _names(p)]
+
+
+def test_dashboard_uid_is_stable(dashboard) -> None:
+    assert dashboard["uid"] == DASHBOARD_UID, "links and alerts point at this uid: keep it"
+    assert UID.match(dashboard["uid"])
+    assert dashboard["title"] == "kvoffload"
+    assert "id" not in dashboard or dashboard["id"] is None, "provisioned dashboards have no id"
+    assert isinstance(dashboard["schemaVersion"], int)
+
+
+def test_every_panel_has_a_unique_id(dashboard) -> None:
+    ids = [p.get("id") for p in dashboard_panels(dashboard)]
+    assert all(isinstance(i, int) and i > 0 for i in ids), ids
+    assert len(ids) == len(set(ids)), f"duplicate panel ids: {ids}"
+
+
+def test_panels_fit_the_grid_without_overlapping(dashboard) -> None:
+    cells: dict[tuple[int, int], int] = {}
+    for panel in dashboard_panels(dashboard):
+        pos = panel["gridPos"]
+        assert min(pos["w"], pos["h"]) > 0, panel["id"]
+        assert min(pos["x"], pos["y"]) >= 0, panel["id"]
+        assert pos["x"] + pos["w"] <= 24, f"panel {panel['id']} is wider than the grid"
+        for x in range(pos["x"], pos["x"] + pos["w"]):
+            for y in range(pos["y"], pos["y"] + pos["h"]):
+                other = cells.setdefault((x, y), panel["id"])
+                assert other == panel["id"], f"panels {other} and {panel['id']} overlap"
+
+
+def test_panels_query_the_datasource_variable(dashboard) -> None:
+    (ds_var,) = [v for v in dashboard["templating"]["list"] if v["name"] == "datasource"]
+    assert ds_var["type"] == "datasource"
+    assert ds_var["query"] == "prometheus"
+    for panel in dashboard_panels(dashboard):
+        if panel["type"] == "row":
+            continue
+        assert panel["title"].strip(), panel["id"]
+        assert panel["datasource"] == DS_VARIABLE, panel["title"]
+        refs = [t["refId"] for t in panel["targets"]]
+        assert refs, panel["title"]
+        assert len(refs) == len(set(refs)), panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"] == DS_VARIABLE, panel["title"]
+    for variable in dashboard["templating"]["list"]:
+        if variable["type"] == "query":
+            assert variable["datasource"] == DS_VARIABLE, variable["name"]
+
+
+def test_hit_ratio_panel_shows_prefix_and_key_hit_ratio(dashboard) -> None:
+    panels = _panels_using(dashboard, "kvoffload_prefix_hit_ratio", "kvoffload_manager_keys_total")
+    assert panels, "no panel with both the prefix and the key hit ratio"
+    assert any('result="hit"' in e for e in _exprs(panels[0]))
+    assert panels[0]["fieldConfig"]["defaults"]["unit"] == "percentunit"
+
+
+def test_projected_hit_ratio_per_policy_against_live(dashboard) -> None:
+    (panel,) = _panels_using(
+        dashboard, "kvoffload_policy_projected_hit_ratio", "kvoffload_prefix_hit_ratio"
+    )
+    assert any("by (policy)" in e for e in _exprs(panel))
+
+
+def test_ops_evictions_pool_and_transfer_panels(dashboard) -> None:
+    ops = _panels_using(dashboard, "kvoffload_manager_ops_total")
+    assert any("by (op, result)" in e for p in ops for e in _exprs(p))
+    (evictions,) = _panels_using(dashboard, "kvoffload_evictions_total")
+    assert "by (policy)" in _exprs(evictions)[0]
+    (pool,) = _panels_using(dashboard, "kvoffload_blocks", "kvoffload_pool_capacity_blocks")
+    assert "by (state)" in _exprs(pool)[0]
+    (throughput,) = _panels_using(dashboard, "kvoffload_transfer_bytes_total")
+    assert "by (direction)" in _exprs(throughput)[0]
+    assert throughput["fieldConfig"]["defaults"]["unit"] == "Bps"  # shown as GB/s
+    assert _panels_using(dashboard, "kvoffload_transfer_oldest_inflight_seconds")
+
+
+def test_latency_heatmaps_show_exemplars(dashboard) -> None:
+    heatmaps = {
+        name: p for p in dashboard_panels(dashboard) if p["type"] == "heatmap" for name in _names(p)
+    }
+    for histogram in (
+        "kvoffload_http_request_duration_seconds_bucket",
+        "kvoffload_transfer_duration_seconds_bucket",
+    ):
+        panel = heatmaps[histogram]
+        (target,) = panel["targets"]
+        assert target["exemplar"] is True, panel["title"]
+        assert target["format"] == "heatmap"
+        assert "by (le)" in target["expr"]
+        assert panel["options"]["calculate"] is False
+        assert "exemplars" in panel["options"]
+        assert panel["options"]["yAxis"]["unit"] == "s"
+
+
+def test_live_request_table(dashboard) -> None:
+    (table,) = _panels_using(dashboard, "kvoffload_request_blocks")
+    assert table["type"] == "table"
+    (target,) = table["targets"]
+    assert target["format"] == "table"
+    assert target["instant"] is True
+    assert "by (req_id, kind)" in target["expr"]
+
+
+def test_policy_switches_are_annotations(dashboard) -> None:
+    annotations = [a for a in dashboard["annotations"]["list"] if "expr" in a]
+    (switches,) = [a for a in annotations if "olicy" in a["name"]]
+    names = analyse(switches["expr"]).metric_names
+    assert names & {"kvoffload_policy_generation", "kvoffload_policy_switches_total"}
+    assert switches["datasource"] == DS_VARIABLE
+    assert switches["enable"] is True
+
+
+# --- provisioning -----------------------------------------------------------------------------
+
+
+def _explore_panes(url: str, req_id: str) -> dict[str, Any]:
+    parsed = urllib.parse.urlsplit(url)
+    assert parsed.path == "/explore"
+    query = urllib.parse.parse_qs(parsed.query)
+    assert query["schemaVersion"] == ["1"]
+    (panes,) = query["panes"]
+    data: dict[str, Any] = json.loads(panes.replace("${__value.raw}", req_id))
+    return data
+
+
+def test_prometheus_datasource_links_exemplars_to_logs_by_req_id() -> None:
+    sources = {ds["uid"]: ds for ds in load_yaml(DATASOURCES)["datasources"]}
+    prometheus = next(ds for ds in sources.values() if ds["type"] == "prometheus")
+    assert prometheus["isDefault"] is True
+    (link,) = prometheus["jsonData"]["exemplarTraceIdDestinations"]
+    assert link["name"] == "req_id"
+    # Grafana expands $VAR in provisioning files; "$$" is a literal "$".
+    assert "$${__value.raw}" in link["url"]
+    url = link["url"].replace("$$", "$")
+    (pane,) = _explore_panes(url, "req-42").values()
+    (query,) = pane["queries"]
+    logs = sources[pane["datasource"]]
+    assert logs["type"] == "loki"
+    assert query["datasource"]["uid"] == logs["uid"]
+    assert "req_id" in query["expr"]
+    assert "`req-42`" in query["expr"]
+
+
+def test_dashboard_provider_loads_the_directory_compose_mounts() -> None:
+    (provider,) = load_yaml(DASHBOARD_PROVIDER)["providers"]
+    assert provider["type"] == "file"
+    assert provider["folderUid"]
+    grafana = load_yaml(COMPOSE)["services"]["grafana"]
+    mounts = dict(v.split(":")[:2] for v in grafana["volumes"])
+    assert mounts["./grafana/dashboards"] == provider["options"]["path"]
+    assert mounts["./grafana/provisioning/datasources"].endswith("/provisioning/datasources")
+    assert mounts["./grafana/provisioning/dashboards"].endswith("/provisioning/dashboards")
+    env = grafana["environment"]
+    for ds in load_yaml(DATASOURCES)["datasources"]:
+        var = ds["url"].lstrip("$").strip("{}")
+        assert var in env, f"Grafana has no {var} for the {ds['name']} data source"

@@ -1,0 +1,208 @@
+"""Every YAML/JSON file in deploy/ parses; the Dockerfile and docker-compose.yml are wired
+together (ports, secrets, mounts, /dev/shm size); every KVOFFLOAD_* variable is a real setting."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.deploy.helpers import (
+    COMPOSE,
+    DEPLOY,
+    DOCKERFILE,
+    PROMETHEUS_CONFIG,
+    ROOT,
+    TARGET_LABELS,
+    load_json,
+    load_yaml,
+    load_yaml_all,
+    parse_bytes,
+)
+
+ENV_VAR = re.compile(r"\bKVOFFLOAD_([A-Z0-9_]+)\b")
+
+
+def _files(*suffixes: str) -> list[Path]:
+    return sorted(p for p in DEPLOY.rglob("*") if p.is_file() and p.suffix in suffixes)
+
+
+@pytest.mark.parametrize("path", _files(".yml", ".yaml"), ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_yaml_parses(path: Path) -> None:
+    docs = load_yaml_all(path)
+    assert docs, f"{path} is empty"
+    assert all(isinstance(d, dict) for d in docs)
+
+
+@pytest.mark.parametrize("path", _files(".json"), ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_json_parses(path: Path) -> None:
+    assert isinstance(load_json(path), dict)
+
+
+# --- Dockerfile -------------------------------------------------------------------------------
+
+
+def _instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = DOCKERFILE.read_text(encoding="utf-8")
+    lines = [ln for ln in text.splitlines() if not ln.lstrip().startswith("#")]
+    joined = re.sub(r"\\\n", " ", "\n".join(lines))
+    out = []
+    for line in joined.splitlines():
+        if line.strip():
+            word, _, rest = line.strip().partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def test_dockerfile_runs_as_non_root_and_exposes_both_ports() -> None:
+    instructions = _instructions()
+    users = [arg for word, arg in instructions if word == "USER"]
+    assert users, "no USER: the image would run as root"
+    assert users[-1].split(":")[0] not in ("root", "0")
+    assert ("EXPOSE", "8000 8001") in instructions
+    args = {arg.split("=")[0] for word, arg in instructions if word == "ARG"}
+    assert {"BASE_IMAGE", "TORCH_SPEC", "TORCH_INDEX_URL"} <= args
+
+
+def test_dockerfile_entrypoint_healthcheck_and_install() -> None:
+    instructions = dict(_instructions())
+    assert instructions["ENTRYPOINT"] == '["kvoffload", "serve", "--host", "0.0.0.0"]'
+    assert "/livez" in instructions["HEALTHCHECK"]
+    text = DOCKERFILE.read_text(encoding="utf-8")
+    assert "pip install ." in text
+    assert "download.pytorch.org/whl/cpu" in text, "CPU torch by default"
+
+
+def test_dockerfile_copies_only_what_exists_and_the_ignore_file_lets_it_through() -> None:
+    copies = [arg for word, arg in _instructions() if word == "COPY" and "--from" not in arg]
+    sources = [src for arg in copies for src in arg.split()[:-1]]
+    assert {"pyproject.toml", "README.md", "app", "manager", "transfer"} <= set(sources)
+    ignore = (DEPLOY / "Dockerfile.dockerignore").read_text(encoding="utf-8").splitlines()
+    allowed = {ln[1:].rstrip("/") for ln in ignore if ln.startswith("!")}
+    assert "*" in ignore
+    for src in sources:
+        assert (ROOT / src).exists(), f"COPY {src}: not in the repository"
+        assert src in allowed, f"COPY {src}: excluded by Dockerfile.dockerignore"
+    # Everything the package build needs is copied.
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    for package in re.findall(r'"(\w+)\*"', pyproject):
+        assert package in sources, f"the image would miss the {package} package"
+
+
+# --- docker-compose.yml -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    data: dict[str, Any] = load_yaml(COMPOSE)
+    return data
+
+
+def test_compose_services_and_published_ports(compose) -> None:
+    services = compose["services"]
+    assert {"kvoffload", "prometheus", "grafana"} <= set(services)
+    for name, service in services.items():
+        for port in service.get("ports", []):
+            assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} beyond loopback"
+    kv = services["kvoffload"]
+    assert [p.split(":", 1)[1] for p in kv["ports"]] == ["8000:8000", "8001:8001"]
+    build = kv["build"]
+    assert (DEPLOY / build["context"] / build["dockerfile"]).resolve() == DOCKERFILE.resolve()
+
+
+def test_compose_shm_holds_the_default_pool(compose) -> None:
+    kv = compose["services"]["kvoffload"]
+    env = kv["environment"]
+
+    def default(value: str) -> str:
+        m = re.fullmatch(r"\$\{\w+:-(.+)\}", str(value))
+        return m.group(1) if m else str(value)
+
+    pool = int(default(env["KVOFFLOAD_NUM_BLOCKS"])) * int(default(env["KVOFFLOAD_BLOCK_BYTES"]))
+    assert pool <= parse_bytes(default(kv["shm_size"]))
+
+
+def test_compose_admin_token_is_a_secret(compose) -> None:
+    kv = compose["services"]["kvoffload"]
+    (secret,) = kv["secrets"]
+    assert kv["environment"]["KVOFFLOAD_ADMIN_TOKEN_FILE"] == f"/run/secrets/{secret}"
+    assert "file" in compose["secrets"][secret]
+    assert "KVOFFLOAD_ADMIN_TOKEN" not in kv["environment"], "no token in plain env"
+    gitignore = (DEPLOY / ".gitignore").read_text(encoding="utf-8")
+    secret_dir = Path(compose["secrets"][secret]["file"]).parent.name
+    assert f"/{secret_dir}/" in gitignore
+
+
+def test_compose_prometheus_stores_exemplars_and_mounts_config_and_rules(compose) -> None:
+    prom = compose["services"]["prometheus"]
+    assert "--enable-feature=exemplar-storage" in prom["command"]
+    mounts = dict(v.split(":")[:2] for v in prom["volumes"] if v.startswith("./"))
+    assert mounts["./prometheus/prometheus.yml"] == "/etc/prometheus/prometheus.yml"
+    config_dir = Path(mounts["./prometheus/prometheus.yml"]).parent
+    for src in mounts:
+        assert (DEPLOY / src).exists(), src
+    # rule_files are relative to the config file: the rules mount must be where they point.
+    config = load_yaml(PROMETHEUS_CONFIG)
+    for pattern in config["rule_files"]:
+        rules_dir = str(config_dir / Path(pattern).parent)
+        assert rules_dir in mounts.values(), f"{pattern} is not mounted"
+        assert list((DEPLOY / "prometheus").glob(pattern)), pattern
+
+
+def test_prometheus_scrapes_the_compose_service(compose) -> None:
+    config = load_yaml(PROMETHEUS_CONFIG)
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "kvoffload"]
+    (static,) = job["static_configs"]
+    assert static["targets"] == ["kvoffload:8000"]
+    assert "kvoffload" in compose["services"]
+    assert set(static.get("labels", {})) <= TARGET_LABELS
+
+
+def _has_docker_compose() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    try:
+        proc = subprocess.run(
+            ["docker", "compose", "version"], capture_output=True, timeout=10, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return False
+    return proc.returncode == 0
+
+
+@pytest.mark.skipif(not _has_docker_compose(), reason="docker compose not available")
+def test_docker_compose_config_validates(tmp_path) -> None:
+    # docker compose config needs the secret files to exist; use throwaway ones.
+    project = tmp_path / "deploy"
+    shutil.copytree(DEPLOY, project)
+    (project / "secrets").mkdir(exist_ok=True)
+    for name in ("kvoffload_admin_token", "grafana_admin_password"):
+        (project / "secrets" / name).write_text("test\n")
+    proc = subprocess.run(
+        ["docker", "compose", "-f", str(project / "docker-compose.yml"), "config", "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+# --- settings ---------------------------------------------------------------------------------
+
+
+def test_every_kvoffload_variable_is_a_setting() -> None:
+    settings = pytest.importorskip("app.settings")
+    fields = set(settings.Settings.model_fields)
+    used: dict[str, set[str]] = {}
+    for path in _files(".yml", ".yaml", ".md", ".alloy", ""):
+        for name in ENV_VAR.findall(path.read_text(encoding="utf-8")):
+            used.setdefault(name.lower(), set()).add(str(path.relative_to(DEPLOY)))
+    unknown = {name: sorted(paths) for name, paths in used.items() if name not in fields}
+    assert not unknown, f"KVOFFLOAD_* variables that are no setting: {unknown}"
+    assert {"admin_token_file", "num_blocks", "block_bytes", "admin_host"} <= set(used)

@@ -1,0 +1,240 @@
+"""Kubernetes manifests: the DaemonSet is probed, non-root, sized for its /dev/shm pool; the
+Services, NetworkPolicy and ServiceMonitor fit together; the PrometheusRule and the dashboard
+ConfigMap match their sources; kustomize renders the lot."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from tests.deploy.helpers import (
+    DASHBOARD,
+    K8S,
+    README,
+    RULES,
+    SYNC_TOOL,
+    load_json,
+    load_yaml,
+    load_yaml_all,
+    parse_bytes,
+    yaml,
+)
+
+KUBECTL = shutil.which("kubectl")
+
+
+@pytest.fixture(scope="module")
+def objects() -> dict[tuple[str, str], dict[str, Any]]:
+    """(kind, name) -> object, over every manifest the kustomization lists."""
+    found: dict[tuple[str, str], dict[str, Any]] = {}
+    for name in load_yaml(K8S / "kustomization.yaml")["resources"]:
+        for doc in load_yaml_all(K8S / name):
+            key = (doc["kind"], doc["metadata"]["name"])
+            assert key not in found, f"{key} defined twice"
+            found[key] = doc
+    return found
+
+
+@pytest.fixture(scope="module")
+def daemonset(objects) -> dict[str, Any]:
+    ds: dict[str, Any] = objects[("DaemonSet", "kvoffload")]
+    return ds
+
+
+@pytest.fixture(scope="module")
+def container(daemonset) -> dict[str, Any]:
+    (c,) = daemonset["spec"]["template"]["spec"]["containers"]
+    assert isinstance(c, dict)
+    return c
+
+
+def _env(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container["env"] if "value" in e}
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    listed = set(load_yaml(K8S / "kustomization.yaml")["resources"])
+    on_disk = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert listed == on_disk
+
+
+def test_expected_objects(objects) -> None:
+    kinds = {kind for kind, _ in objects}
+    assert kinds == {
+        "Namespace",
+        "ServiceAccount",
+        "Secret",
+        "DaemonSet",
+        "Service",
+        "NetworkPolicy",
+        "ServiceMonitor",
+        "PrometheusRule",
+        "ConfigMap",
+    }
+
+
+def test_daemonset_runs_on_gpu_nodes_and_selects_its_pods(daemonset) -> None:
+    spec = daemonset["spec"]
+    labels = spec["template"]["metadata"]["labels"]
+    assert spec["selector"]["matchLabels"].items() <= labels.items()
+    pod = spec["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+
+
+def test_probes(container) -> None:
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"http": 8000, "admin": 8001}
+    paths = {}
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        get = container[probe]["httpGet"]
+        assert get["port"] in ports, probe
+        paths[probe] = get["path"]
+    assert paths == {
+        "startupProbe": "/livez",
+        "livenessProbe": "/livez",
+        "readinessProbe": "/readyz",
+    }
+
+
+def test_dev_shm_is_a_sized_memory_volume_that_holds_the_pool(daemonset, container) -> None:
+    pod = daemonset["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    shm = volumes[mount["name"]]["emptyDir"]
+    assert shm["medium"] == "Memory"
+    env = _env(container)
+    pool = int(env["KVOFFLOAD_NUM_BLOCKS"]) * int(env["KVOFFLOAD_BLOCK_BYTES"])
+    assert pool <= parse_bytes(shm["sizeLimit"]), "the pool does not fit in /dev/shm"
+    # tmpfs pages count against the container's memory limit.
+    resources = container["resources"]
+    limit = parse_bytes(resources["limits"]["memory"])
+    assert limit >= pool + 2**30, "memory limit must hold the pool plus the process"
+    assert resources["requests"]["memory"] == resources["limits"]["memory"]
+    assert "cpu" in resources["requests"]
+
+
+def test_runs_as_non_root_with_a_locked_down_container(daemonset, container) -> None:
+    pod = daemonset["spec"]["template"]["spec"]["securityContext"]
+    assert pod["runAsNonRoot"] is True
+    assert pod["runAsUser"] != 0
+    assert pod["seccompProfile"]["type"] == "RuntimeDefault"
+    sc = container["securityContext"]
+    assert sc["runAsNonRoot"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    spec = daemonset["spec"]["template"]["spec"]
+    assert spec["automountServiceAccountToken"] is False
+    assert not spec.get("hostNetwork")
+    assert not spec.get("hostIPC")
+    assert not spec.get("hostPID")
+
+
+def test_admin_token_comes_from_the_secret(objects, daemonset, container) -> None:
+    pod = daemonset["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"] if "secret" in v}
+    token_file = _env(container)["KVOFFLOAD_ADMIN_TOKEN_FILE"]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] in volumes]
+    assert mount["readOnly"] is True
+    secret_ref = volumes[mount["name"]]["secret"]
+    (item,) = secret_ref["items"]
+    assert token_file == f"{mount['mountPath']}/{item['path']}"
+    secret = objects[("Secret", secret_ref["secretName"])]
+    assert item["key"] in secret["stringData"]
+    assert "REPLACE-ME" in secret["stringData"][item["key"]], "keep an obvious placeholder"
+    readme = README.read_text(encoding="utf-8")
+    assert "create secret generic kvoffload-admin-token" in readme
+    assert _env(container)["KVOFFLOAD_ADMIN_HOST"] == "0.0.0.0"
+
+
+def test_services_reach_the_pods(objects, daemonset, container) -> None:
+    pod_labels = daemonset["spec"]["template"]["metadata"]["labels"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    public = objects[("Service", "kvoffload")]["spec"]
+    admin = objects[("Service", "kvoffload-admin")]["spec"]
+    for svc in (public, admin):
+        assert svc["selector"].items() <= pod_labels.items()
+        for port in svc["ports"]:
+            assert port["targetPort"] in ports
+    assert [(p["port"], p["targetPort"]) for p in public["ports"]] == [(8000, "http")]
+    assert public["internalTrafficPolicy"] == "Local", "engines must reach their own node"
+    assert [(p["port"], p["targetPort"]) for p in admin["ports"]] == [(8001, "admin")]
+    assert admin["clusterIP"] == "None", "admin calls address each node's instance"
+
+
+def test_network_policy_restricts_the_admin_port(objects, daemonset) -> None:
+    policy = objects[("NetworkPolicy", "kvoffload")]["spec"]
+    pod_labels = daemonset["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert "Ingress" in policy["policyTypes"]
+    admin_rules = []
+    for rule in policy["ingress"]:
+        ports = [p["port"] for p in rule.get("ports", [])]
+        assert ports, "a rule without ports opens every port"
+        if 8001 in ports or "admin" in ports:
+            admin_rules.append(rule)
+    assert admin_rules, "nothing may reach the admin port"
+    for rule in admin_rules:
+        assert rule.get("from"), "the admin port is open to everyone"
+        for peer in rule["from"]:
+            assert peer.get("podSelector", {}).get("matchLabels") or peer.get("ipBlock"), peer
+
+
+def test_service_monitor_scrapes_the_public_port(objects) -> None:
+    monitor = objects[("ServiceMonitor", "kvoffload")]["spec"]
+    services = [
+        svc
+        for (kind, _), svc in objects.items()
+        if kind == "Service"
+        and monitor["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    ]
+    assert [s["metadata"]["name"] for s in services] == ["kvoffload"]
+    (endpoint,) = monitor["endpoints"]
+    assert endpoint["port"] in {p["name"] for p in services[0]["spec"]["ports"]}
+    assert endpoint["path"] == "/metrics"
+
+
+def test_prometheus_rule_matches_the_rules_file(objects) -> None:
+    rule = objects[("PrometheusRule", "kvoffload")]
+    assert rule["spec"]["groups"] == load_yaml(RULES)["groups"]
+
+
+def test_dashboard_configmap_matches_the_dashboard(objects) -> None:
+    configmap = objects[("ConfigMap", "kvoffload-grafana-dashboard")]
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    (key,) = configmap["data"]
+    assert key == DASHBOARD.name
+    assert configmap["data"][key] == DASHBOARD.read_text(encoding="utf-8")
+    assert json.loads(configmap["data"][key]) == load_json(DASHBOARD)
+
+
+def test_generated_files_are_up_to_date() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(SYNC_TOOL), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.skipif(KUBECTL is None, reason="kubectl not on PATH (kubectl kustomize renders)")
+def test_kustomize_renders_everything_in_one_namespace(objects) -> None:
+    assert KUBECTL is not None
+    proc = subprocess.run(
+        [KUBECTL, "kustomize", str(K8S)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    rendered = [d for d in yaml.safe_load_all(proc.stdout) if d is not None]
+    assert {(d["kind"], d["metadata"]["name"]) for d in rendered} == set(objects)
+    for doc in rendered:
+        if doc["kind"] != "Namespace":
+            assert doc["metadata"]["namespace"] == "kvoffload", doc["metadata"]["name"]
+        assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "kvoffload"
