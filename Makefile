@@ -50,6 +50,8 @@ format: setup
 
 bench: setup
 	$(PY) bench/manager_ops.py
+	$(PY) bench/transfer_bw.py
+	$(PY) bench/policy_sweep.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis bench/results

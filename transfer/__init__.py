@@ -1,1 +1,67 @@
-"""kvoffload's transfer layer: host pool, registered device KV caches, transfer worker (torch)."""
+"""kvoffload's transfer layer: host pool, registered device KV caches, transfer workers.
+
+- ``HostPool``: the shared-memory pool the manager's slots index (``transfer.host_pool``).
+- ``KVCacheRegistry``: device KV caches registered by engines, by shared-memory file or CUDA
+  IPC handle, and the block geometry that maps them onto host blocks (``transfer.kv_cache``).
+- ``TransferWorker``: executes store (device -> host) and load (host -> device) jobs; CPU,
+  CUDA and fault-injecting backends behind one contract (``transfer.worker``).
+- ``JobTracker``: completes finished jobs against the manager (``transfer.jobs``).
+
+Knows ``manager.spec`` (and nothing else of ``manager``). Errors live in ``transfer.errors``.
+"""
+
+from __future__ import annotations
+
+from transfer.errors import (
+    InvalidJobError,
+    PoolError,
+    RegistrationError,
+    TransferError,
+    UnknownCacheError,
+    WorkerClosedError,
+)
+from transfer.host_pool import HostPool
+from transfer.jobs import CompletionSink, JobRecord, JobTracker
+from transfer.kv_cache import (
+    DTYPES,
+    KVCacheRegistry,
+    KVCacheSpec,
+    RegisteredCache,
+    TensorLayout,
+    TensorSpec,
+    export_cuda_ipc_handle,
+)
+from transfer.worker import (
+    BACKENDS,
+    FaultSpec,
+    JobResult,
+    TransferJob,
+    TransferWorker,
+    create_worker,
+)
+
+__all__ = [
+    "BACKENDS",
+    "DTYPES",
+    "CompletionSink",
+    "FaultSpec",
+    "HostPool",
+    "InvalidJobError",
+    "JobRecord",
+    "JobResult",
+    "JobTracker",
+    "KVCacheRegistry",
+    "KVCacheSpec",
+    "PoolError",
+    "RegisteredCache",
+    "RegistrationError",
+    "TensorLayout",
+    "TensorSpec",
+    "TransferError",
+    "TransferJob",
+    "TransferWorker",
+    "UnknownCacheError",
+    "WorkerClosedError",
+    "create_worker",
+    "export_cuda_ipc_handle",
+]

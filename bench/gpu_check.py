@@ -1,0 +1,498 @@
+"""GPU check of the CUDA transfer backend: correctness, CUDA IPC, and bandwidth.
+
+On a CUDA machine, in this order (each section's outcome is written to the JSON as soon as it
+is known, so a crash or the watchdog still leaves what was measured):
+
+1. ``correctness``: a pinned pool and a mixed CUDA cache (4 tensors, fp16/bf16/fp32/int8,
+   block_dim 0, 1 and 2) registered in-process; store random blocks to random slots and check
+   every host byte, then load them into other blocks and check every device byte. Run with the
+   default staging buffer, with a tiny one (many chunks), and with the torch copy path instead
+   of the raw ``cudaMemcpyAsync`` path.
+2. ``ipc``: a child process allocates the cache on the GPU and exports it by CUDA IPC handle
+   (``export_cuda_ipc_handle``); the service side registers it from the JSON body, stores and
+   loads, and the child checks the loaded bytes in its own memory.
+3. ``bandwidth``: D2H (store) and H2D (load) GB/s of whole-cache jobs, 4 tensors per cache,
+   block sizes 64 KiB to 4 MiB, device blocks in random order and host slots either in runs
+   (contiguous) or scattered, against one large copy between a pinned buffer and the GPU (and
+   between the pool itself and the GPU). Medians of several repetitions. Target: >= 85% of the
+   plain pinned copy.
+
+Prints tables, writes ``bench/results/gpu_check.json``; exits 0 when every check passed, 1 when
+one failed, and 0 with a message when there is no CUDA. Meant to finish in well under three
+minutes on one H200; a watchdog stops it at ``--budget`` seconds.
+
+Run: ``.venv/bin/python bench/gpu_check.py`` (``--quick`` for a smaller run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import random
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+with warnings.catch_warnings():
+    # CPU-only torch wheels warn when NumPy is absent; nothing here uses NumPy.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    import torch
+
+from transfer import HostPool, KVCacheRegistry, KVCacheSpec, TransferJob  # noqa: E402
+
+OUT_DEFAULT = ROOT / "bench" / "results" / "gpu_check.json"
+TARGET = 0.85
+# (shape with "N" for the block dimension, dtype, block_dim)
+MIXED: list[tuple[list[int | str], str, int]] = [
+    ([2, "N", 4, 8], "float16", 1),
+    (["N", 2, 16], "bfloat16", 0),
+    ([3, 2, "N", 5], "float32", 2),
+    (["N", 64], "int8", 0),
+]
+
+REPORT: dict[str, Any] = {"benchmark": "gpu_check", "sections": {}}
+OUT_PATH = OUT_DEFAULT
+
+
+def save() -> None:
+    OUT_PATH.parent.mkdir(parents=True, exist_ok=True)
+    OUT_PATH.write_text(json.dumps(REPORT, indent=2, default=str) + "\n")
+
+
+def section(name: str, fn: Callable[[], dict[str, Any]]) -> bool:
+    """Run one section; record its result or its traceback; True when it passed."""
+    print(f"== {name}", flush=True)
+    started = time.perf_counter()
+    try:
+        result = fn()
+        ok = bool(result.get("ok", True))
+    except Exception:
+        result = {"ok": False, "error": traceback.format_exc()}
+        ok = False
+        print(result["error"], flush=True)
+    result["seconds"] = round(time.perf_counter() - started, 3)
+    REPORT["sections"][name] = result
+    save()
+    print(f"   {'PASS' if ok else 'FAIL'} ({result['seconds']} s)", flush=True)
+    return ok
+
+
+def layout_for(n: int) -> list[tuple[list[int], str, int]]:
+    return [([n if d == "N" else int(d) for d in shape], dt, bd) for shape, dt, bd in MIXED]
+
+
+def block_bytes(layout: list[tuple[list[int], str, int]]) -> int:
+    total = 0
+    for shape, dt, bd in layout:
+        total += torch.Size(shape).numel() // shape[bd] * getattr(torch, dt).itemsize
+    return total
+
+
+def host_block(
+    flats: list[torch.Tensor], layout: list[tuple[list[int], str, int]], b: int
+) -> torch.Tensor:
+    parts = []
+    for flat, (shape, _dt, bd) in zip(flats, layout, strict=True):
+        outer = torch.Size(shape[:bd]).numel()
+        parts.append(flat.view(outer, shape[bd], -1)[:, b, :].reshape(-1))
+    return torch.cat(parts)
+
+
+def random_tensors(
+    layout: list[tuple[list[int], str, int]], seed: int, device: str
+) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(
+            0,
+            256,
+            (torch.Size(shape).numel() * getattr(torch, dt).itemsize,),
+            dtype=torch.uint8,
+            generator=gen,
+        )
+        .view(getattr(torch, dt))
+        .view(shape)
+        .to(device)
+        for shape, dt, _bd in layout
+    ]
+
+
+def run_job(worker: Any, job: TransferJob, timeout: float = 60.0) -> Any:
+    jid = worker.submit(job)
+    results = worker.wait([jid], timeout=timeout)
+    if not results:
+        raise RuntimeError(f"job {jid} did not finish within {timeout} s")
+    return results[0]
+
+
+def check_round_trip(staging_bytes: int, raw_memcpy: bool) -> dict[str, Any]:
+    from transfer.cuda_worker import CudaTransferWorker
+
+    n, slots_n = 96, 128
+    layout = layout_for(n)
+    bb = block_bytes(layout)
+    pool = HostPool.create(slots_n, bb)
+    worker = None
+    try:
+        registry = KVCacheRegistry(pool)
+        tensors = random_tensors(layout, seed=1, device="cuda:0")
+        cache = registry.register_tensors("check", tensors, [bd for _s, _d, bd in layout])
+        originals = [t.clone() for t in cache.tensors]
+        torch.cuda.synchronize()  # an engine finishes writing before it asks to store
+        worker = CudaTransferWorker(
+            pool, registry, staging_bytes=staging_bytes, raw_memcpy=raw_memcpy
+        )
+        rng = random.Random(staging_bytes)
+        blocks = rng.sample(range(n), 80)
+        slots = list(range(3, 43)) + rng.sample(range(50, slots_n), 40)
+        r = run_job(worker, TransferJob("store", cache.cache_id, blocks, slots, 60.0))
+        bad_store = []
+        if r.ok:
+            cpu_orig = [o.cpu() for o in originals]
+            bad_store = [
+                s
+                for b, s in zip(blocks, slots, strict=True)
+                if not torch.equal(pool.tensor[s], host_block(cpu_orig, layout, b))
+            ]
+        for t in cache.tensors:
+            t.zero_()
+        torch.cuda.synchronize()
+        targets = rng.sample(range(n), 80)
+        r2 = run_job(worker, TransferJob("load", cache.cache_id, targets, slots, 60.0))
+        bad_load = []
+        if r2.ok:
+            torch.cuda.synchronize()
+            now = [t.cpu() for t in cache.tensors]
+            cpu_orig = [o.cpu() for o in originals]
+            bad_load = [
+                t
+                for t, b in zip(targets, blocks, strict=True)
+                if not torch.equal(host_block(now, layout, t), host_block(cpu_orig, layout, b))
+            ]
+        ok = r.ok and r2.ok and not bad_store and not bad_load
+        return {
+            "ok": ok,
+            "pinned": pool.pinned,
+            "raw_memcpy": worker.raw_memcpy,
+            "store": {"ok": r.ok, "reason": r.reason, "bad_slots": bad_store[:5]},
+            "load": {"ok": r2.ok, "reason": r2.reason, "bad_blocks": bad_load[:5]},
+        }
+    finally:
+        if worker is not None:
+            worker.shutdown()
+        pool.close()
+
+
+def correctness() -> dict[str, Any]:
+    from transfer.cuda_worker import DEFAULT_STAGING_BYTES
+
+    runs = {
+        "default_staging_raw": check_round_trip(DEFAULT_STAGING_BYTES, True),
+        "tiny_staging_raw": check_round_trip(3000, True),
+        "default_staging_torch_copies": check_round_trip(DEFAULT_STAGING_BYTES, False),
+    }
+    for name, r in runs.items():
+        print(
+            f"   {name}: ok={r['ok']} pinned={r['pinned']} raw_memcpy={r['raw_memcpy']}", flush=True
+        )
+    return {"ok": all(r["ok"] for r in runs.values()), "runs": runs}
+
+
+CHILD = r"""
+import hashlib, json, sys
+sys.path.insert(0, sys.argv[1])
+import transfer, torch
+from transfer import export_cuda_ipc_handle
+layout = json.loads(sys.argv[2])
+gen = torch.Generator().manual_seed(7)
+tensors = []
+for shape, dt, bd in layout:
+    nbytes = torch.Size(shape).numel() * getattr(torch, dt).itemsize
+    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+    tensors.append(raw.view(getattr(torch, dt)).view(shape).to("cuda:0"))
+torch.cuda.synchronize()
+spec = {"name": "ipc-child", "device": "cuda:0", "tensors": [
+    {"shape": shape, "dtype": dt, "block_dim": bd, "handle": export_cuda_ipc_handle(t)}
+    for t, (shape, dt, bd) in zip(tensors, layout)]}
+print(json.dumps({"spec": spec}), flush=True)
+flats = [t.reshape(-1).view(torch.uint8) for t in tensors]
+for line in sys.stdin:
+    cmd = json.loads(line)
+    if cmd["op"] == "exit":
+        break
+    torch.cuda.synchronize()
+    out = []
+    for b in cmd["blocks"]:
+        h = hashlib.sha256()
+        for flat, (shape, dt, bd) in zip(flats, layout):
+            outer = torch.Size(shape[:bd]).numel()
+            h.update(bytes(flat.view(outer, shape[bd], -1)[:, b, :].reshape(-1).cpu().tolist()))
+        out.append(h.hexdigest())
+    print(json.dumps({"digests": out}), flush=True)
+"""
+
+
+def read_line(proc: subprocess.Popen[str], timeout: float) -> str:
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    if not ready:
+        raise TimeoutError(f"child sent nothing within {timeout} s")
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"child exited (code {proc.poll()})")
+    return line
+
+
+def ipc() -> dict[str, Any]:
+    from transfer.cuda_worker import CudaTransferWorker
+
+    n, slots_n = 48, 64
+    layout = layout_for(n)
+    bb = block_bytes(layout)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(ROOT), json.dumps(layout)],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    pool = HostPool.create(slots_n, bb)
+    worker = None
+    registry = KVCacheRegistry(pool)
+    try:
+        spec = json.loads(read_line(proc, 60))["spec"]
+        handle_keys = sorted(spec["tensors"][0]["handle"])
+        cache = registry.register(KVCacheSpec.from_dict(spec))
+        worker = CudaTransferWorker(pool, registry)
+        rng = random.Random(5)
+        blocks = rng.sample(range(n), 30)
+        slots = rng.sample(range(slots_n), 30)
+        # What the child holds, read through the IPC mapping, before anything moves.
+        before = [t.cpu() for t in cache.tensors]
+        r = run_job(worker, TransferJob("store", cache.cache_id, blocks, slots, 60.0))
+        bad_store = [
+            s
+            for b, s in zip(blocks, slots, strict=True)
+            if not torch.equal(pool.tensor[s], host_block(before, layout, b))
+        ]
+        targets = rng.sample(range(n), 30)
+        r2 = run_job(worker, TransferJob("load", cache.cache_id, targets, slots, 60.0))
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps({"op": "digest", "blocks": targets}) + "\n")
+        proc.stdin.flush()
+        digests = json.loads(read_line(proc, 60))["digests"]
+        want = [hashlib.sha256(bytes(pool.tensor[s].tolist())).hexdigest() for s in slots]
+        bad_load = [t for t, d, w in zip(targets, digests, want, strict=True) if d != w]
+        # Let go of the child's memory before the child exits.
+        worker.shutdown()
+        registry.close()
+        del cache, before
+        torch.cuda.synchronize()
+        ok = r.ok and r2.ok and not bad_store and not bad_load
+        return {
+            "ok": ok,
+            "handle_fields": handle_keys,
+            "store": {"ok": r.ok, "reason": r.reason, "bad_slots": bad_store[:5]},
+            "load": {"ok": r2.ok, "reason": r2.reason, "bad_blocks_seen_by_child": bad_load[:5]},
+        }
+    finally:
+        if worker is not None:
+            worker.shutdown()
+        registry.close()
+        pool.close()
+        try:
+            if proc.stdin is not None:
+                proc.stdin.write('{"op": "exit"}\n')
+                proc.stdin.close()
+            proc.wait(timeout=30)
+        except Exception:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def timed(fn: Callable[[], object], reps: int) -> list[float]:
+    fn()
+    out = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def gbps(nbytes: int, seconds: list[float]) -> float:
+    return nbytes / 1e9 / statistics.median(seconds)
+
+
+def copy_rates(host: torch.Tensor, dev: torch.Tensor, reps: int) -> tuple[float, float]:
+    """(D2H, H2D) GB/s of one large copy between ``host`` and ``dev``."""
+    n = host.numel()
+    d2h = gbps(n, timed(lambda: host.copy_(dev, non_blocking=True), reps))
+    h2d = gbps(n, timed(lambda: dev.copy_(host, non_blocking=True), reps))
+    return d2h, h2d
+
+
+def pinned_baseline(dev: torch.Tensor, reps: int) -> tuple[float, float]:
+    pinned = torch.empty(dev.numel(), dtype=torch.uint8, pin_memory=True).fill_(1)
+    return copy_rates(pinned, dev, reps)
+
+
+def job_rate(worker: Any, job: TransferJob, nbytes: int, reps: int) -> float:
+    def go() -> None:
+        r = run_job(worker, job, 120.0)
+        if not r.ok:
+            raise RuntimeError(f"{job.direction} failed: {r.reason}")
+
+    return gbps(nbytes, timed(go, reps))
+
+
+def bandwidth_for(
+    bb: int, dev_big: torch.Tensor, base: tuple[float, float], reps: int
+) -> list[dict[str, Any]]:
+    from transfer.cuda_worker import CudaTransferWorker
+
+    total = dev_big.numel()
+    n = total // bb
+    rows = []
+    pool = HostPool.create(n, bb)
+    worker = None
+    try:
+        pool_d2h, pool_h2d = copy_rates(pool.tensor.view(-1)[: n * bb], dev_big[: n * bb], reps)
+        registry = KVCacheRegistry(pool)
+        half_words = bb // 4 // 2  # 4 float16 tensors of bb/4 bytes per block each
+        tensors = [
+            torch.empty(n, half_words, dtype=torch.float16, device="cuda:0").fill_(i)
+            for i in range(4)
+        ]
+        cache = registry.register_tensors(f"bw{bb}", tensors, [0, 0, 0, 0])
+        torch.cuda.synchronize()
+        worker = CudaTransferWorker(pool, registry)
+        rng = random.Random(bb)
+        blocks = rng.sample(range(n), n)
+        patterns = {"slot_runs": list(range(n)), "scattered": rng.sample(range(n), n)}
+        for pattern, slots in patterns.items():
+            store = job_rate(
+                worker, TransferJob("store", cache.cache_id, blocks, slots, 120.0), n * bb, reps
+            )
+            load = job_rate(
+                worker, TransferJob("load", cache.cache_id, blocks, slots, 120.0), n * bb, reps
+            )
+            row = {
+                "block_bytes": bb,
+                "pattern": pattern,
+                "store_gbps": store,
+                "load_gbps": load,
+                "store_ratio": store / base[0],
+                "load_ratio": load / base[1],
+                "pool_d2h_gbps": pool_d2h,
+                "pool_h2d_gbps": pool_h2d,
+                "pinned": pool.pinned,
+                "raw_memcpy": worker.raw_memcpy,
+            }
+            rows.append(row)
+            print(
+                f"   {bb >> 10:>5} KiB {pattern:>10}: "
+                f"store {store:6.1f} GB/s ({row['store_ratio']:.2f})  "
+                f"load {load:6.1f} GB/s ({row['load_ratio']:.2f})  "
+                f"[pool copy D2H {pool_d2h:.1f} H2D {pool_h2d:.1f}]",
+                flush=True,
+            )
+    finally:
+        if worker is not None:
+            worker.shutdown()
+        pool.close()
+    return rows
+
+
+def bandwidth(total: int, reps: int, sizes: list[int]) -> dict[str, Any]:
+    dev_big = torch.empty(total, dtype=torch.uint8, device="cuda:0").fill_(3)
+    base = pinned_baseline(dev_big, reps)
+    print(f"   pinned copy baseline: D2H {base[0]:.1f} GB/s, H2D {base[1]:.1f} GB/s", flush=True)
+    rows: list[dict[str, Any]] = []
+    for bb in sizes:
+        rows += bandwidth_for(bb, dev_big, base, reps)
+        REPORT["sections"]["bandwidth_partial"] = {"baseline": base, "rows": rows}
+        save()
+    REPORT["sections"].pop("bandwidth_partial", None)
+    meets = all(
+        min(float(r["store_ratio"]), float(r["load_ratio"])) >= TARGET
+        for r in rows
+        if r["block_bytes"] >= (256 << 10) and r["pattern"] == "slot_runs"
+    )
+    return {
+        "ok": True,  # bandwidth is reported, not asserted
+        "target_ratio": TARGET,
+        "meets_target_slot_runs_256k_up": meets,
+        "baseline": {"pinned_d2h_gbps": base[0], "pinned_h2d_gbps": base[1]},
+        "rows": rows,
+    }
+
+
+def on_alarm(signum: int, frame: FrameType | None) -> None:
+    REPORT["watchdog"] = "stopped by the watchdog"
+    save()
+    print("watchdog: out of time, partial results written", flush=True)
+    os._exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    global OUT_PATH
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller run")
+    parser.add_argument("--out", default=str(OUT_DEFAULT))
+    parser.add_argument("--budget", type=float, default=170.0, help="watchdog, seconds")
+    args = parser.parse_args(argv)
+    OUT_PATH = Path(args.out)
+    REPORT["quick"] = args.quick
+    if not torch.cuda.is_available():
+        REPORT["cuda"] = False
+        save()
+        print("gpu_check: no CUDA device here; nothing to check (wrote a stub result).")
+        return 0
+    signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(int(args.budget))
+    REPORT["cuda"] = True
+    REPORT["machine"] = {
+        "gpu": torch.cuda.get_device_name(0),
+        "gpus": torch.cuda.device_count(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+    }
+    machine = REPORT["machine"]
+    print(f"gpu_check on {machine['gpu']} (torch {machine['torch']}, CUDA {machine['cuda']})")
+    save()
+    ok = section("correctness", correctness)
+    ok = section("ipc", ipc) and ok
+    total = (256 << 20) if args.quick else (1 << 30)
+    sizes = [256 << 10, 1 << 20, 4 << 20] if args.quick else [64 << 10, 256 << 10, 1 << 20, 4 << 20]
+    section("bandwidth", lambda: bandwidth(total, 3 if args.quick else 5, sizes))
+    REPORT["ok"] = ok
+    save()
+    print(f"gpu_check: {'all checks passed' if ok else 'SOME CHECKS FAILED'}; wrote {OUT_PATH}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

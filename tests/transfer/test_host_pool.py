@@ -1,0 +1,272 @@
+"""HostPool: sizing errors, the unnamed shared-memory file, cleanup, pinning (with a fake CUDA)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.transfer.kvref import unique_prefix
+from transfer import HostPool, PoolError
+from transfer import host_pool as host_pool_mod
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def shm_entries(prefix: str) -> list[str]:
+    return [name for name in os.listdir("/dev/shm") if name.startswith(prefix)]
+
+
+def test_create_layout_and_tensor(make_pool) -> None:
+    pool = make_pool(8, 4096, pin=False)
+    assert pool.num_blocks == 8
+    assert pool.block_bytes == 4096
+    assert pool.total_bytes == 8 * 4096
+    assert pool.pinned is False
+    assert pool.tensor.shape == (8, 4096)
+    assert pool.tensor.dtype == torch.uint8
+    assert pool.layout() == {
+        "path": pool.path,
+        "num_blocks": 8,
+        "block_bytes": 4096,
+        "pinned": False,
+    }
+    assert pool.path == f"/proc/{os.getpid()}/fd/{pool._fd}"
+    # The region is zero-filled and writable, and the path maps the same memory.
+    assert int(pool.tensor.sum()) == 0
+    pool.tensor[3, 17] = 99
+    with open(pool.path, "rb") as f:
+        f.seek(3 * 4096 + 17)
+        assert f.read(1) == b"\x63"
+
+
+def test_the_file_never_has_a_name(make_pool) -> None:
+    prefix = unique_prefix("named")
+    pool = make_pool(4, 4096, pin=False, name_prefix=prefix)
+    target = os.readlink(pool.path)
+    assert target.startswith("/dev/shm/")
+    assert target.endswith("(deleted)")
+    assert shm_entries(prefix) == []
+
+
+def test_without_o_tmpfile_the_name_is_unlinked_at_once(make_pool, monkeypatch) -> None:
+    monkeypatch.delattr(os, "O_TMPFILE", raising=False)
+    prefix = unique_prefix("mkstemp")
+    pool = make_pool(4, 4096, pin=False, name_prefix=prefix)
+    target = os.readlink(pool.path)
+    assert os.path.basename(target).startswith(prefix)
+    assert target.endswith("(deleted)")
+    assert shm_entries(prefix) == []
+    pool.close()
+    assert shm_entries(prefix) == []
+
+
+@pytest.mark.parametrize(
+    ("num_blocks", "block_bytes"),
+    [(0, 4096), (-1, 4096), (4, 0), (4, -8), (True, 4096), (4, 4096.0), ("4", 4096)],
+)
+def test_rejects_bad_sizes(num_blocks, block_bytes) -> None:
+    with pytest.raises(PoolError, match="must be a positive integer"):
+        HostPool.create(num_blocks, block_bytes, pin=False)
+
+
+def test_rejects_missing_shm_dir(tmp_path) -> None:
+    with pytest.raises(PoolError, match="is not a directory"):
+        HostPool.create(4, 4096, pin=False, shm_dir=str(tmp_path / "nope"))
+
+
+def test_rejects_pool_larger_than_shm_free_space() -> None:
+    st = os.statvfs("/dev/shm")
+    free = st.f_bavail * st.f_frsize
+    with pytest.raises(PoolError, match=r"does not fit in /dev/shm \(\d+ bytes free\)"):
+        HostPool.create(free // (1 << 20) + 1024, 1 << 20, pin=False)
+
+
+def test_rejects_pool_larger_than_available_memory(monkeypatch) -> None:
+    monkeypatch.setattr(host_pool_mod, "_available_memory", lambda: 1 << 20)
+    with pytest.raises(PoolError, match=r"does not fit in memory \(1048576 bytes available\)"):
+        HostPool.create(512, 4096, pin=False)
+
+
+def test_available_memory_is_readable_here() -> None:
+    avail = host_pool_mod._available_memory()
+    assert avail is None or avail > 0
+
+
+def test_close_is_idempotent_and_final(make_pool) -> None:
+    prefix = unique_prefix("close")
+    pool = make_pool(4, 4096, pin=False, name_prefix=prefix)
+    path = pool.path
+    assert os.path.exists(path)
+    pool.close()
+    pool.close()
+    assert pool.closed
+    assert not os.path.exists(path)
+    with pytest.raises(PoolError, match="closed"):
+        _ = pool.tensor
+    assert shm_entries(prefix) == []
+
+
+def test_context_manager_closes() -> None:
+    with HostPool.create(2, 4096, pin=False) as pool:
+        path = pool.path
+        assert os.path.exists(path)
+    assert pool.closed
+    assert not os.path.exists(path)
+
+
+def test_no_shm_file_survives_a_normal_exit_without_close() -> None:
+    prefix = unique_prefix("exit")
+    code = textwrap.dedent(
+        f"""
+        import os
+        import transfer
+        from transfer import HostPool
+        del os.O_TMPFILE  # the named fallback: the harder case
+        pool = HostPool.create(4, 65536, pin=False, name_prefix={prefix!r})
+        print(pool.path)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.startswith("/proc/")
+    assert shm_entries(prefix) == []
+
+
+@pytest.mark.parametrize("mode", ["o_tmpfile", "mkstemp"])
+def test_no_shm_file_survives_sigkill_of_the_owner(mode) -> None:
+    prefix = unique_prefix("kill")
+    before = set(os.listdir("/dev/shm"))
+    code = textwrap.dedent(
+        f"""
+        import os, sys, time
+        import transfer
+        from transfer import HostPool
+        if {mode!r} == "mkstemp":
+            del os.O_TMPFILE
+        pool = HostPool.create(16, 65536, pin=False, name_prefix={prefix!r})
+        pool.tensor[5].fill_(7)
+        print(pool.path, flush=True)
+        time.sleep(120)
+        """
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True
+    ) as child:
+        try:
+            assert child.stdout is not None
+            path = child.stdout.readline().strip()
+            assert path == f"/proc/{child.pid}/fd/{path.rsplit('/', 1)[1]}"
+            # While the owner lives: the pool is reachable by its path and has no name in shm.
+            assert os.readlink(path).endswith("(deleted)")
+            with open(path, "rb") as f:
+                f.seek(5 * 65536)
+                assert f.read(4) == b"\x07" * 4
+            assert shm_entries(prefix) == []
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait(timeout=30)
+    assert child.returncode == -signal.SIGKILL
+    assert not os.path.exists(path)
+    assert shm_entries(prefix) == []
+    # Nothing whatsoever was left in /dev/shm by the killed owner.
+    leftover = [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("kvo")]
+    assert leftover == []
+
+
+class FakeCudart:
+    """Stands in for torch.cuda.cudart(): records registrations, fails on request."""
+
+    def __init__(self, fail_on_call: int | None = None) -> None:
+        self.fail_on_call = fail_on_call
+        self.registered: list[tuple[int, int, int]] = []
+        self.unregistered: list[int] = []
+        self.calls = 0
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+        self.calls += 1
+        if self.fail_on_call is not None and self.calls == self.fail_on_call:
+            return 2  # cudaErrorMemoryAllocation
+        self.registered.append((ptr, size, flags))
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        self.unregistered.append(ptr)
+        return 0
+
+
+def test_pins_in_block_aligned_chunks_and_unpins_on_close(make_pool, monkeypatch) -> None:
+    fake = FakeCudart()
+    monkeypatch.setattr(host_pool_mod, "_cudart", lambda: fake)
+    monkeypatch.setattr(host_pool_mod, "MAX_PIN_CHUNK_BYTES", 5 * 8192)
+    pool = make_pool(12, 8192, pin=True)
+    assert pool.pinned
+    assert pool.layout()["pinned"] is True
+    base = pool.tensor.data_ptr()
+    assert fake.registered == [
+        (base, 5 * 8192, 1),
+        (base + 5 * 8192, 5 * 8192, 1),
+        (base + 10 * 8192, 2 * 8192, 1),
+    ]
+    assert pool.pin_chunk_blocks == 5
+    pool.close()
+    assert fake.unregistered == [base, base + 5 * 8192, base + 10 * 8192]
+    assert not pool.pinned
+
+
+def test_failed_registration_rolls_back_and_stays_pageable(make_pool, monkeypatch, caplog) -> None:
+    fake = FakeCudart(fail_on_call=3)
+    monkeypatch.setattr(host_pool_mod, "_cudart", lambda: fake)
+    monkeypatch.setattr(host_pool_mod, "MAX_PIN_CHUNK_BYTES", 4 * 4096)
+    with caplog.at_level(logging.WARNING, logger="transfer.host_pool"):
+        pool = make_pool(16, 4096, pin=True)
+    assert pool.pinned is False
+    assert pool.pin_chunk_blocks is None
+    assert [p for p, _s, _f in fake.registered] == fake.unregistered  # both chunks rolled back
+    assert len(fake.unregistered) == 2
+    assert "stays pageable" in caplog.text
+    pool.tensor[15].fill_(1)  # still a working pool
+    pool.close()
+    assert len(fake.unregistered) == 2  # nothing more to unregister
+
+
+def test_pin_without_cuda_warns_and_stays_pageable(make_pool, caplog) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with caplog.at_level(logging.WARNING, logger="transfer.host_pool"):
+        pool = make_pool(2, 4096, pin=True)
+    assert not pool.pinned
+    assert "stays pageable" in caplog.text
+
+
+def test_pin_none_follows_cuda_availability(make_pool, monkeypatch) -> None:
+    fake = FakeCudart()
+    monkeypatch.setattr(host_pool_mod, "_cudart", lambda: fake)
+    monkeypatch.setattr(host_pool_mod, "_cuda_available", lambda: False)
+    assert not make_pool(2, 4096).pinned
+    assert fake.calls == 0
+    monkeypatch.setattr(host_pool_mod, "_cuda_available", lambda: True)
+    assert make_pool(2, 4096).pinned
+    assert fake.calls == 1
+
+
+def test_chunk_size_falls_on_block_and_page_boundaries() -> None:
+    chunk = host_pool_mod._pin_chunk_bytes
+    gib = 1 << 30
+    assert chunk(2 << 20, 64 * gib) == 64 * gib
+    assert chunk(3 * 4096, 64 * gib) % (3 * 4096) == 0
+    assert chunk(3 * 4096, 64 * gib) <= 64 * gib
+    odd = chunk(1000, 64 * gib)  # lcm(1000, 4096) fits: block and page aligned
+    assert odd % 1000 == 0
+    assert odd % 4096 == 0
+    huge = chunk(100 * gib + 1, 64 * gib)  # no common multiple fits: page-aligned chunks
+    assert huge % 4096 == 0
+    assert huge <= 64 * gib

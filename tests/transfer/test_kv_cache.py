@@ -1,0 +1,351 @@
+"""KV-cache registration: every validation error, all-or-nothing, geometry, lookup."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from tests.transfer.conftest import write_shm_tensors
+from tests.transfer.kvref import shm_spec
+from transfer import (
+    KVCacheRegistry,
+    KVCacheSpec,
+    RegistrationError,
+    TensorSpec,
+    UnknownCacheError,
+    export_cuda_ipc_handle,
+)
+
+# Two tensors, per block: 2*4*8*2 = 128 bytes (block_dim 1, outer 2) + 16*4 = 64 bytes.
+LAYOUT = [([2, 10, 4, 8], "float16", 1), ([10, 16], "float32", 0)]
+BLOCK_BYTES = 192
+
+
+@pytest.fixture
+def files(shm_prefix) -> list[str]:
+    paths, _flats = write_shm_tensors(shm_prefix, LAYOUT)
+    return paths
+
+
+@pytest.fixture
+def registry(make_pool) -> KVCacheRegistry:
+    return KVCacheRegistry(make_pool(16, BLOCK_BYTES, pin=False))
+
+
+def body(paths: list[str]) -> dict[str, Any]:
+    return shm_spec("engine0", paths, LAYOUT)
+
+
+def mapped_paths(paths: list[str]) -> set[str]:
+    with open("/proc/self/maps") as f:
+        maps = f.read()
+    return {p for p in paths if p in maps}
+
+
+def test_register_round_trip(registry, files) -> None:
+    spec = KVCacheSpec.from_dict(body(files))
+    assert spec.bytes_per_block == BLOCK_BYTES
+    cache = registry.register(spec)
+    assert cache.cache_id.startswith("kvc-")
+    assert (cache.name, cache.device, cache.block_bytes, cache.num_blocks) == (
+        "engine0",
+        "cpu",
+        BLOCK_BYTES,
+        10,
+    )
+    assert [(lay.outer, lay.inner_bytes, lay.host_offset) for lay in cache.layouts] == [
+        (2, 64, 0),
+        (1, 64, 128),
+    ]
+    assert registry.get(cache.cache_id) is cache
+    assert registry.list() == [cache]
+    assert cache.describe()["num_tensors"] == 2
+    assert mapped_paths(files) == set(files)
+    registry.unregister(cache.cache_id)
+    with pytest.raises(UnknownCacheError, match=cache.cache_id):
+        registry.get(cache.cache_id)
+    with pytest.raises(UnknownCacheError):
+        registry.unregister(cache.cache_id)
+    assert registry.list() == []
+
+
+def test_mapping_is_shared_with_the_engine(registry, files) -> None:
+    cache = registry.register(KVCacheSpec.from_dict(body(files)))
+    cache.tensors[1][5] = 42
+    with open(files[1], "rb") as f:
+        f.seek(5)
+        assert f.read(1) == b"\x2a"
+
+
+def test_registering_a_name_again_replaces_it(registry, files) -> None:
+    first = registry.register(KVCacheSpec.from_dict(body(files)))
+    second = registry.register(KVCacheSpec.from_dict(body(files)))
+    assert first.cache_id != second.cache_id
+    assert registry.list() == [second]
+    with pytest.raises(UnknownCacheError):
+        registry.get(first.cache_id)
+
+
+def test_registry_close_forgets_everything(registry, files) -> None:
+    registry.register(KVCacheSpec.from_dict(body(files)))
+    registry.close()
+    assert len(registry) == 0
+
+
+def test_unknown_cache_error_is_a_lookup_error(registry) -> None:
+    with pytest.raises(LookupError):
+        registry.get("kvc-nope")
+
+
+def mutate(d: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    """Set (or, with value ``...``, delete) a dotted path like ``tensors.0.handle.kind``."""
+    d = copy.deepcopy(d)
+    parts = path.split(".")
+    target: Any = d
+    for part in parts[:-1]:
+        target = target[int(part)] if isinstance(target, list) else target[part]
+    last: Any = int(parts[-1]) if isinstance(target, list) else parts[-1]
+    if value is ...:
+        del target[last]
+    else:
+        target[last] = value
+    return d
+
+
+PARSE_ERRORS = [
+    ("name", ..., "missing 'name'"),
+    ("name", "", "name must be a string of 1..128"),
+    ("name", "x" * 129, "name must be a string of 1..128"),
+    ("name", "bad\nname", "printable ASCII"),
+    ("device", "gpu", "device must be 'cpu', 'cuda' or 'cuda:N'"),
+    ("tensors", [], "tensors must list 1..4096"),
+    ("tensors", "t", "tensors must be a list"),
+    ("extra", 1, "unknown field"),
+    ("tensors.0.extra", 1, r"tensors\[0\] has unknown field"),
+    ("tensors.0.shape", ..., r"tensors\[0\] is missing 'shape'"),
+    ("tensors.0.shape", [], r"tensors\[0\].shape must be a list of 1..8"),
+    ("tensors.0.shape", [2, 10, 0, 8], r"tensors\[0\].shape\[2\] must be a positive integer"),
+    ("tensors.0.shape", [2, 10, -4, 8], r"shape\[2\] must be a positive integer, got -4"),
+    ("tensors.0.shape", [2, 10, 4.0, 8], r"shape\[2\] must be a positive integer"),
+    ("tensors.0.shape", [2, True, 4, 8], r"shape\[1\] must be a positive integer"),
+    ("tensors.0.dtype", "float128", r"dtype 'float128' is not supported; use one of float16"),
+    ("tensors.0.dtype", 3, r"dtype 3 is not supported"),
+    ("tensors.0.block_dim", 4, r"block_dim must be an integer in \[0, 3\] for a 4-d shape, got 4"),
+    ("tensors.0.block_dim", -1, r"block_dim must be an integer in \[0, 3\]"),
+    ("tensors.0.block_dim", "1", r"block_dim must be an integer"),
+    ("tensors.1.shape", [11, 16], r"same number of blocks; got tensors\[0\]: 10, tensors\[1\]: 11"),
+    ("tensors.0.handle", "shm", r"handle must be an object"),
+    ("tensors.0.handle.kind", "nfs", r"handle.kind must be 'shm' or 'cuda_ipc', got 'nfs'"),
+    ("tensors.0.handle.path", "", r"handle.path must be a file path"),
+    ("tensors.0.handle.path", 5, r"handle.path must be a file path"),
+    ("tensors.0.handle.size", 5, r"handle has unknown field"),
+    ("tensors.0.device", "cuda:0", r"a 'shm' handle needs device 'cpu', got 'cuda:0'"),
+    ("tensors.0.device", "tpu", r"tensors\[0\].device must be 'cpu', 'cuda' or 'cuda:N'"),
+]
+
+
+@pytest.mark.parametrize(("path", "value", "message"), PARSE_ERRORS)
+def test_from_dict_rejects(files, path, value, message) -> None:
+    with pytest.raises(RegistrationError, match=message):
+        KVCacheSpec.from_dict(mutate(body(files), path, value))
+
+
+def test_from_dict_rejects_non_objects() -> None:
+    with pytest.raises(RegistrationError, match="registration must be an object"):
+        KVCacheSpec.from_dict([])  # type: ignore[arg-type]
+    with pytest.raises(RegistrationError, match=r"tensors\[0\] must be an object"):
+        KVCacheSpec.from_dict({"name": "e", "device": "cpu", "tensors": [3]})
+
+
+def test_registration_error_is_a_value_error(files) -> None:
+    with pytest.raises(ValueError, match="unknown field"):
+        KVCacheSpec.from_dict(mutate(body(files), "bogus", 1))
+
+
+def test_bytes_per_block_must_equal_the_pool_block_bytes(make_pool, files) -> None:
+    registry = KVCacheRegistry(make_pool(16, 256, pin=False))
+    with pytest.raises(
+        RegistrationError,
+        match=r"summed over the tensors is 192 \(128 \+ 64\), but the host pool's block_bytes "
+        r"is 256",
+    ):
+        registry.register(KVCacheSpec.from_dict(body(files)))
+    assert registry.list() == []
+
+
+def test_shm_path_must_stay_inside_dev_shm(registry, files, tmp_path) -> None:
+    outside = tmp_path / "kv.bin"
+    outside.write_bytes(b"\0" * 4096)
+    cases = [
+        str(outside),
+        f"/dev/shm/../../{outside}",
+        "/dev/shm/../etc/passwd",
+        "/dev/shm",
+    ]
+    for path in cases:
+        with pytest.raises(RegistrationError, match="outside /dev/shm"):
+            registry.register(
+                KVCacheSpec.from_dict(mutate(body(files), "tensors.1.handle.path", path))
+            )
+    link = f"{files[1]}-link"
+    os.symlink(outside, link)
+    try:
+        with pytest.raises(RegistrationError, match=r"resolves to .*kv.bin', outside /dev/shm"):
+            registry.register(
+                KVCacheSpec.from_dict(mutate(body(files), "tensors.1.handle.path", link))
+            )
+    finally:
+        os.unlink(link)
+    assert registry.list() == []
+
+
+def test_a_symlink_inside_dev_shm_is_followed(registry, files) -> None:
+    link = f"{files[0]}-alias"
+    os.symlink(files[0], link)
+    try:
+        cache = registry.register(
+            KVCacheSpec.from_dict(mutate(body(files), "tensors.0.handle.path", link))
+        )
+    finally:
+        os.unlink(link)
+    assert cache.num_blocks == 10
+
+
+def test_shm_file_must_exist_be_regular_and_large_enough(registry, files, shm_prefix) -> None:
+    with pytest.raises(RegistrationError, match="cannot open"):
+        registry.register(
+            KVCacheSpec.from_dict(mutate(body(files), "tensors.1.handle.path", files[1] + "-x"))
+        )
+    d = f"/dev/shm/{shm_prefix}-dir"
+    os.mkdir(d)
+    try:
+        with pytest.raises(RegistrationError, match=r"cannot open|not a regular file"):
+            registry.register(
+                KVCacheSpec.from_dict(mutate(body(files), "tensors.1.handle.path", d))
+            )
+    finally:
+        os.rmdir(d)
+    os.truncate(files[1], 639)
+    with pytest.raises(
+        RegistrationError,
+        match=r"holds 639 bytes, but shape \[10, 16\] of float32 needs 640",
+    ):
+        registry.register(KVCacheSpec.from_dict(body(files)))
+    assert os.path.getsize(files[1]) == 639  # never extended or truncated by us
+
+
+def test_failed_registration_leaves_nothing_registered_or_mapped(registry, files) -> None:
+    os.truncate(files[1], 100)  # the second tensor fails after the first was mapped
+    with pytest.raises(RegistrationError, match="holds 100 bytes"):
+        registry.register(KVCacheSpec.from_dict(body(files)))
+    assert registry.list() == []
+    assert mapped_paths(files) == set()
+
+
+def test_unregister_unmaps_when_nothing_else_holds_the_cache(registry, files) -> None:
+    cache_id = registry.register(KVCacheSpec.from_dict(body(files))).cache_id
+    assert mapped_paths(files) == set(files)
+    registry.unregister(cache_id)
+    assert mapped_paths(files) == set()
+
+
+def test_tensor_spec_geometry() -> None:
+    t = TensorSpec([3, 2, 7, 5], "bfloat16", 2, {"kind": "shm", "path": "/dev/shm/x"})
+    assert (t.num_blocks, t.outer, t.inner_bytes, t.bytes_per_block, t.nbytes) == (
+        7,
+        6,
+        10,
+        60,
+        420,
+    )
+
+
+def ipc_handle(**overrides: Any) -> dict[str, Any]:
+    h = {
+        "kind": "cuda_ipc",
+        "storage_handle": base64.b64encode(b"h" * 64).decode(),
+        "storage_size_bytes": 4096,
+        "storage_offset_bytes": 0,
+        "tensor_offset": 0,
+        "ref_counter_handle": base64.b64encode(b"/torch_123_456").decode(),
+        "ref_counter_offset": 0,
+        "event_handle": base64.b64encode(b"e" * 64).decode(),
+        "event_sync_required": True,
+        "device_index": 0,
+    }
+    h.update(overrides)
+    return {k: v for k, v in h.items() if v is not ...}
+
+
+def ipc_body(handle: dict[str, Any], device: str = "cuda:0") -> dict[str, Any]:
+    return {
+        "name": "gpu-engine",
+        "device": device,
+        "tensors": [{"shape": [16, 64], "dtype": "float16", "block_dim": 0, "handle": handle}],
+    }
+
+
+def test_cuda_ipc_handle_shape_is_validated_on_cpu() -> None:
+    spec = KVCacheSpec.from_dict(ipc_body(ipc_handle()))
+    assert spec.tensors[0].handle["kind"] == "cuda_ipc"
+    KVCacheSpec.from_dict(ipc_body(ipc_handle(event_handle=None, event_sync_required=False)))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "device", "message"),
+    [
+        ({"storage_handle": ...}, "cuda:0", "missing 'storage_handle'"),
+        ({"storage_handle": "not base64!"}, "cuda:0", "storage_handle is not valid base64"),
+        ({"storage_handle": ""}, "cuda:0", "storage_handle must be a non-empty base64"),
+        ({"ref_counter_handle": 7}, "cuda:0", "ref_counter_handle must be a non-empty base64"),
+        ({"storage_size_bytes": -1}, "cuda:0", "storage_size_bytes must be a non-negative"),
+        ({"storage_offset_bytes": "0"}, "cuda:0", "storage_offset_bytes must be a non-negative"),
+        ({"tensor_offset": 1.5}, "cuda:0", "tensor_offset must be a non-negative"),
+        ({"ref_counter_offset": ...}, "cuda:0", "missing 'ref_counter_offset'"),
+        ({"event_sync_required": "yes"}, "cuda:0", "event_sync_required must be a boolean"),
+        ({"event_handle": None}, "cuda:0", "event_sync_required needs an event_handle"),
+        ({"pid": 3}, "cuda:0", "unknown field"),
+        ({}, "cpu", "a 'cuda_ipc' handle needs a cuda device, got 'cpu'"),
+    ],
+)
+def test_cuda_ipc_handle_errors(overrides, device, message) -> None:
+    with pytest.raises(RegistrationError, match=message):
+        KVCacheSpec.from_dict(ipc_body(ipc_handle(**overrides), device))
+
+
+def test_cuda_ipc_registration_needs_cuda(make_pool) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    registry = KVCacheRegistry(make_pool(4, 16 * 64 * 2 // 16, pin=False))
+    spec = KVCacheSpec.from_dict(ipc_body(ipc_handle()))
+    with pytest.raises(RegistrationError, match="'cuda_ipc' handles need CUDA"):
+        registry.register(spec)
+    assert registry.list() == []
+
+
+def test_export_cuda_ipc_handle_refuses_cpu_tensors() -> None:
+    with pytest.raises(ValueError, match="needs a CUDA tensor"):
+        export_cuda_ipc_handle(torch.zeros(4))
+
+
+def test_register_tensors_in_process(make_pool) -> None:
+    registry = KVCacheRegistry(make_pool(8, BLOCK_BYTES, pin=False))
+    a = torch.zeros(2, 10, 4, 8, dtype=torch.float16)
+    b = torch.zeros(10, 16, dtype=torch.float32)
+    cache = registry.register_tensors("local", [a, b], [1, 0])
+    assert (cache.num_blocks, cache.block_bytes, cache.device) == (10, BLOCK_BYTES, "cpu")
+    assert cache.tensors[0].data_ptr() == a.data_ptr()
+    with pytest.raises(RegistrationError, match="same number of blocks"):
+        registry.register_tensors("bad", [a, torch.zeros(11, 16)], [1, 0])
+    with pytest.raises(RegistrationError, match="block_dim must be in"):
+        registry.register_tensors("bad", [a, b], [4, 0])
+    with pytest.raises(RegistrationError, match="contiguous"):
+        registry.register_tensors("bad", [a.transpose(0, 1), b], [0, 0])
+    with pytest.raises(RegistrationError, match=r"is 192, but the host pool's block_bytes"):
+        KVCacheRegistry(make_pool(8, 64, pin=False)).register_tensors("bad", [a, b], [1, 0])
+    assert registry.list() == [cache]

@@ -1,0 +1,303 @@
+"""The host pool: one shared-memory region of ``num_blocks x block_bytes`` that slots index.
+
+Contract:
+
+- Allocated once, in ``shm_dir`` (tmpfs), with its whole size reserved up front
+  (``posix_fallocate``), so running out of shared memory is a clear ``PoolError`` at creation
+  and never a ``SIGBUS`` during a copy. The region is pre-faulted before it is handed out.
+- The file never has a name an operator could leak: it is created with ``O_TMPFILE`` (or, where
+  the filesystem lacks it, created and unlinked at once). The memory lives as long as the
+  pool's descriptor or any mapping of it, so nothing is left in ``shm_dir`` after ``close()``,
+  after a normal exit, or after the service is killed with ``SIGKILL``.
+- Engines map the pool through ``path`` = ``/proc/<pid>/fd/<n>``: a link that exists exactly
+  while the owning process keeps the pool open. Opening it needs the same user as the service
+  (the file is mode 0600, since it holds KV data) and a shared PID namespace (same host, or a
+  pod with ``shareProcessNamespace``).
+- ``pin=None`` pins iff CUDA is available. Pinning registers the region with
+  ``cudaHostRegister`` in chunks of at most 64 GiB whose boundaries fall on block boundaries
+  where possible (``pin_chunk_blocks``), so a copy of a run of slots can be split to stay inside
+  one registration. A failed registration unregisters the chunks already registered, logs a
+  warning and leaves the pool pageable; ``pinned`` tells the truth.
+- ``close()`` is idempotent: it unregisters the pinning and closes the descriptor. Workers that
+  still hold ``tensor`` keep the mapping alive until they let go of it, so shut workers down
+  before closing the pool (an in-flight CUDA copy must not see its memory unpinned).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import logging
+import math
+import os
+import tempfile
+import weakref
+from typing import Any
+
+import torch
+
+from transfer.errors import PoolError
+
+__all__ = ["MAX_PIN_CHUNK_BYTES", "HostPool"]
+
+log = logging.getLogger(__name__)
+
+MAX_PIN_CHUNK_BYTES = 64 << 30
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; older kernels answer EINVAL and we touch pages.
+_CUDA_HOST_REGISTER_PORTABLE = 1  # usable from every CUDA context, not only the current one
+
+
+def _cudart() -> Any:
+    """The CUDA runtime module torch exposes (a seam tests replace with a fake)."""
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
+
+
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def _available_memory() -> int | None:
+    """Bytes this process may still fault in: MemAvailable, capped by a cgroup v2 limit.
+
+    ``None`` when nothing can be read (non-Linux); the caller then skips the check.
+    """
+    avail: int | None = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        return None
+    try:
+        with open("/proc/self/cgroup") as f:
+            rel = next((ln.split(":", 2)[2].strip() for ln in f if ln.startswith("0::")), None)
+        if rel is not None:
+            base = os.path.join("/sys/fs/cgroup", rel.lstrip("/"))
+            with open(os.path.join(base, "memory.max")) as f:
+                limit = f.read().strip()
+            if limit != "max":
+                with open(os.path.join(base, "memory.current")) as f:
+                    current = int(f.read().strip())
+                headroom = max(0, int(limit) - current)
+                avail = headroom if avail is None else min(avail, headroom)
+    except (OSError, ValueError, StopIteration):
+        pass
+    return avail
+
+
+def _open_unnamed(shm_dir: str, name_prefix: str) -> int:
+    """A read-write descriptor of a new file in ``shm_dir`` that has no name."""
+    o_tmpfile = getattr(os, "O_TMPFILE", 0)
+    if o_tmpfile:
+        try:
+            return os.open(shm_dir, o_tmpfile | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+    # No O_TMPFILE: the name exists only between these two calls.
+    fd, name = tempfile.mkstemp(prefix=f"{name_prefix}-", dir=shm_dir)
+    os.unlink(name)
+    return fd
+
+
+def _prefault(tensor: torch.Tensor) -> None:
+    """Fault every page in now, so the first copies do not pay for it."""
+    nbytes = tensor.numel()
+    libc = ctypes.CDLL(None, use_errno=True)
+    madvise = libc.madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    if madvise(tensor.data_ptr(), nbytes, _MADV_POPULATE_WRITE) == 0:
+        return
+    # Older kernel: write one byte per page (the region is fresh, so zeros change nothing).
+    tensor[::_PAGE].zero_()
+
+
+def _pin_chunk_bytes(block_bytes: int, limit: int) -> int:
+    """Registration chunk size: a multiple of block_bytes and of the page size if one fits."""
+    unit = math.lcm(block_bytes, _PAGE)
+    if unit <= limit:
+        return (limit // unit) * unit
+    return max(_PAGE, (limit // _PAGE) * _PAGE)
+
+
+def _close_fd(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+class HostPool:
+    """The shared-memory host pool. Build it with ``HostPool.create``."""
+
+    def __init__(
+        self,
+        *,
+        fd: int,
+        tensor: torch.Tensor,
+        num_blocks: int,
+        block_bytes: int,
+        pin_chunks: list[tuple[int, int]],
+        pin_chunk_blocks: int | None,
+    ) -> None:
+        self._fd = fd
+        self._tensor: torch.Tensor | None = tensor
+        self.num_blocks = num_blocks
+        self.block_bytes = block_bytes
+        self.path = f"/proc/{os.getpid()}/fd/{fd}"
+        self._pin_chunks = pin_chunks
+        self.pin_chunk_blocks = pin_chunk_blocks
+        self._closed = False
+        # A forgotten pool still closes its descriptor when collected.
+        self._fd_finalizer = weakref.finalize(self, _close_fd, fd)
+
+    @classmethod
+    def create(
+        cls,
+        num_blocks: int,
+        block_bytes: int,
+        *,
+        pin: bool | None = None,
+        shm_dir: str = "/dev/shm",
+        name_prefix: str = "kvoffload",
+    ) -> HostPool:
+        """Allocate, pre-fault and (maybe) pin a pool of ``num_blocks`` blocks of ``block_bytes``.
+
+        Raises ``PoolError`` for a non-positive size, a ``shm_dir`` that is not a directory, and
+        a pool that does not fit in ``shm_dir``'s free space or in available memory.
+        """
+        for what, value in (("num_blocks", num_blocks), ("block_bytes", block_bytes)):
+            if type(value) is not int or value <= 0:
+                raise PoolError(f"{what} must be a positive integer, got {value!r}")
+        total = num_blocks * block_bytes
+        if not os.path.isdir(shm_dir):
+            raise PoolError(f"shm_dir {shm_dir!r} is not a directory")
+        st = os.statvfs(shm_dir)
+        free = st.f_bavail * st.f_frsize
+        if total > free:
+            raise PoolError(
+                f"host pool of {num_blocks} x {block_bytes} = {total} bytes does not fit in "
+                f"{shm_dir} ({free} bytes free)"
+            )
+        avail = _available_memory()
+        if avail is not None and total > avail:
+            raise PoolError(
+                f"host pool of {num_blocks} x {block_bytes} = {total} bytes does not fit in "
+                f"memory ({avail} bytes available)"
+            )
+
+        fd = _open_unnamed(shm_dir, name_prefix)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, total)
+            except OSError as exc:
+                raise PoolError(
+                    f"cannot reserve {total} bytes in {shm_dir}: {os.strerror(exc.errno or 0)}"
+                ) from exc
+            flat = torch.from_file(
+                f"/proc/self/fd/{fd}", shared=True, size=total, dtype=torch.uint8
+            )
+            _prefault(flat)
+        except BaseException:
+            os.close(fd)
+            raise
+        chunk = _pin_chunk_bytes(block_bytes, MAX_PIN_CHUNK_BYTES)
+        chunk_blocks = chunk // block_bytes if chunk % block_bytes == 0 else None
+        want_pin = _cuda_available() if pin is None else pin
+        chunks = _register(flat, chunk) if want_pin else []
+        return cls(
+            fd=fd,
+            tensor=flat.view(num_blocks, block_bytes),
+            num_blocks=num_blocks,
+            block_bytes=block_bytes,
+            pin_chunks=chunks,
+            pin_chunk_blocks=chunk_blocks if chunks else None,
+        )
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """``uint8`` tensor of shape ``[num_blocks, block_bytes]`` over the region."""
+        if self._tensor is None:
+            raise PoolError("host pool is closed")
+        return self._tensor
+
+    @property
+    def pinned(self) -> bool:
+        """True while the whole region is registered with CUDA (page-locked)."""
+        return bool(self._pin_chunks)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    def layout(self) -> dict[str, Any]:
+        """What an engine needs to map the pool: ``{path, num_blocks, block_bytes, pinned}``."""
+        return {
+            "path": self.path,
+            "num_blocks": self.num_blocks,
+            "block_bytes": self.block_bytes,
+            "pinned": self.pinned,
+        }
+
+    def close(self) -> None:
+        """Unpin, drop this pool's mapping and close the descriptor. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pin_chunks:
+            _unregister(self._pin_chunks)
+            self._pin_chunks = []
+        self._tensor = None
+        self._fd_finalizer()
+
+    def __enter__(self) -> HostPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("pinned" if self.pinned else "pageable")
+        return f"HostPool({self.num_blocks} x {self.block_bytes} B, {state}, path={self.path})"
+
+
+def _register(flat: torch.Tensor, chunk: int) -> list[tuple[int, int]]:
+    """Register ``flat`` with cudaHostRegister in chunks; [] (and a warning) on any failure."""
+    base, total = flat.data_ptr(), flat.numel()
+    done: list[tuple[int, int]] = []
+    try:
+        rt = _cudart()
+        for offset in range(0, total, chunk):
+            # The mapping covers whole pages; register whole pages (chunks are page multiples,
+            # the last one is rounded up inside the mapping's final page).
+            size = -(-min(chunk, total - offset) // _PAGE) * _PAGE
+            code = int(rt.cudaHostRegister(base + offset, size, _CUDA_HOST_REGISTER_PORTABLE))
+            if code != 0:
+                raise RuntimeError(f"cudaHostRegister({size} bytes at +{offset}) -> error {code}")
+            done.append((base + offset, size))
+    except Exception as exc:  # CUDA missing, driver refusal, RLIMIT: all leave it pageable
+        _unregister(done)
+        log.warning("host pool stays pageable (not pinned): %s", exc)
+        return []
+    return done
+
+
+def _unregister(chunks: list[tuple[int, int]]) -> None:
+    if not chunks:
+        return
+    try:
+        rt = _cudart()
+    except Exception as exc:
+        log.warning("cannot unregister pinned host pool: %s", exc)
+        return
+    for ptr, _size in chunks:
+        code = int(rt.cudaHostUnregister(ptr))
+        if code != 0:
+            log.warning("cudaHostUnregister(%#x) -> error %d", ptr, code)

@@ -1,0 +1,199 @@
+"""Wiring for the service: transfer jobs whose end is reported back to the offload manager.
+
+``JobTracker`` submits a job to a ``TransferWorker`` and remembers which keys and request it
+moves. ``poll()`` drains the worker's finished jobs and completes each against the sink (the
+offload manager, which satisfies ``CompletionSink`` structurally):
+
+- a store calls ``complete_store(keys, ctx, success=ok)``: a failed store's blocks are dropped;
+- a load calls ``complete_load(keys, ctx)`` whatever ``ok`` is: the pins taken by
+  ``prepare_load`` are always released.
+
+If the worker refuses a job at ``submit`` (bad block, unknown cache, worker shut down), the
+tracker completes it against the sink at once the same way (store failed, load unpinned) and
+re-raises, so a refused job leaks no pin and no pending store. A sink error at completion (the
+request was aborted and its pins already released, say) is logged and does not stop the poll.
+
+Records: ``get(job_id)`` serves running records and the last ``max_finished`` finished ones
+(LRU by completion). Records are updated in place by ``poll()``.
+
+Not thread-safe by design: the service calls it from its event loop thread only (wake the loop
+from the worker's ``on_finished`` callback and call ``poll()`` there).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from manager.spec import BlockKey, ReqContext
+from transfer.errors import InvalidJobError
+from transfer.worker import JobResult, TransferJob, TransferWorker
+
+__all__ = ["CompletionSink", "JobRecord", "JobTracker"]
+
+log = logging.getLogger(__name__)
+
+JobState = Literal["running", "done", "failed"]
+
+
+class CompletionSink(Protocol):
+    """What the tracker reports to: the offload manager's completion calls."""
+
+    def complete_store(
+        self, keys: Sequence[BlockKey], ctx: ReqContext, success: bool
+    ) -> object: ...
+
+    def complete_load(self, keys: Sequence[BlockKey], ctx: ReqContext) -> object: ...
+
+
+@dataclass(slots=True)
+class JobRecord:
+    """A tracked job. ``submitted_at`` is wall-clock (epoch seconds), for reporting."""
+
+    job_id: int
+    req_id: str
+    direction: Literal["store", "load"]
+    cache_id: str
+    keys: list[bytes]
+    state: JobState
+    bytes: int
+    seconds: float
+    reason: str | None
+    submitted_at: float
+    ctx: ReqContext = field(repr=False)
+    started: float = field(repr=False, default=0.0)  # monotonic, for ages
+
+
+class JobTracker:
+    """Submits jobs and completes them against a ``CompletionSink``; see the module docstring."""
+
+    def __init__(
+        self, worker: TransferWorker, sink: CompletionSink, *, max_finished: int = 10000
+    ) -> None:
+        if max_finished <= 0:
+            raise ValueError(f"max_finished must be positive, got {max_finished}")
+        self.worker = worker
+        self.sink = sink
+        self.max_finished = max_finished
+        self._running: dict[int, JobRecord] = {}
+        self._finished: OrderedDict[int, JobRecord] = OrderedDict()
+        self.sink_errors = 0
+
+    def submit(
+        self,
+        direction: Literal["store", "load"],
+        ctx: ReqContext,
+        cache_id: str,
+        keys: Sequence[bytes],
+        device_blocks: Sequence[int],
+        host_slots: Sequence[int],
+        deadline_s: float,
+    ) -> JobRecord:
+        """Submit one job moving ``keys`` (``keys[i]`` lives in ``host_slots[i]``)."""
+        keys = list(keys)
+        try:
+            if direction not in ("store", "load"):
+                raise InvalidJobError(f"direction must be 'store' or 'load', got {direction!r}")
+            if len(keys) != len(host_slots):
+                raise InvalidJobError(
+                    f"keys and host_slots differ in length ({len(keys)} != {len(host_slots)})"
+                )
+            job = TransferJob(
+                direction=direction,
+                cache_id=cache_id,
+                device_blocks=list(device_blocks),
+                host_slots=list(host_slots),
+                deadline_s=deadline_s,
+                req_id=ctx.req_id,
+            )
+            job_id = self.worker.submit(job)
+        except Exception:
+            if direction in ("store", "load"):
+                self._complete(direction, keys, ctx, ok=False, job_id=None)
+            raise
+        record = JobRecord(
+            job_id=job_id,
+            req_id=ctx.req_id,
+            direction=direction,
+            cache_id=cache_id,
+            keys=keys,
+            state="running",
+            bytes=0,
+            seconds=0.0,
+            reason=None,
+            submitted_at=time.time(),
+            ctx=ctx,
+            started=time.monotonic(),
+        )
+        self._running[job_id] = record
+        return record
+
+    def poll(self) -> list[JobRecord]:
+        """Complete every job the worker reports finished; returns their records."""
+        return [r for r in map(self._settle, self.worker.poll_finished()) if r is not None]
+
+    def settle(self, results: Sequence[JobResult]) -> list[JobRecord]:
+        """Complete results obtained elsewhere (e.g. from ``worker.wait``)."""
+        return [r for r in map(self._settle, results) if r is not None]
+
+    def _settle(self, result: JobResult) -> JobRecord | None:
+        record = self._running.pop(result.job_id, None)
+        if record is None:
+            log.warning("finished transfer job %d is not tracked", result.job_id)
+            return None
+        record.state = "done" if result.ok else "failed"
+        record.bytes = result.bytes
+        record.seconds = result.seconds
+        record.reason = result.reason
+        self._complete(record.direction, record.keys, record.ctx, result.ok, record.job_id)
+        finished = self._finished
+        finished[record.job_id] = record
+        while len(finished) > self.max_finished:
+            finished.popitem(last=False)
+        return record
+
+    def _complete(
+        self,
+        direction: str,
+        keys: list[bytes],
+        ctx: ReqContext,
+        ok: bool,
+        job_id: int | None,
+    ) -> None:
+        if not keys:
+            return
+        try:
+            if direction == "store":
+                self.sink.complete_store(keys, ctx, success=ok)
+            else:
+                self.sink.complete_load(keys, ctx)
+        except Exception as exc:
+            self.sink_errors += 1
+            log.warning(
+                "completing %s job %s for request %r failed: %s", direction, job_id, ctx.req_id, exc
+            )
+
+    def get(self, job_id: int) -> JobRecord | None:
+        """The record of a running or recently finished job, else None."""
+        record = self._running.get(job_id)
+        if record is not None:
+            return record
+        record = self._finished.get(job_id)
+        if record is not None:
+            self._finished.move_to_end(job_id)
+        return record
+
+    def running(self) -> list[JobRecord]:
+        """Running records, oldest first."""
+        return list(self._running.values())
+
+    def oldest_running_age(self) -> float:
+        """Seconds since the oldest running job was submitted (0.0 when none runs)."""
+        if not self._running:
+            return 0.0
+        oldest = next(iter(self._running.values()))
+        return time.monotonic() - oldest.started

@@ -1,0 +1,646 @@
+"""Device KV caches an engine registers, and how their blocks map onto host-pool blocks.
+
+Geometry. A registration lists tensors, each with a ``shape``, a ``dtype`` and a ``block_dim``.
+Every tensor must have the same number of blocks ``N = shape[block_dim]``. *Device block* ``b``
+is the slice at index ``b`` of ``block_dim`` in every tensor. A tensor is viewed as
+``[outer, N, inner]`` bytes with ``outer = prod(shape[:block_dim])`` and
+``inner = prod(shape[block_dim+1:]) * itemsize``, so one device block of it is ``outer`` pieces
+of ``inner`` contiguous bytes. A *host block* is the bytes of one device block across all
+tensors, concatenated in tensor order (and, inside a tensor, in ``outer`` order); its size
+summed over the tensors must equal the pool's ``block_bytes``. Tensors must be contiguous.
+
+Handles (JSON, as sent to ``POST /v1/kv-caches``):
+
+- ``{"kind": "shm", "path": "/dev/shm/engine0-layer0"}`` for a CPU "device": a shared-memory
+  file the engine owns and writes. The path must resolve (symlinks and ``..`` followed) to a
+  regular file inside ``/dev/shm`` holding at least ``prod(shape) * itemsize`` bytes. The
+  service maps it shared and never truncates or unlinks it.
+- ``{"kind": "cuda_ipc", ...}`` on GPU nodes: what torch's CUDA IPC exports for the tensor
+  (``torch.multiprocessing.reductions.reduce_tensor``), as JSON. ``export_cuda_ipc_handle``
+  builds it on the engine side::
+
+      {"kind": "cuda_ipc",
+       "storage_handle": "<base64>",      # cudaIpcMemHandle of the allocation holding the storage
+       "storage_size_bytes": 268435456,   # size of the storage
+       "storage_offset_bytes": 0,         # offset of the storage inside that allocation
+       "tensor_offset": 0,                # offset of the tensor in its storage, in elements
+       "ref_counter_handle": "<base64>",  # torch's producer-side reference counter (shm name)
+       "ref_counter_offset": 0,
+       "event_handle": "<base64>",        # cudaIpcEventHandle the consumer waits on, or null
+       "event_sync_required": true,
+       "device_index": 0}                 # exporter's device index (informational)
+
+  The service opens the memory on the device named by the tensor's ``device`` (else the
+  cache's), in *its own* numbering, because ``CUDA_VISIBLE_DEVICES`` may differ between the
+  engine and the service. The engine must keep the tensor alive while it is registered, and
+  must have finished writing a block (synchronised its streams) before asking to store it.
+
+A tensor may name its own ``device``, so one registration spans an engine's tensor-parallel
+ranks; a host block then holds every rank's slice of the block.
+
+Registration is all-or-nothing: every check runs and every tensor is mapped before the cache
+is published, and a failure drops what was mapped. Registering a name that is already
+registered replaces the old registration (an engine that restarts re-registers); jobs already
+running on the old one keep its mappings alive until they finish.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+import os
+import re
+import secrets
+import stat
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from transfer.errors import RegistrationError, UnknownCacheError
+from transfer.host_pool import HostPool
+
+__all__ = [
+    "DTYPES",
+    "KVCacheRegistry",
+    "KVCacheSpec",
+    "RegisteredCache",
+    "TensorLayout",
+    "TensorSpec",
+    "export_cuda_ipc_handle",
+]
+
+
+def _dtype_table() -> dict[str, torch.dtype]:
+    names = [
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "int8",
+        "uint8",
+        "int16",
+        "int32",
+        "int64",
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e5m2",
+        "float8_e5m2fnuz",
+    ]
+    return {n: getattr(torch, n) for n in names if isinstance(getattr(torch, n, None), torch.dtype)}
+
+
+DTYPES: dict[str, torch.dtype] = _dtype_table()
+"""dtype names accepted in a registration (torch's names)."""
+
+MAX_TENSORS = 4096
+MAX_DIMS = 8
+MAX_NAME_LEN = 128
+SHM_ROOT = "/dev/shm"
+_DEVICE_RE = re.compile(r"^(cpu|cuda(:\d{1,3})?)$")
+_NAME_RE = re.compile(r"^[\x21-\x7e][\x20-\x7e]*$")
+_IPC_INT_FIELDS = ("storage_size_bytes", "storage_offset_bytes", "ref_counter_offset")
+_IPC_B64_FIELDS = ("storage_handle", "ref_counter_handle")
+
+
+@dataclass(slots=True)
+class TensorSpec:
+    """One tensor of a registration; see the module docstring for the geometry."""
+
+    shape: list[int]
+    dtype: str
+    block_dim: int
+    handle: dict[str, Any]
+    device: str | None = None
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype].itemsize
+
+    @property
+    def num_blocks(self) -> int:
+        return self.shape[self.block_dim]
+
+    @property
+    def outer(self) -> int:
+        return math.prod(self.shape[: self.block_dim])
+
+    @property
+    def inner_bytes(self) -> int:
+        return math.prod(self.shape[self.block_dim + 1 :]) * self.itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.outer * self.inner_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+
+@dataclass(slots=True)
+class KVCacheSpec:
+    """A registration request: a name, a default device, and the tensors in host-block order."""
+
+    name: str
+    device: str
+    tensors: list[TensorSpec]
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> KVCacheSpec:
+        """Parse and validate the JSON body of ``POST /v1/kv-caches``.
+
+        Raises ``RegistrationError`` naming the offending field. Unknown fields are errors.
+        """
+        if not isinstance(d, Mapping):
+            raise RegistrationError(f"registration must be an object, got {type(d).__name__}")
+        _no_unknown(d, {"name", "device", "tensors"}, "registration")
+        for key in ("name", "device", "tensors"):
+            if key not in d:
+                raise RegistrationError(f"registration is missing {key!r}")
+        raw = d["tensors"]
+        if not isinstance(raw, list):
+            raise RegistrationError(f"tensors must be a list, got {type(raw).__name__}")
+        tensors = []
+        for i, t in enumerate(raw):
+            where = f"tensors[{i}]"
+            if not isinstance(t, Mapping):
+                raise RegistrationError(f"{where} must be an object, got {type(t).__name__}")
+            _no_unknown(t, {"shape", "dtype", "block_dim", "handle", "device"}, where)
+            for key in ("shape", "dtype", "block_dim", "handle"):
+                if key not in t:
+                    raise RegistrationError(f"{where} is missing {key!r}")
+            shape = t["shape"]
+            handle = t["handle"]
+            tensors.append(
+                TensorSpec(
+                    shape=list(shape) if isinstance(shape, list | tuple) else shape,
+                    dtype=t["dtype"],
+                    block_dim=t["block_dim"],
+                    handle=dict(handle) if isinstance(handle, Mapping) else handle,
+                    device=t.get("device"),
+                )
+            )
+        spec = cls(name=d["name"], device=d["device"], tensors=tensors)
+        spec.validate()
+        return spec
+
+    def validate(self) -> None:
+        """Check the spec on its own (no filesystem, no CUDA); raise ``RegistrationError``."""
+        if not isinstance(self.name, str) or not 0 < len(self.name) <= MAX_NAME_LEN:
+            raise RegistrationError(
+                f"name must be a string of 1..{MAX_NAME_LEN} characters, got {self.name!r:.80}"
+            )
+        if not _NAME_RE.match(self.name):
+            raise RegistrationError(f"name must be printable ASCII, got {self.name!r:.80}")
+        _check_device(self.device, "device")
+        if not isinstance(self.tensors, list) or not 0 < len(self.tensors) <= MAX_TENSORS:
+            count = len(self.tensors) if isinstance(self.tensors, list) else self.tensors
+            raise RegistrationError(f"tensors must list 1..{MAX_TENSORS} tensors, got {count!r}")
+        for i, t in enumerate(self.tensors):
+            _check_tensor(t, i, self.device)
+        counts = [t.num_blocks for t in self.tensors]
+        if len(set(counts)) != 1:
+            detail = ", ".join(f"tensors[{i}]: {c}" for i, c in enumerate(counts[:8]))
+            raise RegistrationError(
+                f"all tensors must have the same number of blocks; got {detail}"
+                + (" ..." if len(counts) > 8 else "")
+            )
+
+    @property
+    def bytes_per_block(self) -> int:
+        return sum(t.bytes_per_block for t in self.tensors)
+
+
+def _no_unknown(d: Mapping[str, Any], allowed: set[str], where: str) -> None:
+    unknown = sorted(str(k) for k in d if k not in allowed)
+    if unknown:
+        raise RegistrationError(f"{where} has unknown field(s): {', '.join(unknown)}")
+
+
+def _is_int(v: object) -> bool:
+    return type(v) is int
+
+
+def _check_device(device: object, where: str) -> None:
+    if not isinstance(device, str) or not _DEVICE_RE.match(device):
+        raise RegistrationError(f"{where} must be 'cpu', 'cuda' or 'cuda:N', got {device!r:.80}")
+
+
+def _check_tensor(t: TensorSpec, i: int, cache_device: str) -> None:
+    where = f"tensors[{i}]"
+    shape = t.shape
+    if not isinstance(shape, list) or not 0 < len(shape) <= MAX_DIMS:
+        raise RegistrationError(f"{where}.shape must be a list of 1..{MAX_DIMS} integers")
+    for j, n in enumerate(shape):
+        if not _is_int(n) or n <= 0:
+            raise RegistrationError(f"{where}.shape[{j}] must be a positive integer, got {n!r}")
+    if not isinstance(t.dtype, str) or t.dtype not in DTYPES:
+        raise RegistrationError(
+            f"{where}.dtype {t.dtype!r:.40} is not supported; use one of {', '.join(DTYPES)}"
+        )
+    if not _is_int(t.block_dim) or not 0 <= t.block_dim < len(shape):
+        raise RegistrationError(
+            f"{where}.block_dim must be an integer in [0, {len(shape) - 1}] for a "
+            f"{len(shape)}-d shape, got {t.block_dim!r}"
+        )
+    if t.nbytes >= 1 << 50:
+        raise RegistrationError(f"{where} is implausibly large ({t.nbytes} bytes)")
+    device = cache_device if t.device is None else t.device
+    if t.device is not None:
+        _check_device(t.device, f"{where}.device")
+    h = t.handle
+    if not isinstance(h, dict):
+        raise RegistrationError(f"{where}.handle must be an object")
+    kind = h.get("kind")
+    if kind == "shm":
+        _no_unknown(h, {"kind", "path"}, f"{where}.handle")
+        path = h.get("path")
+        if not isinstance(path, str) or not path or "\x00" in path or len(path) > 4096:
+            raise RegistrationError(f"{where}.handle.path must be a file path, got {path!r:.80}")
+        if device != "cpu":
+            raise RegistrationError(
+                f"{where}: a 'shm' handle needs device 'cpu', got {device!r} (use 'cuda_ipc')"
+            )
+    elif kind == "cuda_ipc":
+        _check_ipc_handle(h, f"{where}.handle")
+        if not device.startswith("cuda"):
+            raise RegistrationError(
+                f"{where}: a 'cuda_ipc' handle needs a cuda device, got {device!r}"
+            )
+    else:
+        raise RegistrationError(
+            f"{where}.handle.kind must be 'shm' or 'cuda_ipc', got {kind!r:.40}"
+        )
+
+
+def _check_ipc_handle(h: dict[str, Any], where: str) -> None:
+    allowed = {
+        "kind",
+        "tensor_offset",
+        "event_handle",
+        "event_sync_required",
+        "device_index",
+        *_IPC_INT_FIELDS,
+        *_IPC_B64_FIELDS,
+    }
+    _no_unknown(h, allowed, where)
+    for key in _IPC_B64_FIELDS:
+        if key not in h:
+            raise RegistrationError(f"{where} is missing {key!r}")
+        _b64(h[key], f"{where}.{key}")
+    if h.get("event_handle") is not None:
+        _b64(h["event_handle"], f"{where}.event_handle")
+    for key in _IPC_INT_FIELDS:
+        if key not in h:
+            raise RegistrationError(f"{where} is missing {key!r}")
+    for key in (*_IPC_INT_FIELDS, "tensor_offset", "device_index"):
+        v = h.get(key, 0)
+        if not _is_int(v) or v < 0:
+            raise RegistrationError(f"{where}.{key} must be a non-negative integer, got {v!r}")
+    sync = h.get("event_sync_required", False)
+    if not isinstance(sync, bool):
+        raise RegistrationError(f"{where}.event_sync_required must be a boolean")
+    if sync and h.get("event_handle") is None:
+        raise RegistrationError(f"{where}.event_sync_required needs an event_handle")
+
+
+def _b64(value: object, where: str) -> bytes:
+    if not isinstance(value, str) or not value:
+        raise RegistrationError(f"{where} must be a non-empty base64 string")
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise RegistrationError(f"{where} is not valid base64: {exc}") from None
+
+
+def export_cuda_ipc_handle(tensor: torch.Tensor) -> dict[str, Any]:
+    """Engine side: the ``cuda_ipc`` handle JSON for a contiguous CUDA tensor.
+
+    The caller must keep ``tensor`` alive while the service uses it.
+    """
+    if tensor.device.type != "cuda":
+        raise ValueError(f"cuda_ipc needs a CUDA tensor, got one on {tensor.device}")
+    if not tensor.is_contiguous():
+        raise ValueError("cuda_ipc needs a contiguous tensor")
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _rebuild, args = reduce_tensor(tensor.detach())  # type: ignore[no-untyped-call]
+    (
+        _cls,
+        _size,
+        _stride,
+        tensor_offset,
+        _storage_cls,
+        _dtype,
+        device_index,
+        storage_handle,
+        storage_size_bytes,
+        storage_offset_bytes,
+        _requires_grad,
+        ref_counter_handle,
+        ref_counter_offset,
+        event_handle,
+        event_sync_required,
+    ) = args
+
+    def enc(b: bytes) -> str:
+        return base64.b64encode(b).decode("ascii")
+
+    return {
+        "kind": "cuda_ipc",
+        "storage_handle": enc(storage_handle),
+        "storage_size_bytes": int(storage_size_bytes),
+        "storage_offset_bytes": int(storage_offset_bytes),
+        "tensor_offset": int(tensor_offset),
+        "ref_counter_handle": enc(ref_counter_handle),
+        "ref_counter_offset": int(ref_counter_offset),
+        "event_handle": enc(event_handle) if event_handle else None,
+        "event_sync_required": bool(event_sync_required),
+        "device_index": int(device_index),
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class TensorLayout:
+    """Where one registered tensor's part of a block lives, on the device and in a host block.
+
+    Device block ``b`` of this tensor is the ``outer`` pieces at byte offsets
+    ``(k * num_blocks + b) * inner_bytes`` (k < outer) of the tensor; in host slot ``s`` they
+    sit at ``s * pool.block_bytes + host_offset + k * inner_bytes``.
+    """
+
+    device: str
+    outer: int
+    inner_bytes: int
+    num_blocks: int
+    host_offset: int
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.outer * self.inner_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class RegisteredCache:
+    """A registered device KV cache. ``tensors`` are flat ``uint8`` views of the mapped data."""
+
+    cache_id: str
+    name: str
+    block_bytes: int
+    num_blocks: int
+    device: str
+    layouts: tuple[TensorLayout, ...] = field(repr=False)
+    tensors: tuple[torch.Tensor, ...] = field(repr=False, compare=False)
+
+    @property
+    def devices(self) -> list[str]:
+        """Distinct devices of the tensors, in first-use order."""
+        return list(dict.fromkeys(lay.device for lay in self.layouts))
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-ready summary (the ``POST /v1/kv-caches`` answer plus name and device)."""
+        return {
+            "cache_id": self.cache_id,
+            "name": self.name,
+            "device": self.device,
+            "block_bytes": self.block_bytes,
+            "num_blocks": self.num_blocks,
+            "num_tensors": len(self.layouts),
+        }
+
+
+class KVCacheRegistry:
+    """The device KV caches registered against one host pool. Thread-safe."""
+
+    def __init__(self, pool: HostPool, *, shm_root: str = SHM_ROOT) -> None:
+        self.pool = pool
+        self._shm_root = os.path.realpath(shm_root)
+        self._caches: dict[str, RegisteredCache] = {}
+        self._lock = threading.Lock()
+
+    def register(self, spec: KVCacheSpec) -> RegisteredCache:
+        """Validate ``spec``, map every tensor, and publish the cache; all-or-nothing."""
+        spec.validate()
+        per_block = spec.bytes_per_block
+        if per_block != self.pool.block_bytes:
+            detail = " + ".join(str(t.bytes_per_block) for t in spec.tensors[:8])
+            more = " + ..." if len(spec.tensors) > 8 else ""
+            raise RegistrationError(
+                f"bytes per block summed over the tensors is {per_block} ({detail}{more}), "
+                f"but the host pool's block_bytes is {self.pool.block_bytes}"
+            )
+        mapped: list[torch.Tensor] = []
+        devices: list[str] = []
+        try:
+            for i, t in enumerate(spec.tensors):
+                device = spec.device if t.device is None else t.device
+                if t.handle["kind"] == "shm":
+                    mapped.append(self._map_shm(t, i))
+                    devices.append("cpu")
+                else:
+                    tensor = _open_cuda_ipc(t, i, device)
+                    mapped.append(tensor)
+                    devices.append(str(tensor.device))
+        except BaseException:
+            mapped.clear()  # drops the mappings now (the only references)
+            raise
+        layouts = _layouts([(t.outer, t.inner_bytes, t.num_blocks) for t in spec.tensors], devices)
+        cache = RegisteredCache(
+            cache_id=_new_id(),
+            name=spec.name,
+            block_bytes=per_block,
+            num_blocks=spec.tensors[0].num_blocks,
+            device=spec.device,
+            layouts=layouts,
+            tensors=tuple(mapped),
+        )
+        self._publish(cache)
+        return cache
+
+    def register_tensors(
+        self, name: str, tensors: Sequence[torch.Tensor], block_dims: Sequence[int]
+    ) -> RegisteredCache:
+        """Register tensors of this process directly (embedded engines, tests, benchmarks).
+
+        Same geometry rules and checks as ``register``; the tensors must be contiguous and stay
+        alive (the registry keeps references).
+        """
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_LEN:
+            raise RegistrationError(f"name must be a string of 1..{MAX_NAME_LEN} characters")
+        if not tensors or len(tensors) != len(block_dims) or len(tensors) > MAX_TENSORS:
+            raise RegistrationError(
+                f"need 1..{MAX_TENSORS} tensors and one block_dim each, got {len(tensors)} "
+                f"tensors and {len(block_dims)} block_dims"
+            )
+        geometry = []
+        flat = []
+        for i, (t, bd) in enumerate(zip(tensors, block_dims, strict=True)):
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                raise RegistrationError(f"tensors[{i}] must be a tensor with at least one dim")
+            if not _is_int(bd) or not 0 <= bd < t.dim():
+                raise RegistrationError(
+                    f"tensors[{i}]: block_dim must be in [0, {t.dim() - 1}], got {bd!r}"
+                )
+            if not t.is_contiguous():
+                raise RegistrationError(f"tensors[{i}] must be contiguous")
+            if t.device.type not in ("cpu", "cuda"):
+                raise RegistrationError(f"tensors[{i}] is on unsupported device {t.device}")
+            shape = list(t.shape)
+            if min(shape) <= 0:
+                raise RegistrationError(f"tensors[{i}] has an empty dimension: {shape}")
+            outer = math.prod(shape[:bd])
+            inner = math.prod(shape[bd + 1 :]) * t.element_size()
+            geometry.append((outer, inner, shape[bd]))
+            flat.append(t.detach().reshape(-1).view(torch.uint8))
+        counts = [g[2] for g in geometry]
+        if len(set(counts)) != 1:
+            raise RegistrationError(
+                f"all tensors must have the same number of blocks, got {counts}"
+            )
+        per_block = sum(o * n for o, n, _ in geometry)
+        if per_block != self.pool.block_bytes:
+            raise RegistrationError(
+                f"bytes per block summed over the tensors is {per_block}, but the host pool's "
+                f"block_bytes is {self.pool.block_bytes}"
+            )
+        devices = [str(t.device) for t in tensors]
+        cache = RegisteredCache(
+            cache_id=_new_id(),
+            name=name,
+            block_bytes=per_block,
+            num_blocks=counts[0],
+            device=devices[0],
+            layouts=_layouts(geometry, devices),
+            tensors=tuple(flat),
+        )
+        self._publish(cache)
+        return cache
+
+    def get(self, cache_id: str) -> RegisteredCache:
+        """The cache registered under ``cache_id``; ``UnknownCacheError`` if none."""
+        with self._lock:
+            cache = self._caches.get(cache_id)
+        if cache is None:
+            raise UnknownCacheError(cache_id)
+        return cache
+
+    def unregister(self, cache_id: str) -> RegisteredCache:
+        """Forget a cache; its mappings go once no running job holds them."""
+        with self._lock:
+            cache = self._caches.pop(cache_id, None)
+        if cache is None:
+            raise UnknownCacheError(cache_id)
+        return cache
+
+    def list(self) -> list[RegisteredCache]:
+        """Every registered cache, oldest first."""
+        with self._lock:
+            return list(self._caches.values())
+
+    def close(self) -> None:
+        """Forget every cache. Idempotent."""
+        with self._lock:
+            self._caches.clear()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._caches)
+
+    def _publish(self, cache: RegisteredCache) -> None:
+        with self._lock:
+            for old_id in [cid for cid, c in self._caches.items() if c.name == cache.name]:
+                del self._caches[old_id]
+            self._caches[cache.cache_id] = cache
+
+    def _map_shm(self, t: TensorSpec, i: int) -> torch.Tensor:
+        where = f"tensors[{i}].handle.path"
+        path = t.handle["path"]
+        resolved = os.path.realpath(path)
+        root = self._shm_root
+        if not resolved.startswith(root + os.sep):
+            raise RegistrationError(f"{where} {path!r} resolves to {resolved!r}, outside {root}")
+        try:
+            fd = os.open(resolved, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise RegistrationError(f"{where} {path!r}: cannot open: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise RegistrationError(f"{where} {path!r} is not a regular file")
+            if st.st_size < t.nbytes:
+                raise RegistrationError(
+                    f"{where} {path!r} holds {st.st_size} bytes, but shape {t.shape} of "
+                    f"{t.dtype} needs {t.nbytes}"
+                )
+            # Map the descriptor we checked, not the path again (it could be swapped).
+            return torch.from_file(
+                f"/proc/self/fd/{fd}", shared=True, size=t.nbytes, dtype=torch.uint8
+            )
+        finally:
+            os.close(fd)
+
+
+def _open_cuda_ipc(t: TensorSpec, i: int, device: str) -> torch.Tensor:
+    where = f"tensors[{i}]"
+    if not torch.cuda.is_available():
+        raise RegistrationError(f"{where}: 'cuda_ipc' handles need CUDA; this node has none")
+    index = torch.device(device).index
+    if index is None:
+        index = torch.cuda.current_device()
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise RegistrationError(f"{where}: device {device!r} does not exist ({count} GPUs)")
+    h = t.handle
+    dtype = DTYPES[t.dtype]
+    numel = math.prod(t.shape)
+    tensor_offset = int(h.get("tensor_offset", 0))
+    need = (tensor_offset + numel) * dtype.itemsize
+    if need > h["storage_size_bytes"]:
+        raise RegistrationError(
+            f"{where}: shape {t.shape} of {t.dtype} at element offset {tensor_offset} needs "
+            f"{need} bytes, but the shared storage holds {h['storage_size_bytes']}"
+        )
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    event = h.get("event_handle")
+    stride = [math.prod(t.shape[k + 1 :]) for k in range(len(t.shape))]
+    try:
+        tensor: torch.Tensor = rebuild_cuda_tensor(  # type: ignore[no-untyped-call]
+            torch.Tensor,
+            torch.Size(t.shape),
+            tuple(stride),
+            tensor_offset,
+            torch.storage.TypedStorage,
+            dtype,
+            index,
+            _b64(h["storage_handle"], f"{where}.handle.storage_handle"),
+            h["storage_size_bytes"],
+            h["storage_offset_bytes"],
+            False,
+            _b64(h["ref_counter_handle"], f"{where}.handle.ref_counter_handle"),
+            h["ref_counter_offset"],
+            _b64(event, f"{where}.handle.event_handle") if event else b"",
+            bool(h.get("event_sync_required", False)),
+        )
+    except RegistrationError:
+        raise
+    except Exception as exc:  # CUDA refuses a stale or foreign handle
+        raise RegistrationError(f"{where}: cannot open the CUDA IPC handle: {exc}") from None
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def _layouts(geometry: list[tuple[int, int, int]], devices: list[str]) -> tuple[TensorLayout, ...]:
+    out = []
+    offset = 0
+    for (outer, inner, nblocks), device in zip(geometry, devices, strict=True):
+        out.append(TensorLayout(device, outer, inner, nblocks, offset))
+        offset += outer * inner
+    return tuple(out)
+
+
+def _new_id() -> str:
+    return "kvc-" + secrets.token_hex(8)
