@@ -52,6 +52,7 @@ bench: setup
 	$(PY) bench/manager_ops.py
 	$(PY) bench/transfer_bw.py
 	$(PY) bench/policy_sweep.py
+	$(PY) bench/http_bench.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis bench/results

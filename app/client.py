@@ -1,0 +1,759 @@
+"""Typed HTTP clients for kvoffload: the engine API (sync and async) and the admin API.
+
+``KVOffloadClient`` / ``AsyncKVOffloadClient`` cover every engine route. Keys are ``bytes``
+(hex on the wire). They talk TCP (``base_url``) or a Unix socket (``uds=``). A call the service
+refuses raises ``KVOffloadError`` with the HTTP ``status`` and the error's ``code`` and
+``message``; transport failures raise ``httpx.TransportError``.
+
+Each call is described once (``_Call``: method, path, JSON body, how to read the answer) and both
+clients execute the same descriptions, so they cannot drift apart.
+
+``Batch`` builds the ops of ``POST /v1/batch``; ``batch()`` returns one ``OpResult`` per op (an
+op that failed carries its ``KVOffloadError``; the others still ran).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Generic, Literal, TypeVar
+
+import httpx
+
+T = TypeVar("T")
+JobState = Literal["running", "done", "failed"]
+_UDS_BASE = "http://kvoffload"
+_JSON_HEADERS = {"content-type": "application/json"}
+
+
+class KVOffloadError(Exception):
+    """The service answered with an error: HTTP ``status``, stable ``code``, ``message``."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(f"{status} {code}: {message}")
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+# --------------------------------------------------------------------------- answers
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """Per-key ``hit`` / ``pending`` / ``miss`` and the count of leading hits."""
+
+    results: list[str]
+    hit_prefix: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrepareStore:
+    """Copy ``keys_to_store[i]`` to host slot ``slots[i]``, then ``complete_store``."""
+
+    keys_to_store: list[bytes]
+    slots: list[int]
+    evicted_keys: list[bytes]
+    skipped_keys: list[bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class CompleteStore:
+    """Per-key outcome of ``complete_store``."""
+
+    completed: list[bytes]
+    dropped: list[bytes]
+    ignored: list[bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class Released:
+    """Leases released when a request finished."""
+
+    req_id: str
+    pins_released: int
+    stores_dropped: int
+
+
+@dataclass(frozen=True, slots=True)
+class TransferStarted:
+    """An ``offload`` / ``onload`` answer: the job (``None``: nothing had to move)."""
+
+    job_id: int | None
+    state: JobState
+    keys_to_store: list[bytes] = field(default_factory=list)
+    evicted_keys: list[bytes] = field(default_factory=list)
+    skipped_keys: list[bytes] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """A transfer job."""
+
+    job_id: int
+    req_id: str
+    direction: Literal["store", "load"]
+    cache_id: str
+    num_keys: int
+    state: JobState
+    bytes: int
+    seconds: float
+    reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class JobsWaited:
+    """``wait_jobs``: the jobs, and whether none is still running."""
+
+    jobs: list[Job]
+    done: bool
+
+
+@dataclass(frozen=True, slots=True)
+class KVEvent:
+    """A KV event: ``BlockStored``, ``BlockRemoved`` or ``AllBlocksCleared``."""
+
+    seq: int
+    type: str
+    block_hashes: list[bytes]
+    medium: str
+
+
+@dataclass(frozen=True, slots=True)
+class EventsPage:
+    """Events after a cursor; continue from ``next_after``; resync when ``fell_behind``."""
+
+    events: list[KVEvent]
+    next_after: int
+    latest_seq: int
+    fell_behind: bool
+    instance: str
+
+
+@dataclass(frozen=True, slots=True)
+class KVCache:
+    """A registered device KV cache."""
+
+    cache_id: str
+    name: str
+    block_bytes: int
+    num_blocks: int
+    device: str
+
+
+@dataclass(frozen=True, slots=True)
+class Pool:
+    """The host pool layout."""
+
+    path: str
+    num_blocks: int
+    block_bytes: int
+    pinned: bool
+    max_keys_per_call: int
+
+
+@dataclass(frozen=True, slots=True)
+class OpResult:
+    """One batch op: ``result`` (the op's JSON answer) when ``ok``, else ``error``."""
+
+    ok: bool
+    status: int
+    result: dict[str, Any] | None
+    error: KVOffloadError | None
+
+
+# --------------------------------------------------------------------------- call descriptions
+
+
+def _hex(keys: Sequence[bytes]) -> list[str]:
+    return [k.hex() for k in keys]
+
+
+def _unhex(keys: Sequence[str]) -> list[bytes]:
+    return [bytes.fromhex(k) for k in keys]
+
+
+@dataclass(frozen=True, slots=True)
+class _Call(Generic[T]):
+    method: str
+    path: str
+    body: Any
+    read: Callable[[Any], T]
+    params: Mapping[str, str | int] | None = None
+
+
+def _none(_: Any) -> None:
+    return None
+
+
+def _job(d: Mapping[str, Any]) -> Job:
+    return Job(**d)
+
+
+def _started(d: Mapping[str, Any]) -> TransferStarted:
+    return TransferStarted(
+        job_id=d["job_id"],
+        state=d["state"],
+        keys_to_store=_unhex(d.get("keys_to_store", [])),
+        evicted_keys=_unhex(d.get("evicted_keys", [])),
+        skipped_keys=_unhex(d.get("skipped_keys", [])),
+        slots=list(d.get("slots", [])),
+    )
+
+
+def _events(d: Mapping[str, Any]) -> EventsPage:
+    return EventsPage(
+        events=[
+            KVEvent(e["seq"], e["type"], _unhex(e["block_hashes"]), e["medium"])
+            for e in d["events"]
+        ],
+        next_after=d["next_after"],
+        latest_seq=d["latest_seq"],
+        fell_behind=d["fell_behind"],
+        instance=d["instance"],
+    )
+
+
+def _batch(d: Mapping[str, Any]) -> list[OpResult]:
+    out = []
+    for r in d["results"]:
+        err = r.get("error")
+        error = None if err is None else KVOffloadError(r["status"], err["code"], err["message"])
+        out.append(OpResult(r["ok"], r["status"], r.get("result"), error))
+    return out
+
+
+def _req(req_id: str, suffix: str = "") -> str:
+    # req_id goes in the path; httpx percent-encodes what URLs cannot carry.
+    return f"/v1/requests/{req_id}{suffix}"
+
+
+class Batch:
+    """Ops for one ``POST /v1/batch`` call, added in the order they will run."""
+
+    def __init__(self) -> None:
+        self.ops: list[dict[str, Any]] = []
+
+    def _add(self, op: str, req_id: str, **fields: Any) -> Batch:
+        self.ops.append({"op": op, "req_id": req_id, **fields})
+        return self
+
+    def start_request(
+        self, req_id: str, kv_transfer_params: Mapping[str, Any] | None = None
+    ) -> Batch:
+        """Add ``start_request``."""
+        if kv_transfer_params is None:
+            return self._add("start_request", req_id)
+        return self._add("start_request", req_id, kv_transfer_params=dict(kv_transfer_params))
+
+    def finish_request(self, req_id: str, abort: bool = False) -> Batch:
+        """Add ``finish_request``."""
+        return self._add("finish_request", req_id, abort=abort)
+
+    def lookup(self, req_id: str, keys: Sequence[bytes]) -> Batch:
+        """Add ``lookup``."""
+        return self._add("lookup", req_id, keys=_hex(keys))
+
+    def prepare_load(self, req_id: str, keys: Sequence[bytes]) -> Batch:
+        """Add ``prepare_load``."""
+        return self._add("prepare_load", req_id, keys=_hex(keys))
+
+    def touch(self, req_id: str, keys: Sequence[bytes]) -> Batch:
+        """Add ``touch``."""
+        return self._add("touch", req_id, keys=_hex(keys))
+
+    def complete_load(self, req_id: str, keys: Sequence[bytes]) -> Batch:
+        """Add ``complete_load``."""
+        return self._add("complete_load", req_id, keys=_hex(keys))
+
+    def prepare_store(self, req_id: str, keys: Sequence[bytes]) -> Batch:
+        """Add ``prepare_store``."""
+        return self._add("prepare_store", req_id, keys=_hex(keys))
+
+    def complete_store(self, req_id: str, keys: Sequence[bytes], success: bool = True) -> Batch:
+        """Add ``complete_store``."""
+        return self._add("complete_store", req_id, keys=_hex(keys), success=success)
+
+    def offload(
+        self, req_id: str, cache_id: str, keys: Sequence[bytes], device_blocks: Sequence[int]
+    ) -> Batch:
+        """Add ``offload``."""
+        return self._add(
+            "offload", req_id, cache_id=cache_id, keys=_hex(keys), device_blocks=list(device_blocks)
+        )
+
+    def onload(
+        self, req_id: str, cache_id: str, keys: Sequence[bytes], device_blocks: Sequence[int]
+    ) -> Batch:
+        """Add ``onload``."""
+        return self._add(
+            "onload", req_id, cache_id=cache_id, keys=_hex(keys), device_blocks=list(device_blocks)
+        )
+
+
+class _Engine:
+    """The engine API's calls, as descriptions both clients execute."""
+
+    @staticmethod
+    def start_request(req_id: str, kv_transfer_params: Mapping[str, Any] | None) -> _Call[bool]:
+        body = {} if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
+        return _Call("PUT", _req(req_id), body, lambda d: bool(d["created"]))
+
+    @staticmethod
+    def finish_request(req_id: str, abort: bool) -> _Call[Released]:
+        return _Call(
+            "DELETE",
+            _req(req_id),
+            None,
+            lambda d: Released(**d),
+            {"abort": "true" if abort else "false"},
+        )
+
+    @staticmethod
+    def lookup(req_id: str, keys: Sequence[bytes]) -> _Call[Lookup]:
+        return _Call(
+            "POST",
+            _req(req_id, "/lookup"),
+            {"keys": _hex(keys)},
+            lambda d: Lookup(d["results"], d["hit_prefix"]),
+        )
+
+    @staticmethod
+    def prepare_load(req_id: str, keys: Sequence[bytes]) -> _Call[list[int]]:
+        return _Call(
+            "POST", _req(req_id, "/prepare-load"), {"keys": _hex(keys)}, lambda d: d["slots"]
+        )
+
+    @staticmethod
+    def touch(req_id: str, keys: Sequence[bytes]) -> _Call[None]:
+        return _Call("POST", _req(req_id, "/touch"), {"keys": _hex(keys)}, _none)
+
+    @staticmethod
+    def complete_load(req_id: str, keys: Sequence[bytes]) -> _Call[None]:
+        return _Call("POST", _req(req_id, "/complete-load"), {"keys": _hex(keys)}, _none)
+
+    @staticmethod
+    def prepare_store(req_id: str, keys: Sequence[bytes]) -> _Call[PrepareStore]:
+        return _Call(
+            "POST",
+            _req(req_id, "/prepare-store"),
+            {"keys": _hex(keys)},
+            lambda d: PrepareStore(
+                _unhex(d["keys_to_store"]),
+                d["slots"],
+                _unhex(d["evicted_keys"]),
+                _unhex(d["skipped_keys"]),
+            ),
+        )
+
+    @staticmethod
+    def complete_store(req_id: str, keys: Sequence[bytes], success: bool) -> _Call[CompleteStore]:
+        return _Call(
+            "POST",
+            _req(req_id, "/complete-store"),
+            {"keys": _hex(keys), "success": success},
+            lambda d: CompleteStore(
+                _unhex(d["completed"]), _unhex(d["dropped"]), _unhex(d["ignored"])
+            ),
+        )
+
+    @staticmethod
+    def transfer(
+        op: str, req_id: str, cache_id: str, keys: Sequence[bytes], device_blocks: Sequence[int]
+    ) -> _Call[TransferStarted]:
+        body = {"cache_id": cache_id, "keys": _hex(keys), "device_blocks": list(device_blocks)}
+        return _Call("POST", _req(req_id, f"/{op}"), body, _started)
+
+    @staticmethod
+    def job(job_id: int) -> _Call[Job]:
+        return _Call("GET", f"/v1/jobs/{job_id}", None, _job)
+
+    @staticmethod
+    def wait_jobs(job_ids: Sequence[int], timeout_s: float) -> _Call[JobsWaited]:
+        return _Call(
+            "POST",
+            "/v1/jobs/wait",
+            {"job_ids": list(job_ids), "timeout_s": float(timeout_s)},
+            lambda d: JobsWaited([_job(j) for j in d["jobs"]], d["done"]),
+        )
+
+    @staticmethod
+    def batch(ops: Batch | Sequence[Mapping[str, Any]]) -> _Call[list[OpResult]]:
+        items = ops.ops if isinstance(ops, Batch) else [dict(o) for o in ops]
+        return _Call("POST", "/v1/batch", {"ops": items}, _batch)
+
+    @staticmethod
+    def events(after: int, limit: int) -> _Call[EventsPage]:
+        return _Call("GET", "/v1/events", None, _events, {"after": after, "limit": limit})
+
+    @staticmethod
+    def register_kv_cache(spec: Mapping[str, Any]) -> _Call[KVCache]:
+        return _Call("POST", "/v1/kv-caches", dict(spec), lambda d: KVCache(**d))
+
+    @staticmethod
+    def kv_caches() -> _Call[list[KVCache]]:
+        return _Call("GET", "/v1/kv-caches", None, lambda d: [KVCache(**c) for c in d["kv_caches"]])
+
+    @staticmethod
+    def unregister_kv_cache(cache_id: str) -> _Call[None]:
+        return _Call("DELETE", f"/v1/kv-caches/{cache_id}", None, _none)
+
+    @staticmethod
+    def pool() -> _Call[Pool]:
+        return _Call("GET", "/v1/pool", None, lambda d: Pool(**d))
+
+    @staticmethod
+    def readyz() -> _Call[bool]:
+        return _Call("GET", "/readyz", None, lambda d: d["status"] == "ready")
+
+
+def _request_kwargs(call: _Call[Any]) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {}
+    if call.body is not None:
+        kwargs["content"] = json.dumps(call.body).encode()
+        kwargs["headers"] = _JSON_HEADERS
+    if call.params is not None:
+        kwargs["params"] = call.params
+    return kwargs
+
+
+def _read(call: _Call[T], response: httpx.Response, ok_statuses: tuple[int, ...] = ()) -> T:
+    status = response.status_code
+    if status >= 400 and status not in ok_statuses:
+        code, message = "http_error", response.reason_phrase
+        try:
+            err = response.json()["error"]
+            code, message = str(err["code"]), str(err["message"])
+        except (ValueError, KeyError, TypeError):
+            pass
+        raise KVOffloadError(status, code, message)
+    if status == 204 or not response.content:
+        return call.read({})
+    return call.read(response.json())
+
+
+def _transport_args(
+    base_url: str | None, uds: str | None, transport: httpx.BaseTransport | None
+) -> tuple[str, httpx.BaseTransport | None]:
+    if uds is not None:
+        return base_url or _UDS_BASE, transport or httpx.HTTPTransport(uds=uds)
+    return base_url or "http://127.0.0.1:8000", transport
+
+
+class KVOffloadClient:
+    """Synchronous engine API client. Use as a context manager, or ``close()`` it."""
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        *,
+        uds: str | None = None,
+        timeout: float = 30.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        url, transport = _transport_args(base_url, uds, transport)
+        self._http = httpx.Client(base_url=url, timeout=timeout, transport=transport)
+
+    def _call(self, call: _Call[T], ok_statuses: tuple[int, ...] = ()) -> T:
+        response = self._http.request(call.method, call.path, **_request_kwargs(call))
+        return _read(call, response, ok_statuses)
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def __enter__(self) -> KVOffloadClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def start_request(
+        self, req_id: str, kv_transfer_params: Mapping[str, Any] | None = None
+    ) -> bool:
+        """Start (True) or renew (False) a request."""
+        return self._call(_Engine.start_request(req_id, kv_transfer_params))
+
+    def finish_request(self, req_id: str, abort: bool = False) -> Released:
+        """Finish a request; ``abort`` releases its leases now."""
+        return self._call(_Engine.finish_request(req_id, abort))
+
+    def lookup(self, req_id: str, keys: Sequence[bytes]) -> Lookup:
+        """Per-key state and ``hit_prefix``."""
+        return self._call(_Engine.lookup(req_id, keys))
+
+    def prepare_load(self, req_id: str, keys: Sequence[bytes]) -> list[int]:
+        """Pin ready keys; their host slots."""
+        return self._call(_Engine.prepare_load(req_id, keys))
+
+    def touch(self, req_id: str, keys: Sequence[bytes]) -> None:
+        """Mark keys recently used."""
+        self._call(_Engine.touch(req_id, keys))
+
+    def complete_load(self, req_id: str, keys: Sequence[bytes]) -> None:
+        """Unpin keys pinned by ``prepare_load``."""
+        self._call(_Engine.complete_load(req_id, keys))
+
+    def prepare_store(self, req_id: str, keys: Sequence[bytes]) -> PrepareStore:
+        """Reserve host slots for new keys (507 ``KVOffloadError`` when no room)."""
+        return self._call(_Engine.prepare_store(req_id, keys))
+
+    def complete_store(
+        self, req_id: str, keys: Sequence[bytes], success: bool = True
+    ) -> CompleteStore:
+        """Finish stores of ``keys``."""
+        return self._call(_Engine.complete_store(req_id, keys, success))
+
+    def offload(
+        self, req_id: str, cache_id: str, keys: Sequence[bytes], device_blocks: Sequence[int]
+    ) -> TransferStarted:
+        """Store device blocks under keys (device->host job)."""
+        return self._call(_Engine.transfer("offload", req_id, cache_id, keys, device_blocks))
+
+    def onload(
+        self, req_id: str, cache_id: str, keys: Sequence[bytes], device_blocks: Sequence[int]
+    ) -> TransferStarted:
+        """Load ready keys into device blocks (host->device job)."""
+        return self._call(_Engine.transfer("onload", req_id, cache_id, keys, device_blocks))
+
+    def job(self, job_id: int) -> Job:
+        """A transfer job."""
+        return self._call(_Engine.job(job_id))
+
+    def wait_jobs(self, job_ids: Sequence[int], timeout_s: float = 10.0) -> JobsWaited:
+        """Long-poll until none of the jobs runs or ``timeout_s`` passed."""
+        return self._call(_Engine.wait_jobs(job_ids, timeout_s))
+
+    def batch(self, ops: Batch | Sequence[Mapping[str, Any]]) -> list[OpResult]:
+        """Run many ops in one call; one result per op."""
+        return self._call(_Engine.batch(ops))
+
+    def events(self, after: int = 0, limit: int = 1000) -> EventsPage:
+        """KV events with ``seq > after``."""
+        return self._call(_Engine.events(after, limit))
+
+    def register_kv_cache(self, spec: Mapping[str, Any]) -> KVCache:
+        """Register a device KV cache."""
+        return self._call(_Engine.register_kv_cache(spec))
+
+    def kv_caches(self) -> list[KVCache]:
+        """Registered device KV caches."""
+        return self._call(_Engine.kv_caches())
+
+    def unregister_kv_cache(self, cache_id: str) -> None:
+        """Forget a device KV cache."""
+        self._call(_Engine.unregister_kv_cache(cache_id))
+
+    def pool(self) -> Pool:
+        """The host pool layout."""
+        return self._call(_Engine.pool())
+
+    def ready(self) -> bool:
+        """True when ``/readyz`` says ready."""
+        return self._call(_Engine.readyz(), ok_statuses=(503,))
+
+
+class AsyncKVOffloadClient:
+    """Asynchronous engine API client (same calls as ``KVOffloadClient``)."""
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        *,
+        uds: str | None = None,
+        timeout: float = 30.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        if uds is not None:
+            url = base_url or _UDS_BASE
+            transport = transport or httpx.AsyncHTTPTransport(uds=uds)
+        else:
+            url = base_url or "http://127.0.0.1:8000"
+        self._http = httpx.AsyncClient(base_url=url, timeout=timeout, transport=transport)
+
+    async def _call(self, call: _Call[T], ok_statuses: tuple[int, ...] = ()) -> T:
+        response = await self._http.request(call.method, call.path, **_request_kwargs(call))
+        return _read(call, response, ok_statuses)
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncKVOffloadClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def start_request(
+        self, req_id: str, kv_transfer_params: Mapping[str, Any] | None = None
+    ) -> bool:
+        """Start (True) or renew (False) a request."""
+        return await self._call(_Engine.start_request(req_id, kv_transfer_params))
+
+    async def finish_request(self, req_id: str, abort: bool = False) -> Released:
+        """Finish a request; ``abort`` releases its leases now."""
+        return await self._call(_Engine.finish_request(req_id, abort))
+
+    async def lookup(self, req_id: str, keys: Sequence[bytes]) -> Lookup:
+        """Per-key state and ``hit_prefix``."""
+        return await self._call(_Engine.lookup(req_id, keys))
+
+    async def prepare_load(self, req_id: str, keys: Sequence[bytes]) -> list[int]:
+        """Pin ready keys; their host slots."""
+        return await self._call(_Engine.prepare_load(req_id, keys))
+
+    async def touch(self, req_id: str, keys: Sequence[bytes]) -> None:
+        """Mark keys recently used."""
+        await self._call(_Engine.touch(req_id, keys))
+
+    async def complete_load(self, req_id: str, keys: Sequence[bytes]) -> None:
+        """Unpin keys pinned by ``prepare_load``."""
+        await self._call(_Engine.complete_load(req_id, keys))
+
+    async def prepare_store(self, req_id: str, keys: Sequence[bytes]) -> PrepareStore:
+        """Reserve host slots for new keys (507 ``KVOffloadError`` when no room)."""
+        return await self._call(_Engine.prepare_store(req_id, keys))
+
+    async def complete_store(
+        self, req_id: str, keys: Sequence[bytes], success: bool = True
+    ) -> CompleteStore:
+        """Finish stores of ``keys``."""
+        return await self._call(_Engine.complete_store(req_id, keys, success))
+
+    async def offload(
+        self, req_id: str, cache_id: str, keys: Sequence[bytes], device_blocks: Sequence[int]
+    ) -> TransferStarted:
+        """Store device blocks under keys (device->host job)."""
+        return await self._call(_Engine.transfer("offload", req_id, cache_id, keys, device_blocks))
+
+    async def onload(
+        self, req_id: str, cache_id: str, keys: Sequence[bytes], device_blocks: Sequence[int]
+    ) -> TransferStarted:
+        """Load ready keys into device blocks (host->device job)."""
+        return await self._call(_Engine.transfer("onload", req_id, cache_id, keys, device_blocks))
+
+    async def job(self, job_id: int) -> Job:
+        """A transfer job."""
+        return await self._call(_Engine.job(job_id))
+
+    async def wait_jobs(self, job_ids: Sequence[int], timeout_s: float = 10.0) -> JobsWaited:
+        """Long-poll until none of the jobs runs or ``timeout_s`` passed."""
+        return await self._call(_Engine.wait_jobs(job_ids, timeout_s))
+
+    async def batch(self, ops: Batch | Sequence[Mapping[str, Any]]) -> list[OpResult]:
+        """Run many ops in one call; one result per op."""
+        return await self._call(_Engine.batch(ops))
+
+    async def events(self, after: int = 0, limit: int = 1000) -> EventsPage:
+        """KV events with ``seq > after``."""
+        return await self._call(_Engine.events(after, limit))
+
+    async def register_kv_cache(self, spec: Mapping[str, Any]) -> KVCache:
+        """Register a device KV cache."""
+        return await self._call(_Engine.register_kv_cache(spec))
+
+    async def kv_caches(self) -> list[KVCache]:
+        """Registered device KV caches."""
+        return await self._call(_Engine.kv_caches())
+
+    async def unregister_kv_cache(self, cache_id: str) -> None:
+        """Forget a device KV cache."""
+        await self._call(_Engine.unregister_kv_cache(cache_id))
+
+    async def pool(self) -> Pool:
+        """The host pool layout."""
+        return await self._call(_Engine.pool())
+
+    async def ready(self) -> bool:
+        """True when ``/readyz`` says ready."""
+        return await self._call(_Engine.readyz(), ok_statuses=(503,))
+
+
+class KVOffloadAdminClient:
+    """Synchronous admin API client; answers are the JSON objects the API returns."""
+
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:8001",
+        *,
+        token: str | None = None,
+        timeout: float = 10.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        headers = {} if token is None else {"authorization": f"Bearer {token}"}
+        self._http = httpx.Client(
+            base_url=base_url, timeout=timeout, headers=headers, transport=transport
+        )
+
+    def _json(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        call: _Call[dict[str, Any]] = _Call(method, path, kwargs.pop("body", None), dict)
+        merged = _request_kwargs(call)
+        if "headers" in kwargs:
+            merged["headers"] = {**merged.get("headers", {}), **kwargs.pop("headers")}
+        merged.update(kwargs)
+        return _read(call, self._http.request(method, path, **merged))
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def __enter__(self) -> KVOffloadAdminClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def policy(self) -> dict[str, Any]:
+        """The active policy (name, params, generation, available)."""
+        return self._json("GET", "/admin/v1/policy")
+
+    def set_policy(
+        self,
+        name: str,
+        params: Mapping[str, Any] | None = None,
+        *,
+        if_match: str | int | None = None,
+    ) -> dict[str, Any]:
+        """Switch the policy live; with ``if_match``, only from that generation (else 412)."""
+        headers = {} if if_match is None else {"if-match": f'"{str(if_match).strip(chr(34))}"'}
+        return self._json(
+            "PUT",
+            "/admin/v1/policy",
+            body={"name": name, "params": dict(params or {})},
+            headers=headers,
+        )
+
+    def stats(self) -> dict[str, Any]:
+        """Pool, hit ratio, counters, jobs."""
+        return self._json("GET", "/admin/v1/stats")
+
+    def requests(self, limit: int = 1000) -> dict[str, Any]:
+        """Tracked requests and their leases."""
+        return self._json("GET", "/admin/v1/requests", params={"limit": limit})
+
+    def release(self, req_id: str) -> dict[str, Any]:
+        """Force-release a request's leases."""
+        return self._json("POST", f"/admin/v1/requests/{req_id}/release")
+
+    def clear_cache(self) -> dict[str, Any]:
+        """Drop every unpinned block."""
+        return self._json("POST", "/admin/v1/cache/clear")

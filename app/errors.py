@@ -1,0 +1,258 @@
+"""HTTP errors: the one place where domain errors become statuses.
+
+Every error answer is JSON ``{"error": {"code": "...", "message": "..."}}``. ``code`` is a stable
+machine-readable word, ``message`` is for people.
+
+============================  ======  ==========================
+raised                        status  code
+============================  ======  ==========================
+malformed JSON / body         400     malformed_body
+client hung up mid-body       400     client_disconnected
+no / wrong admin token        401/403 unauthorized / forbidden
+UnknownRequestError           404     unknown_request
+unknown job                   404     unknown_job
+UnknownCacheError             404     unknown_cache
+KeyNotReadyError              409     key_not_ready
+NotPinnedError                409     not_pinned
+other StateConflictError      409     state_conflict
+If-Match mismatch             412     precondition_failed
+too many keys / ops, body     413     too_many_keys / too_many_ops / body_too_large
+wrong Content-Type            415     unsupported_media_type
+invalid field                 422     invalid_field
+UnknownPolicyError            422     unknown_policy
+InvalidPolicyParamsError      422     invalid_policy_params
+other InvalidArgumentError    422     invalid_argument
+RegistrationError             422     invalid_registration
+InvalidJobError               422     invalid_job
+prepare_store found no room   507     no_space
+not started / shutting down   503     unavailable
+============================  ======  ==========================
+
+``error_for(exc)`` maps an exception to an ``APIError`` (used by the exception handlers and by
+the batch route, which answers per op); ``install_error_handlers(app)`` wires the handlers;
+``responses(...)`` documents the statuses a route can return so the OpenAPI spec is true.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
+
+from app.logging import get_logger
+from manager import (
+    InvalidArgumentError,
+    InvalidPolicyParamsError,
+    KeyNotReadyError,
+    NotPinnedError,
+    StateConflictError,
+    UnknownPolicyError,
+    UnknownRequestError,
+)
+from transfer import (
+    InvalidJobError,
+    RegistrationError,
+    TransferError,
+    UnknownCacheError,
+)
+
+log = get_logger("errors")
+JSON_TYPE = "application/json"
+
+
+class APIError(Exception):
+    """An error answer: HTTP ``status``, stable ``code``, human ``message``, extra headers."""
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.headers = dict(headers or {})
+
+    def body(self) -> bytes:
+        """The JSON error body."""
+        return error_body(self.code, self.message)
+
+    def response(self) -> Response:
+        """A complete ``Response`` for this error."""
+        return Response(self.body(), self.status, self.headers, media_type=JSON_TYPE)
+
+
+def error_body(code: str, message: str) -> bytes:
+    """``{"error": {"code", "message"}}`` as JSON bytes."""
+    return json.dumps({"error": {"code": code, "message": message}}).encode()
+
+
+class ErrorDetail(BaseModel):
+    """What went wrong."""
+
+    model_config = ConfigDict(extra="forbid")
+    code: str
+    message: str
+
+
+class ErrorBody(BaseModel):
+    """Every error answer."""
+
+    model_config = ConfigDict(extra="forbid")
+    error: ErrorDetail
+
+
+def _first_error(errors: Sequence[Mapping[str, Any]]) -> str:
+    if not errors:
+        return "invalid input"
+    err = errors[0]
+    loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+    msg = str(err.get("msg", "invalid"))
+    more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{loc}: {msg}{more}" if loc else f"{msg}{more}"
+
+
+def validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
+    """400 for unparseable JSON, else 422 naming the first invalid field."""
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return APIError(400, "malformed_body", "request body is not valid JSON")
+    return APIError(422, "invalid_field", _first_error(errors))
+
+
+def error_for(exc: BaseException) -> APIError:
+    """The HTTP error for ``exc``; anything unexpected is a 500 ``internal`` error."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValidationError):
+        return validation_error(exc.errors(include_url=False, include_input=False))
+    if isinstance(exc, UnknownRequestError):
+        return APIError(404, "unknown_request", str(exc))
+    if isinstance(exc, KeyNotReadyError):
+        return APIError(409, "key_not_ready", str(exc))
+    if isinstance(exc, NotPinnedError):
+        return APIError(409, "not_pinned", str(exc))
+    if isinstance(exc, StateConflictError):
+        return APIError(409, "state_conflict", str(exc))
+    if isinstance(exc, UnknownPolicyError):
+        return APIError(422, "unknown_policy", str(exc))
+    if isinstance(exc, InvalidPolicyParamsError):
+        return APIError(422, "invalid_policy_params", str(exc))
+    if isinstance(exc, InvalidArgumentError):
+        return APIError(422, "invalid_argument", str(exc))
+    if isinstance(exc, UnknownCacheError):
+        return APIError(404, "unknown_cache", str(exc))
+    if isinstance(exc, RegistrationError):
+        return APIError(422, "invalid_registration", str(exc))
+    if isinstance(exc, InvalidJobError):
+        return APIError(422, "invalid_job", str(exc))
+    if isinstance(exc, TransferError):
+        return APIError(503, "transfer_unavailable", str(exc))
+    return APIError(500, "internal", "internal error")
+
+
+def unavailable(reason: str) -> APIError:
+    """503: the service cannot take this call now (starting, shutting down)."""
+    return APIError(503, "unavailable", reason)
+
+
+def no_space(needed: int) -> APIError:
+    """507: ``prepare_store`` could not make room (nothing changed)."""
+    return APIError(
+        507, "no_space", f"no evictable space for {needed} block(s); nothing was stored"
+    )
+
+
+def too_many(what: str, count: int, limit: int) -> APIError:
+    """413: more keys (or ops) in one call than the service accepts."""
+    return APIError(413, f"too_many_{what}", f"{count} {what} in one call; the limit is {limit}")
+
+
+# --------------------------------------------------------------------------- handlers
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    return error_for(exc).response()
+
+
+async def _request_validation(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    return validation_error(exc.errors()).response()
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    codes = {404: "not_found", 405: "method_not_allowed"}
+    code = codes.get(exc.status_code, "http_error")
+    message = exc.detail if isinstance(exc.detail, str) else code.replace("_", " ")
+    return APIError(exc.status_code, code, message, exc.headers).response()
+
+
+async def _disconnected(request: Request, exc: Exception) -> Response:
+    # The caller hung up mid-body: nobody reads this answer, and it is not a server error.
+    return APIError(400, "client_disconnected", "client disconnected").response()
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.error(
+        "unhandled error",
+        exc_info=exc,
+        extra={"fields": {"path": request.url.path, "method": request.method}},
+    )
+    return APIError(500, "internal", "internal error").response()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer every error of ``app`` in the JSON error shape."""
+    app.add_exception_handler(APIError, _api_error)
+    for exc_type in (
+        ValidationError,
+        UnknownRequestError,
+        StateConflictError,
+        InvalidArgumentError,
+        TransferError,
+    ):
+        app.add_exception_handler(exc_type, _api_error)
+    app.add_exception_handler(RequestValidationError, _request_validation)
+    app.add_exception_handler(StarletteHTTPException, _http_exception)
+    app.add_exception_handler(ClientDisconnect, _disconnected)
+    app.add_exception_handler(Exception, _unexpected)
+
+
+# --------------------------------------------------------------------------- documentation
+
+_DESCRIPTIONS = {
+    400: "Malformed body (not JSON, or not the expected shape of JSON)",
+    401: "No bearer token",
+    403: "Wrong bearer token",
+    404: "Unknown request, job or KV cache",
+    409: "The blocks are not in the state this call needs",
+    412: "If-Match does not name the current generation",
+    413: "Too many keys or ops in one call, or body too large",
+    415: "Body is not application/json",
+    422: "A field or parameter is invalid",
+    503: "The service is starting or shutting down",
+    507: "No evictable space: nothing was stored",
+}
+
+BODY_ERRORS = (400, 413, 415, 422)
+
+
+def responses(*statuses: int | Iterable[int]) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for the given error statuses (each with the error body schema)."""
+    flat: set[int] = set()
+    for s in statuses:
+        if isinstance(s, int):
+            flat.add(s)
+        else:
+            flat.update(s)
+    return {s: {"model": ErrorBody, "description": _DESCRIPTIONS[s]} for s in sorted(flat)}

@@ -1,0 +1,295 @@
+"""The request-scoped engine operations, one table shared by the single routes and the batch.
+
+Each ``Operation`` names an op (``lookup``, ``offload``, ...: the word a batch op carries and the
+``op`` label the observability layer uses), its body model, its answer model and the statuses it
+can fail with, and ``run(service, req_id, body) -> (status, json_text)``. ``run`` is synchronous:
+the manager calls of one op happen with no ``await`` in between.
+
+Answers are encoded here, by hand for the hot ones (``lookup``), with ``json.dumps`` otherwise;
+``tests/api`` checks every encoder against the answer models that document it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from app import schemas as s
+from app.errors import too_many
+from app.service import Service
+from manager import BlockKey, LookupResult
+from transfer import JobRecord
+
+Run = Callable[[Service, str, Any], tuple[int, str]]
+
+
+@dataclass(frozen=True, slots=True)
+class Operation:
+    """One engine operation; see the module docstring."""
+
+    name: str
+    method: str
+    path: str
+    body: type[s.Body]
+    answer: type[s.Answer]
+    status: int
+    errors: tuple[int, ...]
+    summary: str
+    run: Run
+    # Other success statuses, with what they mean (documented next to ``status``).
+    other_ok: tuple[tuple[int, str], ...] = ()
+
+
+def hex_list(keys: Sequence[BlockKey]) -> str:
+    """JSON array of lowercase hex keys."""
+    return json.dumps([k.hex() for k in keys])
+
+
+def job_json(job: JobRecord) -> dict[str, Any]:
+    """The wire form of a job record (``JobAnswer``)."""
+    return {
+        "job_id": job.job_id,
+        "req_id": job.req_id,
+        "direction": job.direction,
+        "cache_id": job.cache_id,
+        "num_keys": len(job.keys),
+        "state": job.state,
+        "bytes": job.bytes,
+        "seconds": job.seconds,
+        "reason": job.reason,
+    }
+
+
+def _limit_keys(service: Service, keys: Sequence[BlockKey]) -> None:
+    limit = service.settings.max_keys_per_call
+    if len(keys) > limit:
+        raise too_many("keys", len(keys), limit)
+
+
+_RESULT_JSON = {
+    LookupResult.HIT: '"hit"',
+    LookupResult.PENDING: '"pending"',
+    LookupResult.MISS: '"miss"',
+}
+_HIT, _MISS = LookupResult.HIT, LookupResult.MISS
+
+
+def _run_start(service: Service, req_id: str, body: s.StartRequestBody) -> tuple[int, str]:
+    created = service.start_request(req_id, body.kv_transfer_params)
+    answer = json.dumps({"req_id": req_id, "created": created})
+    return (201 if created else 200), answer
+
+
+def _run_finish(service: Service, req_id: str, body: s.FinishRequestBody) -> tuple[int, str]:
+    released = service.finish_request(req_id, body.abort)
+    return 200, json.dumps(
+        {
+            "req_id": req_id,
+            "pins_released": released.pins_released,
+            "stores_dropped": released.stores_dropped,
+        }
+    )
+
+
+def _run_lookup(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str]:
+    keys = body.keys
+    _limit_keys(service, keys)
+    out = service.lookup(req_id, keys)
+    results = out.results
+    n = len(results)
+    # The common answers (all hits, all misses) are built without a per-key loop.
+    if out.hit_prefix == n:
+        text = ",".join(['"hit"'] * n)
+    elif n and results.count(_MISS) == n:
+        text = ",".join(['"miss"'] * n)
+    else:
+        text = ",".join([_RESULT_JSON[r] for r in results])
+    return 200, f'{{"results":[{text}],"hit_prefix":{out.hit_prefix}}}'
+
+
+def _run_prepare_load(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str]:
+    _limit_keys(service, body.keys)
+    slots = service.prepare_load(req_id, body.keys)
+    return 200, f'{{"slots":{json.dumps(slots)}}}'
+
+
+def _run_touch(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str]:
+    _limit_keys(service, body.keys)
+    service.touch(req_id, body.keys)
+    return 200, "{}"
+
+
+def _run_complete_load(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str]:
+    _limit_keys(service, body.keys)
+    service.complete_load(req_id, body.keys)
+    return 200, "{}"
+
+
+def _run_prepare_store(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str]:
+    _limit_keys(service, body.keys)
+    out = service.prepare_store(req_id, body.keys)
+    return 200, (
+        f'{{"keys_to_store":{hex_list(out.keys_to_store)},"slots":{json.dumps(out.slots)},'
+        f'"evicted_keys":{hex_list(out.evicted_keys)},'
+        f'"skipped_keys":{hex_list(out.skipped_keys)}}}'
+    )
+
+
+def _run_complete_store(
+    service: Service, req_id: str, body: s.CompleteStoreBody
+) -> tuple[int, str]:
+    _limit_keys(service, body.keys)
+    out = service.complete_store(req_id, body.keys, body.success)
+    return 200, (
+        f'{{"completed":{hex_list(out.completed)},"dropped":{hex_list(out.dropped)},'
+        f'"ignored":{hex_list(out.ignored)}}}'
+    )
+
+
+def _run_offload(service: Service, req_id: str, body: s.TransferBody) -> tuple[int, str]:
+    _limit_keys(service, body.keys)
+    started = service.offload(req_id, body.cache_id, body.keys, body.device_blocks)
+    job, spec = started.job, started.spec
+    return 202, json.dumps(
+        {
+            "job_id": None if job is None else job.job_id,
+            "state": "done" if job is None else job.state,
+            "keys_to_store": [k.hex() for k in spec.keys_to_store],
+            "evicted_keys": [k.hex() for k in spec.evicted_keys],
+            "skipped_keys": [k.hex() for k in spec.skipped_keys],
+        }
+    )
+
+
+def _run_onload(service: Service, req_id: str, body: s.TransferBody) -> tuple[int, str]:
+    _limit_keys(service, body.keys)
+    started = service.onload(req_id, body.cache_id, body.keys, body.device_blocks)
+    job = started.job
+    return 202, json.dumps(
+        {
+            "job_id": None if job is None else job.job_id,
+            "state": "done" if job is None else job.state,
+            "slots": started.slots,
+        }
+    )
+
+
+_KEYS_ERRORS = (404, 413)
+OPERATIONS: tuple[Operation, ...] = (
+    # The hot op first: routes are matched in order.
+    Operation(
+        "lookup",
+        "POST",
+        "/v1/requests/{req_id}/lookup",
+        s.KeysBody,
+        s.LookupAnswer,
+        200,
+        _KEYS_ERRORS,
+        "Per-key state (hit, pending, miss) and the count of leading hits",
+        _run_lookup,
+    ),
+    Operation(
+        "start_request",
+        "PUT",
+        "/v1/requests/{req_id}",
+        s.StartRequestBody,
+        s.StartRequestAnswer,
+        201,
+        (),
+        "Start a request (201), or renew a live one (200); its leases hang on it",
+        _run_start,
+        ((200, "The request was already live: its leases were renewed"),),
+    ),
+    Operation(
+        "finish_request",
+        "DELETE",
+        "/v1/requests/{req_id}",
+        s.FinishRequestBody,
+        s.FinishRequestAnswer,
+        200,
+        (404,),
+        "Finish a request; abort=true releases its pins and pending stores now",
+        _run_finish,
+    ),
+    Operation(
+        "prepare_load",
+        "POST",
+        "/v1/requests/{req_id}/prepare-load",
+        s.KeysBody,
+        s.SlotsAnswer,
+        200,
+        (*_KEYS_ERRORS, 409),
+        "Pin ready keys for a host->device copy; their host slots (all or nothing)",
+        _run_prepare_load,
+    ),
+    Operation(
+        "touch",
+        "POST",
+        "/v1/requests/{req_id}/touch",
+        s.KeysBody,
+        s.EmptyAnswer,
+        200,
+        _KEYS_ERRORS,
+        "Mark keys recently used (policy order); unknown keys are ignored",
+        _run_touch,
+    ),
+    Operation(
+        "complete_load",
+        "POST",
+        "/v1/requests/{req_id}/complete-load",
+        s.KeysBody,
+        s.EmptyAnswer,
+        200,
+        (*_KEYS_ERRORS, 409),
+        "Unpin keys pinned by prepare-load (409 and nothing changed if one is not pinned)",
+        _run_complete_load,
+    ),
+    Operation(
+        "prepare_store",
+        "POST",
+        "/v1/requests/{req_id}/prepare-store",
+        s.KeysBody,
+        s.PrepareStoreAnswer,
+        200,
+        (*_KEYS_ERRORS, 507),
+        "Reserve host slots for the keys not yet stored, evicting if needed (all or nothing)",
+        _run_prepare_store,
+    ),
+    Operation(
+        "complete_store",
+        "POST",
+        "/v1/requests/{req_id}/complete-store",
+        s.CompleteStoreBody,
+        s.CompleteStoreAnswer,
+        200,
+        _KEYS_ERRORS,
+        "Finish stores: ready on success, dropped on failure; repeats are no-ops",
+        _run_complete_store,
+    ),
+    Operation(
+        "offload",
+        "POST",
+        "/v1/requests/{req_id}/offload",
+        s.TransferBody,
+        s.OffloadAnswer,
+        202,
+        (*_KEYS_ERRORS, 503, 507),
+        "Store device blocks under keys: prepare-store, a device->host job, complete-store",
+        _run_offload,
+    ),
+    Operation(
+        "onload",
+        "POST",
+        "/v1/requests/{req_id}/onload",
+        s.TransferBody,
+        s.OnloadAnswer,
+        202,
+        (*_KEYS_ERRORS, 409, 503),
+        "Load ready keys into device blocks: prepare-load, a host->device job, complete-load",
+        _run_onload,
+    ),
+)
+
+BY_NAME: dict[str, Operation] = {op.name: op for op in OPERATIONS}

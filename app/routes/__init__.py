@@ -1,0 +1,1 @@
+"""HTTP routes: the engine API, the admin API, health."""

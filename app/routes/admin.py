@@ -1,0 +1,313 @@
+"""Admin API routes (admin listener): policy, stats, requests, cache clear.
+
+Every route needs ``Authorization: Bearer <token>`` when the service has a token (401 without
+one, 403 with a wrong one; compared in constant time). Without a token the service only binds
+the admin listener to loopback (``Settings`` refuses anything else) and the routes are open.
+
+``PUT /admin/v1/policy`` is a conditional, idempotent switch: the policy ``generation`` is the
+ETag, ``If-Match`` (optional) must name the current one (else 412 and nothing changes), and a
+PUT of the active policy with the same parameters changes nothing (``changed: false``). Every
+change writes one audit line (``app.logging.audit``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import json
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Header, Path, Query, Request
+from fastapi.responses import Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel
+
+from app import schemas as s
+from app.errors import BODY_ERRORS, APIError, responses
+from app.middleware import call_info
+from app.openapi import KVOffloadAPI
+from app.routes.raw import body_parser
+from app.service import Service
+from manager import PolicyInfo, UnknownPolicyError
+
+JSON = "application/json"
+_AUTH_ERRORS = (401, 403)
+_NOT_COUNTERS = {"num_blocks", "free", "pending", "ready", "pinned", "live_requests", "policy"}
+
+
+def etag(generation: int) -> str:
+    """The ETag of a policy generation."""
+    return f'"{generation}"'
+
+
+def if_match_ok(header: str, generation: int) -> bool:
+    """True when an ``If-Match`` value names ``generation`` (or is ``*``).
+
+    Strong comparison: weak tags (``W/"3"``) never match. A bare number is taken as a tag.
+    """
+    current = str(generation)
+    for tag in header.split(","):
+        tag = tag.strip()
+        if tag == "*":
+            return True
+        if tag.startswith("W/"):
+            continue
+        if tag.strip('"') == current:
+            return True
+    return False
+
+
+def _policy_ref(info: PolicyInfo) -> dict[str, Any]:
+    return {"name": info.name, "params": info.params, "generation": info.generation}
+
+
+def _answer(body: dict[str, Any], status: int = 200, tag: str | None = None) -> Response:
+    headers = {"ETag": tag} if tag is not None else None
+    return Response(json.dumps(body, default=str), status, headers, media_type=JSON)
+
+
+_bearer = HTTPBearer(auto_error=False, description="the admin token")
+_TOKEN_STATE = "admin_token"
+
+
+async def require_admin(
+    request: Request,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> str:
+    """Check the bearer token against the app's; return the caller (for the audit log).
+
+    401 without a token, 403 with a wrong one (constant-time comparison). An app without a
+    token (loopback only) lets every caller in.
+    """
+    client = request.client
+    actor = f"{client.host}:{client.port}" if client is not None else "unknown"
+    expected: bytes | None = getattr(request.app.state, _TOKEN_STATE, None)
+    if expected is None:
+        return actor
+    if credentials is None:
+        raise APIError(401, "unauthorized", "bearer token required", {"WWW-Authenticate": "Bearer"})
+    if not hmac.compare_digest(credentials.credentials.encode(), expected):
+        raise APIError(403, "forbidden", "wrong admin token")
+    return actor
+
+
+Actor = Annotated[str, Depends(require_admin)]
+
+
+def register_admin_routes(app: KVOffloadAPI, service: Service, token: str | None) -> None:
+    """Add the admin routes to ``app``, each behind the token check."""
+    setattr(app.state, _TOKEN_STATE, None if token is None else token.encode())
+    parse_policy = body_parser(s.PolicyBody)
+
+    def note(request: Request, op: str) -> None:
+        info = call_info(request.scope)
+        if info is not None:
+            info.op = op
+
+    async def get_policy(request: Request, actor: Actor) -> Response:
+        note(request, "admin_policy_get")
+        info, available = service.policy()
+        return _answer({**_policy_ref(info), "available": available}, tag=etag(info.generation))
+
+    async def put_policy(
+        request: Request,
+        actor: Actor,
+        if_match: Annotated[
+            str | None, Header(description="current generation (ETag); 412 if it moved")
+        ] = None,
+    ) -> Response:
+        note(request, "admin_policy_set")
+        body: s.PolicyBody = parse_policy(await request.body())
+        current, available = service.policy()
+        if body.name not in available:  # an invalid body is 422 whatever If-Match says
+            raise UnknownPolicyError(body.name, available)
+        if if_match is not None and not if_match_ok(if_match, current.generation):
+            raise APIError(
+                412,
+                "precondition_failed",
+                f"policy generation is {current.generation}, If-Match was {if_match}",
+                {"ETag": etag(current.generation)},
+            )
+        switch = service.switch_policy(body.name, body.params, actor)
+        return _answer(
+            {
+                "from": _policy_ref(switch.previous),
+                "to": _policy_ref(switch.current),
+                "blocks_migrated": switch.blocks_migrated,
+                "changed": switch.changed,
+            },
+            tag=etag(switch.current.generation),
+        )
+
+    async def stats(request: Request, actor: Actor) -> Response:
+        note(request, "admin_stats")
+        st = service.stats()
+        looked = st.lookup_hit + st.lookup_pending + st.lookup_miss
+        running, oldest = service.jobs_running()
+        counters: dict[str, int] = {}
+        breakdowns: dict[str, dict[str, int]] = {}
+        for f in dataclasses.fields(st):
+            value = getattr(st, f.name)
+            if f.name in _NOT_COUNTERS:
+                continue
+            if isinstance(value, dict):
+                breakdowns[f.name] = value
+            elif isinstance(value, int):
+                counters[f.name] = value
+        return _answer(
+            {
+                "blocks": {
+                    "num_blocks": st.num_blocks,
+                    "free": st.free,
+                    "pending": st.pending,
+                    "ready": st.ready,
+                    "pinned": st.pinned,
+                },
+                "hit_ratio": st.lookup_hit / looked if looked else None,
+                "live_requests": st.live_requests,
+                "policy": _policy_ref(service.policy()[0]),
+                "counters": counters,
+                "breakdowns": breakdowns,
+                "jobs": {"running": running, "oldest_running_age_s": oldest},
+                "events": {
+                    "latest_seq": service.events.latest_seq,
+                    "buffered": len(service.events),
+                    "dropped": service.events.dropped,
+                },
+                "kv_caches": len(service.caches()) if service.state == "running" else 0,
+            }
+        )
+
+    async def list_requests(
+        request: Request,
+        actor: Actor,
+        limit: Annotated[int, Query(ge=1, le=100000)] = 1000,
+    ) -> Response:
+        note(request, "admin_requests")
+        tracked = service.requests()
+        return _answer(
+            {
+                "requests": [
+                    {
+                        "req_id": r.req_id,
+                        "pins": {k.hex(): n for k, n in r.pins.items()},
+                        "pending_stores": [k.hex() for k in r.pending_stores],
+                        "idle_seconds": r.idle_seconds,
+                    }
+                    for r in tracked[:limit]
+                ],
+                "total": len(tracked),
+            }
+        )
+
+    async def release(
+        request: Request,
+        actor: Actor,
+        req_id: Annotated[str, Path(min_length=1, max_length=256)],
+    ) -> Response:
+        note(request, "admin_release")
+        released = service.release_request(req_id, actor)
+        return _answer(
+            {
+                "req_id": released.req_id,
+                "pins_released": released.pins_released,
+                "stores_dropped": released.stores_dropped,
+            }
+        )
+
+    async def clear(request: Request, actor: Actor) -> Response:
+        note(request, "admin_clear")
+        counts = service.clear_cache(actor)
+        return _answer(dataclasses.asdict(counts))
+
+    etag_header = {"ETag": {"description": "policy generation", "schema": {"type": "string"}}}
+
+    def add(
+        method: str,
+        path: str,
+        endpoint: Callable[..., Awaitable[Response]],
+        answer: type[s.Answer],
+        summary: str,
+        *errors: int | tuple[int, ...],
+        tagged: bool = False,
+        body: type[BaseModel] | None = None,
+    ) -> None:
+        documented = responses(_AUTH_ERRORS, *errors)
+        if tagged:
+            documented[200] = {"description": "OK", "headers": etag_header}
+        app.add_api_route(
+            path,
+            endpoint,
+            methods=[method],
+            name=endpoint.__name__,
+            operation_id=f"admin_{endpoint.__name__}",
+            summary=summary,
+            tags=["admin"],
+            response_model=answer,
+            responses=documented,
+            openapi_extra=None if body is None else app.json_body(body),
+        )
+
+    add(
+        "GET",
+        "/admin/v1/policy",
+        get_policy,
+        s.PolicyAnswer,
+        "The active eviction policy; ETag = generation",
+        tagged=True,
+    )
+    add(
+        "PUT",
+        "/admin/v1/policy",
+        put_policy,
+        s.PolicySwitchAnswer,
+        "Switch the eviction policy live (If-Match optional, idempotent)",
+        BODY_ERRORS,
+        412,
+        tagged=True,
+        body=s.PolicyBody,
+    )
+    add(
+        "GET",
+        "/admin/v1/stats",
+        stats,
+        s.StatsAnswer,
+        "Pool blocks by state, hit ratio, requests, counters, jobs",
+    )
+    add(
+        "GET",
+        "/admin/v1/requests",
+        list_requests,
+        s.RequestsAnswer,
+        "Tracked requests and the leases each holds",
+        422,
+    )
+    add(
+        "POST",
+        "/admin/v1/requests/{req_id}/release",
+        release,
+        s.ReleaseAnswer,
+        "Force-release a request's leases",
+        404,
+        422,
+    )
+    add("POST", "/admin/v1/cache/clear", clear, s.ClearAnswer, "Drop every unpinned block; counts")
+
+
+def register_admin_health(app: FastAPI) -> None:
+    """``/livez`` on the admin listener (open: it says nothing but "up")."""
+
+    async def livez() -> Response:
+        return Response(b'{"status":"ok"}', media_type=JSON)
+
+    app.add_api_route(
+        "/livez",
+        livez,
+        methods=["GET"],
+        name="admin_livez",
+        operation_id="admin_livez",
+        summary="Liveness",
+        tags=["health"],
+        response_model=s.HealthAnswer,
+    )

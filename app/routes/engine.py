@@ -1,0 +1,353 @@
+"""Engine API routes (public listener): request-scoped ops, batch, jobs, events, caches, pool.
+
+Routes with a JSON body are ``RawRoute``s: the endpoint reads the raw body and validates it with
+the body model's ``validate_json`` (strict, hex keys decoded in pydantic-core), without FastAPI's
+per-call parameter machinery. That keeps the hot routes (``lookup``, ``batch``) near the cost of
+the framework's own floor, while ``app.openapi`` documents the same models.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any
+
+from fastapi import Path, Query, Request
+from fastapi.responses import Response
+from fastapi.routing import APIRoute
+
+from app import schemas as s
+from app.errors import BODY_ERRORS, APIError, error_for, responses, too_many
+from app.events import event_json
+from app.logging import get_logger
+from app.middleware import call_info
+from app.openapi import KVOffloadAPI
+from app.operations import BY_NAME, OPERATIONS, Operation, job_json
+from app.routes.raw import RawRoute, body_parser, check_path_param, read_body
+from app.service import Service
+
+log = get_logger("engine")
+JSON = "application/json"
+ReqIdPath = Annotated[str, Path(min_length=1, max_length=256, description="engine request id")]
+Endpoint = Callable[..., Awaitable[Response]]
+
+
+def json_response(text: str | bytes, status: int = 200) -> Response:
+    """A JSON answer from already-encoded text."""
+    return Response(text, status, media_type=JSON)
+
+
+def _op_endpoint(op: Operation, service: Service) -> Endpoint:
+    parse = body_parser(op.body)
+    run = op.run
+    name = op.name
+
+    async def endpoint(request: Request, req_id: ReqIdPath) -> Response:
+        info = call_info(request.scope)
+        if info is not None:
+            info.op = name
+            info.req_id = req_id
+        check_path_param("req_id", req_id)
+        status, text = run(service, req_id, parse(await read_body(request)))
+        return json_response(text, status)
+
+    return endpoint
+
+
+def _finish_endpoint(op: Operation, service: Service) -> Endpoint:
+    async def endpoint(
+        req_id: ReqIdPath,
+        request: Request,
+        abort: Annotated[bool, Query(description="release pins and pending stores now")] = False,
+    ) -> Response:
+        info = call_info(request.scope)
+        if info is not None:
+            info.op = op.name
+            info.req_id = req_id
+        status, text = op.run(service, req_id, s.FinishRequestBody(abort=abort))
+        return json_response(text, status)
+
+    return endpoint
+
+
+def _add_op_route(app: KVOffloadAPI, op: Operation, service: Service) -> None:
+    extra: dict[str, Any] | None = None
+    errors: tuple[int, ...] = (422,)
+    route_class: type[APIRoute] = APIRoute
+    if op.name == "finish_request":
+        endpoint = _finish_endpoint(op, service)
+    else:
+        required = op.name != "start_request"
+        endpoint = _op_endpoint(op, service)
+        extra, errors = app.json_body(op.body, required=required), BODY_ERRORS
+        route_class = RawRoute
+    documented = responses(errors, op.errors)
+    for status, meaning in op.other_ok:
+        documented[status] = {"model": op.answer, "description": meaning}
+    app.router.add_api_route(
+        op.path,
+        endpoint,
+        methods=[op.method],
+        name=op.name,
+        operation_id=op.name,
+        summary=op.summary,
+        tags=["requests"],
+        status_code=op.status,
+        response_model=op.answer,
+        responses=documented,
+        openapi_extra=extra,
+        route_class_override=route_class,
+    )
+
+
+class _BatchRunner:
+    """``POST /v1/batch``: validate every op first (all or nothing), then run each on its own."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.parse = body_parser(s.BatchBody)
+
+    def validated(self, raw: bytes) -> list[Any]:
+        """The ops, if the whole batch is valid; else the one error for the call.
+
+        Schema errors (422, naming ``ops.N``) and limits (413: too many ops, or too many keys
+        in one op) refuse the whole call before any op runs.
+        """
+        ops = list(self.parse(raw).ops)
+        settings = self.service.settings
+        if len(ops) > settings.max_batch_ops:
+            raise too_many("ops", len(ops), settings.max_batch_ops)
+        for i, op in enumerate(ops):
+            keys = getattr(op, "keys", ())
+            if len(keys) > settings.max_keys_per_call:
+                err = too_many("keys", len(keys), settings.max_keys_per_call)
+                raise APIError(err.status, err.code, f"ops.{i}: {err.message}")
+        return ops
+
+    async def __call__(self, request: Request) -> Response:
+        info = call_info(request.scope)
+        if info is not None:
+            info.op = "batch"
+        ops = self.validated(await read_body(request))
+        outcomes: list[tuple[str, int]] = []
+        parts: list[str] = []
+        service = self.service
+        for op in ops:
+            try:
+                status, text = BY_NAME[op.op].run(service, op.req_id, op)
+            except Exception as exc:  # one op's failure must not abort the others
+                err = error_for(exc)
+                if err.status >= 500:
+                    log.error("batch op failed", exc_info=exc, extra={"fields": {"op": op.op}})
+                outcomes.append((op.op, err.status))
+                parts.append(_op_error(err))
+                continue
+            outcomes.append((op.op, status))
+            parts.append(f'{{"ok":true,"status":{status},"result":{text}}}')
+        if info is not None:
+            info.ops = outcomes
+        return json_response(f'{{"results":[{",".join(parts)}]}}')
+
+
+def _op_error(err: APIError) -> str:
+    detail = json.dumps({"code": err.code, "message": err.message})
+    return f'{{"ok":false,"status":{err.status},"error":{detail}}}'
+
+
+def register_engine_routes(app: KVOffloadAPI, service: Service) -> None:
+    """Add every engine route to ``app``; the hot ones (lookup, batch) first."""
+    ops = list(OPERATIONS)
+    _add_op_route(app, ops[0], service)  # lookup: matched first
+
+    batch = _BatchRunner(service)
+    app.router.add_api_route(
+        "/v1/batch",
+        batch.__call__,
+        methods=["POST"],
+        name="batch",
+        operation_id="batch",
+        summary="Run many ops in one call",
+        description=(
+            "Runs the ops in order, each as if called alone (its own `req_id`, op name and "
+            "fields), so an engine can do a whole scheduler step in one round trip.\n\n"
+            "Validation is all or nothing: if any op is malformed (422, the message names "
+            "`ops.N`), or the call holds too many ops or an op too many keys (413), nothing "
+            "runs. Execution is **not atomic**: once validated, one op's error (404, 409, "
+            "507, ...) does not abort the others and does not undo the ops before it; each op "
+            "answers with its own `status` and `result` or `error`, in order."
+        ),
+        tags=["requests"],
+        response_model=s.BatchAnswer,
+        responses=responses(BODY_ERRORS),
+        openapi_extra=app.json_body(s.BatchBody),
+        route_class_override=RawRoute,
+    )
+    for op in ops[1:]:
+        _add_op_route(app, op, service)
+    _add_job_routes(app, service)
+    _add_event_routes(app, service)
+    _add_cache_routes(app, service)
+
+
+def _add_job_routes(app: KVOffloadAPI, service: Service) -> None:
+    async def get_job(job_id: Annotated[int, Path(ge=0)]) -> Response:
+        return json_response(json.dumps(job_json(service.job(job_id))))
+
+    parse_wait = body_parser(s.WaitJobsBody)
+
+    async def wait_jobs(request: Request) -> Response:
+        body: s.WaitJobsBody = parse_wait(await read_body(request))
+        records = await service.wait_jobs(body.job_ids, body.timeout_s)
+        jobs = [job_json(r) for r in records]
+        done = all(j["state"] != "running" for j in jobs)
+        return json_response(json.dumps({"jobs": jobs, "done": done}))
+
+    app.add_api_route(
+        "/v1/jobs/{job_id}",
+        get_job,
+        methods=["GET"],
+        name="get_job",
+        operation_id="get_job",
+        summary="A transfer job: running, done or failed, with bytes and seconds",
+        tags=["jobs"],
+        response_model=s.JobAnswer,
+        responses=responses(404, 422, 503),
+    )
+    app.router.add_api_route(
+        "/v1/jobs/wait",
+        wait_jobs,
+        methods=["POST"],
+        name="wait_jobs",
+        operation_id="wait_jobs",
+        summary="Long-poll until none of the jobs is running (bounded by timeout_s)",
+        description=(
+            "Answers as soon as every listed job has ended, or when `timeout_s` (capped by the "
+            "service's `job_wait_max_s`) has passed; `done` says which."
+        ),
+        tags=["jobs"],
+        response_model=s.WaitJobsAnswer,
+        responses=responses(BODY_ERRORS, 404, 503),
+        openapi_extra=app.json_body(s.WaitJobsBody),
+        route_class_override=RawRoute,
+    )
+
+
+def _add_event_routes(app: KVOffloadAPI, service: Service) -> None:
+    async def events(
+        after: Annotated[int, Query(ge=0, description="last seq seen (0: from the start)")] = 0,
+        limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
+    ) -> Response:
+        service.drain_events()
+        page = service.events.page(after, limit)
+        return json_response(
+            json.dumps(
+                {
+                    "events": [event_json(e) for e in page.events],
+                    "next_after": page.next_after,
+                    "latest_seq": page.latest_seq,
+                    "fell_behind": page.fell_behind,
+                    "instance": service.instance,
+                }
+            )
+        )
+
+    app.add_api_route(
+        "/v1/events",
+        events,
+        methods=["GET"],
+        name="events",
+        operation_id="events",
+        summary="KV events after a sequence number, for routers",
+        tags=["events"],
+        response_model=s.EventsAnswer,
+        responses=responses(422),
+    )
+
+
+def _add_cache_routes(app: KVOffloadAPI, service: Service) -> None:
+    parse_cache = body_parser(s.KVCacheBody)
+
+    def cache_json(cache: Any) -> dict[str, Any]:
+        return {
+            "cache_id": cache.cache_id,
+            "name": cache.name,
+            "block_bytes": cache.block_bytes,
+            "num_blocks": cache.num_blocks,
+            "device": str(cache.device),
+        }
+
+    async def register(request: Request) -> Response:
+        raw = await read_body(request)
+        parse_cache(raw)  # shape and types; the transfer layer checks sizes and handles
+        cache = service.register_cache(json.loads(raw))
+        return json_response(json.dumps(cache_json(cache)), 201)
+
+    async def list_caches() -> Response:
+        return json_response(json.dumps({"kv_caches": [cache_json(c) for c in service.caches()]}))
+
+    async def unregister(cache_id: Annotated[str, Path(min_length=1, max_length=256)]) -> Response:
+        service.unregister_cache(cache_id)
+        return Response(status_code=204)
+
+    async def pool() -> Response:
+        layout = service.pool_layout()
+        return json_response(
+            json.dumps(
+                {
+                    "path": str(layout["path"]),
+                    "num_blocks": layout["num_blocks"],
+                    "block_bytes": layout["block_bytes"],
+                    "pinned": bool(layout["pinned"]),
+                    "max_keys_per_call": service.settings.max_keys_per_call,
+                }
+            )
+        )
+
+    app.router.add_api_route(
+        "/v1/kv-caches",
+        register,
+        methods=["POST"],
+        name="register_kv_cache",
+        operation_id="register_kv_cache",
+        summary="Register a device KV cache (shared-memory file or CUDA IPC handles)",
+        tags=["kv-caches"],
+        status_code=201,
+        response_model=s.KVCacheAnswer,
+        responses=responses(BODY_ERRORS, 503),
+        openapi_extra=app.json_body(s.KVCacheBody),
+        route_class_override=RawRoute,
+    )
+    app.add_api_route(
+        "/v1/kv-caches",
+        list_caches,
+        methods=["GET"],
+        name="list_kv_caches",
+        operation_id="list_kv_caches",
+        summary="Registered device KV caches",
+        tags=["kv-caches"],
+        response_model=s.KVCacheListAnswer,
+        responses=responses(503),
+    )
+    app.add_api_route(
+        "/v1/kv-caches/{cache_id}",
+        unregister,
+        methods=["DELETE"],
+        name="unregister_kv_cache",
+        operation_id="unregister_kv_cache",
+        summary="Forget a device KV cache",
+        tags=["kv-caches"],
+        status_code=204,
+        response_class=Response,
+        responses=responses(404, 422, 503),
+    )
+    app.add_api_route(
+        "/v1/pool",
+        pool,
+        methods=["GET"],
+        name="pool",
+        operation_id="pool",
+        summary="Host pool layout, to map the pool from an engine",
+        tags=["pool"],
+        response_model=s.PoolAnswer,
+        responses=responses(503),
+    )

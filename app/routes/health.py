@@ -1,0 +1,55 @@
+"""Liveness and readiness.
+
+``/livez`` answers 200 while the process serves HTTP at all. ``/readyz`` answers 503 while the
+service is starting, draining for a shutdown, or when the oldest transfer in flight has run past
+its deadline (a stuck copy: stop sending work here); 200 otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import FastAPI
+from fastapi.responses import Response
+
+from app import schemas as s
+from app.service import Service
+
+JSON = "application/json"
+_LIVE = json.dumps({"status": "ok"}).encode()
+
+
+def register_health_routes(app: FastAPI, service: Service) -> None:
+    """Add ``/livez`` and ``/readyz``."""
+
+    async def livez() -> Response:
+        return Response(_LIVE, media_type=JSON)
+
+    async def readyz() -> Response:
+        reason = service.readiness()
+        if reason is None:
+            return Response(json.dumps({"status": "ready"}), media_type=JSON)
+        body = json.dumps({"status": "not_ready", "reason": reason})
+        return Response(body, 503, media_type=JSON)
+
+    app.add_api_route(
+        "/livez",
+        livez,
+        methods=["GET"],
+        name="livez",
+        operation_id="livez",
+        summary="Liveness",
+        tags=["health"],
+        response_model=s.HealthAnswer,
+    )
+    app.add_api_route(
+        "/readyz",
+        readyz,
+        methods=["GET"],
+        name="readyz",
+        operation_id="readyz",
+        summary="Readiness: 503 while starting, draining, or a transfer is stuck",
+        tags=["health"],
+        response_model=s.HealthAnswer,
+        responses={503: {"model": s.HealthAnswer, "description": "Not ready (see reason)"}},
+    )

@@ -1,0 +1,533 @@
+"""Wire models: request bodies and answers of the engine and admin APIs.
+
+Request bodies are strict (no ``false`` taken as ``0``, no ``"1"`` taken as ``1``, unknown fields
+refused) and are validated from the raw body with ``TypeAdapter.validate_json`` so keys are
+decoded from hex to ``bytes`` inside pydantic-core, without a Python loop. A key is 1..64 bytes,
+written as 2..128 hex digits (either case). Answers write keys in lowercase hex.
+
+Answer models document the responses (OpenAPI); the hot routes build their JSON by hand and a
+test checks that it validates against these models.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    WithJsonSchema,
+    model_validator,
+)
+
+from manager import MAX_KEY_BYTES, available_policies
+
+HEX_KEY_PATTERN = f"^(?:[0-9a-fA-F]{{2}}){{1,{MAX_KEY_BYTES}}}$"
+
+HexKey = Annotated[
+    bytes,
+    Field(min_length=1, max_length=MAX_KEY_BYTES),
+    WithJsonSchema(
+        {
+            "type": "string",
+            "pattern": HEX_KEY_PATTERN,
+            "description": f"block hash: 1..{MAX_KEY_BYTES} bytes as hex",
+        }
+    ),
+]
+"""A block key on the wire: hex in, ``bytes`` after validation."""
+
+KeyHex = Annotated[str, Field(pattern="^(?:[0-9a-f]{2})+$", description="block hash, hex")]
+"""A block key in an answer (lowercase hex)."""
+
+ReqId = Annotated[
+    str, StringConstraints(min_length=1, max_length=256), Field(description="engine request id")
+]
+BlockIndex = Annotated[int, Field(ge=0, le=2**31 - 1)]
+Keys = Annotated[list[HexKey], Field(description="block hashes, head of the sequence first")]
+
+
+class Body(BaseModel):
+    """Base of request bodies: strict, closed, hex bytes, immutable."""
+
+    model_config = ConfigDict(
+        strict=True, extra="forbid", frozen=True, val_json_bytes="hex", ser_json_bytes="hex"
+    )
+
+
+class Answer(BaseModel):
+    """Base of answers."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+# --------------------------------------------------------------------------- engine bodies
+
+
+class StartRequestBody(Body):
+    """``PUT /v1/requests/{req_id}``: the engine's opaque per-request parameters."""
+
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class FinishRequestBody(Body):
+    """``DELETE /v1/requests/{req_id}?abort=``: abort releases the request's leases now."""
+
+    abort: bool = False
+
+
+class KeysBody(Body):
+    """A list of block keys (lookup, prepare-load, touch, complete-load, prepare-store)."""
+
+    keys: Keys
+
+
+class CompleteStoreBody(Body):
+    """``complete-store``: the keys whose copy ended, and whether it succeeded."""
+
+    keys: Keys
+    success: bool = True
+
+
+class TransferBody(Body):
+    """``offload`` / ``onload``: move ``keys[i]`` from/to device block ``device_blocks[i]``."""
+
+    cache_id: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+    keys: Keys
+    device_blocks: list[BlockIndex]
+
+    @model_validator(mode="after")
+    def _same_length(self) -> TransferBody:
+        if len(self.keys) != len(self.device_blocks):
+            raise ValueError(
+                f"keys ({len(self.keys)}) and device_blocks ({len(self.device_blocks)}) "
+                "must have the same length"
+            )
+        return self
+
+
+class WaitJobsBody(Body):
+    """``POST /v1/jobs/wait``: wait until every job has ended, or ``timeout_s`` passed."""
+
+    job_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=4096)]
+    timeout_s: Annotated[float, Field(ge=0, le=3600)] = 10.0
+
+
+# --------------------------------------------------------------------------- batch
+
+
+class StartRequestOp(StartRequestBody):
+    """Batch op ``start_request`` (``PUT /v1/requests/{req_id}``)."""
+
+    op: Literal["start_request"]
+    req_id: ReqId
+
+
+class FinishRequestOp(FinishRequestBody):
+    """Batch op ``finish_request`` (``DELETE /v1/requests/{req_id}``)."""
+
+    op: Literal["finish_request"]
+    req_id: ReqId
+
+
+class LookupOp(KeysBody):
+    """Batch op ``lookup``."""
+
+    op: Literal["lookup"]
+    req_id: ReqId
+
+
+class PrepareLoadOp(KeysBody):
+    """Batch op ``prepare_load``."""
+
+    op: Literal["prepare_load"]
+    req_id: ReqId
+
+
+class TouchOp(KeysBody):
+    """Batch op ``touch``."""
+
+    op: Literal["touch"]
+    req_id: ReqId
+
+
+class CompleteLoadOp(KeysBody):
+    """Batch op ``complete_load``."""
+
+    op: Literal["complete_load"]
+    req_id: ReqId
+
+
+class PrepareStoreOp(KeysBody):
+    """Batch op ``prepare_store``."""
+
+    op: Literal["prepare_store"]
+    req_id: ReqId
+
+
+class CompleteStoreOp(CompleteStoreBody):
+    """Batch op ``complete_store``."""
+
+    op: Literal["complete_store"]
+    req_id: ReqId
+
+
+class OffloadOp(TransferBody):
+    """Batch op ``offload``."""
+
+    op: Literal["offload"]
+    req_id: ReqId
+
+
+class OnloadOp(TransferBody):
+    """Batch op ``onload``."""
+
+    op: Literal["onload"]
+    req_id: ReqId
+
+
+BatchOp = Annotated[
+    StartRequestOp
+    | FinishRequestOp
+    | LookupOp
+    | PrepareLoadOp
+    | TouchOp
+    | CompleteLoadOp
+    | PrepareStoreOp
+    | CompleteStoreOp
+    | OffloadOp
+    | OnloadOp,
+    Field(discriminator="op"),
+]
+
+
+class BatchBody(Body):
+    """``POST /v1/batch``: ops validated together, then run in order, each answering alone."""
+
+    ops: Annotated[list[BatchOp], Field(min_length=1)]
+
+
+# --------------------------------------------------------------------------- engine answers
+
+
+class StartRequestAnswer(Answer):
+    """The request is live; ``created`` is false when it already was (its lease renewed)."""
+
+    req_id: str
+    created: bool
+
+
+class FinishRequestAnswer(Answer):
+    """Leases released by the finish (non-zero only for an abort)."""
+
+    req_id: str
+    pins_released: int
+    stores_dropped: int
+
+
+class LookupAnswer(Answer):
+    """Per-key state and the count of leading hits."""
+
+    results: list[Literal["hit", "pending", "miss"]]
+    hit_prefix: int
+
+
+class SlotsAnswer(Answer):
+    """Host-pool slots of the pinned keys, in order."""
+
+    slots: list[int]
+
+
+class EmptyAnswer(Answer):
+    """Nothing to report."""
+
+
+class PrepareStoreAnswer(Answer):
+    """Copy ``keys_to_store[i]`` into host slot ``slots[i]``, then call ``complete-store``.
+
+    Offered keys that were already resident appear in no list; ``skipped_keys`` were not
+    admitted by the reuse filter; ``evicted_keys`` were dropped to make room.
+    """
+
+    keys_to_store: list[KeyHex]
+    slots: list[int]
+    evicted_keys: list[KeyHex]
+    skipped_keys: list[KeyHex]
+
+
+class CompleteStoreAnswer(Answer):
+    """Per-key outcome: became ready, dropped (failed store), or not a store in flight."""
+
+    completed: list[KeyHex]
+    dropped: list[KeyHex]
+    ignored: list[KeyHex]
+
+
+JobState = Literal["running", "done", "failed"]
+
+
+class OffloadAnswer(Answer):
+    """The store job that moves ``keys_to_store`` (``job_id`` null: nothing to move)."""
+
+    job_id: int | None
+    state: JobState
+    keys_to_store: list[KeyHex]
+    evicted_keys: list[KeyHex]
+    skipped_keys: list[KeyHex]
+
+
+class OnloadAnswer(Answer):
+    """The load job that copies the keys into the device blocks."""
+
+    job_id: int | None
+    state: JobState
+    slots: list[int]
+
+
+class JobAnswer(Answer):
+    """One transfer job."""
+
+    job_id: int
+    req_id: str
+    direction: Literal["store", "load"]
+    cache_id: str
+    num_keys: int
+    state: JobState
+    bytes: int
+    seconds: float
+    reason: str | None
+
+
+class WaitJobsAnswer(Answer):
+    """The jobs, in the order asked; ``done`` is true when none is running."""
+
+    jobs: list[JobAnswer]
+    done: bool
+
+
+class OpError(Answer):
+    """Why one batch op failed."""
+
+    code: str
+    message: str
+
+
+class OpResult(Answer):
+    """One op's answer: ``result`` when ``ok``, else ``error``; ``status`` as if called alone."""
+
+    ok: bool
+    status: int
+    result: dict[str, Any] | None = None
+    error: OpError | None = None
+
+
+class BatchAnswer(Answer):
+    """One result per op, in order."""
+
+    results: list[OpResult]
+
+
+class KVEventAnswer(Answer):
+    """A KV event (vLLM shape): blocks stored, removed, or everything cleared."""
+
+    seq: int
+    type: Literal["BlockStored", "BlockRemoved", "AllBlocksCleared"]
+    block_hashes: list[KeyHex]
+    medium: str
+
+
+class EventsAnswer(Answer):
+    """Events with ``seq > after``, oldest first.
+
+    ``fell_behind`` is true when events after ``after`` were dropped before this call (the
+    buffer is bounded) or when ``after`` is ahead of the service (it restarted): resync from
+    ``GET /v1/pool`` and the admin stats, then continue from ``next_after``. ``instance`` changes
+    when the service restarts.
+    """
+
+    events: list[KVEventAnswer]
+    next_after: int
+    latest_seq: int
+    fell_behind: bool
+    instance: str
+
+
+class TensorHandle(BaseModel):
+    """Where a tensor's memory is: ``{"kind": "shm", "path"}`` or ``{"kind": "cuda_ipc", ...}``."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    kind: Literal["shm", "cuda_ipc"]
+
+
+class TensorSpecBody(BaseModel):
+    """One KV tensor: its shape, dtype, which dimension indexes blocks, and its memory."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    shape: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=1, max_length=16)]
+    dtype: Annotated[str, StringConstraints(min_length=1, max_length=32)]
+    block_dim: Annotated[int, Field(ge=0, le=15)]
+    handle: TensorHandle
+    device: Annotated[str, StringConstraints(min_length=1, max_length=32)] | None = None
+
+
+class KVCacheBody(BaseModel):
+    """``POST /v1/kv-caches``: a device KV cache; one block's bytes over all tensors must equal
+    the pool's ``block_bytes``."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    name: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+    device: Annotated[str, StringConstraints(min_length=1, max_length=32)]
+    tensors: Annotated[list[TensorSpecBody], Field(min_length=1, max_length=4096)]
+
+
+class KVCacheAnswer(Answer):
+    """A registered device KV cache."""
+
+    cache_id: str
+    name: str
+    block_bytes: int
+    num_blocks: int
+    device: str
+
+
+class KVCacheListAnswer(Answer):
+    """Every registered device KV cache."""
+
+    kv_caches: list[KVCacheAnswer]
+
+
+class PoolAnswer(Answer):
+    """The host pool, to map it from an engine (``path`` is a shared-memory file)."""
+
+    path: str
+    num_blocks: int
+    block_bytes: int
+    pinned: bool
+    max_keys_per_call: int
+
+
+class HealthAnswer(Answer):
+    """Liveness or readiness; ``reason`` says why not ready."""
+
+    status: Literal["ok", "ready", "not_ready"]
+    reason: str | None = None
+
+
+# --------------------------------------------------------------------------- admin
+
+
+def _policy_names(schema: dict[str, Any]) -> None:
+    # Read when the spec is generated, so policies registered after import are listed.
+    schema["enum"] = available_policies()
+
+
+class PolicyBody(BaseModel):
+    """``PUT /admin/v1/policy``: switch to policy ``name`` with ``params``."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    name: Annotated[
+        str, StringConstraints(min_length=1, max_length=64), Field(json_schema_extra=_policy_names)
+    ]
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class PolicyAnswer(Answer):
+    """The active policy; ``generation`` (also the ETag) grows on every effective switch."""
+
+    name: str
+    params: dict[str, Any]
+    generation: int
+    available: list[str]
+
+
+class PolicyRef(Answer):
+    """A policy and its generation."""
+
+    name: str
+    params: dict[str, Any]
+    generation: int
+
+
+class PolicySwitchAnswer(Answer):
+    """Result of a switch; ``changed`` is false for a same-policy, same-params PUT."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, serialize_by_alias=True)
+    from_: PolicyRef = Field(alias="from")
+    to: PolicyRef
+    blocks_migrated: int
+    changed: bool
+
+
+class BlockCounts(Answer):
+    """Pool blocks by state: ``free + pending + ready == num_blocks``; pinned ⊆ ready."""
+
+    num_blocks: int
+    free: int
+    pending: int
+    ready: int
+    pinned: int
+
+
+class JobsStats(Answer):
+    """Transfer jobs now."""
+
+    running: int
+    oldest_running_age_s: float | None
+
+
+class EventsStats(Answer):
+    """The KV event buffer."""
+
+    latest_seq: int
+    buffered: int
+    dropped: int
+
+
+class StatsAnswer(Answer):
+    """Service statistics: blocks, hit ratio, requests, counters, jobs, events."""
+
+    blocks: BlockCounts
+    hit_ratio: float | None
+    live_requests: int
+    policy: PolicyRef
+    counters: dict[str, int]
+    breakdowns: dict[str, dict[str, int]] = Field(
+        description="counters split by a label (e.g. evictions by policy)"
+    )
+    jobs: JobsStats
+    events: EventsStats
+    kv_caches: int
+
+
+class RequestLeasesAnswer(Answer):
+    """One tracked request: pin counts per key and keys whose store it has in flight."""
+
+    req_id: str
+    pins: dict[str, int]
+    pending_stores: list[KeyHex]
+    idle_seconds: float
+
+
+class RequestsAnswer(Answer):
+    """Tracked requests (live, or finished with leases); ``total`` counts all of them."""
+
+    requests: list[RequestLeasesAnswer]
+    total: int
+
+
+class ReleaseAnswer(Answer):
+    """Leases force-released from one request."""
+
+    req_id: str
+    pins_released: int
+    stores_dropped: int
+
+
+class ClearAnswer(Answer):
+    """``cache/clear``: blocks dropped, and blocks kept because a transfer holds them."""
+
+    dropped: int
+    kept_pinned: int
+    kept_pending: int

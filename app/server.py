@@ -1,0 +1,201 @@
+"""``kvoffload serve``: one process, one event loop, two listeners on one ``Service``.
+
+The engine API (TCP ``host:port``, plus the Unix socket ``uds`` when set) and the admin API
+(``admin_host:admin_port``) are two ``uvicorn.Server`` instances gathered on one uvloop loop,
+with httptools and no access log (the call hooks log instead). The sockets are bound here, before
+anything starts, so a busy port fails fast and port 0 works (the ``listening`` log line names
+the real ports).
+
+Shutdown: the first SIGTERM/SIGINT marks the service not ready (``/readyz`` 503), waits
+``shutdown_delay_s`` (time for a load balancer to notice), then stops both listeners, which let
+calls in flight finish (up to ``shutdown_grace_s``); the service then stops the transfer worker
+and frees the pool. A second SIGINT forces the exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import os
+import signal
+import socket
+import stat
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from app.logging import get_logger
+from app.main import create_admin_app, create_app
+from app.service import Service
+from app.settings import Settings
+
+log = get_logger("server")
+UDS_MODE = 0o660
+
+
+class Listener(uvicorn.Server):
+    """A uvicorn server that leaves signal handling to the process (two servers, one loop)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def bind_tcp(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket on ``host:port`` (IPv6 literals allowed)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def bind_unix(path: Path) -> socket.socket:
+    """A Unix stream socket at ``path``; a stale socket file left by a dead process is replaced.
+
+    A path that exists and is not a socket is never removed.
+    """
+    if path.exists():
+        if not stat.S_ISSOCK(path.stat().st_mode):
+            raise OSError(f"{path} exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            path.unlink()  # nobody listens: stale
+        else:
+            raise OSError(f"{path} is in use by another process")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(str(path))
+        os.chmod(path, UDS_MODE)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _config(app: Any, settings: Settings) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        loop="none",
+        http="httptools",
+        ws="none",
+        lifespan="on",
+        access_log=False,
+        log_config=None,
+        log_level=settings.log_level,
+        server_header=False,
+        proxy_headers=False,
+        timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_s)),
+    )
+
+
+def _address(sock: socket.socket) -> str:
+    name = sock.getsockname()
+    if sock.family == socket.AF_UNIX:
+        return f"unix:{name}"
+    host, port = name[0], name[1]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+async def serve(
+    settings: Settings, *, on_ready: Callable[[dict[str, list[str]]], None] | None = None
+) -> None:
+    """Run both listeners until a signal (or a listener failing) stops them."""
+    public_socks = [bind_tcp(settings.host, settings.port)]
+    admin_socks: list[socket.socket] = []
+    try:
+        if settings.uds is not None:
+            public_socks.append(bind_unix(settings.uds))
+        admin_socks.append(bind_tcp(settings.admin_host, settings.admin_port))
+    except BaseException:
+        for sock in public_socks:
+            sock.close()
+        raise
+
+    if settings.admin_token_value() is None:
+        log.warning(
+            "admin API has no token: open to local callers only",
+            extra={"fields": {"admin_host": settings.admin_host}},
+        )
+    service = Service(settings)
+    public = Listener(_config(create_app(settings, service=service), settings))
+    admin = Listener(_config(create_admin_app(settings, service), settings))
+    servers = (public, admin)
+    loop = asyncio.get_running_loop()
+    stopping = False
+
+    def stop_servers() -> None:
+        for srv in servers:
+            srv.should_exit = True
+
+    def on_signal(sig: signal.Signals) -> None:
+        nonlocal stopping
+        if stopping:
+            if sig == signal.SIGINT:
+                for srv in servers:
+                    srv.force_exit = True
+            stop_servers()
+            return
+        stopping = True
+        log.info("shutdown requested", extra={"fields": {"signal": sig.name}})
+        service.begin_drain()
+        loop.call_later(settings.shutdown_delay_s, stop_servers)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        async with service.running():
+            tasks = [
+                asyncio.create_task(public.serve(sockets=public_socks), name="kvoffload-engine"),
+                asyncio.create_task(admin.serve(sockets=admin_socks), name="kvoffload-admin"),
+            ]
+            while not all(srv.started for srv in servers) and not any(t.done() for t in tasks):
+                await asyncio.sleep(0.01)
+            if all(srv.started for srv in servers):
+                addresses = {
+                    "engine": [_address(s) for s in public_socks],
+                    "admin": [_address(s) for s in admin_socks],
+                }
+                log.info("listening", extra={"fields": addresses})
+                # What exists now (torch, FastAPI, schemas) lives as long as the process;
+                # frozen, the collector's full passes stop rescanning it between calls.
+                gc.collect()
+                gc.freeze()
+                if on_ready is not None:
+                    on_ready(addresses)
+            # One listener ending (a failure) takes the other down with it.
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            stop_servers()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        for sock in (*public_socks, *admin_socks):
+            sock.close()
+        if settings.uds is not None:
+            with contextlib.suppress(FileNotFoundError):
+                settings.uds.unlink()
+        log.info("stopped")
+
+
+def run(settings: Settings) -> None:
+    """Run ``serve`` on a fresh uvloop event loop until it returns."""
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(serve(settings))

@@ -1,0 +1,585 @@
+"""HTTP benchmark of the engine API's hot routes against two floors measured in the same run.
+
+Servers (each one process, pinned to one core, uvloop + httptools, no access log):
+
+- ``bare``: a plain ASGI app answering a fixed body the size of a lookup(64) answer;
+- ``noop``: a FastAPI route with a path parameter answering the same fixed body;
+- ``kvoffload``: ``kvoffload serve`` (CPU pool), request ``bench`` started, 32 of the 64 keys
+  stored, so a lookup answers 32 hits then 32 misses.
+
+The load generator is a separate process pinned to another core: a raw asyncio HTTP/1.1
+keep-alive client (one request in flight per connection), over TCP or the Unix socket, at 1 and
+32 connections. Each scenario runs several short rounds, interleaved across servers so drifting
+background load hits every server alike; the table shows medians of calls/s, p50 and p99.
+
+Also measured: ``batch`` = one ``POST /v1/batch`` of 16 lookup ops of 4 keys each (one
+scheduler step: 16 requests, 64 keys in all) against a single lookup of 64 keys.
+
+Targets: lookup(64) >= 0.8x the FastAPI no-op (calls/s), p99 <= 10 ms at 32 connections, the
+Unix socket at least as fast as TCP, batch(16 ops) < 3x a single lookup (p50 latency at one
+connection). Writes ``bench/results/http_bench.json``.
+
+Run from the repository root: ``.venv/bin/python bench/http_bench.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+RESULTS = ROOT / "bench" / "results" / "http_bench.json"
+LOOKUP_PATH = "/v1/requests/bench/lookup"
+BATCH_PATH = "/v1/batch"
+NUM_KEYS = 64
+BATCH_OPS = 16
+_CONTENT_LENGTH = re.compile(rb"content-length:\s*(\d+)", re.IGNORECASE)
+
+
+# --------------------------------------------------------------------------- floors
+
+
+def _fixed_body(size: int) -> bytes:
+    """A JSON body of exactly ``size`` bytes."""
+    head = b'{"pad":"'
+    return head + b"x" * max(0, size - len(head) - 2) + b'"}'
+
+
+def bare_app(body: bytes) -> Any:
+    """A plain ASGI app: every HTTP call gets ``body``."""
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    start = {"type": "http.response.start", "status": 200, "headers": headers}
+    payload = {"type": "http.response.body", "body": body}
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                else:
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        await send(start)
+        await send(payload)
+
+    return app
+
+
+def noop_app(body: bytes) -> Any:
+    """FastAPI, one route with a path parameter, answering ``body``."""
+    from fastapi import FastAPI
+    from fastapi.responses import Response
+
+    app = FastAPI()
+
+    @app.post("/v1/requests/{req_id}/lookup")
+    async def lookup(req_id: str) -> Response:
+        return Response(body, media_type="application/json")
+
+    return app
+
+
+def serve_floor(kind: str, port: int, uds: str, body_size: int) -> None:
+    """Run a floor server on 127.0.0.1:``port`` and ``uds`` until SIGTERM."""
+    import uvicorn
+    import uvloop
+
+    from app.server import Listener, bind_tcp, bind_unix
+
+    body = _fixed_body(body_size)
+    app = bare_app(body) if kind == "bare" else noop_app(body)
+    config = uvicorn.Config(
+        app,
+        loop="none",
+        http="httptools",
+        ws="none",
+        lifespan="on",
+        access_log=False,
+        log_config=None,
+        log_level="warning",
+    )
+    server = Listener(config)
+    sockets = [bind_tcp("127.0.0.1", port), bind_unix(Path(uds))]
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, lambda: setattr(server, "should_exit", True))
+        await server.serve(sockets=sockets)
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main())
+
+
+# --------------------------------------------------------------------------- load generator
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection sending ``request`` again as soon as the answer is complete."""
+
+    def __init__(self, request: bytes, stats: _LoadStats, stop_at: float, done: Any) -> None:
+        self.request = request
+        self.stats = stats
+        self.stop_at = stop_at
+        self.done = done
+        self.buffer = bytearray()
+        self.sent_at = 0.0
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self.transport = cast(asyncio.Transport, transport)
+        self._send()
+
+    def _send(self) -> None:
+        assert self.transport is not None
+        self.sent_at = time.perf_counter()
+        self.transport.write(self.request)
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buffer
+        buf += data
+        while True:
+            end_of_head = buf.find(b"\r\n\r\n")
+            if end_of_head < 0:
+                return
+            match = _CONTENT_LENGTH.search(buf, 0, end_of_head)
+            end = end_of_head + 4 + (int(match.group(1)) if match else 0)
+            if len(buf) < end:
+                return
+            ok = buf[9:12] == b"200"
+            del buf[:end]
+            now = time.perf_counter()
+            self.stats.latencies.append(now - self.sent_at)
+            if not ok:
+                self.stats.errors += 1
+            if now >= self.stop_at:
+                assert self.transport is not None
+                self.transport.close()
+                return
+            self._send()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+
+@dataclass
+class _LoadStats:
+    latencies: list[float]
+    errors: int = 0
+
+
+async def _drive(address: str, request: bytes, connections: int, seconds: float) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    stats = _LoadStats([])
+    stop_at = time.perf_counter() + seconds
+    finished = []
+    for _ in range(connections):
+        done = loop.create_future()
+        finished.append(done)
+
+        def factory(done: Any = done) -> _Connection:
+            return _Connection(request, stats, stop_at, done)
+
+        if address.startswith("/"):
+            await loop.create_unix_connection(factory, address)
+        else:
+            host, port = address.rsplit(":", 1)
+            await loop.create_connection(factory, host, int(port))
+    started = time.perf_counter()
+    await asyncio.gather(*finished)
+    elapsed = time.perf_counter() - started
+    lat = sorted(stats.latencies)
+    n = len(lat)
+    return {
+        "calls": n,
+        "calls_per_s": n / elapsed,
+        "p50_ms": lat[n // 2] * 1e3 if n else float("nan"),
+        "p99_ms": lat[min(n - 1, int(n * 0.99))] * 1e3 if n else float("nan"),
+        "errors": stats.errors,
+    }
+
+
+def http_request(path: str, body: bytes) -> bytes:
+    """A keep-alive HTTP/1.1 POST of a JSON body."""
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def run_load(address: str, request: bytes, connections: int, seconds: float) -> dict[str, Any]:
+    """Drive one scenario with uvloop (in the load-generator process)."""
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(_drive(address, request, connections, min(0.3, seconds / 4)))  # warm-up
+        return runner.run(_drive(address, request, connections, seconds))
+
+
+# --------------------------------------------------------------------------- orchestration
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _pinned(core: int | None) -> Any:
+    if core is None:
+        return None
+    return lambda: os.sched_setaffinity(0, {core})
+
+
+def _wait_tcp(port: int, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"server on port {port} did not come up")
+
+
+@dataclass
+class Server:
+    name: str
+    proc: subprocess.Popen[bytes]
+    port: int
+    uds: str
+
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system, all threads) the server process has used so far."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def tcp(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_kvoffload(tmp: Path, core: int | None) -> Server:
+    port, admin = free_port(), free_port()
+    uds = str(tmp / "kvoffload.sock")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
+    argv = [
+        sys.executable,
+        "-m",
+        "app.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--admin-port",
+        str(admin),
+        "--uds",
+        uds,
+        "--num-blocks",
+        "4096",
+        "--block-bytes",
+        "4096",
+        "--device",
+        "cpu",
+        "--log-level",
+        "warning",
+    ]
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, preexec_fn=_pinned(core))
+    _wait_tcp(port, proc)
+    return Server("kvoffload", proc, port, uds)
+
+
+def start_floor(kind: str, tmp: Path, core: int | None, body_size: int) -> Server:
+    port = free_port()
+    uds = str(tmp / f"{kind}.sock")
+    argv = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--serve-floor",
+        kind,
+        "--port",
+        str(port),
+        "--uds",
+        uds,
+        "--body-size",
+        str(body_size),
+    ]
+    proc = subprocess.Popen(argv, cwd=ROOT, preexec_fn=_pinned(core))
+    _wait_tcp(port, proc)
+    return Server(kind, proc, port, uds)
+
+
+def prepare_kvoffload(server: Server) -> tuple[bytes, bytes, int]:
+    """Start request ``bench``, store half the keys; the lookup and batch bodies, answer size."""
+    import httpx
+
+    from app.client import KVOffloadClient
+
+    keys = [os.urandom(16) for _ in range(NUM_KEYS)]
+    with KVOffloadClient(f"http://{server.tcp()}") as client:
+        client.start_request("bench")
+        spec = client.prepare_store("bench", keys[: NUM_KEYS // 2])
+        client.complete_store("bench", spec.keys_to_store)
+        answer = httpx.post(
+            f"http://{server.tcp()}{LOOKUP_PATH}", json={"keys": [k.hex() for k in keys]}
+        )
+        answer.raise_for_status()
+        assert answer.json()["hit_prefix"] == NUM_KEYS // 2
+        per_op = NUM_KEYS // BATCH_OPS
+        ops = [
+            {"op": "lookup", "req_id": "bench", "keys": [k.hex() for k in keys[i : i + per_op]]}
+            for i in range(0, NUM_KEYS, per_op)
+        ]
+        batch = client.batch(ops)
+        assert all(r.ok for r in batch)
+    lookup_body = json.dumps({"keys": [k.hex() for k in keys]}).encode()
+    batch_body = json.dumps({"ops": ops}).encode()
+    return lookup_body, batch_body, len(answer.content)
+
+
+def load_once(
+    address: str, request: bytes, connections: int, seconds: float, core: int | None
+) -> dict[str, Any]:
+    """One scenario run in a fresh load-generator process."""
+    with tempfile.NamedTemporaryFile(suffix=".req") as f:
+        f.write(request)
+        f.flush()
+        argv = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--load",
+            address,
+            "--request-file",
+            f.name,
+            "--connections",
+            str(connections),
+            "--seconds",
+            str(seconds),
+        ]
+        out = subprocess.run(
+            argv,
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+            timeout=seconds * 4 + 30,
+            preexec_fn=_pinned(core),
+        )
+    result: dict[str, Any] = json.loads(out.stdout)
+    return result
+
+
+def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "calls_per_s": statistics.median(r["calls_per_s"] for r in runs),
+        "p50_ms": statistics.median(r["p50_ms"] for r in runs),
+        "p99_ms": statistics.median(r["p99_ms"] for r in runs),
+        "cpu_us_per_call": statistics.median(r["cpu_us_per_call"] for r in runs),
+        "errors": sum(r["errors"] for r in runs),
+        "rounds": len(runs),
+    }
+
+
+def main_bench(args: argparse.Namespace) -> int:
+    cores = sorted(os.sched_getaffinity(0))
+    server_core, load_core = (cores[0], cores[1]) if len(cores) > 1 else (None, None)
+    if server_core is None:
+        print("warning: one core only; server and load generator are not pinned apart")
+    seconds = 0.6 if args.quick else 1.5
+    rounds = 2 if args.quick else 3
+
+    with tempfile.TemporaryDirectory(prefix="kvbench-") as tmpdir:
+        tmp = Path(tmpdir)
+        servers: list[Server] = []
+        try:
+            kv = start_kvoffload(tmp, server_core)
+            servers.append(kv)
+            lookup_body, batch_body, answer_size = prepare_kvoffload(kv)
+            servers.append(start_floor("bare", tmp, server_core, answer_size))
+            servers.append(start_floor("noop", tmp, server_core, answer_size))
+            lookup_req = http_request(LOOKUP_PATH, lookup_body)
+            batch_req = http_request(BATCH_PATH, batch_body)
+
+            scenarios: list[tuple[str, Server, str, bytes, int]] = []
+            for server in servers:
+                for transport in ("tcp", "uds"):
+                    for conns in (1, 32):
+                        name = "lookup(64)" if server.name == "kvoffload" else server.name
+                        scenarios.append((name, server, transport, lookup_req, conns))
+            for transport in ("tcp", "uds"):
+                for conns in (1, 32):
+                    scenarios.append((f"batch({BATCH_OPS} ops)", kv, transport, batch_req, conns))
+
+            runs: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+            for _ in range(rounds):
+                for name, server, transport, request, conns in scenarios:
+                    address = server.tcp() if transport == "tcp" else server.uds
+                    cpu_before = server.cpu_seconds()
+                    result = load_once(address, request, conns, seconds, load_core)
+                    # CPU per call includes the warm-up calls the generator does not count;
+                    # scale by the counted share of the run (warm-up is a quarter, at most).
+                    cpu = server.cpu_seconds() - cpu_before
+                    share = seconds / (seconds + min(0.3, seconds / 4))
+                    result["cpu_us_per_call"] = cpu * share / max(1, result["calls"]) * 1e6
+                    runs.setdefault((name, transport, conns), []).append(result)
+        finally:
+            for server in servers:
+                server.stop()
+
+    table = {key: median_of(value) for key, value in runs.items()}
+    return report(table, args, answer_size, len(lookup_body), len(batch_body))
+
+
+def report(
+    table: dict[tuple[str, str, int], dict[str, Any]],
+    args: argparse.Namespace,
+    answer_size: int,
+    lookup_size: int,
+    batch_size: int,
+) -> int:
+    print(
+        f"\nlookup of {NUM_KEYS} keys (request {lookup_size} B, answer {answer_size} B); "
+        f"batch = {BATCH_OPS} lookup ops of {NUM_KEYS // BATCH_OPS} keys ({batch_size} B)"
+    )
+    header = (
+        f"{'scenario':<18} {'transport':<9} {'conns':>5} {'calls/s':>10} "
+        f"{'p50 ms':>8} {'p99 ms':>8} {'cpu us/call':>11} {'errors':>6}"
+    )
+    print(header)
+    print("-" * len(header))
+    for (name, transport, conns), r in table.items():
+        print(
+            f"{name:<18} {transport:<9} {conns:>5} {r['calls_per_s']:>10.0f} "
+            f"{r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} {r['cpu_us_per_call']:>11.1f} "
+            f"{r['errors']:>6}"
+        )
+
+    def rate(name: str, transport: str, conns: int) -> float:
+        return float(table[(name, transport, conns)]["calls_per_s"])
+
+    lookup = "lookup(64)"
+    batch = f"batch({BATCH_OPS} ops)"
+    ratios: dict[str, float] = {}
+    for transport in ("tcp", "uds"):
+        for conns in (1, 32):
+            sfx = f"{transport}_c{conns}"
+            ratios[f"lookup_vs_noop_{sfx}"] = rate(lookup, transport, conns) / rate(
+                "noop", transport, conns
+            )
+            ratios[f"lookup_vs_bare_{sfx}"] = rate(lookup, transport, conns) / rate(
+                "bare", transport, conns
+            )
+            ratios[f"batch_time_vs_lookup_{sfx}"] = rate(lookup, transport, conns) / rate(
+                batch, transport, conns
+            )
+        ratios[f"uds_vs_tcp_lookup_c{32}"] = rate(lookup, "uds", 32) / rate(lookup, "tcp", 32)
+    ratios["uds_vs_tcp_lookup_c1"] = rate(lookup, "uds", 1) / rate(lookup, "tcp", 1)
+
+    def cpu(name: str, transport: str) -> float:
+        return float(table[(name, transport, 32)]["cpu_us_per_call"])
+
+    # Server CPU per call: the framework's cost without the noise of other load on the host.
+    for transport in ("tcp", "uds"):
+        ratios[f"cpu_noop_over_lookup_{transport}_c32"] = cpu("noop", transport) / cpu(
+            lookup, transport
+        )
+        ratios[f"cpu_batch_over_lookup_{transport}_c32"] = cpu(batch, transport) / cpu(
+            lookup, transport
+        )
+    p50_batch = table[(batch, "tcp", 1)]["p50_ms"] / table[(lookup, "tcp", 1)]["p50_ms"]
+    targets = {
+        "lookup >= 0.8x noop (tcp, 32 conns)": ratios["lookup_vs_noop_tcp_c32"] >= 0.8,
+        "lookup >= 0.8x noop (tcp, 1 conn)": ratios["lookup_vs_noop_tcp_c1"] >= 0.8,
+        "lookup p99 <= 10 ms at 32 conns (tcp)": table[(lookup, "tcp", 32)]["p99_ms"] <= 10.0,
+        "lookup p99 <= 10 ms at 32 conns (uds)": table[(lookup, "uds", 32)]["p99_ms"] <= 10.0,
+        "uds >= tcp (lookup, 32 conns)": ratios["uds_vs_tcp_lookup_c32"] >= 1.0,
+        "batch(16) p50 < 3x lookup p50 (tcp, 1 conn)": p50_batch < 3.0,
+        "no errors": all(r["errors"] == 0 for r in table.values()),
+    }
+    print("\nratios")
+    for key, value in ratios.items():
+        print(f"  {key:<34} {value:6.2f}")
+    print(f"  {'batch_p50_vs_lookup_p50_tcp_c1':<34} {p50_batch:6.2f}")
+    print("\ntargets")
+    for key, ok in targets.items():
+        print(f"  [{'ok' if ok else 'MISS'}] {key}")
+
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(
+        json.dumps(
+            {
+                "quick": args.quick,
+                "num_keys": NUM_KEYS,
+                "batch_ops": BATCH_OPS,
+                "answer_bytes": answer_size,
+                "results": [
+                    {"scenario": n, "transport": t, "connections": c, **r}
+                    for (n, t, c), r in table.items()
+                ],
+                "ratios": {**ratios, "batch_p50_vs_lookup_p50_tcp_c1": p50_batch},
+                "targets": targets,
+                "cpu_count": os.cpu_count(),
+                "affinity": sorted(os.sched_getaffinity(0)),
+            },
+            indent=2,
+        )
+    )
+    print(f"\nwrote {RESULTS.relative_to(ROOT)}")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="short rounds (smoke run)")
+    # Internal modes: the floor servers and the load generator run as separate processes.
+    parser.add_argument("--serve-floor", choices=["bare", "noop"], help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--uds", help=argparse.SUPPRESS)
+    parser.add_argument("--body-size", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--load", help=argparse.SUPPRESS)
+    parser.add_argument("--request-file", help=argparse.SUPPRESS)
+    parser.add_argument("--connections", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--seconds", type=float, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_floor:
+        serve_floor(args.serve_floor, args.port, args.uds, args.body_size)
+        return 0
+    if args.load:
+        request = Path(args.request_file).read_bytes()
+        print(json.dumps(run_load(args.load, request, args.connections, args.seconds)))
+        return 0
+    return main_bench(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""Settings precedence (flags > env > file > defaults), validation, and the serve flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import SecretStr, ValidationError
+
+from app.cli import _build_parser, settings_from_args
+from app.settings import Settings
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    parser = _build_parser()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            serve: argparse.ArgumentParser = action.choices["serve"]
+            return serve
+    raise AssertionError("no serve subcommand")
+
+
+def parse_serve(*argv: str) -> Settings:
+    return settings_from_args(_build_parser().parse_args(["serve", *argv]))
+
+
+def test_defaults_are_a_working_cpu_service_on_loopback() -> None:
+    s = Settings()
+    assert (s.host, s.port, s.admin_host, s.admin_port) == ("127.0.0.1", 8000, "127.0.0.1", 8001)
+    assert (s.num_blocks, s.policy, s.device, s.uds) == (4096, "lru", "auto", None)
+    assert s.admin_token_value() is None
+
+
+def test_flags_beat_env_beat_file_beat_defaults(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = tmp_path / "kv.toml"
+    cfg.write_text('num_blocks = 111\nport = 9001\npolicy = "arc"\nblock_bytes = 8192\n')
+    monkeypatch.setenv("KVOFFLOAD_NUM_BLOCKS", "222")
+    monkeypatch.setenv("KVOFFLOAD_PORT", "9002")
+    s = parse_serve("--config", str(cfg), "--num-blocks", "333")
+    assert s.num_blocks == 333  # flag
+    assert s.port == 9002  # env over file
+    assert s.policy == "arc"  # file over default
+    assert s.block_bytes == 8192
+    assert s.admin_port == 8001  # default
+
+
+def test_config_file_from_env_and_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "kv.json"
+    cfg.write_text(json.dumps({"num_blocks": 7, "policy_params": {"p": 0.5}}))
+    monkeypatch.setenv("KVOFFLOAD_CONFIG", str(cfg))
+    s = Settings()
+    assert (s.num_blocks, s.policy_params) == (7, {"p": 0.5})
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "match"),
+    [
+        ("kv.toml", "num_blocks = [", "not valid TOML"),
+        ("kv.json", "{", "not valid JSON"),
+        ("kv.yaml", "a: 1", "must end in .toml or .json"),
+        ("kv.toml", "no_such_setting = 1", "Extra inputs are not permitted"),
+        ("kv.json", "[1, 2]", "table of settings"),
+    ],
+)
+def test_bad_config_files_are_refused(tmp_path: Path, name: str, text: str, match: str) -> None:
+    cfg = tmp_path / name
+    cfg.write_text(text)
+    with pytest.raises((ValueError, ValidationError), match=match):
+        Settings(config=cfg)
+
+
+def test_missing_config_file_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="cannot read config file"):
+        Settings(config=tmp_path / "absent.toml")
+
+
+def test_policy_params_from_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    s = parse_serve(
+        "--policy", "slru", "--policy-param", "protected_ratio=0.5", "--policy-param", "x=abc"
+    )
+    assert s.policy_params == {"protected_ratio": 0.5, "x": "abc"}
+    monkeypatch.setenv("KVOFFLOAD_POLICY_PARAMS", '{"a": 1}')
+    assert Settings().policy_params == {"a": 1}
+
+
+def test_admin_token_from_env_or_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVOFFLOAD_ADMIN_TOKEN", "s3cret")
+    s = Settings()
+    assert s.admin_token_value() == "s3cret"
+    assert "s3cret" not in repr(s)
+    monkeypatch.delenv("KVOFFLOAD_ADMIN_TOKEN")
+    token_file = tmp_path / "token"
+    token_file.write_text("from-file\n")
+    assert parse_serve("--admin-token-file", str(token_file)).admin_token_value() == "from-file"
+    with pytest.raises(ValidationError, match="not both"):
+        Settings(admin_token=SecretStr("a"), admin_token_file=token_file)
+    token_file.write_text("  \n")
+    with pytest.raises(ValidationError, match="empty"):
+        Settings(admin_token_file=token_file)
+
+
+def test_admin_token_is_not_a_flag() -> None:
+    with pytest.raises(SystemExit):
+        _build_parser().parse_args(["serve", "--admin-token", "x"])
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"device": "gpu"},
+        {"device": "cuda:x"},
+        {"num_blocks": 0},
+        {"port": 70000},
+        {"lease_ttl_s": 10, "job_deadline_s": 10},
+        {"log_level": "loud"},
+        {"fault_fail_rate": 2},
+        {"fault_fail_rate": 0.6, "fault_hang_rate": 0.6},
+    ],
+)
+def test_invalid_settings_are_refused(overrides: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        Settings(**overrides)  # type: ignore[arg-type]
+
+
+def test_every_setting_but_the_token_is_a_flag() -> None:
+    args = _build_parser().parse_args(["serve"])
+    assert vars(args) == {"command": "serve"}  # unset flags stay unset (env/file/defaults apply)
+    flags = {a.dest for a in _serve_parser()._actions if a.dest not in ("help",)}
+    dests = flags
+    assert set(Settings.model_fields) - {"admin_token"} <= dests
+
+
+def test_invalid_flag_value_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    from app.cli import main
+
+    assert main(["serve", "--num-blocks", "lots"]) == 2
+    assert "num_blocks" in capsys.readouterr().err
