@@ -9,6 +9,7 @@ from manager.policies.arc import ARCPolicy
 from manager.policies.base import CanEvict, EvictionPolicy
 from manager.policies.lfu import LFUPolicy
 from manager.policies.lru import LRUPolicy
+from manager.policies.prefix_lrfu import PrefixLRFUPolicy
 from manager.policies.registry import (
     available_policies,
     create_policy,
@@ -23,6 +24,7 @@ __all__ = [
     "EvictionPolicy",
     "LFUPolicy",
     "LRUPolicy",
+    "PrefixLRFUPolicy",
     "SLRUPolicy",
     "available_policies",
     "create_policy",
