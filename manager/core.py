@@ -74,6 +74,12 @@ ChainListener = Callable[[list[BlockKey]], None]
 DEFAULT_MAX_EVENTS = 1_000_000
 
 
+def _bad_key(keys: Sequence[object]) -> InvalidArgumentError:
+    """The error for a batch holding something that cannot be a key (e.g. unhashable)."""
+    bad = next((k for k in keys if type(k) is not bytes), None)
+    return InvalidArgumentError(f"keys must be 1..{MAX_KEY_BYTES} bytes, got {bad!r:.80}")
+
+
 class _Request:
     """Server-side accounting of one request: its leases and the keys it used, in order."""
 
@@ -368,7 +374,10 @@ class OffloadManager:
         """Per-key state and the count of leading hits. Changes nothing but statistics."""
         self._live(ctx)
         status_get = self._status.get
-        results = [status_get(k, MISS) for k in keys]
+        try:
+            results = [status_get(k, MISS) for k in keys]
+        except TypeError:
+            raise _bad_key(keys) from None
         n = len(results)
         hits = results.count(HIT)
         pending = results.count(PENDING)
@@ -395,7 +404,10 @@ class OffloadManager:
         """
         req = self._live(ctx)
         status_get = self._status.get
-        states = [status_get(k) for k in keys]
+        try:
+            states = [status_get(k) for k in keys]
+        except TypeError:
+            raise _bad_key(keys) from None
         if states.count(HIT) != len(states):
             missing = [k for k, s in zip(keys, states, strict=True) if s is None]
             pending = [k for k, s in zip(keys, states, strict=True) if s is PENDING]
@@ -428,7 +440,10 @@ class OffloadManager:
         pins = req.pins
         refs = self._refs
         pins_get = pins.get
-        held = [pins_get(k, 0) for k in keys]
+        try:
+            held = [pins_get(k, 0) for k in keys]
+        except TypeError:
+            raise _bad_key(keys) from None
         n = len(held)
         if held.count(1) == n and len(set(keys)) == n:
             # Common case: each key pinned once by this request and listed once.
@@ -465,9 +480,14 @@ class OffloadManager:
     def touch(self, keys: Sequence[BlockKey], ctx: ReqContext) -> None:
         """Record a use of the ready keys among ``keys`` (head first); others are ignored."""
         req = self._live(ctx)
-        self._policy.touch(keys)
-        req.keys.update(dict.fromkeys(keys))
-        req.orderings += 1
+        try:
+            chain = dict.fromkeys(keys)  # hashes every key before the policy sees one
+        except TypeError:
+            raise _bad_key(keys) from None
+        if chain:
+            self._policy.touch(keys)
+            req.keys.update(chain)
+            req.orderings += 1
 
     # ------------------------------------------------------------------ stores
 
@@ -486,11 +506,8 @@ class OffloadManager:
         refs = self._refs
         try:
             states = [status_get(k) for k in keys]
-        except TypeError:  # an unhashable key (bytearray, list, ...) is not a key at all
-            bad = next(k for k in keys if type(k) is not bytes)
-            raise InvalidArgumentError(
-                f"keys must be 1..{MAX_KEY_BYTES} bytes, got {bad!r:.80}"
-            ) from None
+        except TypeError:
+            raise _bad_key(keys) from None
         reused = len(states) - states.count(None)
         protected: set[BlockKey] = set()
         if reused == 0:
@@ -584,7 +601,12 @@ class OffloadManager:
         mine: list[BlockKey]
         dropped: list[BlockKey] = []
         ignored: list[BlockKey] = []
-        if pending.issuperset(keys) and len(set(keys)) == len(keys):
+        try:
+            unique = set(keys)  # hashes every key before anything changes
+        except TypeError:
+            raise _bad_key(keys) from None
+        fast = len(unique) == len(keys) and pending.issuperset(unique)
+        if fast:
             mine = list(keys)
             pending.difference_update(mine)
         else:

@@ -1,4 +1,6 @@
-"""Errors raised by the manager. A call that raises has changed nothing.
+"""Errors raised by the manager. A call that raises has changed no block, pin, lease or
+counter, with one exception: a call naming a live request renews that request's lease (any call
+it makes shows the engine is alive).
 
 Hierarchy::
 

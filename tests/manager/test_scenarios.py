@@ -882,6 +882,34 @@ def test_bad_keys_to_prepare_store_raise_and_change_nothing(bad: object, thresho
     assert out.skipped_keys == ([key(1)] if threshold else [])  # the failed offer did not count
 
 
+@pytest.mark.parametrize(
+    "call",
+    ["lookup", "prepare_load", "touch", "complete_load", "complete_store"],
+)
+def test_unhashable_keys_to_any_call_raise_invalid_argument_and_change_nothing(call: str) -> None:
+    pool = Pool(4, "lru", 0)
+    pool.store([key(0), key(1)])
+    ctx = pool.pin([key(0)])
+    watched = [key(0), key(1)]
+    before = pool.snapshot(watched)
+    order = pool.m.resident_keys()
+    with pytest.raises(InvalidArgumentError, match="bytearray"):
+        getattr(pool.m, call)([key(0), bytearray(b"k001")], ctx)
+    assert pool.snapshot(watched) == before
+    assert pool.m.resident_keys() == order
+
+
+def test_an_empty_touch_is_not_an_ordering_call() -> None:
+    pool = Pool(4, "lru", 0)
+    ctx = pool.request()
+    pool.store([key(0), key(1)], ctx)  # one ordering call: its batch is already tail first
+    pool.m.touch([], ctx)
+    pool.store([key(2)])  # another request's block, more recent than the chain
+    order = pool.m.resident_keys()
+    pool.m.on_request_finished(ctx)  # one real ordering call only: nothing to reorder
+    assert pool.m.resident_keys() == order
+
+
 def test_keys_of_one_and_of_sixty_four_bytes_are_accepted() -> None:
     pool = Pool(2, "lru")
     edge = [b"\x00", b"\xff" * 64]
