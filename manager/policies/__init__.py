@@ -16,6 +16,7 @@ from manager.policies.registry import (
     policy_class,
     register_policy,
 )
+from manager.policies.s3fifo import S3FIFOPolicy
 from manager.policies.slru import SLRUPolicy
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "LFUPolicy",
     "LRUPolicy",
     "PrefixLRFUPolicy",
+    "S3FIFOPolicy",
     "SLRUPolicy",
     "available_policies",
     "create_policy",

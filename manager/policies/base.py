@@ -40,6 +40,10 @@ class EvictionPolicy(ABC):
     #: more calls (one call already files its batch tail first). A policy that learns from
     #: whole request chains sets this to get every finished request's chain.
     wants_request_chains: ClassVar[bool] = False
+    #: Whether ``touch`` reorders the touched keys (head hotter than tail). FIFO-family
+    #: policies only count a use and keep insertion order; they still order a chain tail
+    #: before head on ``insert`` and ``request_finished``.
+    reorders_on_touch: ClassVar[bool] = True
 
     def __init__(self, capacity: int, params: Mapping[str, Any] | None = None) -> None:
         if capacity <= 0:

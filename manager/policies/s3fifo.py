@@ -29,6 +29,7 @@ class S3FIFOPolicy(EvictionPolicy):
     """Small FIFO + main CLOCK + ghost FIFO."""
 
     name = "s3fifo"
+    reorders_on_touch = False
 
     def __init__(self, capacity: int, params: dict[str, object] | None = None) -> None:
         super().__init__(capacity, params)
@@ -65,7 +66,17 @@ class S3FIFOPolicy(EvictionPolicy):
                 main[key] = min(main[key] + 1, MAX_FREQ)
 
     def request_finished(self, keys: Sequence[bytes]) -> None:
-        """FIFO order is insertion order: a finished request changes nothing."""
+        """File the chain's held keys again at the young end of their queue, tail first.
+
+        A request that stored its chain over several calls would otherwise leave its tail
+        younger than its head; use counts are kept, so no use is counted.
+        """
+        small, main = self._small, self._main
+        for key in reversed(keys):
+            if key in small:
+                small.move_to_end(key)
+            elif key in main:
+                main.move_to_end(key)
 
     def remove(self, keys: Sequence[bytes]) -> None:
         small, main = self._small, self._main
@@ -137,7 +148,23 @@ class S3FIFOPolicy(EvictionPolicy):
             queue.move_to_end(key, last=False)
 
     def coldest_first(self) -> Iterator[bytes]:
-        return iter([*self._small, *self._main])
+        """The exact order of repeated ``evict(1)``: the scan run on copies, nothing changed."""
+        small, main = OrderedDict(self._small), OrderedDict(self._main)
+        order: list[bytes] = []
+        while small or main:
+            if small and (len(small) >= self._small_target or not main):
+                key, freq = small.popitem(last=False)
+                if freq > 0:
+                    main[key] = freq - 1
+                else:
+                    order.append(key)
+            else:
+                key, freq = main.popitem(last=False)
+                if freq > 0:
+                    main[key] = freq - 1
+                else:
+                    order.append(key)
+        return iter(order)
 
     def __len__(self) -> int:
         return len(self._small) + len(self._main)
