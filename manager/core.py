@@ -33,9 +33,10 @@ Not thread-safe: the service calls it from one event loop, each call runs to com
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from manager.errors import (
@@ -70,6 +71,11 @@ PENDING = LookupResult.PENDING
 MISS = LookupResult.MISS
 
 Clock = Callable[[], float]
+# Shared infinite iterators: ``map(get, keys, _ALWAYS_MISS)`` is ``get(k, MISS)`` per key, run
+# in C; ``_consume`` drains an iterator in C (a deque that keeps nothing).
+_ALWAYS_MISS = itertools.repeat(MISS)
+_ALWAYS_ZERO = itertools.repeat(0)
+_consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
 ChainListener = Callable[[list[BlockKey]], None]
 DEFAULT_MAX_EVENTS = 1_000_000
 
@@ -104,8 +110,9 @@ class _Request:
         # Slots of stores dropped by an abort while their copy may still be running.
         self.reserved: dict[BlockKey, int] = {}
         # The request's chain, head to tail in order of first use (keys it loaded, offered for
-        # store or touched), for tail-before-head reordering when the record is dropped.
-        self.keys: dict[BlockKey, None] = {}
+        # store or touched), for tail-before-head reordering when the record is dropped. Only
+        # the keys and their order matter; values are whatever the cheapest update carried.
+        self.keys: dict[BlockKey, object] = {}
         # Number of calls that changed policy order for these keys; one call orders its own
         # batch correctly, so a reorder is only needed after two or more.
         self.orderings = 0
@@ -375,7 +382,7 @@ class OffloadManager:
         self._live(ctx)
         status_get = self._status.get
         try:
-            results = [status_get(k, MISS) for k in keys]
+            results = list(map(status_get, keys, _ALWAYS_MISS))
         except TypeError:
             raise _bad_key(keys) from None
         n = len(results)
@@ -405,7 +412,7 @@ class OffloadManager:
         req = self._live(ctx)
         status_get = self._status.get
         try:
-            states = [status_get(k) for k in keys]
+            states = list(map(status_get, keys))
         except TypeError:
             raise _bad_key(keys) from None
         if states.count(HIT) != len(states):
@@ -413,7 +420,7 @@ class OffloadManager:
             pending = [k for k, s in zip(keys, states, strict=True) if s is PENDING]
             raise KeyNotReadyError(missing, pending)
         slot_of = self._slot
-        slots = [slot_of[k] for k in keys]
+        slots = list(map(slot_of.__getitem__, keys))
         refs = self._refs
         pins = req.pins
         once = dict.fromkeys(keys, 1)
@@ -427,7 +434,7 @@ class OffloadManager:
                 refs[key] = refs_get(key, 0) + 1
                 pins[key] = pins_get(key, 0) + 1
         self._loads += len(slots)
-        req.keys.update(dict.fromkeys(once))
+        req.keys.update(once)
         return slots
 
     def complete_load(self, keys: Sequence[BlockKey], ctx: ReqContext) -> None:
@@ -441,16 +448,15 @@ class OffloadManager:
         refs = self._refs
         pins_get = pins.get
         try:
-            held = [pins_get(k, 0) for k in keys]
+            held = list(map(pins_get, keys, _ALWAYS_ZERO))
         except TypeError:
             raise _bad_key(keys) from None
         n = len(held)
         if held.count(1) == n and len(set(keys)) == n:
             # Common case: each key pinned once by this request and listed once.
-            if [refs[k] for k in keys].count(1) == n:
-                for key in keys:
-                    del pins[key]
-                    del refs[key]
+            if list(map(refs.__getitem__, keys)).count(1) == n:
+                _consume(map(pins.__delitem__, keys))
+                _consume(map(refs.__delitem__, keys))
             else:
                 for key in keys:
                     del pins[key]
