@@ -299,17 +299,23 @@ class OffloadManager:
                 self._forget(req)
         return out
 
-    def release_request(self, req_id: str) -> ReleasedLeases:
-        """Operator action: release every lease of ``req_id`` now and forget the request.
+    def release_request(self, req_id: str, *, writers_alive: bool = False) -> ReleasedLeases:
+        """Operator action: release every lease of ``req_id`` now and end the request.
 
-        Like lease expiry, the request's writers are presumed gone: reserved slots are freed.
+        Pins are released and pending stores dropped from the index at once. With
+        ``writers_alive=False`` (the engine is gone) their slots are freed and the request is
+        forgotten, like a lease expiry. With ``writers_alive=True`` (a copy may still be writing,
+        e.g. a transfer job the service itself runs) the slots stay reserved, as after an abort,
+        until ``complete_store`` from that request reports them; the request is forgotten then.
         """
         req = self._requests.get(req_id)
         if req is None:
             raise UnknownRequestError(req_id)
-        released = self._release(req, writers_alive=False)
+        req.finished = True
+        released = self._release(req, writers_alive=writers_alive)
         self._forced_lease_releases += 1
-        self._forget(req)
+        if not req.holds_leases():
+            self._forget(req)
         return released
 
     def _live(self, ctx: ReqContext) -> _Request:

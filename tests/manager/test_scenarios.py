@@ -993,3 +993,25 @@ def test_a_request_needs_a_non_empty_string_id(req_id: object) -> None:
     with pytest.raises(InvalidArgumentError):
         m.on_new_request(ReqContext(req_id))  # type: ignore[arg-type]
     assert m.stats().live_requests == 0
+
+
+def test_a_release_with_writers_alive_keeps_the_store_slot_until_the_writer_reports() -> None:
+    pool = Pool(2, "lru", 0)
+    ctx = pool.request("writer")
+    out = pool.m.prepare_store([key(0)], ctx)
+    assert out is not None
+    (slot,) = out.slots
+    released = pool.m.release_request("writer", writers_alive=True)
+    assert (released.pins_released, released.stores_dropped) == (0, 1)
+    assert pool.state(key(0)) is MISS
+    assert pool.m.stats().pending == 1  # the slot stays reserved under the running copy
+    other = pool.request("other")
+    taken = pool.m.prepare_store([key(1), key(2)], other)
+    assert taken is None  # one free slot only: the reserved one is not handed out
+    done = pool.m.complete_store([key(0)], ctx, success=True)
+    assert done.dropped == [key(0)]
+    assert pool.m.stats().free == 2
+    assert [r.req_id for r in pool.m.requests()] == ["other"]
+    again = pool.m.prepare_store([key(1), key(2)], other)
+    assert again is not None
+    assert slot in again.slots
