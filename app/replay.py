@@ -134,7 +134,8 @@ def format_table(rows: Sequence[dict[str, Any]], capacities: Sequence[int]) -> s
     by_policy: dict[str, dict[int, dict[str, Any]]] = {}
     for row in rows:
         by_policy.setdefault(row["policy"], {})[row["capacity"]] = row
-    head = f"{'policy':<12}" + "".join(f"{'cap ' + str(c):>22}" for c in capacities)
+    width = max([12, *(len(p) + 2 for p in by_policy)])
+    head = f"{'policy':<{width}}" + "".join(f"{'cap ' + str(c):>22}" for c in capacities)
     lines = [head, "-" * len(head)]
     for policy, cells in by_policy.items():
         parts = []
@@ -146,7 +147,7 @@ def format_table(rows: Sequence[dict[str, Any]], capacities: Sequence[int]) -> s
             frac = cell.get("fraction_of_belady")
             text = f"{cell['hit_ratio']:.3f}" + (f" ({frac:.2f}x B)" if frac is not None else "")
             parts.append(f"{text:>22}")
-        lines.append(f"{policy:<12}" + "".join(parts))
+        lines.append(f"{policy:<{width}}" + "".join(parts))
     return "\n".join(lines)
 
 

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         ok = frac >= TARGET_FRACTION
         verdicts.append({"capacity": cap, "best": row["policy"], "fraction": frac, "met": ok})
         print(
-            f"best at {cap}: {row['policy']} {row['hit_ratio']:.3f} = {frac:.2f}x Belady "
+            f"best at {cap}: {row['policy']} {row['hit_ratio']:.3f} = {frac:.3f}x Belady "
             f"({'meets' if ok else 'below'} the {TARGET_FRACTION}x target)"
         )
     args.out.mkdir(parents=True, exist_ok=True)
