@@ -144,10 +144,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvoffload: {exc}", file=sys.stderr)
         return 2
 
-    from app.logging import configure_logging, get_logger
+    from app.logging import configure_logging, flush_logs, get_logger
     from app.server import run
 
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, fmt=settings.log_format)
     try:
         run(settings)
     except OSError as exc:
@@ -156,6 +156,8 @@ def _serve(args: argparse.Namespace) -> int:
     except Exception as exc:
         get_logger("cli").error("service failed", exc_info=exc)
         return 1
+    finally:
+        flush_logs()
     return 0
 
 

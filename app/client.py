@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Generic, Literal, TypeVar
+from urllib.parse import quote
 
 import httpx
 
@@ -226,9 +227,22 @@ def _batch(d: Mapping[str, Any]) -> list[OpResult]:
     return out
 
 
+def _segment(value: str) -> str:
+    """``value`` as one path segment: every reserved character percent-encoded.
+
+    httpx alone leaves ``?``, ``#``, ``/`` and ``%`` as they are, and resolves ``.`` and ``..``
+    segments, so such an id would address another path (``"r1?x"`` is request ``r1`` with a
+    query string). The service decodes the segment back to the id; an id holding ``/`` matches
+    no route (404).
+    """
+    if value in (".", ".."):
+        return "%2E" * len(value)
+    return quote(value, safe="")
+
+
 def _req(req_id: str, suffix: str = "") -> str:
-    # req_id goes in the path; httpx percent-encodes what URLs cannot carry.
-    return f"/v1/requests/{req_id}{suffix}"
+    # req_id goes in the path, as one segment.
+    return f"/v1/requests/{_segment(req_id)}{suffix}"
 
 
 class Batch:
@@ -399,7 +413,7 @@ class _Engine:
 
     @staticmethod
     def unregister_kv_cache(cache_id: str) -> _Call[None]:
-        return _Call("DELETE", f"/v1/kv-caches/{cache_id}", None, _none)
+        return _Call("DELETE", f"/v1/kv-caches/{_segment(cache_id)}", None, _none)
 
     @staticmethod
     def pool() -> _Call[Pool]:
@@ -422,7 +436,9 @@ def _request_kwargs(call: _Call[Any]) -> dict[str, Any]:
 
 def _read(call: _Call[T], response: httpx.Response, ok_statuses: tuple[int, ...] = ()) -> T:
     status = response.status_code
-    if status >= 400 and status not in ok_statuses:
+    # A redirect is an error too: the service never redirects a call it serves, and following
+    # one (or reading its empty body as an answer) would report on some other path.
+    if status >= 300 and status not in ok_statuses:
         code, message = "http_error", response.reason_phrase
         try:
             err = response.json()["error"]
@@ -752,7 +768,7 @@ class KVOffloadAdminClient:
 
     def release(self, req_id: str) -> dict[str, Any]:
         """Force-release a request's leases."""
-        return self._json("POST", f"/admin/v1/requests/{req_id}/release")
+        return self._json("POST", f"/admin/v1/requests/{_segment(req_id)}/release")
 
     def clear_cache(self) -> dict[str, Any]:
         """Drop every unpinned block."""

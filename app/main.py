@@ -6,8 +6,13 @@ lifespan holds the service running (reference counted), so either app works alon
 both share one pool, manager and worker under ``kvoffload serve``.
 
 Middleware (pure ASGI, outermost first): ``CallContextMiddleware`` (request id, the per-call
-``CallInfo`` and the ``on_call`` hooks the observability layer plugs into), then
-``BodyGuardMiddleware`` (413/415 before a body is parsed).
+``CallInfo``, the ids bound for logging, and the hooks), then ``BodyGuardMiddleware`` (413/415
+before a body is parsed). The service's ``observer.on_call`` is always the first hook of both
+apps (HTTP metrics, the canonical log line); ``hooks`` given by the caller run after it.
+
+Metrics: one ``Metrics`` per service, in the registry given to ``create_app`` (a fresh
+``CollectorRegistry`` by default); ``GET /metrics`` on the engine app serves it unless
+``metrics_enabled`` is off.
 """
 
 from __future__ import annotations
@@ -16,13 +21,20 @@ import contextlib
 from collections.abc import AsyncIterator, Sequence
 
 from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
 
 from app.errors import install_error_handlers
-from app.middleware import BodyGuardMiddleware, CallContextMiddleware, CallHook
+from app.middleware import (
+    ENGINE_REQUEST_PREFIX,
+    BodyGuardMiddleware,
+    CallContextMiddleware,
+    CallHook,
+)
 from app.openapi import KVOffloadAPI, add_docs_routes
-from app.routes.admin import register_admin_health, register_admin_routes
+from app.routes.admin import ADMIN_REQUEST_PREFIX, register_admin_health, register_admin_routes
 from app.routes.engine import register_engine_routes
 from app.routes.health import register_health_routes
+from app.routes.metrics import register_metrics_route
 from app.service import Service
 from app.settings import Settings
 
@@ -35,10 +47,20 @@ stores are leases held by that request. Errors are `{"error": {"code", "message"
 """
 
 
-def _install_middleware(app: FastAPI, settings: Settings, hooks: Sequence[CallHook]) -> None:
+def _install_middleware(
+    app: FastAPI,
+    settings: Settings,
+    service: Service,
+    hooks: Sequence[CallHook],
+    request_prefix: str,
+) -> None:
     # add_middleware wraps: the last added runs first.
     app.add_middleware(BodyGuardMiddleware, max_body_bytes=settings.max_body_bytes)
-    app.add_middleware(CallContextMiddleware, hooks=tuple(hooks))
+    app.add_middleware(
+        CallContextMiddleware,
+        hooks=(service.observer.on_call, *hooks),
+        request_prefix=request_prefix,
+    )
 
 
 def create_app(
@@ -46,13 +68,18 @@ def create_app(
     *,
     service: Service | None = None,
     hooks: Sequence[CallHook] = (),
+    registry: CollectorRegistry | None = None,
 ) -> KVOffloadAPI:
-    """The engine API app. ``service`` defaults to a new ``Service(settings)``.
+    """The engine API app. ``service`` defaults to a new ``Service(settings, registry=...)``.
 
-    ``hooks`` are called with each call's ``CallInfo`` when it ends (metrics, access logs).
+    ``hooks`` are called with each call's ``CallInfo`` when it ends, after the service's own
+    observer. ``registry`` is where a new service puts its metrics (a fresh one by default);
+    with ``service`` given, its registry is used and ``registry`` must be None.
     """
     settings = settings if settings is not None else Settings()
-    svc = service if service is not None else Service(settings)
+    if service is not None and registry is not None:
+        raise ValueError("pass registry to the Service, not beside it")
+    svc = service if service is not None else Service(settings, registry=registry)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -70,8 +97,10 @@ def create_app(
     install_error_handlers(app)
     register_engine_routes(app, svc)
     register_health_routes(app, svc)
+    if svc.registry is not None:
+        register_metrics_route(app, svc.registry)
     add_docs_routes(app)
-    _install_middleware(app, settings, hooks)
+    _install_middleware(app, settings, svc, hooks, ENGINE_REQUEST_PREFIX)
     return app
 
 
@@ -91,7 +120,10 @@ def create_admin_app(
     app = KVOffloadAPI(
         title="kvoffload admin API",
         version=VERSION,
-        description="Operator API: eviction policy, statistics, leases, cache clear.",
+        description=(
+            "Operator API: eviction policy and its shadow projections, statistics, leases, "
+            "cache clear, log level."
+        ),
         lifespan=lifespan,
     )
     app.state.service = service
@@ -100,5 +132,5 @@ def create_admin_app(
     register_admin_routes(app, service, settings.admin_token_value())
     register_admin_health(app)
     add_docs_routes(app)
-    _install_middleware(app, settings, hooks)
+    _install_middleware(app, settings, service, hooks, ADMIN_REQUEST_PREFIX)
     return app

@@ -4,8 +4,10 @@ Two kinds of metric, two mechanisms:
 
 - **Per-call** counters and histograms (HTTP calls, manager operations and keys, transfer jobs,
   policy switches) are updated by the code that does the work, each observation made for a
-  request carrying an OpenMetrics exemplar ``{req_id="..."}``. Label children are cached, so an
-  observation costs a dict lookup and the instrument's own update.
+  request carrying an OpenMetrics exemplar ``{req_id="..."}`` (the last observation's, per
+  series and, for a histogram, per bucket: what a scrape can show). The children are plain
+  Python objects updated in place and turned into metric families when the registry is
+  collected (see ``Metrics``), so an observation costs a dict lookup and a few additions.
 - **State** (blocks by state, pool, live requests, policy, in-flight transfers, totals the
   manager keeps, shadow projections, the opt-in live-request table) is read at scrape time from
   one ``ServiceSnapshot`` by a custom collector: the hot path pays nothing for it, and the series
@@ -19,15 +21,29 @@ a test checks the exported families against it.
 
 from __future__ import annotations
 
-import re
+import math
+import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, cast
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Exemplar, Sample
+from prometheus_client.utils import floatToGoString
 
+from app.request_ids import SAFE_ID
 from manager import ManagerStats, PolicyInfo
+
+# prometheus_client's own spelling of bucket bounds (``le``); the function is untyped upstream.
+_le = cast(Callable[[float], str], floatToGoString)
 
 PREFIX = "kvoffload"
 # Latency buckets from 50 us (an in-process manager call) to 2.5 s (a long-poll or a slow copy).
@@ -36,8 +52,9 @@ LATENCY_BUCKETS = (
     0.5, 1.0, 2.5,
 )  # fmt: skip
 TRANSFER_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
-# OpenMetrics caps an exemplar's label set at 128 characters; ``req_id=`` takes 6.
-_EXEMPLAR_ID = re.compile(r"[A-Za-z0-9._:\-]{1,120}")
+# Whether recent req_ids are safe exemplar values: one check per request, not per observation.
+_CHECKED_MAX = 4096
+_checked: dict[str, bool] = {}
 
 
 FAILURE_REASONS = ("deadline", "shutdown", "injected")
@@ -54,11 +71,23 @@ def failure_reason(reason: str | None) -> str:
 
 
 def exemplar(req_id: str | None) -> dict[str, str] | None:
-    """The exemplar label set for ``req_id``, or None when it cannot be one (bad charset or
-    length): an observation is never refused for its exemplar."""
-    if req_id and _EXEMPLAR_ID.fullmatch(req_id):
-        return {"req_id": req_id}
-    return None
+    """The exemplar label set for ``req_id``, or None when it cannot be one (not a safe id, see
+    ``app.request_ids``; OpenMetrics caps an exemplar at 128 characters): an observation is
+    never refused for its exemplar. Callers pass ``safe_req_id(req_id)``."""
+    req = _exemplar_id(req_id)
+    return None if req is None else {"req_id": req}
+
+
+def _exemplar_id(req_id: str | None) -> str | None:
+    if not req_id:
+        return None
+    safe = _checked.get(req_id)
+    if safe is None:
+        safe = SAFE_ID.fullmatch(req_id) is not None
+        if len(_checked) >= _CHECKED_MAX:
+            _checked.clear()
+        _checked[req_id] = safe
+    return req_id if safe else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,8 +224,133 @@ class _StateCollector(Collector):
             yield table
 
 
+class _CounterSeries:
+    """One labelled counter: its value, when it was created, the last observation's exemplar."""
+
+    __slots__ = ("created", "ex_id", "ex_time", "ex_value", "value")
+
+    def __init__(self, now: float) -> None:
+        self.value = 0.0
+        self.created = now
+        self.ex_id: str | None = None
+        self.ex_value = 0.0
+        self.ex_time = 0.0
+
+
+class _HistogramSeries:
+    """One labelled histogram: per-bucket counts (not cumulative), sum, exemplar per bucket."""
+
+    __slots__ = ("counts", "created", "exemplars", "sum")
+
+    def __init__(self, buckets: int, now: float) -> None:
+        self.counts = [0] * buckets
+        self.sum = 0.0
+        self.created = now
+        self.exemplars: list[tuple[str, float, float] | None] = [None] * buckets
+
+
+class _Counter:
+    """A counter family whose children are plain Python objects, read at scrape time."""
+
+    def __init__(self, name: str, documentation: str, labels: tuple[str, ...]) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labels = labels
+        self.series: dict[tuple[str, ...], _CounterSeries] = {}
+
+    def inc(self, labels: tuple[str, ...], amount: float, req_id: str | None, now: float) -> None:
+        series = self.series.get(labels)
+        if series is None:
+            series = self.series[labels] = _CounterSeries(now)
+        series.value += amount
+        if req_id is not None:
+            series.ex_id, series.ex_value, series.ex_time = req_id, amount, now
+
+    def family(self) -> CounterMetricFamily:
+        family = CounterMetricFamily(self.name, self.documentation, labels=list(self.labels))
+        for labels, series in self.series.items():
+            ex = (
+                None
+                if series.ex_id is None
+                else Exemplar({"req_id": series.ex_id}, series.ex_value, series.ex_time)
+            )
+            family.add_metric(labels, series.value, created=series.created, exemplar=ex)
+        return family
+
+
+class _Histogram:
+    """A histogram family whose children are plain Python objects, read at scrape time."""
+
+    def __init__(
+        self, name: str, documentation: str, labels: tuple[str, ...], buckets: tuple[float, ...]
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labels = labels
+        self.bounds = (*buckets, math.inf)
+        self.le = [_le(b) for b in self.bounds]
+        self.series: dict[tuple[str, ...], _HistogramSeries] = {}
+
+    def observe(
+        self, labels: tuple[str, ...], value: float, req_id: str | None, now: float
+    ) -> None:
+        series = self.series.get(labels)
+        if series is None:
+            series = self.series[labels] = _HistogramSeries(len(self.bounds), now)
+        i = bisect_left(self.bounds, value)  # the first bucket whose bound is >= value
+        series.counts[i] += 1
+        series.sum += value
+        if req_id is not None:
+            series.exemplars[i] = (req_id, value, now)
+
+    def family(self) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=list(self.labels))
+        for labels, series in self.series.items():
+            buckets: list[Any] = []
+            total = 0
+            for le, count, ex in zip(self.le, series.counts, series.exemplars, strict=True):
+                total += count
+                if ex is None:
+                    buckets.append((le, total))
+                else:
+                    buckets.append((le, total, Exemplar({"req_id": ex[0]}, ex[1], ex[2])))
+            family.add_metric(labels, buckets, series.sum)
+            family.samples.append(
+                Sample(
+                    f"{self.name}_created",
+                    dict(zip(self.labels, labels, strict=True)),
+                    series.created,
+                    None,
+                )
+            )
+        return family
+
+
+class _CallCollector(Collector):
+    """Exports the per-call families from their plain-Python children."""
+
+    def __init__(self, families: list[_Counter | _Histogram]) -> None:
+        self._families = families
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._families:
+            yield family.family()
+
+
 class Metrics:
-    """Every metric of one service instance, registered in ``registry``."""
+    """Every metric of one service instance, registered in ``registry``.
+
+    The per-call instruments are plain Python counters and bucket arrays updated in place
+    (a dict lookup and a few additions per observation, the exemplar kept as three fields) and
+    turned into metric families when the registry is collected. prometheus_client's own
+    ``Counter``/``Histogram`` take a lock and validate and allocate an exemplar on every
+    observation, several times the cost of the manager call being observed. The price: like
+    the manager, a ``Metrics`` is not thread-safe; the service observes and is scraped on its
+    event loop only.
+    """
 
     def __init__(
         self,
@@ -205,71 +359,77 @@ class Metrics:
         snapshot: Callable[[], ServiceSnapshot] | None = None,
         live_request_series: bool = False,
         max_live_series: int = 500,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        reg = self.registry
-        self.http_requests = Counter(
+        self._clock = clock
+        self.http_requests = _Counter(
             f"{PREFIX}_http_requests", "HTTP calls by route template, method and status.",
-            ["route", "method", "status"], registry=reg,
+            ("route", "method", "status"),
         )  # fmt: skip
-        self.http_duration = Histogram(
+        self.http_duration = _Histogram(
             f"{PREFIX}_http_request_duration_seconds", "HTTP call latency by route and method.",
-            ["route", "method"], buckets=LATENCY_BUCKETS, registry=reg,
+            ("route", "method"), LATENCY_BUCKETS,
         )  # fmt: skip
-        self.manager_ops = Counter(
+        self.manager_ops = _Counter(
             f"{PREFIX}_manager_ops", "Manager operations by result (ok, error, refused).",
-            ["op", "result"], registry=reg,
+            ("op", "result"),
         )  # fmt: skip
-        self.manager_keys = Counter(
+        self.manager_keys = _Counter(
             f"{PREFIX}_manager_keys", "Keys handled by manager operations, by result.",
-            ["op", "result"], registry=reg,
+            ("op", "result"),
         )  # fmt: skip
-        self.transfer_jobs = Counter(
+        self.transfer_jobs = _Counter(
             f"{PREFIX}_transfer_jobs", "Finished transfer jobs by direction and result.",
-            ["direction", "result"], registry=reg,
+            ("direction", "result"),
         )  # fmt: skip
-        self.transfer_bytes = Counter(
+        self.transfer_bytes = _Counter(
             f"{PREFIX}_transfer_bytes", "Bytes moved by successful transfer jobs.",
-            ["direction"], registry=reg,
+            ("direction",),
         )  # fmt: skip
-        self.transfer_duration = Histogram(
+        self.transfer_duration = _Histogram(
             f"{PREFIX}_transfer_duration_seconds", "Transfer job duration by direction.",
-            ["direction"], buckets=TRANSFER_BUCKETS, registry=reg,
+            ("direction",), TRANSFER_BUCKETS,
         )  # fmt: skip
-        self.transfer_failures = Counter(
+        self.transfer_failures = _Counter(
             f"{PREFIX}_transfer_failures", "Failed transfer jobs by direction and reason.",
-            ["direction", "reason"], registry=reg,
+            ("direction", "reason"),
         )  # fmt: skip
-        self.policy_switches = Counter(
-            f"{PREFIX}_policy_switches", "Live policy switches.",
-            ["from_policy", "to_policy"], registry=reg,
-        )  # fmt: skip
-        self._counters: dict[tuple[object, ...], Counter] = {}
-        self._histograms: dict[tuple[object, ...], Histogram] = {}
+        self.policy_switches = _Counter(
+            f"{PREFIX}_policy_switches", "Live policy switches.", ("from_policy", "to_policy")
+        )
+        self.registry.register(
+            _CallCollector(
+                [
+                    self.http_requests,
+                    self.http_duration,
+                    self.manager_ops,
+                    self.manager_keys,
+                    self.transfer_jobs,
+                    self.transfer_bytes,
+                    self.transfer_duration,
+                    self.transfer_failures,
+                    self.policy_switches,
+                ]
+            )
+        )
+        # Label tuples of HTTP calls by (route, method, status): no str(status) per call.
+        self._http_labels: dict[tuple[str, str, int], tuple[str, str, str]] = {}
         if snapshot is not None:
-            reg.register(_StateCollector(snapshot, live_request_series, max_live_series))
-
-    def _counter(self, metric: Counter, *labels: str) -> Counter:
-        key = (id(metric), *labels)
-        child = self._counters.get(key)
-        if child is None:
-            child = self._counters[key] = metric.labels(*labels)
-        return child
-
-    def _histogram(self, metric: Histogram, *labels: str) -> Histogram:
-        key = (id(metric), *labels)
-        child = self._histograms.get(key)
-        if child is None:
-            child = self._histograms[key] = metric.labels(*labels)
-        return child
+            self.registry.register(_StateCollector(snapshot, live_request_series, max_live_series))
 
     def http_call(
         self, route: str, method: str, status: int, seconds: float, req_id: str | None
     ) -> None:
         """One HTTP call: counter by status, latency histogram, both with the exemplar."""
-        ex = exemplar(req_id)
-        self._counter(self.http_requests, route, method, str(status)).inc(1, ex)
-        self._histogram(self.http_duration, route, method).observe(seconds, ex)
+        ex = _exemplar_id(req_id)
+        now = self._clock()
+        key = (route, method, status)
+        labels = self._http_labels.get(key)
+        if labels is None:
+            labels = self._http_labels[key] = (route, method, str(status))
+        self.http_requests.inc(labels, 1, ex, now)
+        self.http_duration.observe(labels[:2], seconds, ex, now)
 
     def manager_op(
         self,
@@ -278,13 +438,16 @@ class Metrics:
         req_id: str | None,
         keys: dict[str, int] | None = None,
     ) -> None:
-        """One manager operation and, optionally, its key counts by result."""
-        ex = exemplar(req_id)
-        self._counter(self.manager_ops, op, result).inc(1, ex)
+        """One manager operation and, optionally, its key counts by result (zero counts make
+        no series)."""
+        ex = _exemplar_id(req_id)
+        now = self._clock()
+        self.manager_ops.inc((op, result), 1, ex, now)
         if keys:
+            inc = self.manager_keys.inc
             for key_result, count in keys.items():
                 if count:
-                    self._counter(self.manager_keys, op, key_result).inc(count, ex)
+                    inc((op, key_result), count, ex, now)
 
     def transfer_done(
         self,
@@ -296,14 +459,15 @@ class Metrics:
         req_id: str | None,
     ) -> None:
         """One finished transfer job; ``reason`` is reduced to a bounded label."""
-        ex = exemplar(req_id)
-        self._counter(self.transfer_jobs, direction, "ok" if ok else "failed").inc(1, ex)
-        self._histogram(self.transfer_duration, direction).observe(seconds, ex)
+        ex = _exemplar_id(req_id)
+        now = self._clock()
+        self.transfer_jobs.inc((direction, "ok" if ok else "failed"), 1, ex, now)
+        self.transfer_duration.observe((direction,), seconds, ex, now)
         if ok:
-            self._counter(self.transfer_bytes, direction).inc(nbytes, ex)
+            self.transfer_bytes.inc((direction,), nbytes, ex, now)
         else:
-            self._counter(self.transfer_failures, direction, failure_reason(reason)).inc(1, ex)
+            self.transfer_failures.inc((direction, failure_reason(reason)), 1, ex, now)
 
     def policy_switched(self, from_policy: str, to_policy: str) -> None:
         """One effective live policy switch."""
-        self.policy_switches.labels(from_policy, to_policy).inc()
+        self.policy_switches.inc((from_policy, to_policy), 1, None, self._clock())

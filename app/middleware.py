@@ -1,11 +1,22 @@
 """Pure ASGI middleware (no ``BaseHTTPMiddleware``: contextvars and streaming stay intact).
 
-``CallContextMiddleware`` gives every HTTP call a ``CallInfo`` in its scope (``call_info``): the
-request id (``X-Request-ID`` taken from the caller or made up, and echoed), the op and engine
-``req_id`` once a route knows them, the per-op outcome of a batch, and the final status. When the
-call ends it hands the ``CallInfo`` to its hooks (``create_app(hooks=...)``): the observability
-layer (metrics, canonical log line) plugs in there, and routes only fill in the ``CallInfo``.
-A hook that raises is logged and does not affect the call.
+``CallContextMiddleware`` gives every HTTP call a ``CallInfo`` in its scope (``call_info``) and
+in a context variable (``current_call``, for code below the routes: the service counts the keys
+its manager calls handle there): the request id (``X-Request-ID`` taken from the caller when it
+is a safe id, else made up; echoed either way), the op and engine ``req_id`` once a route knows
+them, the per-op outcome of a batch, the keys handled, and the final status.
+
+For the duration of the call it binds for logging (``app.logging.bind_call``, a context
+variable) ``request_id`` (the call's id) and ``req_id``: on a request-scoped path
+(``/v1/requests/{req_id}...``; the prefix is a parameter) the engine request id from the path in
+its safe form (``app.request_ids``), else the call's id. So every log line written while serving
+the call carries them.
+
+When the call ends it hands the ``CallInfo`` to its hooks (``create_app(hooks=...)``), still
+inside the bound context (left bound when an exception escapes the app, for the error lines
+written outside this middleware): the observability layer (metrics, canonical log line) plugs
+in there, and routes only fill in the ``CallInfo``. A hook that raises is logged and does not
+affect the call.
 
 ``BodyGuardMiddleware`` refuses bodies before they are parsed: 413 when ``Content-Length`` says
 too large, or when a body without one grows past the limit while it is received; 415 when a
@@ -18,17 +29,19 @@ import itertools
 import os
 import time
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import APIError, error_body
-from app.logging import get_logger
+from app.logging import bind_call, get_logger, unbind_call
+from app.request_ids import MAX_SAFE_ID, SAFE_ID, safe_req_id
 
 log = get_logger("middleware")
 CALL_KEY = "kvoffload.call"
+ENGINE_REQUEST_PREFIX = "/v1/requests/"
 _REQUEST_ID = b"x-request-id"
-_MAX_REQUEST_ID = 128
 
 
 @dataclass(slots=True)
@@ -47,9 +60,16 @@ class CallInfo:
     # For a batch: (op, status) of each op, in order.
     ops: list[tuple[str, int]] | None = None
     duration_s: float = 0.0
+    # What the log line and exemplars say ``req_id`` is: the safe form of the path's engine
+    # request id on a request-scoped path, else ``request_id``.
+    log_id: str = ""
+    # Keys handled by the manager calls the call made (added up by the service).
+    keys: int = 0
 
 
 CallHook = Callable[[CallInfo], None]
+
+_current: ContextVar[CallInfo | None] = ContextVar("kvoffload_call", default=None)
 
 
 def call_info(scope: Scope) -> CallInfo | None:
@@ -58,16 +78,38 @@ def call_info(scope: Scope) -> CallInfo | None:
     return info if isinstance(info, CallInfo) else None
 
 
+def current_call() -> CallInfo | None:
+    """The ``CallInfo`` of the HTTP call being served in this context (None outside one)."""
+    return _current.get()
+
+
 def _valid_request_id(raw: bytes) -> bool:
-    return 0 < len(raw) <= _MAX_REQUEST_ID and raw.isascii() and raw.decode().isprintable()
+    if not 0 < len(raw) <= MAX_SAFE_ID or not raw.isascii():
+        return False
+    return SAFE_ID.fullmatch(raw.decode()) is not None
+
+
+def path_req_id(path: str, prefix: str) -> str | None:
+    """The ``{req_id}`` segment of ``path`` under ``prefix`` (``/v1/requests/``), else None."""
+    if not path.startswith(prefix):
+        return None
+    segment = path[len(prefix) :].split("/", 1)[0]
+    return segment or None
 
 
 class CallContextMiddleware:
-    """Attach a ``CallInfo`` to each HTTP call, echo ``X-Request-ID``, run the hooks at the end."""
+    """Attach a ``CallInfo`` to each HTTP call, bind the ids for logging, echo ``X-Request-ID``,
+    run the hooks at the end."""
 
-    def __init__(self, app: ASGIApp, hooks: Sequence[CallHook] = ()) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        hooks: Sequence[CallHook] = (),
+        request_prefix: str | None = ENGINE_REQUEST_PREFIX,
+    ) -> None:
         self.app = app
         self.hooks = tuple(hooks)
+        self.request_prefix = request_prefix
         # Made-up ids: a random per-process prefix and a counter (unique without an RNG call
         # per request).
         self._id_prefix = os.urandom(6).hex()
@@ -86,8 +128,15 @@ class CallContextMiddleware:
             request_id = raw_id.decode()
         else:
             request_id = f"{self._id_prefix}{next(self._counter):08x}"
-        info = CallInfo(request_id, scope["method"], scope["path"], time.perf_counter())
+        path: str = scope["path"]
+        info = CallInfo(request_id, scope["method"], path, time.perf_counter())
+        engine_req = (
+            path_req_id(path, self.request_prefix) if self.request_prefix is not None else None
+        )
+        info.log_id = request_id if engine_req is None else safe_req_id(engine_req)
         scope[CALL_KEY] = info
+        current = _current.set(info)
+        bound = bind_call(request_id, info.log_id)
         echoed = (_REQUEST_ID, request_id.encode())
 
         async def send_with_id(message: Message) -> None:
@@ -96,8 +145,10 @@ class CallContextMiddleware:
                 message["headers"] = [*message.get("headers", ()), echoed]
             await send(message)
 
+        escaped = True
         try:
             await self.app(scope, receive, send_with_id)
+            escaped = False
         finally:
             info.duration_s = time.perf_counter() - info.started
             if not info.status:
@@ -109,6 +160,12 @@ class CallContextMiddleware:
                     hook(info)
                 except Exception:
                     log.exception("call hook failed", extra={"fields": {"hook": repr(hook)}})
+            # An exception escaping the app is logged after this middleware (Starlette's
+            # outermost error handler, then the server): the ids stay bound for those lines.
+            # uvicorn serves each HTTP call in a task of its own, whose context dies with it.
+            if not escaped:
+                unbind_call(bound)
+            _current.reset(current)
 
 
 class PayloadTooLarge(APIError):

@@ -32,6 +32,9 @@ class KVOffloadAPI(FastAPI):
         kwargs.setdefault("docs_url", None)
         kwargs.setdefault("redoc_url", None)
         kwargs.setdefault("openapi_url", None)
+        # No slash redirects: "/v1/requests/victim%2F" must not be redirected to the request
+        # "victim" (a redirect-following client would act on another request).
+        kwargs.setdefault("redirect_slashes", False)
         # Strict inputs everywhere: unknown query parameters are refused like unknown fields.
         kwargs.setdefault("dependencies", [Depends(strict_query)])
         super().__init__(**kwargs)

@@ -2,9 +2,11 @@
 
 The engine API (TCP ``host:port``, plus the Unix socket ``uds`` when set) and the admin API
 (``admin_host:admin_port``) are two ``uvicorn.Server`` instances gathered on one uvloop loop,
-with httptools and no access log (the call hooks log instead). The sockets are bound here, before
-anything starts, so a busy port fails fast and port 0 works (the ``listening`` log line names
-the real ports).
+with httptools and no access log (the service's call hook writes one canonical line per call).
+uvicorn gets no log configuration and no level of its own: its records go through the root
+handler ``app.logging.configure_logging`` installed, at the level set there (and changed live).
+The sockets are bound here, before anything starts, so a busy port fails fast and port 0 works
+(the ``listening`` log line names the real ports).
 
 Shutdown: the first SIGTERM/SIGINT marks the service not ready (``/readyz`` 503), waits
 ``shutdown_delay_s`` (time for a load balancer to notice), then stops both listeners, which let
@@ -94,7 +96,7 @@ def _config(app: Any, settings: Settings) -> uvicorn.Config:
         lifespan="on",
         access_log=False,
         log_config=None,
-        log_level=settings.log_level,
+        log_level=None,
         server_header=False,
         proxy_headers=False,
         timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_s)),

@@ -9,9 +9,18 @@ Both listeners (engine API and admin API) share one ``Service``. It owns:
   ``complete_load`` on the manager when a job ends (a completion that arrives after the
   request's leases were released is logged and dropped by the tracker);
 - the ``EventBuffer`` of KV events served to routers;
-- two background tasks: the *completion pump* (woken from the worker thread through
-  ``loop.call_soon_threadsafe`` when a job ends; it finishes jobs in the manager) and the
-  *lease sweeper* (``expire_requests(lease_ttl_s)``, so a crashed engine cannot leak the pool).
+- background tasks: the *completion pump* (woken from the worker thread through
+  ``loop.call_soon_threadsafe`` when a job ends; it finishes jobs in the manager), the
+  *lease sweeper* (``expire_requests(lease_ttl_s)``, so a crashed engine cannot leak the pool)
+  and, with shadow evaluation on, the *shadow drain* (below);
+- its observability: ``observer`` (``app.observability``: every manager op, finished job and
+  HTTP call to metrics and log lines), the ``Metrics`` in ``registry`` (one per service; None
+  when ``metrics_enabled`` is off) whose state collector reads ``snapshot()`` at scrape time.
+
+Shadow evaluation (``shadow_enabled``, ``app.shadow``): the manager hands every finished
+request's chain to the ``ShadowRunner`` (``add_chain_listener``; it only queues), whose task
+replays them through one simulated pool per policy within ``shadow_cpu_budget``, never on the
+request path. The control (the active policy) follows policy switches.
 
 Lifecycle: ``async with service.running():`` starts it (pool, worker, tasks) and stops it on
 exit. It is reference counted, so each listener's lifespan can hold it and the last one out
@@ -27,16 +36,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from prometheus_client import CollectorRegistry
+from structlog.contextvars import bind_contextvars
+
+from app import logging as app_logging
 from app.errors import APIError, no_space, unavailable
 from app.events import EventBuffer
 from app.logging import audit, get_logger
+from app.metrics import Metrics, ServiceSnapshot
+from app.observability import Observer, RequestCounts
+from app.request_ids import safe_req_id
 from app.settings import Settings
+from app.shadow import ShadowRunner, ShadowState
 from manager import (
     BlockKey,
     CompleteStoreOutput,
@@ -68,6 +86,42 @@ from transfer import (
 log = get_logger("service")
 Clock = Callable[[], float]
 State = Literal["new", "running", "stopping", "stopped"]
+# The request-count table may hold this many more entries than the live table shows.
+_REQUEST_COUNTS_SLACK = 4
+
+
+class _ObservedCompletions:
+    """The job tracker's completion sink: the manager's ``complete_*`` calls, observed.
+
+    Each completion binds the job's ``req_id`` (safe form) for logging, and leaves it bound: the
+    tracker's own line about a failed completion comes right after the call returns. The
+    service runs ``poll`` in a copied context, so nothing outlives it.
+    """
+
+    def __init__(self, manager: OffloadManager, observer: Observer) -> None:
+        self.manager = manager
+        self.observer = observer
+
+    def complete_store(
+        self, keys: Sequence[BlockKey], ctx: ReqContext, success: bool
+    ) -> CompleteStoreOutput:
+        bind_contextvars(req_id=safe_req_id(ctx.req_id))
+        try:
+            out = self.manager.complete_store(keys, ctx, success=success)
+        except Exception:
+            self.observer.failed("complete_store", ctx.req_id)
+            raise
+        self.observer.complete_store(ctx.req_id, out)
+        return out
+
+    def complete_load(self, keys: Sequence[BlockKey], ctx: ReqContext) -> None:
+        bind_contextvars(req_id=safe_req_id(ctx.req_id))
+        try:
+            self.manager.complete_load(keys, ctx)
+        except Exception:
+            self.observer.failed("complete_load", ctx.req_id)
+            raise
+        self.observer.complete_load(ctx.req_id, len(keys), by_engine=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +149,9 @@ class Service:
         *,
         manager: OffloadManager | None = None,
         clock: Clock = time.monotonic,
+        registry: CollectorRegistry | None = None,
     ) -> None:
+        """``registry``: where the metrics go (a new one by default); unused with metrics off."""
         self.settings = settings
         if manager is None:
             manager = create_manager(
@@ -127,6 +183,42 @@ class Service:
         # started waiting.
         self._jobs_changed = asyncio.Event()
         self._lock = asyncio.Lock()
+
+        self.registry: CollectorRegistry | None = None
+        self.metrics: Metrics | None = None
+        if settings.metrics_enabled:
+            self.registry = registry if registry is not None else CollectorRegistry()
+            self.metrics = Metrics(
+                self.registry,
+                snapshot=self.snapshot,
+                live_request_series=settings.metrics_live_requests,
+                max_live_series=settings.metrics_live_requests_max,
+            )
+        self._request_counts = (
+            RequestCounts(_REQUEST_COUNTS_SLACK * settings.metrics_live_requests_max)
+            if self.metrics is not None and settings.metrics_live_requests
+            else None
+        )
+        self.observer = Observer(
+            self.metrics,
+            hit_window=settings.metrics_hit_window,
+            request_counts=self._request_counts,
+        )
+        self._completions = _ObservedCompletions(manager, self.observer)
+        self.shadow: ShadowRunner | None = None
+        if settings.shadow_enabled:
+            self.shadow = ShadowRunner(
+                manager.policy,
+                capacity=settings.num_blocks,
+                policies=settings.shadow_policies,
+                sample_rate=settings.shadow_sample_rate,
+                store_threshold=settings.store_threshold,
+                window=settings.shadow_window,
+                max_queue=settings.shadow_max_queue,
+                cpu_budget=settings.shadow_cpu_budget,
+                interval_s=settings.shadow_drain_interval_s,
+            )
+            manager.add_chain_listener(self.shadow.observe)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -180,11 +272,15 @@ class Service:
                 pool.close()
                 raise
             self._pool, self._registry, self._worker = pool, registry, worker
-            self._tracker = JobTracker(worker, self.manager, max_finished=s.max_finished_jobs)
+            self._tracker = JobTracker(worker, self._completions, max_finished=s.max_finished_jobs)
             self._tasks = [
                 asyncio.create_task(self._pump_loop(), name="kvoffload-completion-pump"),
                 asyncio.create_task(self._lease_loop(), name="kvoffload-lease-sweeper"),
             ]
+            if self.shadow is not None:
+                self._tasks.append(
+                    asyncio.create_task(self.shadow.run(), name="kvoffload-shadow-drain")
+                )
             self.state = "running"
             self._users = 1
             log.info(
@@ -198,6 +294,10 @@ class Service:
                         "policy": self.manager.policy.name,
                         "backend": s.transfer_backend,
                         "faults": faults is not None,
+                        "metrics": self.metrics is not None,
+                        "shadow_policies": (
+                            None if self.shadow is None else self.shadow.evaluator.policies
+                        ),
                     }
                 },
             )
@@ -278,8 +378,13 @@ class Service:
 
     def _collect(self) -> None:
         """Finish ended jobs in the manager, wake job waiters, move new events to the buffer."""
-        if self._tracker is not None and self._tracker.poll():
-            self._notify_jobs()
+        if self._tracker is not None:
+            # A copied context: the ids the completions bind for logging stay in there.
+            finished = contextvars.copy_context().run(self._tracker.poll)
+            if finished:
+                for record in finished:
+                    self.observer.transfer_done(record)
+                self._notify_jobs()
         self.drain_events()
 
     def _notify_jobs(self) -> None:
@@ -291,6 +396,9 @@ class Service:
             await asyncio.sleep(self.settings.lease_check_interval_s)
             try:
                 self.expire_leases()
+                counts = self._request_counts
+                if counts is not None and len(counts) > counts.limit // 2:
+                    counts.prune(r.req_id for r in self.manager.requests())
             except Exception:
                 log.exception("lease sweep failed; retrying")
 
@@ -302,7 +410,7 @@ class Service:
                 "request leases expired",
                 extra={
                     "fields": {
-                        "req_id": r.req_id,
+                        "req_id": safe_req_id(r.req_id),
                         "pins_released": r.pins_released,
                         "stores_dropped": r.stores_dropped,
                         "lease_ttl_s": self.settings.lease_ttl_s,
@@ -321,42 +429,93 @@ class Service:
 
     # ------------------------------------------------------------------ engine operations
 
+    # Each op is observed (``self.observer``): its result, its keys by outcome, with the
+    # request's id as exemplar; a manager error is counted as result "error" and re-raised.
+
     def start_request(self, req_id: str, kv_transfer_params: Mapping[str, Any] | None) -> bool:
         """Start or renew a request; True if it is new."""
-        return self.manager.on_new_request(ReqContext(req_id, kv_transfer_params))
+        try:
+            created = self.manager.on_new_request(ReqContext(req_id, kv_transfer_params))
+        except Exception:
+            self.observer.failed("request_start", req_id)
+            raise
+        self.observer.op("request_start", req_id)
+        return created
 
     def finish_request(self, req_id: str, abort: bool) -> ReleasedLeases:
         """Finish a request (abort: release its leases now)."""
-        return self.manager.on_request_finished(ReqContext(req_id), abort=abort)
+        try:
+            released = self.manager.on_request_finished(ReqContext(req_id), abort=abort)
+        except Exception:
+            self.observer.failed("request_finish", req_id)
+            raise
+        self.observer.op("request_finish", req_id)
+        return released
 
     def lookup(self, req_id: str, keys: Sequence[BlockKey]) -> LookupOutput:
         """Per-key state and ``hit_prefix``."""
-        return self.manager.lookup(keys, ReqContext(req_id))
+        try:
+            out = self.manager.lookup(keys, ReqContext(req_id))
+        except Exception:
+            self.observer.failed("lookup", req_id)
+            raise
+        self.observer.lookup(req_id, out)
+        return out
 
     def prepare_load(self, req_id: str, keys: Sequence[BlockKey]) -> list[int]:
         """Pin ready keys; their host slots."""
-        return self.manager.prepare_load(keys, ReqContext(req_id))
+        try:
+            slots = self.manager.prepare_load(keys, ReqContext(req_id))
+        except Exception:
+            self.observer.failed("prepare_load", req_id)
+            raise
+        self.observer.prepare_load(req_id, len(slots))
+        return slots
 
     def touch(self, req_id: str, keys: Sequence[BlockKey]) -> None:
         """Mark keys recently used."""
-        self.manager.touch(keys, ReqContext(req_id))
+        try:
+            self.manager.touch(keys, ReqContext(req_id))
+        except Exception:
+            self.observer.failed("touch", req_id)
+            raise
+        self.observer.op("touch", req_id)
 
     def complete_load(self, req_id: str, keys: Sequence[BlockKey]) -> None:
         """Unpin keys pinned by ``prepare_load``."""
-        self.manager.complete_load(keys, ReqContext(req_id))
+        try:
+            self.manager.complete_load(keys, ReqContext(req_id))
+        except Exception:
+            self.observer.failed("complete_load", req_id)
+            raise
+        self.observer.complete_load(req_id, len(keys), by_engine=True)
 
-    def prepare_store(self, req_id: str, keys: Sequence[BlockKey]) -> PrepareStoreOutput:
-        """Reserve slots for the new keys; ``APIError`` 507 when no room can be made."""
-        out = self.manager.prepare_store(keys, ReqContext(req_id))
+    def _prepare_store(self, req_id: str, keys: Sequence[BlockKey]) -> PrepareStoreOutput:
+        try:
+            out = self.manager.prepare_store(keys, ReqContext(req_id))
+        except Exception:
+            self.observer.failed("prepare_store", req_id)
+            raise
+        self.observer.prepare_store(req_id, len(keys), out)
         if out is None:
             raise no_space(len(keys))
         return out
+
+    def prepare_store(self, req_id: str, keys: Sequence[BlockKey]) -> PrepareStoreOutput:
+        """Reserve slots for the new keys; ``APIError`` 507 when no room can be made."""
+        return self._prepare_store(req_id, keys)
 
     def complete_store(
         self, req_id: str, keys: Sequence[BlockKey], success: bool
     ) -> CompleteStoreOutput:
         """Finish this request's stores of ``keys``."""
-        return self.manager.complete_store(keys, ReqContext(req_id), success=success)
+        try:
+            out = self.manager.complete_store(keys, ReqContext(req_id), success=success)
+        except Exception:
+            self.observer.failed("complete_store", req_id)
+            raise
+        self.observer.complete_store(req_id, out)
+        return out
 
     def _check_blocks(self, cache: RegisteredCache, device_blocks: Sequence[int]) -> None:
         limit = cache.num_blocks
@@ -386,9 +545,7 @@ class Service:
         cache = registry.get(cache_id)
         self._check_blocks(cache, device_blocks)
         ctx = ReqContext(req_id)
-        spec = self.manager.prepare_store(keys, ctx)
-        if spec is None:
-            raise no_space(len(keys))
+        spec = self._prepare_store(req_id, keys)
         if not spec.keys_to_store:
             return OffloadStarted(None, spec)
         block_of: dict[BlockKey, int] = {}
@@ -424,7 +581,7 @@ class Service:
         cache = registry.get(cache_id)
         self._check_blocks(cache, device_blocks)
         ctx = ReqContext(req_id)
-        slots = self.manager.prepare_load(keys, ctx)
+        slots = self.prepare_load(req_id, keys)
         if not slots:
             return OnloadStarted(None, slots)
         # A refused job is unpinned by the tracker and re-raised.
@@ -503,6 +660,9 @@ class Service:
         """Switch the eviction policy live; audited when it changed something."""
         switch = self.manager.switch_policy(name, params)
         if switch.changed:
+            self.observer.policy_switched(switch.previous.name, switch.current.name)
+            if self.shadow is not None:
+                self.shadow.follow(switch.current)
             audit(
                 "policy.switch",
                 actor,
@@ -518,6 +678,52 @@ class Service:
     def stats(self) -> ManagerStats:
         """The manager's gauges and counters."""
         return self.manager.stats()
+
+    def shadow_state(self) -> ShadowState | None:
+        """The shadow evaluation's state (None when it is off)."""
+        return None if self.shadow is None else self.shadow.state()
+
+    def log_level(self) -> str:
+        """The current log level."""
+        return app_logging.get_level()
+
+    def set_log_level(self, level: str, actor: str) -> tuple[str, str]:
+        """Set the log level of the whole process live; (previous, current). Audited when it
+        changed (audit lines are written whatever the level)."""
+        previous = app_logging.set_level(level)
+        if previous != level:
+            audit("log_level.set", actor, from_level=previous, to_level=level)
+        return previous, level
+
+    def snapshot(self) -> ServiceSnapshot:
+        """Everything the state collector exports, read now (at scrape time, on the loop)."""
+        stats = self.manager.stats()
+        inflight = {"store": 0, "load": 0}
+        oldest = 0.0
+        tracker = self._tracker
+        if tracker is not None and self.state == "running":
+            for record in tracker.running():
+                inflight[record.direction] += 1
+            oldest = tracker.oldest_running_age()
+        rows = []
+        counts = self._request_counts
+        if counts is not None:
+            rows = counts.rows(self.manager.requests(), self.settings.metrics_live_requests_max)
+        projected: dict[str, float] = {}
+        if self.shadow is not None:
+            projected = dict(self.shadow.projections())
+        return ServiceSnapshot(
+            stats=stats,
+            policy=self.manager.policy,
+            block_bytes=self.settings.block_bytes,
+            pool_pinned=self._pool is not None and bool(self._pool.pinned),
+            inflight=inflight,
+            oldest_inflight_seconds=oldest,
+            events_dropped=self.events.dropped,
+            prefix_hit_ratio=self.observer.hit_window.ratio(),
+            projected_hit_ratio=projected,
+            live_requests=rows,
+        )
 
     def jobs_running(self) -> tuple[int, float | None]:
         """Number of running transfer jobs and the age of the oldest (None: none running)."""
@@ -536,7 +742,7 @@ class Service:
         audit(
             "request.release",
             actor,
-            req_id=req_id,
+            req_id=safe_req_id(req_id),
             pins_released=released.pins_released,
             stores_dropped=released.stores_dropped,
         )

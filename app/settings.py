@@ -29,6 +29,7 @@ from pydantic_settings import (
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 LogLevel = Literal["debug", "info", "warning", "error"]
+LogFormat = Literal["auto", "json", "console"]
 
 
 class ConfigFileSource(PydanticBaseSettingsSource):
@@ -132,8 +133,41 @@ class Settings(BaseSettings):
     fault_hang_rate: float = Field(default=0.0, ge=0, le=1, description="jobs that hang")
     fault_seed: int | None = Field(default=None, description="seed of the fault injector")
 
+    # Observability.
+    metrics_enabled: bool = Field(default=True, description="serve /metrics and record metrics")
+    metrics_live_requests: bool = Field(
+        default=False, description="export kvoffload_request_blocks{req_id} for live requests"
+    )
+    metrics_live_requests_max: int = Field(
+        default=500, gt=0, description="at most this many live requests in that table"
+    )
+    metrics_hit_window: int = Field(
+        default=1000, gt=0, description="lookups in the live prefix hit ratio window"
+    )
+    log_level: LogLevel = Field(default="info", description="log level (live: admin API)")
+    log_format: LogFormat = Field(
+        default="auto", description="json, console, or auto (console on a terminal)"
+    )
+
+    # Shadow evaluation: every policy simulated on a sample of finished requests.
+    shadow_enabled: bool = Field(default=True, description="project each policy's hit ratio")
+    shadow_policies: list[str] | None = Field(
+        default=None,
+        description="policies to simulate, comma-separated (default: all; active always added)",
+    )
+    shadow_sample_rate: float = Field(
+        default=0.25, gt=0, le=1, description="share of request prefix trees simulated"
+    )
+    shadow_window: int = Field(default=2000, gt=0, description="sampled requests per window")
+    shadow_max_queue: int = Field(default=1000, gt=0, description="chains waiting, at most")
+    shadow_drain_interval_s: float = Field(
+        default=0.1, gt=0, description="the simulation runs this often"
+    )
+    shadow_cpu_budget: float = Field(
+        default=0.05, gt=0, le=1, description="share of one core the simulation may use"
+    )
+
     # Process.
-    log_level: LogLevel = Field(default="info", description="log level")
     shutdown_grace_s: float = Field(default=10.0, ge=0, description="wait for calls on exit")
     shutdown_delay_s: float = Field(
         default=0.0, ge=0, description="on SIGTERM, stay up not-ready this long"
@@ -162,6 +196,32 @@ class Settings(BaseSettings):
     @classmethod
     def _lower_level(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value
+
+    @field_validator("shadow_policies", mode="before")
+    @classmethod
+    def _split_policies(cls, value: Any) -> Any:
+        # Flags and env give "lru,arc"; a JSON list (env, config file) is taken as it is.
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [name.strip() for name in text.split(",") if name.strip()]
+        return value
+
+    @field_validator("shadow_policies")
+    @classmethod
+    def _known_policies(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        from manager import available_policies
+
+        known = available_policies()
+        unknown = [name for name in value if name not in known]
+        if unknown:
+            raise ValueError(f"unknown shadow policies {unknown}; known: {', '.join(known)}")
+        if not value:
+            raise ValueError("shadow_policies is empty (use shadow_enabled=false to turn off)")
+        return value
 
     @model_validator(mode="after")
     def _check_combination(self) -> Settings:

@@ -17,17 +17,34 @@ scheduler step: 16 requests, 64 keys in all) against a single lookup of 64 keys.
 
 Targets: lookup(64) >= 0.8x the FastAPI no-op (calls/s), p99 <= 10 ms at 32 connections, the
 Unix socket at least as fast as TCP, batch(16 ops) < 3x a single lookup (p50 latency at one
-connection). Writes ``bench/results/http_bench.json``.
+connection).
 
-Run from the repository root: ``.venv/bin/python bench/http_bench.py [--quick]``.
+Two more suites measure what observability costs, each as a same-run ratio of two kvoffload
+servers that differ in one setting only (rounds interleaved, medians; server CPU per call from
+``/proc``, the fairest number on a small, noisy machine):
+
+- ``obs``: lookup(64) with metrics on and the log at ``info`` (one JSON line per call, written
+  to a file) against metrics off and the log at ``warning``; shadow evaluation off in both.
+  Target: the observability costs < 15% of calls/s.
+- ``shadow``: full request lives (``PUT`` start, lookup, prepare-store, complete-store,
+  ``DELETE`` finish; 32 keys, the first 16 shared by the requests of one of 256 documents
+  picked with a skewed law, the rest new) with shadow evaluation on (defaults: every policy,
+  25% of prefix trees, 5% of a core at most) against off; metrics and logs on in both. Target:
+  < 10% of lives/s. The shadow server's admin API then says the sample rate it settled on
+  (halved each time its CPU budget could not keep up) and what it simulated since.
+
+Writes ``bench/results/http_bench.json``. Run from the repository root:
+``.venv/bin/python bench/http_bench.py [--quick] [--suite all|floors|obs|shadow]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -36,6 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -49,7 +67,14 @@ LOOKUP_PATH = "/v1/requests/bench/lookup"
 BATCH_PATH = "/v1/batch"
 NUM_KEYS = 64
 BATCH_OPS = 16
+LIFE_CALLS = 5
+LIFE_SHARED_KEYS = 16
+LIFE_OWN_KEYS = 16
+LIFE_DOCUMENTS = 256
+OBS_TARGET = 0.85
+SHADOW_TARGET = 0.90
 _CONTENT_LENGTH = re.compile(rb"content-length:\s*(\d+)", re.IGNORECASE)
+_OK_STATUSES = (b"200", b"201")
 
 
 # --------------------------------------------------------------------------- floors
@@ -133,10 +158,12 @@ def serve_floor(kind: str, port: int, uds: str, body_size: int) -> None:
 
 
 class _Connection(asyncio.Protocol):
-    """One keep-alive connection sending ``request`` again as soon as the answer is complete."""
+    """One keep-alive connection sending ``next_request()`` as soon as an answer is complete."""
 
-    def __init__(self, request: bytes, stats: _LoadStats, stop_at: float, done: Any) -> None:
-        self.request = request
+    def __init__(
+        self, next_request: Callable[[], bytes], stats: _LoadStats, stop_at: float, done: Any
+    ) -> None:
+        self.next_request = next_request
         self.stats = stats
         self.stop_at = stop_at
         self.done = done
@@ -151,8 +178,9 @@ class _Connection(asyncio.Protocol):
 
     def _send(self) -> None:
         assert self.transport is not None
+        request = self.next_request()
         self.sent_at = time.perf_counter()
-        self.transport.write(self.request)
+        self.transport.write(request)
 
     def data_received(self, data: bytes) -> None:
         buf = self.buffer
@@ -165,7 +193,7 @@ class _Connection(asyncio.Protocol):
             end = end_of_head + 4 + (int(match.group(1)) if match else 0)
             if len(buf) < end:
                 return
-            ok = buf[9:12] == b"200"
+            ok = buf[9:12] in _OK_STATUSES
             del buf[:end]
             now = time.perf_counter()
             self.stats.latencies.append(now - self.sent_at)
@@ -188,17 +216,79 @@ class _LoadStats:
     errors: int = 0
 
 
-async def _drive(address: str, request: bytes, connections: int, seconds: float) -> dict[str, Any]:
+class _Lives:
+    """The calls of request lives, one life after another, for one connection.
+
+    Each life: start, lookup, prepare-store, complete-store (all keys: those not pending are
+    ignored), finish. Its 32 keys: the 16 of a document (shared with every life of that
+    document; the document drawn with a skewed law, so some prefixes are hot) then 16 of its
+    own.
+    """
+
+    def __init__(self, tag: str, rng: random.Random) -> None:
+        self.tag = tag
+        self.rng = rng
+        self.life = 0
+        self.step = LIFE_CALLS
+        self.req_id = ""
+        self.keys_body = b""
+
+    @staticmethod
+    def _key(text: str) -> str:
+        return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+    def _new_life(self) -> None:
+        self.life += 1
+        self.req_id = f"{self.tag}-{self.life}"
+        doc = min(int(self.rng.expovariate(1 / 24)), LIFE_DOCUMENTS - 1)
+        keys = [self._key(f"doc{doc}-{i}") for i in range(LIFE_SHARED_KEYS)]
+        keys += [self._key(f"{self.req_id}-{i}") for i in range(LIFE_OWN_KEYS)]
+        self.keys_body = json.dumps(keys).encode()
+        self.step = 0
+
+    def __call__(self) -> bytes:
+        if self.step == LIFE_CALLS:
+            self._new_life()
+        step = self.step
+        self.step += 1
+        base = f"/v1/requests/{self.req_id}"
+        if step == 0:
+            return f"PUT {base} HTTP/1.1\r\nHost: bench\r\nContent-Length: 0\r\n\r\n".encode()
+        if step == 1:
+            return http_request(f"{base}/lookup", b'{"keys":' + self.keys_body + b"}")
+        if step == 2:
+            return http_request(f"{base}/prepare-store", b'{"keys":' + self.keys_body + b"}")
+        if step == 3:
+            body = b'{"keys":' + self.keys_body + b',"success":true}'
+            return http_request(f"{base}/complete-store", body)
+        return f"DELETE {base} HTTP/1.1\r\nHost: bench\r\n\r\n".encode()
+
+
+Source = Callable[[int], Callable[[], bytes]]
+
+
+def fixed(request: bytes) -> Source:
+    """Every connection sends ``request`` over and over."""
+    return lambda _conn: lambda: request
+
+
+def lives(seed: int) -> Source:
+    """Every connection runs request lives (``_Lives``), its req_ids unique to this run."""
+    run = f"{os.getpid()}x{seed}"
+    return lambda conn: _Lives(f"b{run}c{conn}", random.Random(seed * 1000 + conn))
+
+
+async def _drive(address: str, source: Source, connections: int, seconds: float) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     stats = _LoadStats([])
     stop_at = time.perf_counter() + seconds
     finished = []
-    for _ in range(connections):
+    for conn in range(connections):
         done = loop.create_future()
         finished.append(done)
 
-        def factory(done: Any = done) -> _Connection:
-            return _Connection(request, stats, stop_at, done)
+        def factory(done: Any = done, conn: int = conn) -> _Connection:
+            return _Connection(source(conn), stats, stop_at, done)
 
         if address.startswith("/"):
             await loop.create_unix_connection(factory, address)
@@ -228,13 +318,13 @@ def http_request(path: str, body: bytes) -> bytes:
     return head.encode() + body
 
 
-def run_load(address: str, request: bytes, connections: int, seconds: float) -> dict[str, Any]:
+def run_load(address: str, source: Source, connections: int, seconds: float) -> dict[str, Any]:
     """Drive one scenario with uvloop (in the load-generator process)."""
     import uvloop
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(_drive(address, request, connections, min(0.3, seconds / 4)))  # warm-up
-        return runner.run(_drive(address, request, connections, seconds))
+        runner.run(_drive(address, source, connections, min(0.3, seconds / 4)))  # warm-up
+        return runner.run(_drive(address, source, connections, seconds))
 
 
 # --------------------------------------------------------------------------- orchestration
@@ -272,6 +362,7 @@ class Server:
     proc: subprocess.Popen[bytes]
     port: int
     uds: str
+    admin_port: int = 0
 
     def cpu_seconds(self) -> float:
         """CPU time (user + system, all threads) the server process has used so far."""
@@ -291,9 +382,12 @@ class Server:
                 self.proc.wait()
 
 
-def start_kvoffload(tmp: Path, core: int | None) -> Server:
+def start_kvoffload(
+    tmp: Path, core: int | None, name: str = "kvoffload", extra: tuple[str, ...] = ()
+) -> Server:
+    """``kvoffload serve`` with the bench's pool; ``extra`` flags win; its log goes to a file."""
     port, admin = free_port(), free_port()
-    uds = str(tmp / "kvoffload.sock")
+    uds = str(tmp / f"{name}.sock")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
     argv = [
         sys.executable,
@@ -314,10 +408,16 @@ def start_kvoffload(tmp: Path, core: int | None) -> Server:
         "cpu",
         "--log-level",
         "warning",
+        *extra,
     ]
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, preexec_fn=_pinned(core))
+    with (tmp / f"{name}.log").open("wb") as log:
+        proc = subprocess.Popen(
+            argv, cwd=ROOT, env=env, preexec_fn=_pinned(core), stdout=log, stderr=log
+        )
     _wait_tcp(port, proc)
-    return Server("kvoffload", proc, port, uds)
+    server = Server(name, proc, port, uds)
+    server.admin_port = admin
+    return server
 
 
 def start_floor(kind: str, tmp: Path, core: int | None, body_size: int) -> Server:
@@ -340,13 +440,15 @@ def start_floor(kind: str, tmp: Path, core: int | None, body_size: int) -> Serve
     return Server(kind, proc, port, uds)
 
 
-def prepare_kvoffload(server: Server) -> tuple[bytes, bytes, int]:
-    """Start request ``bench``, store half the keys; the lookup and batch bodies, answer size."""
+def prepare_kvoffload(server: Server, keys: list[bytes] | None = None) -> tuple[bytes, bytes, int]:
+    """Start request ``bench``, store half the keys (random ones unless given); the lookup and
+    batch bodies, answer size."""
     import httpx
 
     from app.client import KVOffloadClient
 
-    keys = [os.urandom(16) for _ in range(NUM_KEYS)]
+    if keys is None:
+        keys = [os.urandom(16) for _ in range(NUM_KEYS)]
     with KVOffloadClient(f"http://{server.tcp()}") as client:
         client.start_request("bench")
         spec = client.prepare_store("bench", keys[: NUM_KEYS // 2])
@@ -369,19 +471,19 @@ def prepare_kvoffload(server: Server) -> tuple[bytes, bytes, int]:
 
 
 def load_once(
-    address: str, request: bytes, connections: int, seconds: float, core: int | None
+    address: str, request: bytes | None, connections: int, seconds: float, core: int | None
 ) -> dict[str, Any]:
-    """One scenario run in a fresh load-generator process."""
+    """One scenario run in a fresh load-generator process (``request`` None: request lives)."""
     with tempfile.NamedTemporaryFile(suffix=".req") as f:
-        f.write(request)
+        f.write(request or b"")
         f.flush()
         argv = [
             sys.executable,
             str(Path(__file__).resolve()),
             "--load",
             address,
-            "--request-file",
-            f.name,
+            "--request-file" if request is not None else "--lives",
+            f.name if request is not None else str(random.randrange(1 << 30)),
             "--connections",
             str(connections),
             "--seconds",
@@ -410,63 +512,324 @@ def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def main_bench(args: argparse.Namespace) -> int:
-    cores = sorted(os.sched_getaffinity(0))
-    server_core, load_core = (cores[0], cores[1]) if len(cores) > 1 else (None, None)
-    if server_core is None:
-        print("warning: one core only; server and load generator are not pinned apart")
+Scenario = tuple[str, Server, str, bytes | None, int]  # name, server, transport, request, conns
+
+
+def run_rounds(
+    scenarios: list[Scenario], rounds: int, seconds: float, load_core: int | None
+) -> dict[tuple[str, str, int], dict[str, Any]]:
+    """Every scenario ``rounds`` times, interleaved; the medians by (name, transport, conns)."""
+    runs: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    for _ in range(rounds):
+        for name, server, transport, request, conns in scenarios:
+            address = server.tcp() if transport == "tcp" else server.uds
+            cpu_before = server.cpu_seconds()
+            result = load_once(address, request, conns, seconds, load_core)
+            # CPU per call includes the warm-up calls the generator does not count;
+            # scale by the counted share of the run (warm-up is a quarter, at most).
+            cpu = server.cpu_seconds() - cpu_before
+            share = seconds / (seconds + min(0.3, seconds / 4))
+            result["cpu_us_per_call"] = cpu * share / max(1, result["calls"]) * 1e6
+            runs.setdefault((name, transport, conns), []).append(result)
+    return {key: median_of(value) for key, value in runs.items()}
+
+
+def floors_suite(
+    tmp: Path, args: argparse.Namespace, cores: tuple[int | None, int | None]
+) -> dict[str, Any]:
+    server_core, load_core = cores
     seconds = 0.6 if args.quick else 1.5
     rounds = 2 if args.quick else 3
+    servers: list[Server] = []
+    try:
+        kv = start_kvoffload(tmp, server_core)
+        servers.append(kv)
+        lookup_body, batch_body, answer_size = prepare_kvoffload(kv)
+        servers.append(start_floor("bare", tmp, server_core, answer_size))
+        servers.append(start_floor("noop", tmp, server_core, answer_size))
+        lookup_req = http_request(LOOKUP_PATH, lookup_body)
+        batch_req = http_request(BATCH_PATH, batch_body)
 
-    with tempfile.TemporaryDirectory(prefix="kvbench-") as tmpdir:
-        tmp = Path(tmpdir)
-        servers: list[Server] = []
-        try:
-            kv = start_kvoffload(tmp, server_core)
-            servers.append(kv)
-            lookup_body, batch_body, answer_size = prepare_kvoffload(kv)
-            servers.append(start_floor("bare", tmp, server_core, answer_size))
-            servers.append(start_floor("noop", tmp, server_core, answer_size))
-            lookup_req = http_request(LOOKUP_PATH, lookup_body)
-            batch_req = http_request(BATCH_PATH, batch_body)
-
-            scenarios: list[tuple[str, Server, str, bytes, int]] = []
-            for server in servers:
-                for transport in ("tcp", "uds"):
-                    for conns in (1, 32):
-                        name = "lookup(64)" if server.name == "kvoffload" else server.name
-                        scenarios.append((name, server, transport, lookup_req, conns))
+        scenarios: list[Scenario] = []
+        for server in servers:
             for transport in ("tcp", "uds"):
                 for conns in (1, 32):
-                    scenarios.append((f"batch({BATCH_OPS} ops)", kv, transport, batch_req, conns))
+                    name = "lookup(64)" if server.name == "kvoffload" else server.name
+                    scenarios.append((name, server, transport, lookup_req, conns))
+        for transport in ("tcp", "uds"):
+            for conns in (1, 32):
+                scenarios.append((f"batch({BATCH_OPS} ops)", kv, transport, batch_req, conns))
+        table = run_rounds(scenarios, rounds, seconds, load_core)
+    finally:
+        for server in servers:
+            server.stop()
+    return report(table, answer_size, len(lookup_body), len(batch_body))
 
-            runs: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
-            for _ in range(rounds):
-                for name, server, transport, request, conns in scenarios:
-                    address = server.tcp() if transport == "tcp" else server.uds
-                    cpu_before = server.cpu_seconds()
-                    result = load_once(address, request, conns, seconds, load_core)
-                    # CPU per call includes the warm-up calls the generator does not count;
-                    # scale by the counted share of the run (warm-up is a quarter, at most).
-                    cpu = server.cpu_seconds() - cpu_before
-                    share = seconds / (seconds + min(0.3, seconds / 4))
-                    result["cpu_us_per_call"] = cpu * share / max(1, result["calls"]) * 1e6
-                    runs.setdefault((name, transport, conns), []).append(result)
-        finally:
-            for server in servers:
-                server.stop()
 
-    table = {key: median_of(value) for key, value in runs.items()}
-    return report(table, args, answer_size, len(lookup_body), len(batch_body))
+_OBS_OFF = ("--metrics-enabled", "false", "--log-level", "warning", "--shadow-enabled", "false")
+_OBS_ON = ("--metrics-enabled", "true", "--log-level", "info", "--shadow-enabled", "false")
+_SHADOW_OFF = ("--log-level", "info", "--shadow-enabled", "false")
+_SHADOW_ON = ("--log-level", "info", "--shadow-enabled", "true")
+
+
+def obs_suite(
+    tmp: Path, args: argparse.Namespace, cores: tuple[int | None, int | None]
+) -> dict[str, Any]:
+    """Metrics + logs on against off (lookup), shadow on against off (request lives)."""
+    server_core, load_core = cores
+    seconds = 0.8 if args.quick else 1.5
+    rounds = 3 if args.quick else 7
+    servers: list[Server] = []
+    try:
+        scenarios: list[Scenario] = []
+        if args.suite in ("all", "obs"):
+            off = start_kvoffload(tmp, server_core, "obs-off", _OBS_OFF)
+            on = start_kvoffload(tmp, server_core, "obs-on", _OBS_ON)
+            servers += [off, on]
+            keys = [os.urandom(16) for _ in range(NUM_KEYS)]
+            lookup_body, _, _ = prepare_kvoffload(off, keys)
+            prepare_kvoffload(on, keys)
+            lookup_req = http_request(LOOKUP_PATH, lookup_body)
+            for conns in (1, 32):
+                for server in (off, on):
+                    scenarios.append((server.name, server, "tcp", lookup_req, conns))
+        shadow_on: Server | None = None
+        if args.suite in ("all", "shadow"):
+            off = start_kvoffload(tmp, server_core, "shadow-off", _SHADOW_OFF)
+            shadow_on = start_kvoffload(tmp, server_core, "shadow-on", _SHADOW_ON)
+            servers += [off, shadow_on]
+            for server in (off, shadow_on):
+                scenarios.append((server.name, server, "tcp", None, 32))
+        table = run_rounds(scenarios, rounds, seconds, load_core)
+        shadow_stats = None if shadow_on is None else shadow_accounting(shadow_on)
+    finally:
+        for server in servers:
+            server.stop()
+    app_level = app_cost_suite(args, server_core) if args.suite in ("all", "obs") else None
+    return report_obs(table, shadow_stats, app_level)
+
+
+_APP_COST_MODES = {"off": _OBS_OFF, "on": _OBS_ON}
+
+
+def app_cost(mode: str, calls: int) -> float:
+    """CPU microseconds per lookup(64) call of the engine app itself, called as ASGI in this
+    process (no HTTP server, no sockets): what observability adds to the service's own work,
+    free of the noise of other processes (``time.process_time``)."""
+    import io
+
+    from app.logging import configure_logging
+    from app.main import create_app
+    from app.settings import Settings
+
+    flags = dict(zip(_APP_COST_MODES[mode][::2], _APP_COST_MODES[mode][1::2], strict=True))
+    settings = Settings(
+        num_blocks=4096,
+        block_bytes=4096,
+        device="cpu",
+        metrics_enabled=flags["--metrics-enabled"] == "true",
+        shadow_enabled=False,
+        log_level=cast(Any, flags["--log-level"]),
+    )
+    configure_logging(settings.log_level, stream=io.StringIO(), fmt="json")
+    app = create_app(settings)
+    keys = [os.urandom(16).hex() for _ in range(NUM_KEYS)]
+
+    async def call(method: str, path: str, body: bytes = b"") -> int:
+        scope = {
+            "type": "http", "method": method, "path": path, "raw_path": path.encode(),
+            "query_string": b"", "root_path": "", "scheme": "http", "http_version": "1.1",
+            "server": ("bench", 80), "client": ("bench", 1), "app": app,
+            "headers": [(b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode())],
+        }  # fmt: skip
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+        status = 0
+
+        async def receive() -> MutableMapping[str, Any]:
+            return messages.pop() if messages else {"type": "http.disconnect"}
+
+        async def send(message: MutableMapping[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+
+        await app(scope, receive, send)
+        return status
+
+    async def run() -> float:
+        async with app.router.lifespan_context(app):
+            await call("PUT", "/v1/requests/bench")
+            half = json.dumps({"keys": keys[: NUM_KEYS // 2]}).encode()
+            await call("POST", "/v1/requests/bench/prepare-store", half)
+            await call("POST", "/v1/requests/bench/complete-store", half)
+            body = json.dumps({"keys": keys}).encode()
+            for _ in range(calls // 10):  # warm-up
+                await call("POST", LOOKUP_PATH, body)
+            started = time.process_time()
+            for _ in range(calls):
+                assert await call("POST", LOOKUP_PATH, body) == 200
+            return (time.process_time() - started) / calls * 1e6
+
+    return asyncio.run(run())
+
+
+def app_cost_suite(args: argparse.Namespace, core: int | None) -> dict[str, Any]:
+    """``app_cost`` of observability off and on, each round in fresh processes, interleaved."""
+    calls = 5000 if args.quick else 20000
+    rounds = 3 if args.quick else 5
+    costs: dict[str, list[float]] = {mode: [] for mode in _APP_COST_MODES}
+    for _ in range(rounds):
+        for mode in _APP_COST_MODES:
+            out = subprocess.run(
+                [sys.executable, str(Path(__file__).resolve()), "--app-cost", mode,
+                 "--calls", str(calls)],
+                cwd=ROOT, capture_output=True, check=True, timeout=300,
+                preexec_fn=_pinned(core),
+            )  # fmt: skip
+            costs[mode].append(float(out.stdout))
+    off, on = statistics.median(costs["off"]), statistics.median(costs["on"])
+    print(
+        f"\napp-level CPU per lookup(64) (in process, no HTTP server; medians of {rounds}): "
+        f"off {off:.1f} us, on {on:.1f} us, +{on - off:.1f} us (+{(on / off - 1) * 100:.0f}%)"
+    )
+    return {"off_us": off, "on_us": on, "rounds": costs}
+
+
+def shadow_accounting(server: Server) -> dict[str, Any]:
+    """What the shadow server simulated (after letting its drain catch up for a moment)."""
+    import httpx
+
+    url = f"http://127.0.0.1:{server.admin_port}/admin/v1/policy/shadow"
+    answer: dict[str, Any] = {}
+    for _ in range(50):
+        answer = httpx.get(url, timeout=10).json()
+        if not answer["queued"]:
+            break
+        time.sleep(0.1)
+    return {
+        "sample_rate": answer["sample_rate"],
+        "restarts": answer["restarts"],
+        "observed": answer["observed"],
+        "sampled": answer["sampled"],
+        "queued": answer["queued"],
+        "dropped": answer["dropped"],
+        "live_prefix_hit_ratio": answer["live_prefix_hit_ratio"],
+        "projected": {p["policy"]: p["projected_hit_ratio"] for p in answer["policies"]},
+    }
+
+
+def report_obs(
+    table: dict[tuple[str, str, int], dict[str, Any]],
+    shadow: dict[str, Any] | None,
+    app_level: dict[str, Any] | None,
+) -> dict[str, Any]:
+    header = (
+        f"{'server':<12} {'workload':<12} {'conns':>5} {'calls/s':>10} {'p50 ms':>8} "
+        f"{'p99 ms':>8} {'cpu us/call':>11} {'errors':>6}"
+    )
+    print("\nobservability cost (same run, medians)")
+    print(header)
+    print("-" * len(header))
+    for (name, _, conns), r in table.items():
+        workload = "lives" if name.startswith("shadow") else "lookup(64)"
+        print(
+            f"{name:<12} {workload:<12} {conns:>5} {r['calls_per_s']:>10.0f} "
+            f"{r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} {r['cpu_us_per_call']:>11.1f} "
+            f"{r['errors']:>6}"
+        )
+    ratios: dict[str, float] = {}
+    targets: dict[str, bool] = {}
+    for conns in (1, 32):
+        if ("obs-on", "tcp", conns) in table:
+            on, off = table[("obs-on", "tcp", conns)], table[("obs-off", "tcp", conns)]
+            ratios[f"obs_on_vs_off_calls_c{conns}"] = on["calls_per_s"] / off["calls_per_s"]
+            ratios[f"obs_cpu_us_per_call_added_c{conns}"] = (
+                on["cpu_us_per_call"] - off["cpu_us_per_call"]
+            )
+            ratios[f"obs_off_vs_on_cpu_c{conns}"] = off["cpu_us_per_call"] / on["cpu_us_per_call"]
+    if "obs_on_vs_off_calls_c32" in ratios:
+        targets["obs on >= 0.85x off (lookup calls/s, 32 conns)"] = (
+            ratios["obs_on_vs_off_calls_c32"] >= OBS_TARGET
+        )
+        targets["obs on >= 0.85x off (server CPU per call, 32 conns)"] = (
+            ratios["obs_off_vs_on_cpu_c32"] >= OBS_TARGET
+        )
+    if app_level is not None and ("obs-off", "tcp", 32) in table:
+        # The server's CPU per call with observability off, plus what the app-level
+        # measurement says observability adds: the calls/s ratio without other load's noise.
+        base = table[("obs-off", "tcp", 32)]["cpu_us_per_call"]
+        added = app_level["on_us"] - app_level["off_us"]
+        ratios["obs_app_us_added_per_call"] = added
+        ratios["obs_on_vs_off_estimated_from_app_cost_c32"] = base / (base + added)
+        targets["obs on >= 0.85x off (server CPU off + app-level cost added)"] = (
+            ratios["obs_on_vs_off_estimated_from_app_cost_c32"] >= OBS_TARGET
+        )
+    if ("shadow-on", "tcp", 32) in table:
+        on, off = table[("shadow-on", "tcp", 32)], table[("shadow-off", "tcp", 32)]
+        ratios["shadow_on_vs_off_lives"] = on["calls_per_s"] / off["calls_per_s"]
+        ratios["shadow_off_vs_on_cpu"] = off["cpu_us_per_call"] / on["cpu_us_per_call"]
+        ratios["shadow_lives_per_s_on"] = on["calls_per_s"] / LIFE_CALLS
+        ratios["shadow_lives_per_s_off"] = off["calls_per_s"] / LIFE_CALLS
+        targets["shadow on >= 0.90x off (lives/s)"] = (
+            ratios["shadow_on_vs_off_lives"] >= SHADOW_TARGET
+        )
+        targets["shadow on >= 0.90x off (server CPU per call)"] = (
+            ratios["shadow_off_vs_on_cpu"] >= SHADOW_TARGET
+        )
+        if shadow is not None:
+            targets["shadow evaluation alive (requests simulated since its last restart)"] = (
+                shadow["sampled"] > 0
+            )
+    targets["no errors"] = all(r["errors"] == 0 for r in table.values())
+    print("\nratios")
+    for key, value in ratios.items():
+        print(f"  {key:<38} {value:8.3f}")
+    if shadow is not None:
+        print(f"\nshadow accounting: {json.dumps(shadow)}")
+    print("\ntargets")
+    for key, ok in targets.items():
+        print(f"  [{'ok' if ok else 'MISS'}] {key}")
+    return {
+        "results": [
+            {"server": n, "transport": t, "connections": c, **r} for (n, t, c), r in table.items()
+        ],
+        "ratios": ratios,
+        "targets": targets,
+        "shadow": shadow,
+        "app_level": app_level,
+    }
+
+
+def main_bench(args: argparse.Namespace) -> int:
+    cores = sorted(os.sched_getaffinity(0))
+    pinned: tuple[int | None, int | None] = (cores[0], cores[1]) if len(cores) > 1 else (None, None)
+    if pinned[0] is None:
+        print("warning: one core only; server and load generator are not pinned apart")
+    out: dict[str, Any] = {
+        "quick": args.quick,
+        "suite": args.suite,
+        "cpu_count": os.cpu_count(),
+        "affinity": sorted(os.sched_getaffinity(0)),
+    }
+    with tempfile.TemporaryDirectory(prefix="kvbench-") as tmpdir:
+        tmp = Path(tmpdir)
+        if args.suite in ("all", "floors"):
+            out["floors"] = floors_suite(tmp, args, pinned)
+        if args.suite in ("all", "obs", "shadow"):
+            out["observability"] = obs_suite(tmp, args, pinned)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(out, indent=2))
+    print(f"\nwrote {RESULTS.relative_to(ROOT)}")
+    return 0
 
 
 def report(
     table: dict[tuple[str, str, int], dict[str, Any]],
-    args: argparse.Namespace,
     answer_size: int,
     lookup_size: int,
     batch_size: int,
-) -> int:
+) -> dict[str, Any]:
     print(
         f"\nlookup of {NUM_KEYS} keys (request {lookup_size} B, answer {answer_size} B); "
         f"batch = {BATCH_OPS} lookup ops of {NUM_KEYS // BATCH_OPS} keys ({batch_size} B)"
@@ -534,33 +897,28 @@ def report(
     for key, ok in targets.items():
         print(f"  [{'ok' if ok else 'MISS'}] {key}")
 
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(
-        json.dumps(
-            {
-                "quick": args.quick,
-                "num_keys": NUM_KEYS,
-                "batch_ops": BATCH_OPS,
-                "answer_bytes": answer_size,
-                "results": [
-                    {"scenario": n, "transport": t, "connections": c, **r}
-                    for (n, t, c), r in table.items()
-                ],
-                "ratios": {**ratios, "batch_p50_vs_lookup_p50_tcp_c1": p50_batch},
-                "targets": targets,
-                "cpu_count": os.cpu_count(),
-                "affinity": sorted(os.sched_getaffinity(0)),
-            },
-            indent=2,
-        )
-    )
-    print(f"\nwrote {RESULTS.relative_to(ROOT)}")
-    return 0
+    return {
+        "num_keys": NUM_KEYS,
+        "batch_ops": BATCH_OPS,
+        "answer_bytes": answer_size,
+        "results": [
+            {"scenario": n, "transport": t, "connections": c, **r} for (n, t, c), r in table.items()
+        ],
+        "ratios": {**ratios, "batch_p50_vs_lookup_p50_tcp_c1": p50_batch},
+        "targets": targets,
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="short rounds (smoke run)")
+    parser.add_argument(
+        "--suite",
+        choices=["all", "floors", "obs", "shadow"],
+        default="all",
+        help="floors: the hot routes against bare/noop; obs: metrics+logs on/off; "
+        "shadow: shadow evaluation on/off (default: all)",
+    )
     # Internal modes: the floor servers and the load generator run as separate processes.
     parser.add_argument("--serve-floor", choices=["bare", "noop"], help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -568,15 +926,24 @@ def main() -> int:
     parser.add_argument("--body-size", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--load", help=argparse.SUPPRESS)
     parser.add_argument("--request-file", help=argparse.SUPPRESS)
+    parser.add_argument("--lives", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--app-cost", choices=sorted(_APP_COST_MODES), help=argparse.SUPPRESS)
+    parser.add_argument("--calls", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--connections", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--seconds", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_floor:
         serve_floor(args.serve_floor, args.port, args.uds, args.body_size)
         return 0
+    if args.app_cost:
+        print(app_cost(args.app_cost, args.calls))
+        return 0
     if args.load:
-        request = Path(args.request_file).read_bytes()
-        print(json.dumps(run_load(args.load, request, args.connections, args.seconds)))
+        if args.lives is not None:
+            source = lives(args.lives)
+        else:
+            source = fixed(Path(args.request_file).read_bytes())
+        print(json.dumps(run_load(args.load, source, args.connections, args.seconds)))
         return 0
     return main_bench(args)
 

@@ -1,4 +1,5 @@
-"""Admin API routes (admin listener): policy, stats, requests, cache clear.
+"""Admin API routes (admin listener): policy and shadow projections, stats, requests, cache
+clear, log level.
 
 Every route needs ``Authorization: Bearer <token>`` when the service has a token (401 without
 one, 403 with a wrong one; compared in constant time). Without a token the service only binds
@@ -8,6 +9,13 @@ the admin listener to loopback (``Settings`` refuses anything else) and the rout
 ETag, ``If-Match`` (optional) must name the current one (else 412 and nothing changes), and a
 PUT of the active policy with the same parameters changes nothing (``changed: false``). Every
 change writes one audit line (``app.logging.audit``).
+
+``GET /admin/v1/policy/shadow`` lists each simulated policy's projected prefix hit ratio (over
+the recent window of sampled requests, and since the evaluation started) beside the live ratio,
+with the sampler's accounting. ``GET``/``PUT /admin/v1/log-level`` read and set the process's
+log level live (audited).
+
+The wire models of these two additions live here, next to their routes.
 """
 
 from __future__ import annotations
@@ -16,13 +24,14 @@ import dataclasses
 import hmac
 import json
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Header, Path, Query, Request
 from fastapi.responses import Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 
+from app import logging as app_logging
 from app import schemas as s
 from app.errors import BODY_ERRORS, APIError, responses
 from app.middleware import call_info
@@ -32,7 +41,65 @@ from app.service import Service
 from manager import PolicyInfo, UnknownPolicyError
 
 JSON = "application/json"
+ADMIN_REQUEST_PREFIX = "/admin/v1/requests/"
 _AUTH_ERRORS = (401, 403)
+Level = Literal["debug", "info", "warning", "error"]
+
+
+class ShadowPolicyAnswer(s.Answer):
+    """One simulated policy. Ratios are leading hits over keys of the sampled requests."""
+
+    policy: str
+    active: bool = Field(description="the active policy (the control of the simulation)")
+    projected_hit_ratio: float | None = Field(
+        description="over the recent window of sampled requests (None before the first)"
+    )
+    cumulative_hit_ratio: float | None = Field(description="since the evaluation started")
+    sampled_requests: int
+    sampled_blocks: int
+
+
+class ShadowAnswer(s.Answer):
+    """Shadow evaluation: every simulated policy's projection beside the live ratio."""
+
+    enabled: bool
+    active: s.PolicyRef
+    live_prefix_hit_ratio: float | None = Field(
+        description="leading hits over keys of the recent live lookups"
+    )
+    since_generation: int | None = Field(description="policy generation the evaluation began at")
+    restarts: int = Field(description="restarts: policy switches, sample rate halvings")
+    sample_rate: float | None = Field(description="share of prefix trees simulated, now")
+    shadow_capacity: int | None = Field(description="blocks of each simulated pool")
+    observed: int = Field(description="finished requests offered to the sampler")
+    sampled: int = Field(description="sampled requests simulated")
+    queued: int = Field(description="sampled requests waiting to be simulated")
+    dropped: int = Field(description="sampled requests lost to a full queue")
+    policies: list[ShadowPolicyAnswer]
+
+
+class LogLevelBody(BaseModel):
+    """``PUT /admin/v1/log-level``."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    level: Level
+
+
+class LogLevelAnswer(s.Answer):
+    """The process's log level."""
+
+    level: Level
+    available: list[Level]
+
+
+class LogLevelSwitchAnswer(s.Answer):
+    """Result of a log level change; ``changed`` is false when it already was that level."""
+
+    level: Level
+    previous: Level
+    changed: bool
+
+
 _NOT_COUNTERS = {"num_blocks", "free", "pending", "ready", "pinned", "live_requests", "policy"}
 
 
@@ -99,6 +166,7 @@ def register_admin_routes(app: KVOffloadAPI, service: Service, token: str | None
     """Add the admin routes to ``app``, each behind the token check."""
     setattr(app.state, _TOKEN_STATE, None if token is None else token.encode())
     parse_policy = body_parser(s.PolicyBody)
+    parse_level = body_parser(LogLevelBody)
 
     def note(request: Request, op: str) -> None:
         info = call_info(request.scope)
@@ -139,6 +207,66 @@ def register_admin_routes(app: KVOffloadAPI, service: Service, token: str | None
             },
             tag=etag(switch.current.generation),
         )
+
+    async def get_shadow(request: Request, actor: Actor) -> Response:
+        note(request, "admin_shadow")
+        active = service.policy()[0]
+        live = service.observer.hit_window.ratio()
+        state = service.shadow_state()
+        if state is None:
+            return _answer(
+                {
+                    "enabled": False,
+                    "active": _policy_ref(active),
+                    "live_prefix_hit_ratio": live,
+                    "since_generation": None,
+                    "restarts": 0,
+                    "sample_rate": None,
+                    "shadow_capacity": None,
+                    "observed": 0,
+                    "sampled": 0,
+                    "queued": 0,
+                    "dropped": 0,
+                    "policies": [],
+                }
+            )
+        report = state.report
+        return _answer(
+            {
+                "enabled": True,
+                "active": _policy_ref(active),
+                "live_prefix_hit_ratio": live,
+                "since_generation": state.since_generation,
+                "restarts": state.restarts,
+                "sample_rate": report.sample_rate,
+                "shadow_capacity": report.shadow_capacity,
+                "observed": report.observed,
+                "sampled": report.sampled,
+                "queued": report.queued,
+                "dropped": report.dropped,
+                "policies": [
+                    {
+                        "policy": r.policy,
+                        "active": r.policy == active.name,
+                        "projected_hit_ratio": r.window if r.requests else None,
+                        "cumulative_hit_ratio": r.cumulative if r.requests else None,
+                        "sampled_requests": r.requests,
+                        "sampled_blocks": r.blocks,
+                    }
+                    for r in report.ratios
+                ],
+            }
+        )
+
+    async def get_log_level(request: Request, actor: Actor) -> Response:
+        note(request, "admin_log_level_get")
+        return _answer({"level": service.log_level(), "available": list(app_logging.LEVELS)})
+
+    async def put_log_level(request: Request, actor: Actor) -> Response:
+        note(request, "admin_log_level_set")
+        body: LogLevelBody = parse_level(await request.body())
+        previous, level = service.set_log_level(body.level, actor)
+        return _answer({"level": level, "previous": previous, "changed": previous != level})
 
     async def stats(request: Request, actor: Actor) -> Response:
         note(request, "admin_stats")
@@ -267,6 +395,29 @@ def register_admin_routes(app: KVOffloadAPI, service: Service, token: str | None
         412,
         tagged=True,
         body=s.PolicyBody,
+    )
+    add(
+        "GET",
+        "/admin/v1/policy/shadow",
+        get_shadow,
+        ShadowAnswer,
+        "Each policy's projected prefix hit ratio (shadow evaluation) beside the live one",
+    )
+    add(
+        "GET",
+        "/admin/v1/log-level",
+        get_log_level,
+        LogLevelAnswer,
+        "The process's log level",
+    )
+    add(
+        "PUT",
+        "/admin/v1/log-level",
+        put_log_level,
+        LogLevelSwitchAnswer,
+        "Set the log level live (audited)",
+        BODY_ERRORS,
+        body=LogLevelBody,
     )
     add(
         "GET",

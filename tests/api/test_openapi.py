@@ -11,6 +11,7 @@ from pydantic import BaseModel
 from app import schemas as s
 from app.errors import ErrorBody
 from app.operations import OPERATIONS
+from app.routes.admin import LogLevelAnswer, LogLevelSwitchAnswer, ShadowAnswer
 from tests.api.conftest import Harness, hexkeys
 
 pytestmark = pytest.mark.anyio
@@ -36,6 +37,7 @@ ENGINE_ROUTES = {
     ("get", "/v1/pool"),
     ("get", "/livez"),
     ("get", "/readyz"),
+    ("get", "/metrics"),
 }
 ADMIN_ROUTES = {
     ("get", "/admin/v1/policy"),
@@ -44,6 +46,9 @@ ADMIN_ROUTES = {
     ("get", "/admin/v1/requests"),
     ("post", "/admin/v1/requests/{req_id}/release"),
     ("post", "/admin/v1/cache/clear"),
+    ("get", "/admin/v1/policy/shadow"),
+    ("get", "/admin/v1/log-level"),
+    ("put", "/admin/v1/log-level"),
     ("get", "/livez"),
 }
 
@@ -184,6 +189,10 @@ async def test_every_answer_matches_its_model(h: Harness) -> None:
     await admin("get", "/admin/v1/requests", s.RequestsAnswer)
     await admin("post", "/admin/v1/requests/{req_id}/release", s.ReleaseAnswer)
     await admin("post", "/admin/v1/cache/clear", s.ClearAnswer)
+    await admin("get", "/admin/v1/policy/shadow", ShadowAnswer)
+    await admin("get", "/admin/v1/log-level", LogLevelAnswer)
+    level = (await h.admin.get("/admin/v1/log-level")).json()["level"]
+    await admin("put", "/admin/v1/log-level", LogLevelSwitchAnswer, json={"level": level})
 
 
 async def test_shared_statuses_are_documented_on_every_route(h: Harness) -> None:
