@@ -403,8 +403,14 @@ class Service:
                 log.exception("lease sweep failed; retrying")
 
     def expire_leases(self) -> list[ReleasedLeases]:
-        """Release the leases of requests silent for longer than ``lease_ttl_s``."""
-        released = self.manager.expire_requests(self.settings.lease_ttl_s)
+        """Release the leases of requests silent for longer than ``lease_ttl_s`` (the slots of
+        a store job still running here stay reserved until it ends), and forget requests that
+        hold nothing and have been silent for the request idle TTL."""
+        released = self.manager.expire_requests(
+            self.settings.lease_ttl_s,
+            self.settings.effective_request_idle_ttl_s,
+            writing=self._requests_writing(),
+        )
         for r in released:
             log.warning(
                 "request leases expired",
@@ -736,9 +742,21 @@ class Service:
         """Every tracked request and its leases."""
         return self.manager.requests()
 
+    def _requests_writing(self) -> set[str]:
+        """Requests whose store jobs this service is running: their slots are being written."""
+        if self._tracker is None:
+            return set()
+        return {r.req_id for r in self._tracker.running() if r.direction == "store"}
+
     def release_request(self, req_id: str, actor: str) -> ReleasedLeases:
-        """Force-release a request's leases (its engine is presumed gone); audited."""
-        released = self.manager.release_request(req_id)
+        """Force-release a request's leases (its engine is presumed gone); audited.
+
+        If one of its store jobs is still running here, the slots that job writes stay
+        reserved until it ends, so no other block can be given a slot under a running copy.
+        """
+        released = self.manager.release_request(
+            req_id, writers_alive=req_id in self._requests_writing()
+        )
         audit(
             "request.release",
             actor,

@@ -119,6 +119,11 @@ class Settings(BaseSettings):
     # Leases, jobs, limits.
     lease_ttl_s: float = Field(default=300.0, gt=0, description="free leases silent this long")
     lease_check_interval_s: float = Field(default=1.0, gt=0, description="lease sweep period")
+    request_idle_ttl_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="forget requests holding nothing silent this long (default: 4 x lease TTL)",
+    )
     job_deadline_s: float = Field(default=30.0, gt=0, description="a transfer past this fails")
     job_wait_max_s: float = Field(default=30.0, gt=0, description="longest POST /v1/jobs/wait")
     max_keys_per_call: int = Field(default=8192, gt=0, description="more keys in one op: 413")
@@ -222,6 +227,13 @@ class Settings(BaseSettings):
         if not value:
             raise ValueError("shadow_policies is empty (use shadow_enabled=false to turn off)")
         return value
+
+    @property
+    def effective_request_idle_ttl_s(self) -> float:
+        """Idle TTL of requests holding no lease: the setting, else four lease TTLs."""
+        if self.request_idle_ttl_s is not None:
+            return self.request_idle_ttl_s
+        return 4 * self.lease_ttl_s
 
     @model_validator(mode="after")
     def _check_combination(self) -> Settings:

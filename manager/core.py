@@ -36,7 +36,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from typing import Any
 
 from manager.errors import (
@@ -276,24 +276,36 @@ class OffloadManager:
         return released
 
     def expire_requests(
-        self, lease_ttl: float, idle_ttl: float | None = None
+        self,
+        lease_ttl: float,
+        idle_ttl: float | None = None,
+        *,
+        writing: Container[str] = (),
     ) -> list[ReleasedLeases]:
         """Force-release requests that have been silent too long.
 
         A request holding leases (pins, pending stores, reserved slots) and silent for more than
-        ``lease_ttl`` seconds loses them all and is forgotten: its engine is presumed gone, so
-        its slots are freed at once. With ``idle_ttl``, requests holding nothing and silent for
-        longer are forgotten too. Every call a request makes renews it. Returns what was
-        released, one entry per request that held leases.
+        ``lease_ttl`` seconds loses them: its engine is presumed gone, so its slots are freed at
+        once and it is forgotten, unless its id is in ``writing`` (a copy the caller runs may
+        still be writing its stores): then, as after an abort, those slots stay reserved until
+        the copy reports through ``complete_store``. With ``idle_ttl``, requests holding nothing
+        and silent for longer are forgotten too. Every call a request makes renews it. Returns
+        what was released, one entry per request that held leases.
         """
         now = self._clock()
         out: list[ReleasedLeases] = []
         for req in list(self._requests.values()):
             idle = now - req.renewed_at
             if req.holds_leases():
-                if idle > lease_ttl:
-                    out.append(self._release(req, writers_alive=False))
-                    self._forced_lease_releases += 1
+                if idle <= lease_ttl:
+                    continue
+                alive = req.req_id in writing
+                if alive and not req.pins and not req.pending:
+                    continue  # only reserved slots under a running copy: wait for its report
+                req.finished = True
+                out.append(self._release(req, writers_alive=alive))
+                self._forced_lease_releases += 1
+                if not req.holds_leases():
                     self._forget(req)
             elif idle_ttl is not None and idle > idle_ttl:
                 self._forget(req)

@@ -127,13 +127,6 @@ async def scenario(fail: float, hang: float, delay: float, seed: int, aborts: li
         assert (await h.admin.get("/admin/v1/stats")).json()["live_requests"] == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect (manager/core.py release_request, app/service.py release_request): "
-    "an operator release treats the request's writers as gone and frees the slot of a store "
-    "the service's own transfer job is still writing; the next block given that slot is "
-    "overwritten when the job runs",
-)
 async def test_an_admin_release_cannot_let_a_running_store_overwrite_another_block() -> None:
     """Offload (its job starts 0.5 s late), release the request from the admin API, store
     another key through the mapped pool into the freed slot: that key must keep its bytes."""
@@ -163,12 +156,6 @@ async def test_an_admin_release_cannot_let_a_running_store_overwrite_another_blo
         assert dev.read(3) == own
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect (app/service.py expire_leases passes no idle_ttl to "
-    "manager.expire_requests): a request whose engine vanished while it held no lease is "
-    "never forgotten, so its record (and its key chain) stays in memory for good",
-)
 async def test_a_vanished_request_holding_nothing_is_forgotten() -> None:
     """A request started and looked up, then never heard of again, is gone after a few lease
     TTLs like one that held leases."""

@@ -1015,3 +1015,18 @@ def test_a_release_with_writers_alive_keeps_the_store_slot_until_the_writer_repo
     again = pool.m.prepare_store([key(1), key(2)], other)
     assert again is not None
     assert slot in again.slots
+
+
+def test_expiry_keeps_the_slots_of_a_request_whose_copy_is_still_writing() -> None:
+    pool = Pool(2, "lru", 0)
+    ctx = pool.request("slow")
+    assert pool.m.prepare_store([key(0)], ctx) is not None
+    pool.clock.advance(100)
+    released = pool.m.expire_requests(10, writing={"slow"})
+    assert [(r.req_id, r.stores_dropped) for r in released] == [("slow", 1)]
+    assert pool.state(key(0)) is MISS
+    assert pool.m.stats().pending == 1  # the slot stays reserved under the running copy
+    assert pool.m.expire_requests(10, writing={"slow"}) == []  # nothing more to release
+    pool.m.complete_store([key(0)], ctx, success=True)  # the copy reports: slot freed
+    stats = pool.m.stats()
+    assert (stats.free, stats.pending, stats.live_requests) == (2, 0, 0)
