@@ -24,7 +24,6 @@ import ctypes
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -33,7 +32,7 @@ import torch
 from transfer.errors import InvalidJobError
 from transfer.host_pool import HostPool
 from transfer.kv_cache import KVCacheRegistry, RegisteredCache
-from transfer.worker import CopyPlan, OnFinished, WorkerBase, _Entry
+from transfer.worker import CopyPlan, OnFinished, QueueingWorker, _Entry
 
 __all__ = ["CpuTransferWorker", "copy_on_cpu", "default_copy_threads"]
 
@@ -133,7 +132,7 @@ def copy_on_cpu(
             raise CopyAborted
 
 
-class CpuTransferWorker(WorkerBase):
+class CpuTransferWorker(QueueingWorker):
     """The CPU backend; see the module docstring."""
 
     backend = "cpu"
@@ -152,8 +151,6 @@ class CpuTransferWorker(WorkerBase):
             raise ValueError(f"copy_threads must be a positive integer, got {copy_threads!r}")
         self.copy_threads = threads
         self._pool_tensor = pool.tensor  # keeps the mapping alive while we copy into it
-        self._loads: deque[int] = deque()
-        self._stores: deque[int] = deque()
         self._abort = threading.Event()
         self._helpers = (
             ThreadPoolExecutor(threads - 1, thread_name_prefix="kvoffload-cpu-copy")
@@ -173,24 +170,7 @@ class CpuTransferWorker(WorkerBase):
                 "backend copies only host-memory caches"
             )
 
-    def _accept(self, job_id: int, entry: _Entry) -> None:
-        (self._loads if entry.job.direction == "load" else self._stores).append(job_id)
-
     # ---------------------------------------------------------------- the worker thread
-
-    def _pop_locked(self, now: float, expired: list[int]) -> tuple[int, _Entry] | None:
-        """Next runnable job, loads first; queued jobs past their deadline go to ``expired``."""
-        for queue in (self._loads, self._stores):
-            while queue:
-                job_id = queue.popleft()
-                entry = self._held.get(job_id)
-                if entry is None:
-                    continue  # already reported (expired while queued)
-                if entry.deadline <= now:
-                    expired.append(job_id)
-                    continue
-                return job_id, entry
-        return None
 
     def _expire_queued(self) -> None:
         """Fail queued jobs whose deadline passed (called between pieces of a running job)."""

@@ -37,7 +37,6 @@ import logging
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +47,7 @@ from transfer.cpu_worker import CopyAborted, copy_on_cpu
 from transfer.errors import InvalidJobError
 from transfer.host_pool import HostPool
 from transfer.kv_cache import KVCacheRegistry, RegisteredCache
-from transfer.worker import CopyPlan, OnFinished, WorkerBase, _Entry
+from transfer.worker import CopyPlan, OnFinished, QueueingWorker, _Entry
 
 __all__ = ["DEFAULT_STAGING_BYTES", "CudaTransferWorker", "StagedCopier", "find_cuda_memcpy"]
 
@@ -350,7 +349,7 @@ def _device_index(device: str) -> int:
     return 0 if index is None else index
 
 
-class CudaTransferWorker(WorkerBase):
+class CudaTransferWorker(QueueingWorker):
     """The CUDA backend; see the module docstring."""
 
     backend = "cuda"
@@ -376,8 +375,6 @@ class CudaTransferWorker(WorkerBase):
         self._memcpy = find_cuda_memcpy() if raw_memcpy else None
         self._pool_tensor = pool.tensor
         self._split_every = pool.pin_chunk_blocks
-        self._loads: deque[int] = deque()
-        self._stores: deque[int] = deque()
         self._lanes: dict[int, _Lane] = {}
         self._issued: dict[int, _Issued] = {}  # touched only by the issuing thread
         self._zombies: list[_Issued] = []
@@ -403,23 +400,7 @@ class CudaTransferWorker(WorkerBase):
                     f"cannot reach ({count} GPUs)"
                 )
 
-    def _accept(self, job_id: int, entry: _Entry) -> None:
-        (self._loads if entry.job.direction == "load" else self._stores).append(job_id)
-
     # ---------------------------------------------------------------- the issuing thread
-
-    def _pop_locked(self, now: float, expired: list[int]) -> tuple[int, _Entry] | None:
-        for queue in (self._loads, self._stores):
-            while queue:
-                job_id = queue.popleft()
-                entry = self._held.get(job_id)
-                if entry is None:
-                    continue
-                if entry.deadline <= now:
-                    expired.append(job_id)
-                    continue
-                return job_id, entry
-        return None
 
     def _run(self) -> None:
         while True:

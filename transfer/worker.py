@@ -41,6 +41,7 @@ import math
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -380,6 +381,39 @@ class WorkerBase(TransferWorker):
     @property
     def closed(self) -> bool:
         return self._closed
+
+
+class QueueingWorker(WorkerBase):
+    """A backend that runs accepted jobs from two FIFO queues, loads before stores.
+
+    Loads go first because an engine waits on them to run its next step, while a store only
+    frees device memory later. ``_pop_locked`` (called under the lock) hands out the next
+    runnable job and moves queued jobs already past their deadline to ``expired``.
+    """
+
+    def __init__(
+        self, pool: HostPool, registry: KVCacheRegistry, on_finished: OnFinished | None
+    ) -> None:
+        super().__init__(pool, registry, on_finished)
+        self._loads: deque[int] = deque()
+        self._stores: deque[int] = deque()
+
+    def _accept(self, job_id: int, entry: _Entry) -> None:
+        (self._loads if entry.job.direction == "load" else self._stores).append(job_id)
+
+    def _pop_locked(self, now: float, expired: list[int]) -> tuple[int, _Entry] | None:
+        """Next runnable job, loads first; queued jobs past their deadline go to ``expired``."""
+        for queue in (self._loads, self._stores):
+            while queue:
+                job_id = queue.popleft()
+                entry = self._held.get(job_id)
+                if entry is None:
+                    continue  # already reported (expired while queued)
+                if entry.deadline <= now:
+                    expired.append(job_id)
+                    continue
+                return job_id, entry
+        return None
 
 
 def create_worker(
