@@ -7,6 +7,7 @@ the e2e tests; tests that need their own process (shutdown) start one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -92,6 +93,16 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[ServerProcess]:
+        """Start the server, yield it, stop it; a non-zero exit fails with the server's log."""
+        self.start()
+        try:
+            yield self
+        finally:
+            status = self.stop()
+        assert status == 0, self.log()
+
     def stop(self, timeout: float = 20.0) -> int:
         """SIGTERM, then the exit status (kills and fails if it does not exit in time)."""
         assert self.proc is not None
@@ -118,9 +129,5 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tmp_path_factory.mktemp("e2e")).start()
-    try:
+    with ServerProcess(tmp_path_factory.mktemp("e2e")).serving() as srv:
         yield srv
-    finally:
-        status = srv.stop()
-    assert status == 0, srv.log()

@@ -86,31 +86,23 @@ def shm_names() -> set[str]:
 @pytest.fixture(scope="module")
 def faulty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """Half the jobs misbehave: 30% fail at once, 20% hang until their 0.5 s deadline."""
-    srv = ServerProcess(
+    with ServerProcess(
         tmp_path_factory.mktemp("faulty"),
         *("--fault-fail-rate", "0.3", "--fault-hang-rate", "0.2", "--fault-seed", "7"),
         *("--job-deadline-s", "0.5", "--lease-ttl-s", "1.5", "--lease-check-interval-s", "0.1"),
-    ).start()
-    try:
+    ).serving() as srv:
         yield srv
-    finally:
-        status = srv.stop()
-    assert status == 0, srv.log()
     clean_log(srv)
 
 
 @pytest.fixture(scope="module")
 def slow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """Every job starts 1 s late (long-polls have something to wait for)."""
-    srv = ServerProcess(
+    with ServerProcess(
         tmp_path_factory.mktemp("slow"),
         *("--fault-delay-s", "1.0", "--job-deadline-s", "5", "--lease-ttl-s", "10"),
-    ).start()
-    try:
+    ).serving() as srv:
         yield srv
-    finally:
-        status = srv.stop()
-    assert status == 0, srv.log()
     clean_log(srv)
 
 

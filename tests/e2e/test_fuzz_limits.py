@@ -34,16 +34,12 @@ MAX_HWM_GROWTH_KIB = 24 * 1024
 
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(
+    with ServerProcess(
         tmp_path_factory.mktemp("limits"),
         *("--max-body-bytes", str(LIMIT), "--max-keys-per-call", "256"),
         *("--max-batch-ops", "16"),
-    ).start()
-    try:
+    ).serving() as srv:
         yield srv
-    finally:
-        status = srv.stop()
-    assert status == 0, srv.log()
     assert "Traceback" not in srv.log(), srv.log()
 
 

@@ -62,12 +62,10 @@ def pre_auth_query_refusal(status: int, body: bytes) -> bool:
 def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """A server whose environment holds a canary secret next to the admin token."""
     canary = "canary-" + secrets.token_hex(16)
-    srv = ServerProcess(tmp_path_factory.mktemp("st"), env={"SCHEMATHESIS_CANARY": canary}).start()
-    try:
+    with ServerProcess(
+        tmp_path_factory.mktemp("st"), env={"SCHEMATHESIS_CANARY": canary}
+    ).serving() as srv:
         yield srv
-    finally:
-        status = srv.stop()
-    assert status == 0, srv.log()
     assert "Traceback" not in srv.log(), srv.log()
 
 
