@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from prometheus_client import CollectorRegistry
 
 from app.errors import install_error_handlers
@@ -31,7 +31,12 @@ from app.middleware import (
     CallHook,
 )
 from app.openapi import KVOffloadAPI, add_docs_routes
-from app.routes.admin import ADMIN_REQUEST_PREFIX, register_admin_health, register_admin_routes
+from app.routes.admin import (
+    ADMIN_REQUEST_PREFIX,
+    admin_guard,
+    register_admin_health,
+    register_admin_routes,
+)
 from app.routes.engine import register_engine_routes
 from app.routes.health import register_health_routes
 from app.routes.metrics import register_metrics_route
@@ -125,6 +130,7 @@ def create_admin_app(
             "cache clear, log level."
         ),
         lifespan=lifespan,
+        dependencies=[Depends(admin_guard)],
     )
     app.state.service = service
     app.state.settings = settings

@@ -36,6 +36,7 @@ from app import schemas as s
 from app.errors import BODY_ERRORS, APIError, responses
 from app.middleware import call_info
 from app.openapi import KVOffloadAPI
+from app.routes.query import strict_query
 from app.routes.raw import body_parser
 from app.service import Service
 from manager import PolicyInfo, UnknownPolicyError
@@ -160,6 +161,21 @@ async def require_admin(
 
 
 Actor = Annotated[str, Depends(require_admin)]
+
+#: Admin routes that answer without a token (they say nothing but "up").
+OPEN_ADMIN_PATHS = frozenset({"/livez"})
+
+
+async def admin_guard(request: Request) -> None:
+    """The admin listener's app-wide dependency, in place of ``strict_query`` alone.
+
+    The token is checked before the query string, so a caller without the token gets 401
+    (403 with a wrong one) whatever it sends, and learns nothing from query validation. The
+    open routes check only the query. Routes still take ``Actor`` for the audit log.
+    """
+    if request.url.path not in OPEN_ADMIN_PATHS:
+        await require_admin(request, await _bearer(request))
+    await strict_query(request)
 
 
 def register_admin_routes(app: KVOffloadAPI, service: Service, token: str | None) -> None:

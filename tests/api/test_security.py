@@ -109,17 +109,29 @@ async def test_every_admin_operation_needs_the_exact_token(h: Harness) -> None:
     assert policy["generation"] >= generation  # only the authorised PUTs moved it
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap (app/openapi.py strict_query runs as an app-wide dependency, before the "
-    "admin token check in app/routes/admin.py): an unauthenticated call with an unknown query "
-    "parameter is answered 422, not 401",
-)
 async def test_admin_checks_the_token_before_the_query(h: Harness) -> None:
     """An unknown query parameter without a token: 401 like any other unauthenticated call."""
     async with bare(h.admin_app, "http://admin") as anon:
         r = await anon.get("/admin/v1/stats", params={"token": TOKEN[:3]})
     assert r.status_code == 401, r.text
+
+
+@pytest.mark.parametrize(
+    ("path", "token", "status"),
+    [
+        ("/admin/v1/stats", "wrong-token", 403),  # the token is judged before the query
+        ("/admin/v1/stats", TOKEN, 422),  # past the token, the query is still strict
+        ("/livez", None, 422),  # the open route checks only the query
+    ],
+)
+async def test_admin_guard_orders_the_token_before_the_query(
+    h: Harness, path: str, token: str | None, status: int
+) -> None:
+    """Token first (401/403), then strict query parameters (422), on the admin listener."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with bare(h.admin_app, "http://admin") as client:
+        r = await client.get(path, params={"unknown": "1"}, headers=headers)
+    assert r.status_code == status, r.text
 
 
 async def test_admin_routes_do_not_exist_on_the_engine_app(h: Harness) -> None:
