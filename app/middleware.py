@@ -216,24 +216,36 @@ class BodyGuardMiddleware:
 
         received = 0
         checked_type = False
+        refused = False  # the body was refused mid-way: the rest of it is still on the wire
 
         async def counting_receive() -> Message:
-            nonlocal received, checked_type
+            nonlocal received, checked_type, refused
             message = await receive()
             if message["type"] == "http.request":
                 chunk = message.get("body", b"")
                 received += len(chunk)
                 if received > limit:
+                    refused = True
                     raise PayloadTooLarge(limit)
                 if chunk and not checked_type:
                     checked_type = True
                     if not _is_json(ctype):
+                        refused = True
                         raise APIError(
                             415, "unsupported_media_type", "request body must be application/json"
                         )
             return message
 
-        await self.app(scope, counting_receive, send)
+        async def closing_send(message: Message) -> None:
+            # Like _refuse: after a refused body the connection must close, or the server would
+            # go on reading (and discarding) whatever the client still sends on it.
+            if refused and message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k != b"connection"]
+                headers.append((b"connection", b"close"))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, counting_receive, closing_send)
 
 
 def _is_json(ctype: bytes) -> bool:

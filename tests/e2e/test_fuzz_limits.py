@@ -114,12 +114,6 @@ def test_a_body_without_length_is_refused_at_the_limit(limited: ServerProcess, p
         assert c.ready()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap (app/middleware.py): a 413 for a chunked body over the limit is raised "
-    "into the app and answered without 'Connection: close', so the server keeps reading (and "
-    "discarding) whatever the client still sends on that connection",
-)
 def test_a_body_without_length_over_the_limit_gets_its_connection_closed(
     limited: ServerProcess,
 ) -> None:
