@@ -470,23 +470,17 @@ class OffloadManager:
         except TypeError:
             raise _bad_key(keys) from None
         n = len(held)
-        if held.count(1) == n and len(set(keys)) == n:
-            # Common case: each key pinned once by this request and listed once.
-            if list(map(refs.__getitem__, keys)).count(1) == n:
-                _consume(map(pins.__delitem__, keys))
-                _consume(map(refs.__delitem__, keys))
-            else:
-                for key in keys:
-                    del pins[key]
-                    left = refs[key] - 1
-                    if left:
-                        refs[key] = left
-                    else:
-                        del refs[key]
+        # Each key listed once and pinned once by this request: valid without counting.
+        held_once = held.count(1) == n and len(set(keys)) == n
+        if held_once and list(map(refs.__getitem__, keys)).count(1) == n:
+            # Common case: nobody else pins these blocks either, so every pin simply goes.
+            _consume(map(pins.__delitem__, keys))
+            _consume(map(refs.__delitem__, keys))
         else:
-            bad = [k for k, c in Counter(keys).items() if pins_get(k, 0) < c]
-            if bad:
-                raise NotPinnedError(req.req_id, bad)
+            if not held_once:
+                bad = [k for k, c in Counter(keys).items() if pins_get(k, 0) < c]
+                if bad:
+                    raise NotPinnedError(req.req_id, bad)
             for key in keys:
                 left = pins[key] - 1
                 if left:
