@@ -18,7 +18,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, Self, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -459,7 +459,28 @@ def _transport_args(
     return base_url or "http://127.0.0.1:8000", transport
 
 
-class KVOffloadClient:
+class _SyncClient:
+    """The connection lifecycle both synchronous clients share: ``close()`` or ``with``."""
+
+    _http: httpx.Client
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class KVOffloadClient(_SyncClient):
     """Synchronous engine API client. Use as a context manager, or ``close()`` it."""
 
     def __init__(
@@ -476,21 +497,6 @@ class KVOffloadClient:
     def _call(self, call: _Call[T], ok_statuses: tuple[int, ...] = ()) -> T:
         response = self._http.request(call.method, call.path, **_request_kwargs(call))
         return _read(call, response, ok_statuses)
-
-    def close(self) -> None:
-        """Close the connection pool."""
-        self._http.close()
-
-    def __enter__(self) -> KVOffloadClient:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def start_request(
         self, req_id: str, kv_transfer_params: Mapping[str, Any] | None = None
@@ -699,7 +705,7 @@ class AsyncKVOffloadClient:
         return await self._call(_Engine.readyz(), ok_statuses=(503,))
 
 
-class KVOffloadAdminClient:
+class KVOffloadAdminClient(_SyncClient):
     """Synchronous admin API client; answers are the JSON objects the API returns."""
 
     def __init__(
@@ -722,21 +728,6 @@ class KVOffloadAdminClient:
             merged["headers"] = {**merged.get("headers", {}), **kwargs.pop("headers")}
         merged.update(kwargs)
         return _read(call, self._http.request(method, path, **merged))
-
-    def close(self) -> None:
-        """Close the connection pool."""
-        self._http.close()
-
-    def __enter__(self) -> KVOffloadAdminClient:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def policy(self) -> dict[str, Any]:
         """The active policy (name, params, generation, available)."""
