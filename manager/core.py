@@ -71,11 +71,11 @@ PENDING = LookupResult.PENDING
 MISS = LookupResult.MISS
 
 Clock = Callable[[], float]
-# Shared infinite iterators: ``map(get, keys, _ALWAYS_MISS)`` is ``get(k, MISS)`` per key, run
+# A shared infinite iterator: ``map(get, keys, _ALWAYS_ZERO)`` is ``get(k, 0)`` per key, run
 # in C; ``_consume`` drains an iterator in C (a deque that keeps nothing).
-_ALWAYS_MISS = itertools.repeat(MISS)
 _ALWAYS_ZERO = itertools.repeat(0)
 _consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
+_ONLY_BYTES = frozenset({bytes})
 ChainListener = Callable[[list[BlockKey]], None]
 DEFAULT_MAX_EVENTS = 1_000_000
 
@@ -112,7 +112,7 @@ class _Request:
         # The request's chain, head to tail in order of first use (keys it loaded, offered for
         # store or touched), for tail-before-head reordering when the record is dropped. Only
         # the keys and their order matter; values are whatever the cheapest update carried.
-        self.keys: dict[BlockKey, object] = {}
+        self.keys: dict[BlockKey, Any] = {}
         # Number of calls that changed policy order for these keys; one call orders its own
         # batch correctly, so a reorder is only needed after two or more.
         self.orderings = 0
@@ -198,15 +198,15 @@ class OffloadManager:
             self._reuse = ReuseFilter(store_threshold, tracked)
         self.store_threshold = store_threshold
 
-        # Block state as parallel dicts, so that the common batch cases run as C-level dict
-        # operations: every resident key has a status (HIT = ready, PENDING = store in flight)
-        # and a slot; only pinned keys have a ref count.
-        self._status: dict[BlockKey, LookupResult] = {}
+        # Block state, laid out so that the common batch cases run as C-level operations and
+        # touch one large table per key: every resident key (ready or pending) has a slot; the
+        # keys whose store is in flight form a set that stays small (a resident key not in it
+        # is ready); only pinned keys have a ref count.
         self._slot: dict[BlockKey, int] = {}
+        self._pending: set[BlockKey] = set()
         self._refs: dict[BlockKey, int] = {}
         # Free slots as a stack; popping from the end hands out 0, 1, 2, ... first.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._num_ready = 0
         self._num_reserved = 0
         self._requests: dict[str, _Request] = {}
         self._chain_listeners: list[ChainListener] = []
@@ -357,9 +357,9 @@ class OffloadManager:
                 del refs[key]
         req.pins.clear()
         dropped = len(req.pending)
-        status, slot_of = self._status, self._slot
+        slot_of = self._slot
+        self._pending.difference_update(req.pending)
         for key in req.pending:
-            del status[key]
             slot = slot_of.pop(key)
             if writers_alive:
                 req.reserved[key] = slot
@@ -398,19 +398,27 @@ class OffloadManager:
     def lookup(self, keys: Sequence[BlockKey], ctx: ReqContext) -> LookupOutput:
         """Per-key state and the count of leading hits. Changes nothing but statistics."""
         self._live(ctx)
-        status_get = self._status.get
         try:
-            results = list(map(status_get, keys, _ALWAYS_MISS))
+            resident = list(map(self._slot.__contains__, keys))
         except TypeError:
             raise _bad_key(keys) from None
-        n = len(results)
-        hits = results.count(HIT)
-        pending = results.count(PENDING)
-        if hits == n:
-            prefix = n
-        elif hits == 0:
-            prefix = 0
+        n = len(resident)
+        found = resident.count(True)
+        in_flight = self._pending
+        if found == 0:
+            results = [MISS] * n
+            hits = pending = prefix = 0
+        elif found == n and (not in_flight or in_flight.isdisjoint(keys)):
+            results = [HIT] * n
+            hits = prefix = n
+            pending = 0
         else:
+            results = [
+                (PENDING if k in in_flight else HIT) if r else MISS
+                for k, r in zip(keys, resident, strict=True)
+            ]
+            hits = results.count(HIT)
+            pending = results.count(PENDING)
             prefix = 0
             for r in results:
                 if r is not HIT:
@@ -428,17 +436,19 @@ class OffloadManager:
         keys and nothing is pinned.
         """
         req = self._live(ctx)
-        status_get = self._status.get
+        slot_of = self._slot
+        in_flight = self._pending
         try:
-            states = list(map(status_get, keys))
+            slots = list(map(slot_of.__getitem__, keys))
+            ready = not in_flight or in_flight.isdisjoint(keys)
         except TypeError:
             raise _bad_key(keys) from None
-        if states.count(HIT) != len(states):
-            missing = [k for k, s in zip(keys, states, strict=True) if s is None]
-            pending = [k for k, s in zip(keys, states, strict=True) if s is PENDING]
+        except KeyError:
+            ready = False
+        if not ready:
+            missing = [k for k in keys if k not in slot_of]
+            pending = [k for k in keys if k in in_flight]
             raise KeyNotReadyError(missing, pending)
-        slot_of = self._slot
-        slots = list(map(slot_of.__getitem__, keys))
         refs = self._refs
         pins = req.pins
         once = dict.fromkeys(keys, 1)
@@ -452,7 +462,10 @@ class OffloadManager:
                 refs[key] = refs_get(key, 0) + 1
                 pins[key] = pins_get(key, 0) + 1
         self._loads += len(slots)
-        req.keys.update(once)
+        if req.keys:
+            req.keys.update(once)
+        else:
+            req.keys = once  # the ref and pin tables copied what they needed from it
         return slots
 
     def complete_load(self, keys: Sequence[BlockKey], ctx: ReqContext) -> None:
@@ -470,17 +483,24 @@ class OffloadManager:
         except TypeError:
             raise _bad_key(keys) from None
         n = len(held)
-        # Each key listed once and pinned once by this request: valid without counting.
-        held_once = held.count(1) == n and len(set(keys)) == n
-        if held_once and list(map(refs.__getitem__, keys)).count(1) == n:
-            # Common case: nobody else pins these blocks either, so every pin simply goes.
-            _consume(map(pins.__delitem__, keys))
-            _consume(map(refs.__delitem__, keys))
+        once = held.count(1) == n
+        if once:
+            # Common case: every key pinned once by this request. Deleting them proves they
+            # are listed once; a key listed twice fails the second time, and every listed key
+            # (all held once) is put back before the counting path below reports it.
+            try:
+                _consume(map(pins.__delitem__, keys))
+            except KeyError:
+                pins.update(dict.fromkeys(keys, 1))
+                once = False
+        if once:
+            counts = list(map(refs.pop, keys))
+            if counts.count(1) != n:  # others pin some of these blocks too: they keep theirs
+                refs.update((k, c - 1) for k, c in zip(keys, counts, strict=True) if c > 1)
         else:
-            if not held_once:
-                bad = [k for k, c in Counter(keys).items() if pins_get(k, 0) < c]
-                if bad:
-                    raise NotPinnedError(req.req_id, bad)
+            bad = [k for k, c in Counter(keys).items() if pins_get(k, 0) < c]
+            if bad:
+                raise NotPinnedError(req.req_id, bad)
             for key in keys:
                 left = pins[key] - 1
                 if left:
@@ -504,7 +524,10 @@ class OffloadManager:
             raise _bad_key(keys) from None
         if chain:
             self._policy.touch(keys)
-            req.keys.update(chain)
+            if req.keys:
+                req.keys.update(chain)
+            else:
+                req.keys = chain
             req.orderings += 1
 
     # ------------------------------------------------------------------ stores
@@ -519,29 +542,30 @@ class OffloadManager:
         reported as one ``BlockRemoved`` event.
         """
         req = self._live(ctx)
-        status = self._status
-        status_get = status.get
+        slot_of = self._slot
         refs = self._refs
+        in_flight = self._pending
         try:
-            states = [status_get(k) for k in keys]
+            resident = list(map(slot_of.__contains__, keys))
         except TypeError:
             raise _bad_key(keys) from None
-        reused = len(states) - states.count(None)
+        reused = resident.count(True)
         protected: set[BlockKey] = set()
+        chain = dict.fromkeys(keys)
         if reused == 0:
-            new_keys = list(dict.fromkeys(keys))
+            new_keys = list(chain)
         else:
-            fresh = (k for k, s in zip(keys, states, strict=True) if s is None)
+            fresh = (k for k, r in zip(keys, resident, strict=True) if not r)
             new_keys = list(dict.fromkeys(fresh))
             protected = {
                 k
-                for k, s in zip(keys, states, strict=True)
-                if s is HIT and k not in refs  # resident, ready and evictable
+                for k, r in zip(keys, resident, strict=True)
+                if r and k not in refs and k not in in_flight  # ready and evictable
             }
         if new_keys and (
-            set(map(type, new_keys)) != {bytes}
-            or min(map(len, new_keys)) == 0
-            or max(map(len, new_keys)) > MAX_KEY_BYTES
+            not _ONLY_BYTES.issuperset(map(type, new_keys))
+            or min(sizes := set(map(len, new_keys))) == 0
+            or max(sizes) > MAX_KEY_BYTES
         ):
             bad = next(
                 k for k in new_keys if type(k) is not bytes or not 0 < len(k) <= MAX_KEY_BYTES
@@ -556,7 +580,7 @@ class OffloadManager:
         shortfall = len(admitted) - len(free)
         victims: list[BlockKey] = []
         if shortfall > 0:
-            evictable = self._num_ready - len(refs) - len(protected)
+            evictable = len(slot_of) - len(in_flight) - len(refs) - len(protected)
             if shortfall > evictable:
                 self._stores_refused += 1
                 return None
@@ -576,11 +600,7 @@ class OffloadManager:
                 self._stores_refused += 1
                 return None
             victims = chosen
-            slot_pop, status_pop = self._slot.pop, status.pop
-            free.extend([slot_pop(k) for k in victims])
-            for key in victims:
-                status_pop(key)
-            self._num_ready -= len(victims)
+            free.extend(map(slot_of.pop, victims))
             self._evictions += len(victims)
             name = self._policy.name
             self._evictions_by_policy[name] = self._evictions_by_policy.get(name, 0) + len(victims)
@@ -592,12 +612,15 @@ class OffloadManager:
         if count:
             slots = free[-count:]
             del free[-count:]
-            self._slot.update(zip(admitted, slots, strict=True))
-            status.update(dict.fromkeys(admitted, PENDING))
+            slot_of.update(zip(admitted, slots, strict=True))
+            in_flight.update(admitted)
             req.pending.update(admitted)
         else:
             slots = []
-        req.keys.update(dict.fromkeys(keys))
+        if req.keys:
+            req.keys.update(chain)
+        else:
+            req.keys = chain  # a fresh dict nobody else holds
         self._stores_prepared += count
         self._stores_reused += reused
         self._stores_skipped += len(skipped)
@@ -643,17 +666,14 @@ class OffloadManager:
         if success:
             completed = mine
             if mine:
-                self._status.update(dict.fromkeys(mine, HIT))
-                self._num_ready += len(mine)
+                self._pending.difference_update(mine)
                 self._stores_completed += len(mine)
                 self._policy.insert(mine)
                 self._emit(BlockStored(self._next_seq(), mine))
                 req.orderings += 1
         elif mine:
-            status_pop, slot_pop = self._status.pop, self._slot.pop
-            for key in mine:
-                status_pop(key)
-            self._free.extend([slot_pop(k) for k in mine])
+            self._pending.difference_update(mine)
+            self._free.extend(map(self._slot.pop, mine))
             self._stores_failed += len(mine)
             dropped = mine + dropped
         if req.finished and not req.holds_leases():
@@ -709,10 +729,9 @@ class OffloadManager:
             return PolicySwitch(previous, previous, 0, changed=False)
         new_policy = create_policy(name, self.num_blocks, parsed)
         migrated = new_policy.rebuild(self._policy.coldest_first())
-        if migrated != len(self._policy) or migrated != self._num_ready:
-            raise AssertionError(
-                f"policy rebuild migrated {migrated} of {self._num_ready} ready blocks"
-            )
+        ready = len(self._slot) - len(self._pending)
+        if migrated != len(self._policy) or migrated != ready:
+            raise AssertionError(f"policy rebuild migrated {migrated} of {ready} ready blocks")
         self._policy = new_policy
         self._generation += 1
         self._policy_switches += 1
@@ -725,34 +744,31 @@ class OffloadManager:
         them) are kept. Emits ``AllBlocksCleared`` when no ready block remains, else a
         ``BlockRemoved`` listing the dropped keys.
         """
-        status = self._status
         refs = self._refs
-        victims = [k for k, s in status.items() if s is HIT and k not in refs]
-        slot_pop = self._slot.pop
-        self._free.extend([slot_pop(k) for k in victims])
-        for key in victims:
-            del status[key]
+        in_flight = self._pending
+        slot_of = self._slot
+        victims = [k for k in slot_of if k not in refs and k not in in_flight]
+        self._free.extend(map(slot_of.pop, victims))
         self._policy.remove(victims)
-        self._num_ready -= len(victims)
-        if self._num_ready == 0:
+        if len(slot_of) == len(in_flight):  # no ready block left
             self._emit(AllBlocksCleared(self._next_seq()))
         else:
             self._emit_removed(victims)
         return ResetCounts(
             dropped=len(victims),
             kept_pinned=len(refs),
-            kept_pending=len(status) - self._num_ready + self._num_reserved,
+            kept_pending=len(in_flight) + self._num_reserved,
         )
 
     # ------------------------------------------------------------------ introspection
 
     def stats(self) -> ManagerStats:
         """Current gauges and counters."""
-        ready = self._num_ready
+        ready = len(self._slot) - len(self._pending)
         return ManagerStats(
             num_blocks=self.num_blocks,
             free=len(self._free),
-            pending=len(self._status) - ready + self._num_reserved,
+            pending=len(self._pending) + self._num_reserved,
             ready=ready,
             pinned=len(self._refs),
             live_requests=len(self._requests),

@@ -253,12 +253,12 @@ def _belady_admit(
 ) -> list[BlockKey]:
     """MIN's bypass: offer only new keys that beat the block they would displace."""
     current = oracle.current
-    status = m._status
+    resident = m._slot
     free = len(m._free)
     admitted: list[BlockKey] = []
     farthest: float | None = None
     for key in keys:
-        if key in status:
+        if key in resident:
             admitted.append(key)  # resident: skipped by prepare_store, harmless
             continue
         nxt = current.get(key, math.inf)

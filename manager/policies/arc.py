@@ -15,11 +15,16 @@ T1 is above ``p``, then T2, then the rest of T1, each least recent first.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+import math
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import islice
 
 from manager.policies.base import CanEvict, EvictionPolicy
 from manager.policies.registry import register_policy
+
+# Drains an iterator in C (a deque that keeps nothing): runs a ``map`` of a method for its effect.
+_consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
 
 
 @register_policy
@@ -47,6 +52,12 @@ class ARCPolicy(EvictionPolicy):
 
     def insert(self, keys: Sequence[bytes]) -> None:
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        if b1.keys().isdisjoint(keys) and b2.keys().isdisjoint(keys):
+            # No ghost hit (the common case): every key is a plain miss and joins T1.
+            for key in reversed(keys):  # a loop: OrderedDict.update is slower
+                t1[key] = None
+            self._trim_ghosts()
+            return
         cap = float(self.capacity)
         for key in reversed(keys):
             if key in b1:
@@ -63,6 +74,14 @@ class ARCPolicy(EvictionPolicy):
 
     def touch(self, keys: Sequence[bytes]) -> None:
         t1, t2 = self._t1, self._t2
+        if keys and keys[-1] in t2:
+            try:
+                # Every key already in T2 (a block in steady use): each just moves to MRU.
+                _consume(map(t2.move_to_end, reversed(keys)))
+                return
+            except KeyError:
+                # Redoing the moves made so far, in the same order, gives the same final order.
+                pass
         for key in reversed(keys):
             if key in t1:
                 del t1[key]
@@ -72,6 +91,15 @@ class ARCPolicy(EvictionPolicy):
 
     def request_finished(self, keys: Sequence[bytes]) -> None:
         t1, t2 = self._t1, self._t2
+        if keys:
+            same_list = t2 if keys[-1] in t2 else t1
+            try:
+                # The whole chain in one list: move each key to MRU in C. Moves already made
+                # when a key is not there are redone, in the same order, by the loop below.
+                _consume(map(same_list.move_to_end, reversed(keys)))
+                return
+            except KeyError:
+                pass
         for key in reversed(keys):
             if key in t1:
                 t1.move_to_end(key)
@@ -89,13 +117,10 @@ class ARCPolicy(EvictionPolicy):
     def evict(self, n: int, can_evict: CanEvict | None = None) -> list[bytes] | None:
         if n <= 0:
             return []
-        it1: Iterator[bytes]
-        it2: Iterator[bytes]
         if can_evict is None:
-            it1, it2 = iter(self._t1), iter(self._t2)
-        else:
-            it1 = (k for k in self._t1 if can_evict(k))
-            it2 = (k for k in self._t2 if can_evict(k))
+            return self._evict_any(n)
+        it1 = (k for k in self._t1 if can_evict(k))
+        it2 = (k for k in self._t2 if can_evict(k))
         from1: list[bytes] = []
         from2: list[bytes] = []
         chosen: list[bytes] = []
@@ -125,13 +150,45 @@ class ARCPolicy(EvictionPolicy):
         self._trim_ghosts()
         return chosen
 
+    def _evict_any(self, n: int) -> list[bytes] | None:
+        """``evict`` when every held key may go: the same choice, counted instead of walked.
+
+        T1 gives its least recent keys while it is above ``p`` (``ceil(|T1| - p)`` of them at
+        most), then T2, then T1 again if T2 runs out; the keys come back in that order.
+        """
+        t1, t2 = self._t1, self._t2
+        if n > len(t1) + len(t2):
+            return None
+        above = min(n, max(0, math.ceil(len(t1) - self._p)))
+        from2 = min(n - above, len(t2))
+        # Read the victims off the fronts (popitem builds a tuple per key and is slower).
+        head = list(islice(t1, above))
+        middle = list(islice(t2, from2))
+        rest = list(islice(t1, above, n - from2))
+        b1, b2 = self._b1, self._b2
+        for key in head:
+            del t1[key]
+            b1[key] = None
+        for key in rest:
+            del t1[key]
+            b1[key] = None
+        for key in middle:
+            del t2[key]
+            b2[key] = None
+        self._trim_ghosts()
+        return head + middle + rest
+
     def _trim_ghosts(self) -> None:
         cap = self.capacity
         b1, b2 = self._b1, self._b2
-        while b1 and len(self._t1) + len(b1) > cap:
-            b1.popitem(last=False)
-        while b2 and len(self._t1) + len(b1) + len(self._t2) + len(b2) > 2 * cap:
-            b2.popitem(last=False)
+        over1 = min(len(b1), len(self._t1) + len(b1) - cap)
+        if over1 > 0:
+            for key in list(islice(b1, over1)):
+                del b1[key]
+        over2 = min(len(b2), len(self._t1) + len(b1) + len(self._t2) + len(b2) - 2 * cap)
+        if over2 > 0:
+            for key in list(islice(b2, over2)):
+                del b2[key]
 
     def coldest_first(self) -> Iterator[bytes]:
         t1 = list(self._t1)

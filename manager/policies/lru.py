@@ -2,12 +2,16 @@
 
 One ordered dict, coldest first; every operation is O(1) per key. A batch is applied tail
 first, so within one call the head of a prefix ends up more recent than its tail.
+
+``OrderedDict.update`` and ``popitem`` are slow paths in CPython (update builds an item list,
+popitem a tuple per key), so keys go in by a plain loop and victims are read off the front.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from itertools import islice
 
 from manager.policies.base import CanEvict, EvictionPolicy
 from manager.policies.registry import register_policy
@@ -24,7 +28,9 @@ class LRUPolicy(EvictionPolicy):
         self._order: OrderedDict[bytes, None] = OrderedDict()
 
     def insert(self, keys: Sequence[bytes]) -> None:
-        self._order.update(dict.fromkeys(reversed(keys)))
+        order = self._order
+        for key in reversed(keys):
+            order[key] = None
 
     def touch(self, keys: Sequence[bytes]) -> None:
         order = self._order
@@ -44,19 +50,15 @@ class LRUPolicy(EvictionPolicy):
         if n <= 0:
             return []
         order = self._order
+        victims: list[bytes]
         if can_evict is None:
             if n > len(order):
                 return None
-            popitem = order.popitem
-            return [popitem(last=False)[0] for _ in range(n)]
-        victims: list[bytes] = []
-        for key in self._order:
-            if can_evict(key):
-                victims.append(key)
-                if len(victims) == n:
-                    break
+            victims = list(islice(order, n))
         else:
-            return None
+            victims = list(islice(filter(can_evict, order), n))
+            if len(victims) < n:
+                return None
         for key in victims:
             del order[key]
         return victims

@@ -290,6 +290,21 @@ def test_complete_load_unpinning_more_times_than_pinned_raises_and_changes_nothi
     assert pool.m.requests()[0].pins == {key(1): 1}
 
 
+def test_complete_load_listing_twice_a_key_pinned_once_raises_and_changes_nothing() -> None:
+    pool = Pool(4, "lru")
+    pool.store(keys(0, 3))
+    ctx = pool.request()
+    pool.m.prepare_load(keys(0, 3), ctx)
+    before = pool.snapshot(keys(0, 3))
+    with pytest.raises(NotPinnedError) as info:
+        pool.m.complete_load([key(0), key(1), key(0)], ctx)
+    assert info.value.keys == [key(0)]
+    assert pool.snapshot(keys(0, 3)) == before
+    assert pool.m.requests()[0].pins == dict.fromkeys(keys(0, 3), 1)
+    pool.m.complete_load(keys(0, 3), ctx)
+    assert pool.m.stats().pinned == 0
+
+
 def test_pins_are_counted_per_request() -> None:
     pool = Pool(4, "lru")
     pool.store([key(0)])
@@ -530,6 +545,16 @@ def test_lru_request_of_one_call_is_not_reordered_at_finish() -> None:
     pool = Pool(6, "lru")
     ctx = pool.request()
     pool.store([key(0), key(1)], ctx)
+    pool.store([key(9)])
+    pool.m.on_request_finished(ctx)
+    assert pool.m.resident_keys() == [key(1), key(0), key(9)]
+
+
+def test_lru_an_empty_touch_is_not_an_ordering_call() -> None:
+    pool = Pool(6, "lru")
+    ctx = pool.request()
+    pool.store([key(0), key(1)], ctx)
+    pool.m.touch([], ctx)
     pool.store([key(9)])
     pool.m.on_request_finished(ctx)
     assert pool.m.resident_keys() == [key(1), key(0), key(9)]
