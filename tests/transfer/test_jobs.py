@@ -190,10 +190,12 @@ def test_shutdown_with_jobs_in_flight_completes_them_all(world) -> None:
     assert manager.stats().free == SLOTS
 
 
-def test_sink_errors_are_counted_not_raised(world) -> None:
+def test_sink_errors_are_counted_not_raised_and_logged_without_the_req_id(
+    world, caplog: pytest.LogCaptureFixture
+) -> None:
     _pool, cache, manager, make_tracker = world
     tracker = make_tracker()
-    ctx = ReqContext("r1")
+    ctx = ReqContext("r1\n<engine-secret>")
     manager.on_new_request(ctx)
     ks = keys(1)
     slots = prepare_ready(manager, tracker, cache, ctx, ks)
@@ -203,6 +205,8 @@ def test_sink_errors_are_counted_not_raised(world) -> None:
     assert rec.state == "done"
     assert tracker.sink_errors == 1
     assert manager.stats().pinned == 0
+    logged = [r.getMessage() for r in caplog.records if "completing" in r.getMessage()]
+    assert logged == [f"completing load job {rec.job_id} failed: UnknownRequestError"]
 
 
 def test_finished_records_are_bounded_lru(world) -> None:
