@@ -452,7 +452,7 @@ class OffloadManager:
         refs = self._refs
         pins = req.pins
         once = dict.fromkeys(keys, 1)
-        if len(once) == len(slots) and refs.keys().isdisjoint(once):
+        if len(once) == len(slots) and (not refs or refs.keys().isdisjoint(once)):
             # Common case: distinct keys that nobody holds pinned (so this request neither).
             refs.update(once)
             pins.update(once)
