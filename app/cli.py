@@ -116,6 +116,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "--param", action="append", type=parse_param, default=[], metavar="NAME=VALUE"
     )
     set_policy.add_argument("--if-match", help="only if the generation is still this one")
+    policy_cmd.add_parser("shadow", help="projected hit ratio of every policy (shadow runs)")
+    log_level = what.add_parser("log-level", help="get or set the log level live")
+    level_cmd = log_level.add_subparsers(dest="level_command", required=True)
+    level_cmd.add_parser("get", help="the current level")
+    set_level = level_cmd.add_parser("set", help="change the level (audited)")
+    set_level.add_argument("level", help="e.g. debug, info, warning")
     what.add_parser("stats", help="pool, hit ratio, counters")
     what.add_parser("requests", help="tracked requests and their leases")
     release = what.add_parser("release", help="force-release a request's leases")
@@ -183,13 +189,21 @@ def _admin(args: argparse.Namespace) -> int:
         "release": lambda c: c.release(args.req_id),
         "clear": lambda c: c.clear_cache(),
     }
+    call: Callable[[KVOffloadAdminClient], Any]
     if args.admin_command == "policy":
         if args.policy_command == "get":
-            call: Callable[[KVOffloadAdminClient], Any] = lambda c: c.policy()  # noqa: E731
+            call = lambda c: c.policy()  # noqa: E731
+        elif args.policy_command == "shadow":
+            call = lambda c: c.shadow()  # noqa: E731
         else:
             call = lambda c: c.set_policy(  # noqa: E731
                 args.name, dict(args.param), if_match=args.if_match
             )
+    elif args.admin_command == "log-level":
+        if args.level_command == "get":
+            call = lambda c: c.log_level()  # noqa: E731
+        else:
+            call = lambda c: c.set_log_level(args.level)  # noqa: E731
     else:
         call = calls[args.admin_command]
     try:

@@ -749,6 +749,18 @@ class KVOffloadAdminClient(_SyncClient):
             headers=headers,
         )
 
+    def shadow(self) -> dict[str, Any]:
+        """Projected hit ratio of every policy on the live traffic, beside the live ratio."""
+        return self._json("GET", "/admin/v1/policy/shadow")
+
+    def log_level(self) -> dict[str, Any]:
+        """The service's log level and the levels it accepts."""
+        return self._json("GET", "/admin/v1/log-level")
+
+    def set_log_level(self, level: str) -> dict[str, Any]:
+        """Change the log level live (audited); answers the previous and the new level."""
+        return self._json("PUT", "/admin/v1/log-level", body={"level": level})
+
     def stats(self) -> dict[str, Any]:
         """Pool, hit ratio, counters, jobs."""
         return self._json("GET", "/admin/v1/stats")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -84,6 +85,20 @@ def test_admin_cli_talks_to_the_admin_api(server: ServerProcess, tmp_path: Path)
     assert '"changed": true' in switched.stdout
     back = cli("policy", "set", "lru")
     assert back.returncode == 0, back.stderr
+    shadow = cli("policy", "shadow")
+    assert shadow.returncode == 0, shadow.stderr
+    assert json.loads(shadow.stdout)["active"]["name"] == "lru"
+
+    level = json.loads(cli("log-level", "get").stdout)["level"]
+    louder = cli("log-level", "set", "debug")
+    assert louder.returncode == 0, louder.stderr
+    assert json.loads(louder.stdout) == {"level": "debug", "previous": level, "changed": True}
+    with KVOffloadAdminClient(server.admin_url, token=TOKEN) as admin:
+        assert admin.log_level()["level"] == "debug"
+        assert admin.set_log_level(level)["changed"] is True
+    bad = cli("log-level", "set", "chatty")
+    assert bad.returncode == 1
+    assert "422" in bad.stderr
 
     token_file = tmp_path / "wrong-token"
     token_file.write_text("nope")
