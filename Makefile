@@ -53,6 +53,7 @@ bench: setup
 	$(PY) bench/transfer_bw.py
 	$(PY) bench/policy_sweep.py
 	$(PY) bench/http_bench.py
+	$(PY) bench/body_limits.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis bench/results

@@ -17,6 +17,7 @@ NotPinnedError                409     not_pinned
 other StateConflictError      409     state_conflict
 If-Match mismatch             412     precondition_failed
 too many keys / ops, body     413     too_many_keys / too_many_ops / body_too_large
+kv_transfer_params too large  413     transfer_params_too_large
 wrong Content-Type            415     unsupported_media_type
 invalid field                 422     invalid_field
 UnknownPolicyError            422     unknown_policy
@@ -172,9 +173,11 @@ def no_space(needed: int) -> APIError:
     )
 
 
-def too_many(what: str, count: int, limit: int) -> APIError:
-    """413: more keys (or ops) in one call than the service accepts."""
-    return APIError(413, f"too_many_{what}", f"{count} {what} in one call; the limit is {limit}")
+def too_many(what: str, count: int | None, limit: int) -> APIError:
+    """413: more keys (or ops) in one call than the service accepts; ``count`` None when the
+    call was refused before all of them were counted."""
+    counted = f"more than {limit}" if count is None else str(count)
+    return APIError(413, f"too_many_{what}", f"{counted} {what} in one call; the limit is {limit}")
 
 
 # --------------------------------------------------------------------------- handlers
@@ -237,7 +240,8 @@ _DESCRIPTIONS = {
     404: "Unknown request, job or KV cache",
     409: "The blocks are not in the state this call needs",
     412: "If-Match does not name the current generation",
-    413: "Too many keys or ops in one call, or body too large",
+    413: "Too many keys or ops in one call, body too large for the route, or "
+    "kv_transfer_params too large",
     415: "Body is not application/json",
     422: "A field or parameter is invalid",
     503: "The service is starting or shutting down",

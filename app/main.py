@@ -7,8 +7,10 @@ both share one pool, manager and worker under ``kvoffload serve``.
 
 Middleware (pure ASGI, outermost first): ``CallContextMiddleware`` (request id, the per-call
 ``CallInfo``, the ids bound for logging, and the hooks), then ``BodyGuardMiddleware`` (413/415
-before a body is parsed). The service's ``observer.on_call`` is always the first hook of both
-apps (HTTP metrics, the canonical log line); ``hooks`` given by the caller run after it.
+before a body is parsed; each route held to its own byte cap, ``app.limits.body_caps``, in a
+table built from the app's routes once they are all registered). The service's
+``observer.on_call`` is always the first hook of both apps (HTTP metrics, the canonical log
+line); ``hooks`` given by the caller run after it.
 
 Metrics: one ``Metrics`` per service, in the registry given to ``create_app`` (a fresh
 ``CollectorRegistry`` by default); ``GET /metrics`` on the engine app serves it unless
@@ -24,6 +26,7 @@ from fastapi import Depends, FastAPI
 from prometheus_client import CollectorRegistry
 
 from app.errors import install_error_handlers
+from app.limits import BodyLimits, body_caps
 from app.middleware import (
     ENGINE_REQUEST_PREFIX,
     BodyGuardMiddleware,
@@ -59,8 +62,10 @@ def _install_middleware(
     hooks: Sequence[CallHook],
     request_prefix: str,
 ) -> None:
+    # Called after every route is registered: the table must know them all.
+    limits = BodyLimits.for_routes(app.routes, body_caps(settings), settings.max_body_bytes)
     # add_middleware wraps: the last added runs first.
-    app.add_middleware(BodyGuardMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyGuardMiddleware, limits=limits)
     app.add_middleware(
         CallContextMiddleware,
         hooks=(service.observer.on_call, *hooks),

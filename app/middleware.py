@@ -20,7 +20,8 @@ affect the call.
 
 ``BodyGuardMiddleware`` refuses bodies before they are parsed: 413 when ``Content-Length`` says
 too large, or when a body without one grows past the limit while it is received; 415 when a
-body is not ``application/json``.
+body is not ``application/json``. The limit is the cap of the route the call is for
+(``app.limits.BodyLimits``: derived from the settings, at most ``max_body_bytes``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import APIError, error_body
+from app.limits import BodyLimits
 from app.logging import bind_call, get_logger, unbind_call
 from app.request_ids import MAX_SAFE_ID, SAFE_ID, safe_req_id
 
@@ -168,22 +170,30 @@ class CallContextMiddleware:
             _current.reset(current)
 
 
+def too_large_message(limit: int, route: str | None) -> str:
+    """What a 413 ``body_too_large`` says: the limit, and whose it is when a route's own."""
+    if route is None:
+        return f"request body exceeds {limit} bytes"
+    return f"request body exceeds {limit} bytes, the limit of {route}"
+
+
 class PayloadTooLarge(APIError):
     """The body grew past the limit while it was being received."""
 
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, "body_too_large", f"request body exceeds {limit} bytes")
+    def __init__(self, limit: int, route: str | None = None) -> None:
+        super().__init__(413, "body_too_large", too_large_message(limit, route))
 
 
 _JSON_TYPES = (b"application/json", b"application/problem+json")
 
 
 class BodyGuardMiddleware:
-    """Refuse oversized or non-JSON bodies before any route reads them."""
+    """Refuse oversized or non-JSON bodies before any route reads them; each call is held to
+    the cap ``limits`` gives its method and path."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, limits: BodyLimits) -> None:
         self.app = app
-        self.max_body_bytes = max_body_bytes
+        self.limits = limits
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
@@ -196,14 +206,14 @@ class BodyGuardMiddleware:
                 length = value
             elif name == b"content-type":
                 ctype = value
-        limit = self.max_body_bytes
+        limit, route = self.limits.limit_for(scope["method"], scope["path"])
         if length is not None:
             if not length.isdigit():
                 await _refuse(send, 400, "malformed_body", "invalid Content-Length")
                 return
             size = int(length)
             if size > limit:
-                await _refuse(send, 413, "body_too_large", f"request body exceeds {limit} bytes")
+                await _refuse(send, 413, "body_too_large", too_large_message(limit, route))
                 return
             if size and not _is_json(ctype):
                 await _refuse(
@@ -226,7 +236,7 @@ class BodyGuardMiddleware:
                 received += len(chunk)
                 if received > limit:
                     refused = True
-                    raise PayloadTooLarge(limit)
+                    raise PayloadTooLarge(limit, route)
                 if chunk and not checked_type:
                     checked_type = True
                     if not _is_json(ctype):

@@ -18,6 +18,7 @@ from typing import Any
 
 from app import schemas as s
 from app.errors import too_many
+from app.limits import transfer_params_error
 from app.service import Service
 from manager import BlockKey, LookupResult
 from transfer import JobRecord
@@ -77,6 +78,10 @@ _HIT, _MISS = LookupResult.HIT, LookupResult.MISS
 
 
 def _run_start(service: Service, req_id: str, body: s.StartRequestBody) -> tuple[int, str]:
+    # Checked before the manager sees the request: refused parameters change nothing.
+    err = transfer_params_error(body.kv_transfer_params, service.settings.max_transfer_params_bytes)
+    if err is not None:
+        raise err
     created = service.start_request(req_id, body.kv_transfer_params)
     answer = json.dumps({"req_id": req_id, "created": created})
     return (201 if created else 200), answer
@@ -197,7 +202,7 @@ OPERATIONS: tuple[Operation, ...] = (
         s.StartRequestBody,
         s.StartRequestAnswer,
         201,
-        (),
+        (413,),
         "Start a request (201), or renew a live one (200); its leases hang on it",
         _run_start,
         ((200, "The request was already live: its leases were renewed"),),

@@ -7,6 +7,9 @@ written as 2..128 hex digits (either case). Answers write keys in lowercase hex.
 
 Answer models document the responses (OpenAPI); the hot routes build their JSON by hand and a
 test checks that it validates against these models.
+
+Lists in bodies are ``fail_fast``: validation stops at the first invalid item, so a list of a
+million invalid items costs one error, not a million (the message names the first either way).
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ from pydantic import (
 from manager import MAX_KEY_BYTES, available_policies
 
 HEX_KEY_PATTERN = f"^(?:[0-9a-fA-F]{{2}}){{1,{MAX_KEY_BYTES}}}$"
+MAX_ID_CHARS = 256
+"""Longest ``req_id`` and ``cache_id`` (characters)."""
+MAX_WAIT_JOBS = 4096
+"""Most job ids in one ``POST /v1/jobs/wait``."""
 
 HexKey = Annotated[
     bytes,
@@ -43,10 +50,14 @@ KeyHex = Annotated[str, Field(pattern="^(?:[0-9a-f]{2})+$", description="block h
 """A block key in an answer (lowercase hex)."""
 
 ReqId = Annotated[
-    str, StringConstraints(min_length=1, max_length=256), Field(description="engine request id")
+    str,
+    StringConstraints(min_length=1, max_length=MAX_ID_CHARS),
+    Field(description="engine request id"),
 ]
 BlockIndex = Annotated[int, Field(ge=0, le=2**31 - 1)]
-Keys = Annotated[list[HexKey], Field(description="block hashes, head of the sequence first")]
+Keys = Annotated[
+    list[HexKey], Field(description="block hashes, head of the sequence first", fail_fast=True)
+]
 
 
 class Body(BaseModel):
@@ -67,7 +78,8 @@ class Answer(BaseModel):
 
 
 class StartRequestBody(Body):
-    """``PUT /v1/requests/{req_id}``: the engine's opaque per-request parameters."""
+    """``PUT /v1/requests/{req_id}``: the engine's opaque per-request parameters, held for the
+    request's life: at most ``max_transfer_params_bytes`` as compact JSON (else 413)."""
 
     kv_transfer_params: dict[str, Any] | None = None
 
@@ -94,9 +106,9 @@ class CompleteStoreBody(Body):
 class TransferBody(Body):
     """``offload`` / ``onload``: move ``keys[i]`` from/to device block ``device_blocks[i]``."""
 
-    cache_id: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+    cache_id: Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_CHARS)]
     keys: Keys
-    device_blocks: list[BlockIndex]
+    device_blocks: Annotated[list[BlockIndex], Field(fail_fast=True)]
 
     @model_validator(mode="after")
     def _same_length(self) -> TransferBody:
@@ -111,7 +123,10 @@ class TransferBody(Body):
 class WaitJobsBody(Body):
     """``POST /v1/jobs/wait``: wait until every job has ended, or ``timeout_s`` passed."""
 
-    job_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=4096)]
+    job_ids: Annotated[
+        list[Annotated[int, Field(ge=0)]],
+        Field(min_length=1, max_length=MAX_WAIT_JOBS, fail_fast=True),
+    ]
     timeout_s: Annotated[float, Field(ge=0, le=3600)] = 10.0
 
 
@@ -206,7 +221,7 @@ BatchOp = Annotated[
 class BatchBody(Body):
     """``POST /v1/batch``: ops validated together, then run in order, each answering alone."""
 
-    ops: Annotated[list[BatchOp], Field(min_length=1)]
+    ops: Annotated[list[BatchOp], Field(min_length=1, fail_fast=True)]
 
 
 # --------------------------------------------------------------------------- engine answers
@@ -365,7 +380,9 @@ class TensorSpecBody(BaseModel):
     """One KV tensor: its shape, dtype, which dimension indexes blocks, and its memory."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
-    shape: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=1, max_length=16)]
+    shape: Annotated[
+        list[Annotated[int, Field(ge=1)]], Field(min_length=1, max_length=16, fail_fast=True)
+    ]
     dtype: Annotated[str, StringConstraints(min_length=1, max_length=32)]
     block_dim: Annotated[int, Field(ge=0, le=15)]
     handle: TensorHandle
@@ -379,7 +396,7 @@ class KVCacheBody(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     name: Annotated[str, StringConstraints(min_length=1, max_length=256)]
     device: Annotated[str, StringConstraints(min_length=1, max_length=32)]
-    tensors: Annotated[list[TensorSpecBody], Field(min_length=1, max_length=4096)]
+    tensors: Annotated[list[TensorSpecBody], Field(min_length=1, max_length=4096, fail_fast=True)]
 
 
 class KVCacheAnswer(Answer):

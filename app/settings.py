@@ -128,7 +128,17 @@ class Settings(BaseSettings):
     job_wait_max_s: float = Field(default=30.0, gt=0, description="longest POST /v1/jobs/wait")
     max_keys_per_call: int = Field(default=8192, gt=0, description="more keys in one op: 413")
     max_batch_ops: int = Field(default=1024, gt=0, description="more ops in one batch: 413")
-    max_body_bytes: int = Field(default=8 << 20, gt=0, description="larger bodies: 413")
+    max_body_bytes: int = Field(
+        default=8 << 20,
+        gt=0,
+        description="larger bodies: 413 (each route's own cap, derived from the limits, may be "
+        "lower: app/limits.py)",
+    )
+    max_transfer_params_bytes: int = Field(
+        default=16 << 10,
+        gt=0,
+        description="larger kv_transfer_params (as compact JSON) on a request: 413",
+    )
     event_buffer_size: int = Field(default=65536, gt=0, description="KV events kept")
     max_finished_jobs: int = Field(default=10000, gt=0, description="finished jobs kept")
 

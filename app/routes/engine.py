@@ -19,6 +19,7 @@ from fastapi.routing import APIRoute
 from app import schemas as s
 from app.errors import BODY_ERRORS, APIError, error_for, responses, too_many
 from app.events import event_json
+from app.limits import batch_exceeds_ops, transfer_params_error
 from app.logging import get_logger
 from app.middleware import call_info
 from app.openapi import KVOffloadAPI
@@ -110,17 +111,27 @@ class _BatchRunner:
     def validated(self, raw: bytes) -> list[Any]:
         """The ops, if the whole batch is valid; else the one error for the call.
 
-        Schema errors (422, naming ``ops.N``) and limits (413: too many ops, or too many keys
-        in one op) refuse the whole call before any op runs.
+        Schema errors (422, naming ``ops.N``) and limits (413: too many ops, too many keys in
+        one op, ``kv_transfer_params`` too large in one op) refuse the whole call before any op
+        runs. Too many ops is found before the body is parsed when the count can tell
+        (``batch_exceeds_ops``), so a body of a million ops costs a scan of its first ones.
         """
-        ops = list(self.parse(raw).ops)
         settings = self.service.settings
+        if batch_exceeds_ops(raw, settings.max_batch_ops):
+            raise too_many("ops", None, settings.max_batch_ops)
+        ops = list(self.parse(raw).ops)
         if len(ops) > settings.max_batch_ops:
             raise too_many("ops", len(ops), settings.max_batch_ops)
         for i, op in enumerate(ops):
             keys = getattr(op, "keys", ())
+            err: APIError | None = None
             if len(keys) > settings.max_keys_per_call:
                 err = too_many("keys", len(keys), settings.max_keys_per_call)
+            elif op.op == "start_request":
+                err = transfer_params_error(
+                    op.kv_transfer_params, settings.max_transfer_params_bytes
+                )
+            if err is not None:
                 raise APIError(err.status, err.code, f"ops.{i}: {err.message}")
         return ops
 
@@ -171,10 +182,11 @@ def register_engine_routes(app: KVOffloadAPI, service: Service) -> None:
             "Runs the ops in order, each as if called alone (its own `req_id`, op name and "
             "fields), so an engine can do a whole scheduler step in one round trip.\n\n"
             "Validation is all or nothing: if any op is malformed (422, the message names "
-            "`ops.N`), or the call holds too many ops or an op too many keys (413), nothing "
-            "runs. Execution is **not atomic**: once validated, one op's error (404, 409, "
-            "507, ...) does not abort the others and does not undo the ops before it; each op "
-            "answers with its own `status` and `result` or `error`, in order."
+            "`ops.N`), or the call holds too many ops, an op too many keys or too large "
+            "`kv_transfer_params` (413), nothing runs. Execution is **not atomic**: once "
+            "validated, one op's error (404, 409, 507, ...) does not abort the others and "
+            "does not undo the ops before it; each op answers with its own `status` and "
+            "`result` or `error`, in order."
         ),
         tags=["requests"],
         response_model=s.BatchAnswer,

@@ -114,6 +114,7 @@ def test_admin_token_is_not_a_flag() -> None:
         {"device": "gpu"},
         {"device": "cuda:x"},
         {"num_blocks": 0},
+        {"max_transfer_params_bytes": 0},
         {"port": 70000},
         {"lease_ttl_s": 10, "job_deadline_s": 10},
         {"log_level": "loud"},

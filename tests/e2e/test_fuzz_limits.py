@@ -7,6 +7,11 @@ took before it answered and hung up (socket buffers hold a few MiB, so "much les
 it" tells cut-off from buffering), and in the server's peak RSS (``VmHWM``), which must not
 move by anything like the body's size. Too many keys in one op, too many ops in one batch and
 too many keys in one batch op are 413 with a code that says which.
+
+Each route has its own cap below the global one (``app/limits.py``): a lookup body over the
+lookup cap is cut off on its headers while the batch route still takes that size. A batch of
+200k ops (7.6 MB, under the default 8 MiB limit) is refused by its op count before it is
+parsed: the server's peak RSS moves by a fraction of what parsing it cost (+142 MiB before).
 """
 
 from __future__ import annotations
@@ -15,9 +20,12 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from app.client import Batch, KVOffloadClient, KVOffloadError
+from app.limits import body_caps
+from app.settings import Settings
 from tests.e2e.conftest import ServerProcess
 from tests.load import wire
 from tests.load.sim import proc_status
@@ -30,6 +38,9 @@ CHUNK = 256 * 1024
 MAX_TAKEN = TOTAL // 2
 # Peak RSS may move a little (a few chunks in flight), never by the body's size.
 MAX_HWM_GROWTH_KIB = 24 * 1024
+# A 200k-op batch held whole (it is under the limit) and scanned: a few copies of its 7.6 MB,
+# never the parse (+142 MiB).
+MAX_BATCH_HWM_GROWTH_KIB = 48 * 1024
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +50,14 @@ def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]
         *("--max-body-bytes", str(LIMIT), "--max-keys-per-call", "256"),
         *("--max-batch-ops", "16"),
     ).serving() as srv:
+        yield srv
+    assert "Traceback" not in srv.log(), srv.log()
+
+
+@pytest.fixture(scope="module")
+def defaults(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A server with the default limits (8 MiB bodies, 1024 batch ops), its own peak RSS."""
+    with ServerProcess(tmp_path_factory.mktemp("defaults")).serving() as srv:
         yield srv
     assert "Traceback" not in srv.log(), srv.log()
 
@@ -233,3 +252,54 @@ def test_limits_hold_for_the_unix_socket_too(limited: ServerProcess, tmp_path: P
     ):
         c.lookup("r", [b"\x00" * 64] * 600)  # ~80 KiB of JSON
     assert (info.value.status, info.value.code) == (413, "body_too_large")
+
+
+def test_each_route_is_held_to_its_own_cap(limited: ServerProcess) -> None:
+    """A body over the lookup cap but under the global limit: 413 on its headers for lookup
+    (connection closed), while the batch route, whose cap is the global limit, reads it."""
+    caps = body_caps(Settings(max_body_bytes=LIMIT, max_keys_per_call=256, max_batch_ops=16))
+    assert caps["lookup"] < LIMIT == caps["batch"]
+    body = b'{"ops": []}'
+    body += b" " * (caps["lookup"] + 1 - len(body))
+    sock = wire.connect(limited.url)
+    try:
+        sock.sendall(
+            wire.head(
+                "POST",
+                "/v1/requests/r/lookup",
+                {"Content-Type": "application/json", "Content-Length": str(len(body))},
+            )
+        )
+        answer = wire.read_answer(sock)
+        assert_refused_as_too_large(answer)
+        assert json.loads(answer.body)["error"]["message"].endswith("the limit of lookup")
+        assert answer.headers.get("connection") == "close"
+    finally:
+        sock.close()
+    r = httpx.post(
+        f"{limited.url}/v1/batch",
+        content=body,
+        headers={"Content-Type": "application/json"},
+        timeout=10,
+    )
+    assert (r.status_code, r.json()["error"]["code"]) == (422, "invalid_field")
+
+
+def test_a_batch_of_200k_ops_is_refused_before_it_is_parsed(defaults: ServerProcess) -> None:
+    """200k small ops under the default body limit: 413 ``too_many_ops`` from the count, with
+    peak RSS up by a few copies of the body, and the server serves on."""
+    op = {"op": "touch", "req_id": "r", "keys": []}
+    body = json.dumps({"ops": [op] * 200_000}, separators=(",", ":")).encode()
+    assert len(body) < 8 << 20
+    before = hwm_kib(defaults)
+    r = httpx.post(
+        f"{defaults.url}/v1/batch",
+        content=body,
+        headers={"Content-Type": "application/json"},
+        timeout=30,
+    )
+    assert (r.status_code, r.json()["error"]["code"]) == (413, "too_many_ops")
+    assert r.json()["error"]["message"] == "more than 1024 ops in one call; the limit is 1024"
+    assert hwm_kib(defaults) - before < MAX_BATCH_HWM_GROWTH_KIB
+    with KVOffloadClient(defaults.url, timeout=10) as c:
+        assert c.ready()
