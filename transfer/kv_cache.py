@@ -14,7 +14,9 @@ Handles (JSON, as sent to ``POST /v1/kv-caches``):
 - ``{"kind": "shm", "path": "/dev/shm/engine0-layer0"}`` for a CPU "device": a shared-memory
   file the engine owns and writes. The path must resolve (symlinks and ``..`` followed) to a
   regular file inside ``/dev/shm`` holding at least ``prod(shape) * itemsize`` bytes. The
-  service maps it shared and never truncates or unlinks it.
+  service maps it shared and never truncates or unlinks it. A refusal names the path as the
+  caller sent it (quoted, cut short) and the rule it broke, never where the path leads: the
+  resolved target would tell the caller where links point and what lies outside ``/dev/shm``.
 - ``{"kind": "cuda_ipc", ...}`` on GPU nodes: what torch's CUDA IPC exports for the tensor
   (``torch.multiprocessing.reductions.reduce_tensor``), as JSON. ``export_cuda_ipc_handle``
   builds it on the engine side::
@@ -100,6 +102,7 @@ MAX_TENSORS = 4096
 MAX_DIMS = 8
 MAX_NAME_LEN = 128
 SHM_ROOT = "/dev/shm"
+_SHOWN_CHARS = 96  # of a caller's path repeated in an error message
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d{1,3})?)$")
 _NAME_RE = re.compile(r"^[\x21-\x7e][\x20-\x7e]*$")
 _IPC_INT_FIELDS = ("storage_size_bytes", "storage_offset_bytes", "ref_counter_offset")
@@ -419,6 +422,8 @@ class KVCacheRegistry:
     def __init__(self, pool: HostPool, *, shm_root: str = SHM_ROOT) -> None:
         self.pool = pool
         self._shm_root = os.path.realpath(shm_root)
+        # Messages name the root as configured: its real path is layout too.
+        self._shm_name = shm_root.rstrip("/") or "/"
         self._caches: dict[str, RegisteredCache] = {}
         self._lock = threading.Lock()
 
@@ -559,21 +564,25 @@ class KVCacheRegistry:
     def _map_shm(self, t: TensorSpec, i: int) -> torch.Tensor:
         where = f"tensors[{i}].handle.path"
         path = t.handle["path"]
+        shown = _shown(path)
         resolved = os.path.realpath(path)
-        root = self._shm_root
-        if not resolved.startswith(root + os.sep):
-            raise RegistrationError(f"{where} {path!r} resolves to {resolved!r}, outside {root}")
+        if not resolved.startswith(self._shm_root + os.sep):
+            # ``resolved`` stays here: see the module docstring.
+            raise RegistrationError(
+                f"{where} {shown} is outside {self._shm_name}: it must name a file inside "
+                f"{self._shm_name} once symlinks and '..' are followed"
+            )
         try:
             fd = os.open(resolved, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
-            raise RegistrationError(f"{where} {path!r}: cannot open: {exc.strerror}") from None
+            raise RegistrationError(f"{where} {shown}: cannot open: {exc.strerror}") from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise RegistrationError(f"{where} {path!r} is not a regular file")
+                raise RegistrationError(f"{where} {shown} is not a regular file")
             if st.st_size < t.nbytes:
                 raise RegistrationError(
-                    f"{where} {path!r} holds {st.st_size} bytes, but shape {t.shape} of "
+                    f"{where} {shown} holds {st.st_size} bytes, but shape {t.shape} of "
                     f"{t.dtype} needs {t.nbytes}"
                 )
             # Map the descriptor we checked, not the path again (it could be swapped).
@@ -629,7 +638,8 @@ def _open_cuda_ipc(t: TensorSpec, i: int, device: str) -> torch.Tensor:
     except RegistrationError:
         raise
     except Exception as exc:  # CUDA refuses a stale or foreign handle
-        raise RegistrationError(f"{where}: cannot open the CUDA IPC handle: {exc}") from None
+        reason = _shown(str(exc).partition("\n")[0])  # torch's first line, cut short
+        raise RegistrationError(f"{where}: cannot open the CUDA IPC handle: {reason}") from None
     return tensor.reshape(-1).view(torch.uint8)
 
 
@@ -640,6 +650,14 @@ def _layouts(geometry: list[tuple[int, int, int]], devices: list[str]) -> tuple[
         out.append(TensorLayout(device, outer, inner, nblocks, offset))
         offset += outer * inner
     return tuple(out)
+
+
+def _shown(text: str) -> str:
+    """``text`` as an error message may repeat it: quoted with escapes, cut to
+    ``_SHOWN_CHARS`` characters (a caller's path may be 4096 long)."""
+    if len(text) <= _SHOWN_CHARS:
+        return repr(text)
+    return f"{text[:_SHOWN_CHARS]!r}..."
 
 
 def _new_id() -> str:

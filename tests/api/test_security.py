@@ -310,6 +310,40 @@ async def test_registration_maps_only_files_whose_real_path_is_in_dev_shm(
     assert (await h.client.get("/v1/kv-caches")).json()["kv_caches"]  # only the accepted ones
 
 
+async def test_a_refusal_names_the_path_sent_never_where_it_leads(
+    h: Harness, tmp_path: Path, shm_links: list[str]
+) -> None:
+    """A symlink in /dev/shm to a file elsewhere, directly or through a linked directory, is
+    refused with 422 naming the path as sent and the rule it broke; nothing of the target (its
+    directory, its name, the real path) appears in the answer."""
+    tag = uuid.uuid4().hex[:8]
+    hidden = tmp_path / f"hidden-dir-{tag}"
+    hidden.mkdir()
+    target = hidden / f"hidden-file-{tag}.bin"
+    target.write_bytes(b"\0" * 16384)
+    link_file = f"{SHM_DIR}/kvoffload-test-leak-{tag}"
+    link_dir = f"{SHM_DIR}/kvoffload-test-leakdir-{tag}"
+    os.symlink(target, link_file)
+    shm_links.append(link_file)
+    os.symlink(hidden, link_dir)
+    shm_links.append(link_dir)
+    for sent, target_parts in (
+        (link_file, [str(target), str(hidden), hidden.name, target.name, str(tmp_path)]),
+        (f"{link_dir}/{target.name}", [str(target), str(hidden), hidden.name, str(tmp_path)]),
+    ):
+        r = await h.post("/v1/kv-caches", spec_for(sent))
+        assert r.status_code == 422, r.text
+        err = r.json()["error"]
+        assert err == {
+            "code": "invalid_registration",
+            "message": f"tensors[0].handle.path {sent!r} is outside {SHM_DIR}: it must name a "
+            f"file inside {SHM_DIR} once symlinks and '..' are followed",
+        }
+        for part in target_parts:
+            assert part not in r.text, (sent, part)
+    assert (await h.client.get("/v1/kv-caches")).json()["kv_caches"] == []
+
+
 async def test_any_path_maps_only_inside_dev_shm(
     h: Harness, tmp_path: Path, shm_links: list[str]
 ) -> None:

@@ -195,13 +195,39 @@ def test_shm_path_must_stay_inside_dev_shm(registry, files, tmp_path) -> None:
     link = f"{files[1]}-link"
     os.symlink(outside, link)
     try:
-        with pytest.raises(RegistrationError, match=r"resolves to .*kv.bin', outside /dev/shm"):
+        with pytest.raises(RegistrationError) as info:
             registry.register(
                 KVCacheSpec.from_dict(mutate(body(files), "tensors.1.handle.path", link))
             )
     finally:
         os.unlink(link)
+    # The path as sent and the rule; never where the link leads.
+    assert str(info.value) == (
+        f"tensors[1].handle.path {link!r} is outside /dev/shm: it must name a file inside "
+        "/dev/shm once symlinks and '..' are followed"
+    )
+    assert str(tmp_path) not in str(info.value)
+    assert "kv.bin" not in str(info.value)
     assert registry.list() == []
+
+
+def test_a_refused_path_is_repeated_cut_short_and_escaped(registry, files) -> None:
+    """A caller's path of thousands of characters, or with control characters, comes back in
+    the message quoted with escapes and cut to 96 characters."""
+    long_path = "/tmp/" + "d/" * 2000 + "kv.bin"
+    with pytest.raises(RegistrationError) as info:
+        registry.register(
+            KVCacheSpec.from_dict(mutate(body(files), "tensors.1.handle.path", long_path))
+        )
+    message = str(info.value)
+    assert f"{long_path[:96]!r}..." in message
+    assert len(message) < 300
+    odd = "/tmp/a\nb\x1b[31m"
+    with pytest.raises(RegistrationError) as info:
+        registry.register(KVCacheSpec.from_dict(mutate(body(files), "tensors.1.handle.path", odd)))
+    assert repr(odd) in str(info.value)
+    assert "\n" not in str(info.value)
+    assert "\x1b" not in str(info.value)
 
 
 def test_a_symlink_inside_dev_shm_is_followed(registry, files) -> None:
