@@ -14,6 +14,17 @@ and never store a block that will not be used again, or one whose next use is la
 of every block it would displace. MIN maximises block hits, not prefix hits, so it is a
 reference ceiling, not a proof of optimality for this metric.
 
+The oracle-admission bound ``oracle-<policy>`` (e.g. ``oracle-lru``, parameter ``horizon=H``)
+asks a narrower question: how far does a real policy get if it only knew which new blocks come
+back soon? It runs the real manager with the named registered policy, and offers a new block to
+``prepare_store`` only if its next use starts within ``H x capacity`` block references of the
+start of the current request (``H = inf``: the block is ever used again). Everything else about
+the policy is online. A block not offered is handled exactly as Belady's bypass: not stored, no
+eviction made for it; keys already resident are still offered, as in a plain replay, so the
+policy sees the same touches. It is a ceiling for admission filters that predict reuse within
+that horizon, not for every policy: on a given trace cutting a block reused just past the horizon
+can lose a hit the plain policy would have had.
+
 Traces are Mooncake-format JSON lines (``hash_ids``: the request's prefix as a chain of block
 ids); ``parse_trace`` turns lines into key lists. Reading files is the caller's job.
 """
@@ -25,15 +36,61 @@ import json
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
+from itertools import accumulate
 from typing import Any
 
 from manager.core import OffloadManager, create_manager
-from manager.errors import InvalidArgumentError
+from manager.errors import InvalidArgumentError, InvalidPolicyParamsError, UnknownPolicyError
+from manager.policies import available_policies
 from manager.policies.base import CanEvict, EvictionPolicy
 from manager.spec import BlockKey, ReqContext
 
 BELADY = "belady"
+ORACLE_PREFIX = "oracle-"
+HORIZON = "horizon"
 Progress = Callable[[int, int], None]
+Admit = Callable[[Sequence[BlockKey]], list[BlockKey]]
+
+
+def is_bound(name: str) -> bool:
+    """Whether a policy name (or a row label starting with one) is an offline bound.
+
+    Bounds (``belady`` and every ``oracle-<policy>``) read the future, so they are ceilings to
+    compare against, never candidates for "best online policy".
+    """
+    return name == BELADY or name.startswith(ORACLE_PREFIX)
+
+
+def oracle_base_policy(name: str) -> str | None:
+    """The real policy an oracle-admission bound runs (``"oracle-lru"`` -> ``"lru"``), else None.
+
+    The base name is not checked here; ``replay`` rejects one that is not registered.
+    """
+    if name.startswith(ORACLE_PREFIX):
+        return name[len(ORACLE_PREFIX) :]
+    return None
+
+
+def _split_horizon(name: str, params: Mapping[str, Any] | None) -> tuple[float, dict[str, Any]]:
+    """``(horizon, the base policy's params)`` from an oracle bound's parameters.
+
+    ``horizon`` is required (the bound's value depends strongly on it, so a default would make
+    rows ambiguous) and must be a positive int or float, ``inf`` allowed. Raises
+    ``InvalidPolicyParamsError`` otherwise.
+    """
+    rest = dict(params or {})
+    if HORIZON not in rest:
+        raise InvalidPolicyParamsError(
+            f"{name} needs the parameter {HORIZON}=H (pool sizes of block references, or inf)"
+        )
+    horizon = rest.pop(HORIZON)
+    # bool is an int subclass: reject it explicitly, "horizon=true" is a typo, not 1 pool.
+    if type(horizon) not in (int, float) or not horizon > 0:  # `not >` also rejects NaN
+        raise InvalidPolicyParamsError(
+            f"{name}: {HORIZON} must be a positive number or inf, got {horizon!r}"
+        )
+    return float(horizon), rest
 
 
 def block_key(block_id: int) -> BlockKey:
@@ -78,11 +135,22 @@ class ReplayResult:
     evictions: int
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """JSON-ready fields; a non-finite float parameter (``horizon=inf``) becomes a string,
+        since JSON has no infinity (``json.dumps`` would write the non-standard ``Infinity``)."""
+        out = asdict(self)
+        out["params"] = {
+            k: str(v) if isinstance(v, float) and not math.isfinite(v) else v
+            for k, v in self.params.items()
+        }
+        return out
 
 
 class _NextUse:
-    """Oracle for Belady: position of each key's next reference after the current request."""
+    """Oracle for the bounds: each key's next reference after the current request.
+
+    ``current[key]`` is the index of the next request using ``key`` (``inf``: none), valid for
+    keys seen so far; ``distance(key)`` is the same in block references.
+    """
 
     def __init__(self, requests: Sequence[Sequence[BlockKey]]) -> None:
         # next_pos[i][j]: index of the next request that uses requests[i][j], or inf.
@@ -96,12 +164,25 @@ class _NextUse:
                 last_seen[key] = i
             self._next[i] = row
         self.current: dict[BlockKey, float] = {}
+        # start[i]: block references before request i. Horizons are measured on this clock,
+        # not in requests, because the pool is sized in blocks and requests vary in length.
+        self._start: list[int] = list(accumulate(map(len, requests), initial=0))
+        self._now = 0
 
     def advance(self, index: int, keys: Sequence[BlockKey]) -> None:
         """Request ``index`` is being served: its keys' next uses move past it."""
         current = self.current
         for key, nxt in zip(keys, self._next[index], strict=True):
             current[key] = nxt
+        self._now = self._start[index]
+
+    def distance(self, key: BlockKey) -> float:
+        """Block references from the start of the current request to the start of the next
+        request using ``key``; ``inf`` if there is none (or ``key`` was never seen)."""
+        nxt = self.current.get(key, math.inf)
+        if nxt == math.inf:
+            return math.inf
+        return self._start[int(nxt)] - self._now
 
 
 class _BeladyPolicy(EvictionPolicy):
@@ -190,18 +271,35 @@ def replay(
 ) -> ReplayResult:
     """Replay ``requests`` against a fresh manager of ``capacity`` blocks running ``policy``.
 
-    ``policy`` may be ``"belady"`` for the offline ceiling. ``progress(done, total)`` is called
-    every 256 requests and at the end.
+    ``policy`` may be ``"belady"`` for the offline ceiling, or ``"oracle-<name>"`` for the
+    oracle-admission bound over registered policy ``<name>``; that one needs ``params`` to hold
+    ``horizon`` (see the module docstring) and passes the other params to ``<name>``. Bad names
+    or parameters raise ``PolicyError`` (an ``InvalidArgumentError``). ``progress(done, total)``
+    is called every 256 requests and at the end.
     """
     if capacity <= 0:
         raise InvalidArgumentError(f"capacity must be positive, got {capacity}")
     oracle: _NextUse | None = None
-    belady: _BeladyPolicy | None = None
+    # admit: filters a request's missed keys before prepare_store; a key it drops is bypassed
+    # (neither stored nor evicted for), which is how both bounds use the oracle.
+    admit: Admit | None = None
+    base = oracle_base_policy(policy)
     if policy == BELADY:
         oracle = _NextUse(requests)
         m = create_manager(capacity, "lru", store_threshold, enable_events=False)
         belady = _BeladyPolicy(capacity, oracle)
         m._policy = belady  # the oracle policy is not registered: it needs the future
+        admit = partial(_belady_admit, m, belady, oracle)
+    elif base is not None:
+        if base not in available_policies():  # name the bound, not the bare base, in the error
+            raise UnknownPolicyError(policy, [ORACLE_PREFIX + p for p in available_policies()])
+        horizon, base_params = _split_horizon(policy, params)
+        m = create_manager(
+            capacity, base, store_threshold, policy_params=base_params, enable_events=False
+        )
+        oracle = _NextUse(requests)
+        # horizon * capacity: inf stays inf, "ever used again"
+        admit = partial(_horizon_admit, m, oracle, horizon * capacity)
     else:
         m = create_manager(
             capacity, policy, store_threshold, policy_params=params, enable_events=False
@@ -223,8 +321,8 @@ def replay(
             m.touch(prefix, ctx)
             m.complete_load(prefix, ctx)
         rest = keys[hit:]
-        if belady is not None and oracle is not None:
-            rest = _belady_admit(m, belady, oracle, rest)
+        if admit is not None:
+            rest = admit(rest)
         if rest:
             out = m.prepare_store(rest, ctx)
             if out is not None and out.keys_to_store:
@@ -271,5 +369,27 @@ def _belady_admit(
         if farthest is None:
             farthest = policy.farthest(lambda k: k not in m._refs)
         if nxt < farthest:
+            admitted.append(key)
+    return admitted
+
+
+def _horizon_admit(
+    m: OffloadManager, oracle: _NextUse, reach: float, keys: Sequence[BlockKey]
+) -> list[BlockKey]:
+    """Oracle admission: offer a new key only if its next use is at most ``reach`` block
+    references away (``reach = inf``: only if it has one).
+
+    Resident keys are kept so ``prepare_store`` treats them exactly as in a plain replay (it
+    counts them as reuse and shields them from this store's evictions).
+    """
+    resident = m._slot
+    admitted: list[BlockKey] = []
+    for key in keys:
+        if key in resident:
+            admitted.append(key)
+            continue
+        distance = oracle.distance(key)
+        # The explicit inf test matters: with reach = inf, `inf <= inf` would admit one-offs.
+        if distance != math.inf and distance <= reach:
             admitted.append(key)
     return admitted

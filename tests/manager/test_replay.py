@@ -1,23 +1,31 @@
-"""Trace replay: the accounting, Belady's ceiling, trace parsing and the replay command."""
+"""Trace replay: the accounting, Belady's ceiling, the oracle-admission bound, trace parsing and
+the replay command."""
 
 from __future__ import annotations
 
 import argparse
 import io
 import json
+import math
 from pathlib import Path
 
 import pytest
 
 from app import replay as replay_cli
-from manager import InvalidArgumentError, available_policies
-from manager.replay import BELADY, block_key, parse_trace, replay
+from manager import InvalidArgumentError, InvalidPolicyParamsError, available_policies
+from manager.replay import BELADY, ReplayResult, block_key, parse_trace, replay
 
 TRACE = Path(__file__).resolve().parents[2] / "bench" / "data" / "mooncake_synthetic_trace.jsonl"
 
 
 def keys(*ids: int) -> list[bytes]:
     return [block_key(i) for i in ids]
+
+
+@pytest.fixture(scope="module")
+def shipped() -> list[list[bytes]]:
+    with TRACE.open() as fh:
+        return parse_trace(fh)
 
 
 def test_hit_ratio_counts_only_leading_hits() -> None:
@@ -65,6 +73,104 @@ def test_belady_bounds_every_policy_on_the_shipped_trace(capacity: int) -> None:
     ceiling = replay(requests, BELADY, capacity).hit_ratio
     for policy in available_policies():
         assert replay(requests, policy, capacity).hit_ratio <= ceiling + 1e-9, policy
+
+
+def oracle_lru(requests: list[list[bytes]], capacity: int, horizon: float) -> ReplayResult:
+    return replay(requests, "oracle-lru", capacity, params={"horizon": horizon})
+
+
+def test_oracle_admission_never_stores_a_one_off_block() -> None:
+    # Only block 1 is used twice; 2 and 3 are one-offs. Nothing is evicted, so skipping the
+    # one-offs loses no hit, and the bound stores 1 block where LRU stores 3.
+    requests = [keys(1, 2), keys(1, 3)]
+    bound = oracle_lru(requests, 10, math.inf)
+    assert (bound.prefix_hits, bound.stores, bound.evictions) == (1, 1, 0)
+    plain = replay(requests, "lru", 10)
+    assert (plain.prefix_hits, plain.stores) == (1, 3)
+
+
+@pytest.mark.parametrize(
+    ("horizon", "hits", "stores"),
+    [
+        (0.75, 1, 1),  # reach 0.75 * 4 = 3 references: block 1 comes back exactly 3 later
+        (0.7, 0, 0),  # reach 2.8: 1 comes back just beyond, so it is not stored
+        (0.5, 0, 0),
+    ],
+)
+def test_oracle_admission_cuts_at_the_horizon(horizon: float, hits: int, stores: int) -> None:
+    # Block 1's next use (request 2) starts 1 + 2 = 3 block references after request 0 starts;
+    # 2 and 3 are one-offs. Capacity 4 holds everything, so plain LRU gets the hit: the bound
+    # is a ceiling for reuse predictors at that horizon, not for every policy.
+    requests = [keys(1), keys(2, 3), keys(1)]
+    result = oracle_lru(requests, 4, horizon)
+    assert (result.prefix_hits, result.stores) == (hits, stores)
+    assert replay(requests, "lru", 4).prefix_hits == 1
+
+
+def test_oracle_admission_stores_exactly_the_blocks_used_again() -> None:
+    # Used again: 1 (request 1), 6 and 2 (request 3). Request 1 misses on 4 (a one-off, not
+    # stored) and still offers the resident 1; request 3 hits 6 and 2.
+    requests = [keys(1, 2, 3), keys(4, 1), keys(5, 6), keys(6, 2)]
+    result = oracle_lru(requests, 100, math.inf)
+    assert (result.prefix_hits, result.stores) == (2, 3)
+    assert replay(requests, "lru", 100).stores == 6  # every distinct block
+
+
+def test_oracle_admission_still_offers_resident_blocks() -> None:
+    # Capacity 2. Request 2 misses on 3 and offers the resident 1 with it: offered, 1 is
+    # shielded from that store's eviction, so 2 goes and requests 3, 4 and 5 hit 1, 3 and 1
+    # (then 2 misses, as with plain LRU). Dropping resident keys from the offer would evict 1
+    # (the least recent) instead; request 3 would miss and evict 2, so only 4 and 5 would hit.
+    requests = [keys(1), keys(2), keys(3, 1), keys(1), keys(3), keys(1), keys(2)]
+    assert replay(requests, "lru", 2).prefix_hits == 3
+    assert oracle_lru(requests, 2, math.inf).prefix_hits == 3
+
+
+def test_horizon_inf_means_ever_used_again(shipped: list[list[bytes]]) -> None:
+    requests = shipped[:800]
+    capacity = 500
+    # Any horizon covering the whole slice admits exactly the blocks that have a next use.
+    whole = sum(map(len, requests)) / capacity + 1
+    ever = oracle_lru(requests, capacity, math.inf).to_dict()
+    covering = oracle_lru(requests, capacity, whole).to_dict()
+    assert ever.pop("params") == {"horizon": "inf"}  # JSON has no infinity
+    covering.pop("params")
+    assert ever == covering
+
+
+def test_oracle_bound_is_above_lru_on_the_shipped_trace(shipped: list[list[bytes]]) -> None:
+    lru = replay(shipped, "lru", 2000).hit_ratio
+    for horizon in (2, math.inf):
+        assert oracle_lru(shipped, 2000, horizon).hit_ratio > lru, horizon
+
+
+@pytest.mark.parametrize(
+    ("policy", "params", "error", "message"),
+    [
+        ("oracle-lru", {}, InvalidPolicyParamsError, "needs the parameter horizon"),
+        ("oracle-lru", {"horizon": 0}, InvalidPolicyParamsError, "positive number or inf"),
+        ("oracle-lru", {"horizon": -2}, InvalidPolicyParamsError, "positive number or inf"),
+        ("oracle-lru", {"horizon": math.nan}, InvalidPolicyParamsError, "got nan"),
+        ("oracle-lru", {"horizon": True}, InvalidPolicyParamsError, "got True"),
+        ("oracle-lru", {"horizon": "2"}, InvalidPolicyParamsError, "got '2'"),
+        ("oracle-lru", {"horizon": 2, "x": 1}, InvalidPolicyParamsError, "'lru' takes no"),
+        ("oracle-nope", {"horizon": 2}, InvalidArgumentError, "'oracle-nope'; available: or"),
+        ("oracle-belady", {"horizon": 2}, InvalidArgumentError, "unknown policy"),
+        ("oracle-", {"horizon": 2}, InvalidArgumentError, "unknown policy"),
+    ],
+)
+def test_oracle_bound_rejects_bad_parameters(
+    policy: str, params: dict[str, object], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        replay([keys(1)], policy, 2, params=params)
+
+
+def test_oracle_bound_passes_other_params_to_its_policy() -> None:
+    with pytest.raises(InvalidArgumentError, match=">= 0"):
+        replay([keys(1)], "oracle-lfu", 2, params={"horizon": 2, "history_factor": -1})
+    result = replay([keys(1)], "oracle-lfu", 2, params={"horizon": 2, "history_factor": 1})
+    assert result.params == {"horizon": 2, "history_factor": 1}
 
 
 def test_the_shipped_trace_has_the_documented_size() -> None:
@@ -160,3 +266,44 @@ def test_replay_command_names_a_missing_trace(tmp_path: Path) -> None:
     code, _, err = run_cli(str(tmp_path / "absent.jsonl"), "--capacity", "5")
     assert code == 2
     assert "cannot read trace" in err
+
+
+def test_replay_command_runs_the_oracle_bound(small_trace: Path) -> None:
+    code, out, _ = run_cli(
+        str(small_trace), "--policy", "oracle-lru", "--param", "horizon=inf", "--capacity", "2"
+    )
+    assert code == 0
+    assert "oracle-lru" in out
+
+    def no_constants(name: str) -> None:
+        raise AssertionError(f"non-standard JSON constant {name}")
+
+    code, out, _ = run_cli(
+        str(small_trace),
+        *("--policy", "oracle-lru", "--param", "horizon=inf", "--capacity", "2", "--json"),
+    )
+    assert code == 0
+    rows = json.loads(out, parse_constant=no_constants)
+    assert [(r["policy"], r["params"]) for r in rows] == [
+        (BELADY, {}),
+        ("oracle-lru", {"horizon": "inf"}),
+    ]
+    assert rows[1]["fraction_of_belady"] == pytest.approx(
+        rows[1]["hit_ratio"] / rows[0]["hit_ratio"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--policy", "oracle-nope"], "unknown policy oracle-nope"),
+        (["--policy", "oracle-lru"], "needs the parameter horizon"),
+        (["--policy", "oracle-lru", "--param", "horizon=0"], "positive number"),
+    ],
+)
+def test_replay_command_rejects_a_bad_oracle_bound(
+    small_trace: Path, args: list[str], message: str
+) -> None:
+    code, out, err = run_cli(str(small_trace), "--capacity", "2", *args)
+    assert (code, out) == (2, "")
+    assert message in err
