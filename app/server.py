@@ -87,7 +87,12 @@ def bind_unix(path: Path) -> socket.socket:
     return sock
 
 
-def _config(app: Any, settings: Settings) -> uvicorn.Config:
+def uvicorn_config(app: Any, *, graceful_shutdown_s: float = 1.0) -> uvicorn.Config:
+    """The uvicorn configuration of every listener (also the benchmarks' floor servers).
+
+    Our own loop, httptools, no websockets, no access log (the service writes one canonical
+    line per call), uvicorn leaves logging alone, and no ``Server`` or proxy headers.
+    """
     return uvicorn.Config(
         app,
         loop="none",
@@ -99,7 +104,7 @@ def _config(app: Any, settings: Settings) -> uvicorn.Config:
         log_level=None,
         server_header=False,
         proxy_headers=False,
-        timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_s)),
+        timeout_graceful_shutdown=max(1, round(graceful_shutdown_s)),
     )
 
 
@@ -132,8 +137,11 @@ async def serve(
             extra={"fields": {"admin_host": settings.admin_host}},
         )
     service = Service(settings)
-    public = Listener(_config(create_app(settings, service=service), settings))
-    admin = Listener(_config(create_admin_app(settings, service), settings))
+    grace = settings.shutdown_grace_s
+    public = Listener(
+        uvicorn_config(create_app(settings, service=service), graceful_shutdown_s=grace)
+    )
+    admin = Listener(uvicorn_config(create_admin_app(settings, service), graceful_shutdown_s=grace))
     servers = (public, admin)
     loop = asyncio.get_running_loop()
     stopping = False

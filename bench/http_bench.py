@@ -125,24 +125,13 @@ def noop_app(body: bytes) -> Any:
 
 def serve_floor(kind: str, port: int, uds: str, body_size: int) -> None:
     """Run a floor server on 127.0.0.1:``port`` and ``uds`` until SIGTERM."""
-    import uvicorn
     import uvloop
 
-    from app.server import Listener, bind_tcp, bind_unix
+    from app.server import Listener, bind_tcp, bind_unix, uvicorn_config
 
     body = _fixed_body(body_size)
     app = bare_app(body) if kind == "bare" else noop_app(body)
-    config = uvicorn.Config(
-        app,
-        loop="none",
-        http="httptools",
-        ws="none",
-        lifespan="on",
-        access_log=False,
-        log_config=None,
-        log_level="warning",
-    )
-    server = Listener(config)
+    server = Listener(uvicorn_config(app))  # the service's own settings: a like-for-like floor
     sockets = [bind_tcp("127.0.0.1", port), bind_unix(Path(uds))]
 
     async def main() -> None:
