@@ -110,7 +110,7 @@ def _run_lookup(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, s
     elif n and results.count(_MISS) == n:
         text = ",".join(['"miss"'] * n)
     else:
-        text = ",".join([_RESULT_JSON[r] for r in results])
+        text = ",".join(map(_RESULT_JSON.__getitem__, results))
     return 200, f'{{"results":[{text}],"hit_prefix":{out.hit_prefix}}}'
 
 

@@ -76,6 +76,7 @@ Clock = Callable[[], float]
 _ALWAYS_ZERO = itertools.repeat(0)
 _consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
 _ONLY_BYTES = frozenset({bytes})
+_READY_OR_MISS = {True: HIT, False: MISS}
 ChainListener = Callable[[list[BlockKey]], None]
 DEFAULT_MAX_EVENTS = 1_000_000
 
@@ -408,10 +409,15 @@ class OffloadManager:
         if found == 0:
             results = [MISS] * n
             hits = pending = prefix = 0
-        elif found == n and (not in_flight or in_flight.isdisjoint(keys)):
-            results = [HIT] * n
-            hits = prefix = n
-            pending = 0
+        elif not in_flight or in_flight.isdisjoint(keys):
+            # Every resident key is ready: hits and misses only, mapped in C.
+            hits, pending = found, 0
+            if found == n:
+                results = [HIT] * n
+                prefix = n
+            else:
+                results = list(map(_READY_OR_MISS.__getitem__, resident))
+                prefix = resident.index(False)
         else:
             results = [
                 (PENDING if k in in_flight else HIT) if r else MISS

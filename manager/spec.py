@@ -42,6 +42,10 @@ class LookupResult(enum.Enum):
     PENDING = "pending"  # a store is in flight
     MISS = "miss"  # not stored
 
+    # Members are singletons compared by identity, so the identity hash agrees with equality;
+    # Enum's own __hash__ is Python code, and callers map every key's result through dicts.
+    __hash__ = object.__hash__
+
 
 @dataclass(slots=True)
 class LookupOutput:
