@@ -130,34 +130,32 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
     return APIError(422, "invalid_field", _first_error(errors))
 
 
+# The library errors with an HTTP answer of their own, as (type, status, code). Order matters:
+# ``error_for`` takes the first type that matches, so a subclass comes before its base.
+_MAPPED: tuple[tuple[type[Exception], int, str], ...] = (
+    (UnknownRequestError, 404, "unknown_request"),
+    (KeyNotReadyError, 409, "key_not_ready"),
+    (NotPinnedError, 409, "not_pinned"),
+    (StateConflictError, 409, "state_conflict"),
+    (UnknownPolicyError, 422, "unknown_policy"),
+    (InvalidPolicyParamsError, 422, "invalid_policy_params"),
+    (InvalidArgumentError, 422, "invalid_argument"),
+    (UnknownCacheError, 404, "unknown_cache"),
+    (RegistrationError, 422, "invalid_registration"),
+    (InvalidJobError, 422, "invalid_job"),
+    (TransferError, 503, "transfer_unavailable"),
+)
+
+
 def error_for(exc: BaseException) -> APIError:
     """The HTTP error for ``exc``; anything unexpected is a 500 ``internal`` error."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, ValidationError):
         return validation_error(exc.errors(include_url=False, include_input=False))
-    if isinstance(exc, UnknownRequestError):
-        return APIError(404, "unknown_request", str(exc))
-    if isinstance(exc, KeyNotReadyError):
-        return APIError(409, "key_not_ready", str(exc))
-    if isinstance(exc, NotPinnedError):
-        return APIError(409, "not_pinned", str(exc))
-    if isinstance(exc, StateConflictError):
-        return APIError(409, "state_conflict", str(exc))
-    if isinstance(exc, UnknownPolicyError):
-        return APIError(422, "unknown_policy", str(exc))
-    if isinstance(exc, InvalidPolicyParamsError):
-        return APIError(422, "invalid_policy_params", str(exc))
-    if isinstance(exc, InvalidArgumentError):
-        return APIError(422, "invalid_argument", str(exc))
-    if isinstance(exc, UnknownCacheError):
-        return APIError(404, "unknown_cache", str(exc))
-    if isinstance(exc, RegistrationError):
-        return APIError(422, "invalid_registration", str(exc))
-    if isinstance(exc, InvalidJobError):
-        return APIError(422, "invalid_job", str(exc))
-    if isinstance(exc, TransferError):
-        return APIError(503, "transfer_unavailable", str(exc))
+    for exc_type, status, code in _MAPPED:
+        if isinstance(exc, exc_type):
+            return APIError(status, code, str(exc))
     return APIError(500, "internal", "internal error")
 
 
@@ -217,13 +215,8 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 def install_error_handlers(app: FastAPI) -> None:
     """Answer every error of ``app`` in the JSON error shape."""
     app.add_exception_handler(APIError, _api_error)
-    for exc_type in (
-        ValidationError,
-        UnknownRequestError,
-        StateConflictError,
-        InvalidArgumentError,
-        TransferError,
-    ):
+    handled: list[type[Exception]] = [ValidationError, *(t for t, _, _ in _MAPPED)]
+    for exc_type in handled:
         app.add_exception_handler(exc_type, _api_error)
     app.add_exception_handler(RequestValidationError, _request_validation)
     app.add_exception_handler(StarletteHTTPException, _http_exception)
