@@ -150,8 +150,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvoffload: {exc}", file=sys.stderr)
         return 2
 
-    from app.logging import configure_logging, flush_logs, get_logger
     from app.server import run
+    from app.telemetry.logging import configure_logging, flush_logs, get_logger
 
     configure_logging(settings.log_level, fmt=settings.log_format)
     try:

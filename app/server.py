@@ -4,7 +4,8 @@ The engine API (TCP ``host:port``, plus the Unix socket ``uds`` when set) and th
 (``admin_host:admin_port``) are two ``uvicorn.Server`` instances gathered on one uvloop loop,
 with httptools and no access log (the service's call hook writes one canonical line per call).
 uvicorn gets no log configuration and no level of its own: its records go through the root
-handler ``app.logging.configure_logging`` installed, at the level set there (and changed live).
+handler ``app.telemetry.logging.configure_logging`` installed, at the level set there (and
+changed live).
 The sockets are bound here, before anything starts, so a busy port fails fast and port 0 works
 (the ``listening`` log line names the real ports).
 
@@ -29,10 +30,10 @@ from typing import Any
 
 import uvicorn
 
-from app.logging import get_logger
-from app.main import create_admin_app, create_app
-from app.service import Service
+from app.core.service import Service
+from app.http.apps import create_admin_app, create_app
 from app.settings import Settings
+from app.telemetry.logging import get_logger
 
 log = get_logger("server")
 UDS_MODE = 0o660

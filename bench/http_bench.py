@@ -607,9 +607,9 @@ def app_cost(mode: str, calls: int) -> float:
     free of the noise of other processes (``time.process_time``)."""
     import io
 
-    from app.logging import configure_logging
-    from app.main import create_app
+    from app.http.apps import create_app
     from app.settings import Settings
+    from app.telemetry.logging import configure_logging
 
     flags = dict(zip(_APP_COST_MODES[mode][::2], _APP_COST_MODES[mode][1::2], strict=True))
     settings = Settings(

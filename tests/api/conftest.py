@@ -16,10 +16,10 @@ from typing import Any
 import httpx
 import pytest
 
-from app.main import create_admin_app, create_app
-from app.middleware import CallInfo
-from app.openapi import KVOffloadAPI
-from app.service import Service
+from app.core.service import Service
+from app.http.apps import create_admin_app, create_app
+from app.http.middleware import CallInfo
+from app.http.openapi import KVOffloadAPI
 from app.settings import Settings
 from tests.api.devices import ShmDevice
 

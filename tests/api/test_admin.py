@@ -9,8 +9,8 @@ import pytest
 from pydantic import SecretStr, ValidationError
 
 from app.cli import main as cli_main
-from app.logging import AUDIT_LOGGER, fields_of
 from app.settings import Settings
+from app.telemetry.logging import AUDIT_LOGGER, fields_of
 from tests.api.conftest import TOKEN, Harness, hexkeys, make_settings, running
 
 pytestmark = pytest.mark.anyio

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.events import EventBuffer
+from app.core.events import EventBuffer
 from manager import AllBlocksCleared, BlockRemoved, BlockStored
 
 

@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from app.main import create_app
+from app.http.apps import create_app
 from tests.api.conftest import Harness, hexkeys, make_settings, running
 
 pytestmark = pytest.mark.anyio
@@ -93,7 +93,7 @@ async def test_stop_fails_running_jobs_and_frees_everything() -> None:
 
 async def test_a_failed_start_leaves_nothing_half_running() -> None:
     """A pool that cannot be created fails the start cleanly."""
-    from app.service import Service
+    from app.core.service import Service
     from transfer import PoolError
 
     service = Service(make_settings(num_blocks=4, block_bytes=1 << 46))

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.limits import MAX_TRANSFER_PARAMS_DEPTH, body_caps
+from app.http.limits import MAX_TRANSFER_PARAMS_DEPTH, body_caps
 from tests.api.conftest import Harness, make_settings, running
 
 pytestmark = pytest.mark.anyio

@@ -14,7 +14,9 @@ from urllib.parse import quote
 import httpx
 import pytest
 
-from app.logging import (
+from app.core.service import Service
+from app.http.apps import create_app
+from app.telemetry.logging import (
     ACCESS_LOGGER,
     AUDIT_LOGGER,
     CALL_EVENT,
@@ -22,10 +24,8 @@ from app.logging import (
     flush_logs,
     set_level,
 )
-from app.logging import unconfigure_logging as unconfigure
-from app.main import create_app
-from app.request_ids import safe_req_id
-from app.service import Service
+from app.telemetry.logging import unconfigure_logging as unconfigure
+from app.telemetry.request_ids import safe_req_id
 from manager import OffloadManager, ReqContext, create_manager
 from tests.api.conftest import TOKEN, Harness, hexkeys, make_settings, running
 

@@ -8,10 +8,10 @@ import httpx
 import pytest
 from pydantic import BaseModel
 
-from app import schemas as s
-from app.errors import ErrorBody
-from app.operations import OPERATIONS
-from app.routes.admin import LogLevelAnswer, LogLevelSwitchAnswer, ShadowAnswer
+from app.http import schemas as s
+from app.http.errors import ErrorBody
+from app.http.operations import OPERATIONS
+from app.http.routes.admin import LogLevelAnswer, LogLevelSwitchAnswer, ShadowAnswer
 from tests.api.conftest import Harness, hexkeys
 
 pytestmark = pytest.mark.anyio

@@ -35,8 +35,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.logging import fields_of
-from app.request_ids import safe_req_id
+from app.telemetry.logging import fields_of
+from app.telemetry.request_ids import safe_req_id
 from tests.api.conftest import TOKEN, Harness, hexkeys, make_settings, running
 from tests.api.devices import SHM_DIR, ShmDevice
 

@@ -13,8 +13,9 @@ from fastapi import FastAPI
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import app.limits as limits_module
-from app.limits import (
+import app.http.limits as limits_module
+from app.http.apps import create_admin_app, create_app
+from app.http.limits import (
     MAX_TRANSFER_PARAMS_DEPTH,
     OP_FIXED_BYTES,
     STRING_FIELD_BYTES,
@@ -23,7 +24,6 @@ from app.limits import (
     body_caps,
     transfer_params_error,
 )
-from app.main import create_admin_app, create_app
 from app.settings import Settings
 
 

@@ -1,4 +1,4 @@
-"""app.logging: one JSON line per record, the call line, redaction, levels, the console form."""
+"""app.telemetry.logging: one JSON line per record, the call line, redaction, levels, console."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from app import logging as app_logging
-from app.logging import (
+from app.telemetry import logging as app_logging
+from app.telemetry.logging import (
     ACCESS_LOGGER,
     CALL_EVENT,
     audit,

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.exposition import generate_latest
 
-from app.metrics import LiveRequestRow, Metrics, ServiceSnapshot, exemplar, failure_reason
+from app.telemetry.metrics import LiveRequestRow, Metrics, ServiceSnapshot, exemplar, failure_reason
 from manager import ReqContext, create_manager
 
 

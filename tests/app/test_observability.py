@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from app.metrics import Metrics
-from app.observability import HitRatioWindow, Observer, RequestCounts
+from app.telemetry.metrics import Metrics
+from app.telemetry.observer import HitRatioWindow, Observer, RequestCounts
 from manager import (
     CompleteStoreOutput,
     LookupOutput,

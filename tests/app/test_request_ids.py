@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from app.request_ids import MAX_SAFE_ID, is_safe_id, safe_req_id
+from app.telemetry.request_ids import MAX_SAFE_ID, is_safe_id, safe_req_id
 
 
 @pytest.mark.parametrize("value", ["r1", "cmpl-abc.0:1_x", "A" * MAX_SAFE_ID])

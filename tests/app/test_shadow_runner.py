@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.shadow import MIN_SAMPLE_RATE, ShadowRunner
+from app.core.shadow import MIN_SAMPLE_RATE, ShadowRunner
 from manager import PolicyInfo
 
 pytestmark = pytest.mark.anyio

@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from app.client import Batch, KVOffloadClient, KVOffloadError
-from app.limits import body_caps
+from app.http.limits import body_caps
 from app.settings import Settings
 from tests.e2e.conftest import ServerProcess
 from tests.load import wire

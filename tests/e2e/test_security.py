@@ -29,7 +29,7 @@ from urllib.parse import quote
 import httpx
 import pytest
 
-from app.request_ids import safe_req_id
+from app.telemetry.request_ids import safe_req_id
 from tests.e2e.conftest import ROOT, TOKEN, ServerProcess, free_port
 
 SAFE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,120}")

@@ -12,8 +12,8 @@ import json
 from fastapi import FastAPI
 from fastapi.responses import Response
 
-from app import schemas as s
-from app.service import Service
+from app.core.service import Service
+from app.http import schemas as s
 
 JSON = "application/json"
 _LIVE = json.dumps({"status": "ok"}).encode()

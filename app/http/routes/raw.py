@@ -21,8 +21,8 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.requests import ClientDisconnect
 
-from app.errors import APIError, validation_error
-from app.routes.query import refuse_query
+from app.http.errors import APIError, validation_error
+from app.http.routes.query import refuse_query
 
 MAX_PATH_PARAM = 256
 

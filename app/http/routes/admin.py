@@ -8,7 +8,7 @@ the admin listener to loopback (``Settings`` refuses anything else) and the rout
 ``PUT /admin/v1/policy`` is a conditional, idempotent switch: the policy ``generation`` is the
 ETag, ``If-Match`` (optional) must name the current one (else 412 and nothing changes), and a
 PUT of the active policy with the same parameters changes nothing (``changed: false``). Every
-change writes one audit line (``app.logging.audit``).
+change writes one audit line (``app.telemetry.logging.audit``).
 
 ``GET /admin/v1/policy/shadow`` lists each simulated policy's projected prefix hit ratio (over
 the recent window of sampled requests, and since the evaluation started) beside the live ratio,
@@ -31,14 +31,14 @@ from fastapi.responses import Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
-from app import logging as app_logging
-from app import schemas as s
-from app.errors import BODY_ERRORS, APIError, responses
-from app.middleware import call_info
-from app.openapi import KVOffloadAPI
-from app.routes.query import strict_query
-from app.routes.raw import body_parser
-from app.service import Service
+from app.core.service import Service
+from app.http import schemas as s
+from app.http.errors import BODY_ERRORS, APIError, responses
+from app.http.middleware import call_info
+from app.http.openapi import KVOffloadAPI
+from app.http.routes.query import strict_query
+from app.http.routes.raw import body_parser
+from app.telemetry import logging as app_logging
 from manager import PolicyInfo, UnknownPolicyError
 
 JSON = "application/json"

@@ -7,7 +7,7 @@ both share one pool, manager and worker under ``kvoffload serve``.
 
 Middleware (pure ASGI, outermost first): ``CallContextMiddleware`` (request id, the per-call
 ``CallInfo``, the ids bound for logging, and the hooks), then ``BodyGuardMiddleware`` (413/415
-before a body is parsed; each route held to its own byte cap, ``app.limits.body_caps``, in a
+before a body is parsed; each route held to its own byte cap, ``app.http.limits.body_caps``, in a
 table built from the app's routes once they are all registered). The service's
 ``observer.on_call`` is always the first hook of both apps (HTTP metrics, the canonical log
 line); ``hooks`` given by the caller run after it.
@@ -25,25 +25,25 @@ from collections.abc import AsyncIterator, Sequence
 from fastapi import Depends, FastAPI
 from prometheus_client import CollectorRegistry
 
-from app.errors import install_error_handlers
-from app.limits import BodyLimits, body_caps
-from app.middleware import (
+from app.core.service import Service
+from app.http.errors import install_error_handlers
+from app.http.limits import BodyLimits, body_caps
+from app.http.middleware import (
     ENGINE_REQUEST_PREFIX,
     BodyGuardMiddleware,
     CallContextMiddleware,
     CallHook,
 )
-from app.openapi import KVOffloadAPI, add_docs_routes
-from app.routes.admin import (
+from app.http.openapi import KVOffloadAPI, add_docs_routes
+from app.http.routes.admin import (
     ADMIN_REQUEST_PREFIX,
     admin_guard,
     register_admin_health,
     register_admin_routes,
 )
-from app.routes.engine import register_engine_routes
-from app.routes.health import register_health_routes
-from app.routes.metrics import register_metrics_route
-from app.service import Service
+from app.http.routes.engine import register_engine_routes
+from app.http.routes.health import register_health_routes
+from app.http.routes.metrics import register_metrics_route
 from app.settings import Settings
 
 VERSION = "0.1.0"

@@ -13,11 +13,11 @@ Both listeners (engine API and admin API) share one ``Service``. It owns:
   ``loop.call_soon_threadsafe`` when a job ends; it finishes jobs in the manager), the
   *lease sweeper* (``expire_requests(lease_ttl_s)``, so a crashed engine cannot leak the pool)
   and, with shadow evaluation on, the *shadow drain* (below);
-- its observability: ``observer`` (``app.observability``: every manager op, finished job and
+- its observability: ``observer`` (``app.telemetry.observer``: every manager op, finished job and
   HTTP call to metrics and log lines), the ``Metrics`` in ``registry`` (one per service; None
   when ``metrics_enabled`` is off) whose state collector reads ``snapshot()`` at scrape time.
 
-Shadow evaluation (``shadow_enabled``, ``app.shadow``): the manager hands every finished
+Shadow evaluation (``shadow_enabled``, ``app.core.shadow``): the manager hands every finished
 request's chain to the ``ShadowRunner`` (``add_chain_listener``; it only queues), whose task
 replays them through one simulated pool per policy within ``shadow_cpu_budget``, never on the
 request path. The control (the active policy) follows policy switches.
@@ -27,7 +27,7 @@ exit. It is reference counted, so each listener's lifespan can hold it and the l
 stops it. ``begin_drain()`` marks it not ready (``/readyz`` 503) ahead of a shutdown.
 
 Operations are plain methods raising domain errors (manager, transfer) or ``APIError``; the HTTP
-layer maps them (``app.errors``). ``offload`` = ``prepare_store`` + a device->host job for the
+layer maps them (``app.http.errors``). ``offload`` = ``prepare_store`` + a device->host job for the
 keys that must move, ``complete_store`` when it ends; ``onload`` = ``prepare_load`` + a
 host->device job, ``complete_load`` when it ends.
 """
@@ -46,15 +46,15 @@ from typing import Any, Literal
 from prometheus_client import CollectorRegistry
 from structlog.contextvars import bind_contextvars
 
-from app import logging as app_logging
-from app.errors import APIError, no_space, unavailable
-from app.events import EventBuffer
-from app.logging import audit, get_logger
-from app.metrics import Metrics, ServiceSnapshot
-from app.observability import Observer, RequestCounts
-from app.request_ids import safe_req_id
+from app.core.events import EventBuffer
+from app.core.shadow import ShadowRunner, ShadowState
+from app.http.errors import APIError, no_space, unavailable
 from app.settings import Settings
-from app.shadow import ShadowRunner, ShadowState
+from app.telemetry import logging as app_logging
+from app.telemetry.logging import audit, get_logger
+from app.telemetry.metrics import Metrics, ServiceSnapshot
+from app.telemetry.observer import Observer, RequestCounts
+from app.telemetry.request_ids import safe_req_id
 from manager import (
     BlockKey,
     CompleteStoreOutput,

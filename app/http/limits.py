@@ -58,8 +58,8 @@ from typing import Any
 
 from starlette.routing import BaseRoute, Route
 
-from app.errors import APIError
-from app.schemas import MAX_ID_CHARS, MAX_WAIT_JOBS
+from app.http.errors import APIError
+from app.http.schemas import MAX_ID_CHARS, MAX_WAIT_JOBS
 from app.settings import Settings
 from manager import MAX_KEY_BYTES
 from transfer.kv_cache import MAX_TENSORS
@@ -186,7 +186,7 @@ class BodyLimits:
             if name not in caps:
                 raise ValueError(
                     f"route {name!r} ({', '.join(sorted(methods))} {route.path}) takes a body "
-                    "but has no cap in app.limits.body_caps"
+                    "but has no cap in app.http.limits.body_caps"
                 )
             table.append(RouteCap(order, name, methods, route.path, route.path_regex, caps[name]))
         return cls(default, table)

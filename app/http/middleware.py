@@ -6,11 +6,11 @@ its manager calls handle there): the request id (``X-Request-ID`` taken from the
 is a safe id, else made up; echoed either way), the op and engine ``req_id`` once a route knows
 them, the per-op outcome of a batch, the keys handled, and the final status.
 
-For the duration of the call it binds for logging (``app.logging.bind_call``, a context
+For the duration of the call it binds for logging (``app.telemetry.logging.bind_call``, a context
 variable) ``request_id`` (the call's id) and ``req_id``: on a request-scoped path
 (``/v1/requests/{req_id}...``; the prefix is a parameter) the engine request id from the path in
-its safe form (``app.request_ids``), else the call's id. So every log line written while serving
-the call carries them.
+its safe form (``app.telemetry.request_ids``), else the call's id. So every log line written
+while serving the call carries them.
 
 When the call ends it hands the ``CallInfo`` to its hooks (``create_app(hooks=...)``), still
 inside the bound context (left bound when an exception escapes the app, for the error lines
@@ -21,7 +21,7 @@ affect the call.
 ``BodyGuardMiddleware`` refuses bodies before they are parsed: 413 when ``Content-Length`` says
 too large, or when a body without one grows past the limit while it is received; 415 when a
 body is not ``application/json``. The limit is the cap of the route the call is for
-(``app.limits.BodyLimits``: derived from the settings, at most ``max_body_bytes``).
+(``app.http.limits.BodyLimits``: derived from the settings, at most ``max_body_bytes``).
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import APIError, error_body
-from app.limits import BodyLimits
-from app.logging import bind_call, get_logger, unbind_call
-from app.request_ids import MAX_SAFE_ID, SAFE_ID, safe_req_id
+from app.http.errors import APIError, error_body
+from app.http.limits import BodyLimits
+from app.telemetry.logging import bind_call, get_logger, unbind_call
+from app.telemetry.request_ids import MAX_SAFE_ID, SAFE_ID, safe_req_id
 
 log = get_logger("middleware")
 CALL_KEY = "kvoffload.call"

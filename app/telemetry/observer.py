@@ -5,7 +5,7 @@
 - **Manager ops** (called by ``Service`` after each manager call, on the request path or from a
   job completion): ``kvoffload_manager_ops_total{op,result}`` and the per-key outcomes in
   ``kvoffload_manager_keys_total{op,result}``, each with the exemplar ``req_id`` of the request
-  the op was for (its safe form, ``app.request_ids``); the keys are also added to the HTTP
+  the op was for (its safe form, ``app.telemetry.request_ids``); the keys are also added to the HTTP
   call's ``CallInfo.keys`` for its log line. A lookup feeds the windowed live prefix hit ratio.
 - **Transfer jobs** (``transfer_done``, for each record the job tracker finished): the transfer
   families with the job's ``req_id`` as exemplar, and one log line naming the job's request.
@@ -29,10 +29,10 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from app.logging import CallLevel, get_logger, log_call
-from app.metrics import LiveRequestRow, Metrics
-from app.middleware import CallInfo, current_call
-from app.request_ids import safe_req_id
+from app.http.middleware import CallInfo, current_call
+from app.telemetry.logging import CallLevel, get_logger, log_call
+from app.telemetry.metrics import LiveRequestRow, Metrics
+from app.telemetry.request_ids import safe_req_id
 from manager import (
     CompleteStoreOutput,
     LookupOutput,

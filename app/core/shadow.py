@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from app.logging import get_logger
+from app.telemetry.logging import get_logger
 from manager import BlockKey, PolicyInfo, available_policies
 from manager.policies import policy_class
 from manager.shadow import ShadowEvaluator, ShadowReport

@@ -16,10 +16,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from app import schemas as s
-from app.errors import too_many
-from app.limits import transfer_params_error
-from app.service import Service
+from app.core.service import Service
+from app.http import schemas as s
+from app.http.errors import too_many
+from app.http.limits import transfer_params_error
 from manager import BlockKey, LookupResult
 from transfer import JobRecord
 

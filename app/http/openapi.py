@@ -20,8 +20,8 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from app.errors import ErrorBody, responses
-from app.routes.query import strict_query
+from app.http.errors import ErrorBody, responses
+from app.http.routes.query import strict_query
 
 _REF = "#/components/schemas/{model}"
 _HAS_NATIVE_TELEMETRY = "telemetry" in inspect.signature(FastAPI.__init__).parameters

@@ -47,7 +47,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from app.logging import get_logger
+from app.telemetry.logging import get_logger
 from manager import (
     InvalidArgumentError,
     InvalidPolicyParamsError,

@@ -3,7 +3,7 @@
 Routes with a JSON body are ``RawRoute``s: the endpoint reads the raw body and validates it with
 the body model's ``validate_json`` (strict, hex keys decoded in pydantic-core), without FastAPI's
 per-call parameter machinery. That keeps the hot routes (``lookup``, ``batch``) near the cost of
-the framework's own floor, while ``app.openapi`` documents the same models.
+the framework's own floor, while ``app.http.openapi`` documents the same models.
 """
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ from fastapi import Path, Query, Request
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
 
-from app import schemas as s
-from app.errors import BODY_ERRORS, APIError, error_for, responses, too_many
-from app.events import event_json
-from app.limits import batch_exceeds_ops, transfer_params_error
-from app.logging import get_logger
-from app.middleware import call_info
-from app.openapi import KVOffloadAPI
-from app.operations import BY_NAME, OPERATIONS, Operation, job_json
-from app.routes.raw import RawRoute, body_parser, check_path_param, read_body
-from app.service import Service
+from app.core.events import event_json
+from app.core.service import Service
+from app.http import schemas as s
+from app.http.errors import BODY_ERRORS, APIError, error_for, responses, too_many
+from app.http.limits import batch_exceeds_ops, transfer_params_error
+from app.http.middleware import call_info
+from app.http.openapi import KVOffloadAPI
+from app.http.operations import BY_NAME, OPERATIONS, Operation, job_json
+from app.http.routes.raw import RawRoute, body_parser, check_path_param, read_body
+from app.telemetry.logging import get_logger
 
 log = get_logger("engine")
 JSON = "application/json"

@@ -9,7 +9,7 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.routing import APIRoute
 
-from app.errors import APIError
+from app.http.errors import APIError
 
 
 def unknown_query(names: list[str]) -> APIError:

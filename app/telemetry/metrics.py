@@ -39,7 +39,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Exemplar, Sample
 from prometheus_client.utils import floatToGoString
 
-from app.request_ids import SAFE_ID
+from app.telemetry.request_ids import SAFE_ID
 from manager import ManagerStats, PolicyInfo
 
 # prometheus_client's own spelling of bucket bounds (``le``); the function is untyped upstream.
@@ -72,8 +72,8 @@ def failure_reason(reason: str | None) -> str:
 
 def exemplar(req_id: str | None) -> dict[str, str] | None:
     """The exemplar label set for ``req_id``, or None when it cannot be one (not a safe id, see
-    ``app.request_ids``; OpenMetrics caps an exemplar at 128 characters): an observation is
-    never refused for its exemplar. Callers pass ``safe_req_id(req_id)``."""
+    ``app.telemetry.request_ids``; OpenMetrics caps an exemplar at 128 characters): an
+    observation is never refused for its exemplar. Callers pass ``safe_req_id(req_id)``."""
     req = _exemplar_id(req_id)
     return None if req is None else {"req_id": req}
 
