@@ -1,14 +1,30 @@
-"""kvoffload's HTTP face. Knows ``manager/`` and ``transfer/``; nothing imports it back.
+"""kvoffload's service and its faces. Knows ``manager/`` and ``transfer/``; nothing imports it back.
+
+Rooms, each importing only from the rooms below it (``tests/test_layering.py`` holds it):
 
 - ``settings``: every knob (defaults < config file < ``KVOFFLOAD_*`` env < flags).
-- ``service``: the one ``Service`` both listeners share (manager, host pool, KV-cache registry,
-  transfer worker, job tracker, event buffer, background tasks).
-- ``main``: ``create_app`` (engine API) and ``create_admin_app`` (admin API) factories.
-- ``operations``: the request-scoped ops, shared by the single routes and ``/v1/batch``.
-- ``routes/``: engine, admin and health routes; ``raw`` holds the raw-body route machinery.
-- ``schemas``: strict request bodies and documented answers. ``errors``: domain errors to HTTP,
-  in one place. ``middleware``: pure ASGI (call context, body guard). ``openapi``: the spec.
-- ``events``: the bounded KV-event buffer. ``logging``: JSON lines and the audit trail.
+- ``telemetry/``: what the service reports. ``request_ids`` (the safe form of an id, one cache),
+  ``logging`` (JSON lines, audit trail, live level), ``metrics`` (the Prometheus families),
+  ``calls`` (the record of one HTTP call), ``observer`` (work to metrics and log lines).
+- ``core/``: the service, with no HTTP in it. ``service`` (lifecycle, background tasks, the
+  rooms below), ``observed`` (every manager call, observed once), ``transfers`` (pool, KV
+  caches, worker, jobs), ``admin`` (operator operations, audited), ``events`` (KV-event buffer),
+  ``shadow`` (shadow evaluation), ``errors`` (the core's domain errors).
+- ``http/``: the edge. ``apps`` (``create_app``, ``create_admin_app``), ``routes/`` (engine,
+  admin, health, metrics), ``operations`` (request-scoped ops shared by routes and batch),
+  ``schemas``, ``errors`` (every domain error to a status, in one table), ``middleware`` (pure
+  ASGI), ``limits`` (body caps), ``openapi``, ``deps``.
 - ``server``: one process, one loop, two uvicorn listeners. ``cli``: ``kvoffload``.
-- ``client``: typed engine and admin clients (httpx; TCP or Unix socket).
+  ``replay``: the policy lab's command.
+- ``client``: typed engine and admin clients (httpx only; importable without the server).
 """
+
+
+def package_version() -> str:
+    """The installed distribution's version (from pyproject.toml), "0+unknown" if not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvoffload")
+    except PackageNotFoundError:
+        return "0+unknown"

@@ -1,0 +1,1 @@
+"""The HTTP edge: apps, routes, schemas, middleware, the error table (see ``app``)."""

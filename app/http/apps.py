@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Sequence
 from fastapi import Depends, FastAPI
 from prometheus_client import CollectorRegistry
 
+from app import package_version
 from app.core.service import Service
 from app.http.errors import install_error_handlers
 from app.http.limits import BodyLimits, body_caps
@@ -32,7 +33,6 @@ from app.http.middleware import (
     ENGINE_REQUEST_PREFIX,
     BodyGuardMiddleware,
     CallContextMiddleware,
-    CallHook,
 )
 from app.http.openapi import KVOffloadAPI, add_docs_routes
 from app.http.routes.admin import (
@@ -45,8 +45,7 @@ from app.http.routes.engine import register_engine_routes
 from app.http.routes.health import register_health_routes
 from app.http.routes.metrics import register_metrics_route
 from app.settings import Settings
-
-VERSION = "0.1.0"
+from app.telemetry.calls import CallHook
 
 _ENGINE_DESCRIPTION = """\
 KV-cache offloading for LLM inference engines. Keys are block hashes written as hex
@@ -98,7 +97,7 @@ def create_app(
 
     app = KVOffloadAPI(
         title="kvoffload engine API",
-        version=VERSION,
+        version=package_version(),
         description=_ENGINE_DESCRIPTION,
         lifespan=lifespan,
     )
@@ -106,7 +105,7 @@ def create_app(
     app.state.settings = settings
     install_error_handlers(app)
     register_engine_routes(app, svc)
-    register_health_routes(app, svc)
+    register_health_routes(app)
     if svc.registry is not None:
         register_metrics_route(app, svc.registry)
     add_docs_routes(app)
@@ -129,7 +128,7 @@ def create_admin_app(
 
     app = KVOffloadAPI(
         title="kvoffload admin API",
-        version=VERSION,
+        version=package_version(),
         description=(
             "Operator API: eviction policy and its shadow projections, statistics, leases, "
             "cache clear, log level."
@@ -140,7 +139,7 @@ def create_admin_app(
     app.state.service = service
     app.state.settings = settings
     install_error_handlers(app)
-    register_admin_routes(app, service, settings.admin_token_value())
+    register_admin_routes(app, settings.admin_token_value())
     register_admin_health(app)
     add_docs_routes(app)
     _install_middleware(app, settings, service, hooks, ADMIN_REQUEST_PREFIX)

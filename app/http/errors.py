@@ -1,5 +1,8 @@
 """HTTP errors: the one place where domain errors become statuses.
 
+The service core (``app.core``), the manager and the transfer layer raise their own error types
+and know nothing of HTTP; the table below (``_MAPPED``, in code) gives each its status and code.
+
 Every error answer is JSON ``{"error": {"code": "...", "message": "..."}}``. ``code`` is a stable
 machine-readable word, ``message`` is for people.
 
@@ -10,7 +13,7 @@ malformed JSON / body         400     malformed_body
 client hung up mid-body       400     client_disconnected
 no / wrong admin token        401/403 unauthorized / forbidden
 UnknownRequestError           404     unknown_request
-unknown job                   404     unknown_job
+UnknownJobError               404     unknown_job
 UnknownCacheError             404     unknown_cache
 KeyNotReadyError              409     key_not_ready
 NotPinnedError                409     not_pinned
@@ -25,8 +28,10 @@ InvalidPolicyParamsError      422     invalid_policy_params
 other InvalidArgumentError    422     invalid_argument
 RegistrationError             422     invalid_registration
 InvalidJobError               422     invalid_job
-prepare_store found no room   507     no_space
-not started / shutting down   503     unavailable
+NoSpaceError                  507     no_space
+ServiceUnavailableError       503     unavailable
+DeviceBlockError              422     invalid_field
+other TransferError           503     transfer_unavailable
 ============================  ======  ==========================
 
 ``error_for(exc)`` maps an exception to an ``APIError`` (used by the exception handlers and by
@@ -47,6 +52,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
+from app.core.errors import (
+    DeviceBlockError,
+    NoSpaceError,
+    ServiceUnavailableError,
+    UnknownJobError,
+)
 from app.telemetry.logging import get_logger
 from manager import (
     InvalidArgumentError,
@@ -144,6 +155,10 @@ _MAPPED: tuple[tuple[type[Exception], int, str], ...] = (
     (RegistrationError, 422, "invalid_registration"),
     (InvalidJobError, 422, "invalid_job"),
     (TransferError, 503, "transfer_unavailable"),
+    (ServiceUnavailableError, 503, "unavailable"),
+    (NoSpaceError, 507, "no_space"),
+    (UnknownJobError, 404, "unknown_job"),
+    (DeviceBlockError, 422, "invalid_field"),
 )
 
 
@@ -157,18 +172,6 @@ def error_for(exc: BaseException) -> APIError:
         if isinstance(exc, exc_type):
             return APIError(status, code, str(exc))
     return APIError(500, "internal", "internal error")
-
-
-def unavailable(reason: str) -> APIError:
-    """503: the service cannot take this call now (starting, shutting down)."""
-    return APIError(503, "unavailable", reason)
-
-
-def no_space(needed: int) -> APIError:
-    """507: ``prepare_store`` could not make room (nothing changed)."""
-    return APIError(
-        507, "no_space", f"no evictable space for {needed} block(s); nothing was stored"
-    )
 
 
 def too_many(what: str, count: int | None, limit: int) -> APIError:

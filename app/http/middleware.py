@@ -1,10 +1,11 @@
 """Pure ASGI middleware (no ``BaseHTTPMiddleware``: contextvars and streaming stay intact).
 
-``CallContextMiddleware`` gives every HTTP call a ``CallInfo`` in its scope (``call_info``) and
-in a context variable (``current_call``, for code below the routes: the service counts the keys
-its manager calls handle there): the request id (``X-Request-ID`` taken from the caller when it
-is a safe id, else made up; echoed either way), the op and engine ``req_id`` once a route knows
-them, the per-op outcome of a batch, the keys handled, and the final status.
+``CallContextMiddleware`` gives every HTTP call a ``CallInfo`` (``app.telemetry.calls``) in its
+scope (``call_info``) and as the current call (``current_call``, for code below the routes: the
+observed manager counts the keys it handles there): the request id (``X-Request-ID`` taken
+from the caller when it is a safe id, else made up; echoed either way), the op and engine
+``req_id`` once a route knows them, the per-op outcome of a batch, the keys handled, and the
+final status.
 
 For the duration of the call it binds for logging (``app.telemetry.logging.bind_call``, a context
 variable) ``request_id`` (the call's id) and ``req_id``: on a request-scoped path
@@ -29,14 +30,13 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Callable, Sequence
-from contextvars import ContextVar
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.http.errors import APIError, error_body
 from app.http.limits import BodyLimits
+from app.telemetry.calls import CallHook, CallInfo, enter_call, leave_call
 from app.telemetry.logging import bind_call, get_logger, unbind_call
 from app.telemetry.request_ids import MAX_SAFE_ID, SAFE_ID, safe_req_id
 
@@ -46,43 +46,10 @@ ENGINE_REQUEST_PREFIX = "/v1/requests/"
 _REQUEST_ID = b"x-request-id"
 
 
-@dataclass(slots=True)
-class CallInfo:
-    """What is known about one HTTP call; routes fill ``op``, ``req_id`` and ``ops``."""
-
-    request_id: str
-    method: str
-    path: str
-    started: float
-    op: str | None = None
-    req_id: str | None = None
-    # Template of the matched route (``/v1/requests/{req_id}/lookup``); None: no route matched.
-    route: str | None = None
-    status: int = 0
-    # For a batch: (op, status) of each op, in order.
-    ops: list[tuple[str, int]] | None = None
-    duration_s: float = 0.0
-    # What the log line and exemplars say ``req_id`` is: the safe form of the path's engine
-    # request id on a request-scoped path, else ``request_id``.
-    log_id: str = ""
-    # Keys handled by the manager calls the call made (added up by the service).
-    keys: int = 0
-
-
-CallHook = Callable[[CallInfo], None]
-
-_current: ContextVar[CallInfo | None] = ContextVar("kvoffload_call", default=None)
-
-
 def call_info(scope: Scope) -> CallInfo | None:
     """The ``CallInfo`` of the call, when ``CallContextMiddleware`` is installed."""
     info = scope.get(CALL_KEY)
     return info if isinstance(info, CallInfo) else None
-
-
-def current_call() -> CallInfo | None:
-    """The ``CallInfo`` of the HTTP call being served in this context (None outside one)."""
-    return _current.get()
 
 
 def _valid_request_id(raw: bytes) -> bool:
@@ -137,7 +104,7 @@ class CallContextMiddleware:
         )
         info.log_id = request_id if engine_req is None else safe_req_id(engine_req)
         scope[CALL_KEY] = info
-        current = _current.set(info)
+        current = enter_call(info)
         bound = bind_call(request_id, info.log_id)
         echoed = (_REQUEST_ID, request_id.encode())
 
@@ -167,7 +134,7 @@ class CallContextMiddleware:
             # uvicorn serves each HTTP call in a task of its own, whose context dies with it.
             if not escaped:
                 unbind_call(bound)
-            _current.reset(current)
+            leave_call(current)
 
 
 def too_large_message(limit: int, route: str | None) -> str:

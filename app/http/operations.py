@@ -20,7 +20,7 @@ from app.core.service import Service
 from app.http import schemas as s
 from app.http.errors import too_many
 from app.http.limits import transfer_params_error
-from manager import BlockKey, LookupResult
+from manager import BlockKey, LookupResult, ReqContext
 from transfer import JobRecord
 
 Run = Callable[[Service, str, Any], tuple[int, str]]
@@ -82,13 +82,13 @@ def _run_start(service: Service, req_id: str, body: s.StartRequestBody) -> tuple
     err = transfer_params_error(body.kv_transfer_params, service.settings.max_transfer_params_bytes)
     if err is not None:
         raise err
-    created = service.start_request(req_id, body.kv_transfer_params)
+    created = service.manager.start_request(req_id, body.kv_transfer_params)
     answer = json.dumps({"req_id": req_id, "created": created})
     return (201 if created else 200), answer
 
 
 def _run_finish(service: Service, req_id: str, body: s.FinishRequestBody) -> tuple[int, str]:
-    released = service.finish_request(req_id, body.abort)
+    released = service.manager.finish_request(req_id, body.abort)
     return 200, json.dumps(
         {
             "req_id": req_id,
@@ -101,7 +101,7 @@ def _run_finish(service: Service, req_id: str, body: s.FinishRequestBody) -> tup
 def _run_lookup(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str]:
     keys = body.keys
     _limit_keys(service, keys)
-    out = service.lookup(req_id, keys)
+    out = service.manager.lookup(keys, ReqContext(req_id))
     results = out.results
     n = len(results)
     # The common answers (all hits, all misses) are built without a per-key loop.
@@ -116,25 +116,25 @@ def _run_lookup(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, s
 
 def _run_prepare_load(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str]:
     _limit_keys(service, body.keys)
-    slots = service.prepare_load(req_id, body.keys)
+    slots = service.manager.prepare_load(body.keys, ReqContext(req_id))
     return 200, f'{{"slots":{json.dumps(slots)}}}'
 
 
 def _run_touch(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str]:
     _limit_keys(service, body.keys)
-    service.touch(req_id, body.keys)
+    service.manager.touch(body.keys, ReqContext(req_id))
     return 200, "{}"
 
 
 def _run_complete_load(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str]:
     _limit_keys(service, body.keys)
-    service.complete_load(req_id, body.keys)
+    service.manager.complete_load(body.keys, ReqContext(req_id), by_engine=True)
     return 200, "{}"
 
 
 def _run_prepare_store(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str]:
     _limit_keys(service, body.keys)
-    out = service.prepare_store(req_id, body.keys)
+    out = service.manager.prepare_store(body.keys, ReqContext(req_id))
     return 200, (
         f'{{"keys_to_store":{hex_list(out.keys_to_store)},"slots":{json.dumps(out.slots)},'
         f'"evicted_keys":{hex_list(out.evicted_keys)},'
@@ -146,7 +146,9 @@ def _run_complete_store(
     service: Service, req_id: str, body: s.CompleteStoreBody
 ) -> tuple[int, str]:
     _limit_keys(service, body.keys)
-    out = service.complete_store(req_id, body.keys, body.success)
+    out = service.manager.complete_store(
+        body.keys, ReqContext(req_id), body.success, by_engine=True
+    )
     return 200, (
         f'{{"completed":{hex_list(out.completed)},"dropped":{hex_list(out.dropped)},'
         f'"ignored":{hex_list(out.ignored)}}}'
@@ -155,7 +157,7 @@ def _run_complete_store(
 
 def _run_offload(service: Service, req_id: str, body: s.TransferBody) -> tuple[int, str]:
     _limit_keys(service, body.keys)
-    started = service.offload(req_id, body.cache_id, body.keys, body.device_blocks)
+    started = service.transfers().offload(req_id, body.cache_id, body.keys, body.device_blocks)
     job, spec = started.job, started.spec
     return 202, json.dumps(
         {
@@ -170,7 +172,7 @@ def _run_offload(service: Service, req_id: str, body: s.TransferBody) -> tuple[i
 
 def _run_onload(service: Service, req_id: str, body: s.TransferBody) -> tuple[int, str]:
     _limit_keys(service, body.keys)
-    started = service.onload(req_id, body.cache_id, body.keys, body.device_blocks)
+    started = service.transfers().onload(req_id, body.cache_id, body.keys, body.device_blocks)
     job = started.job
     return 202, json.dumps(
         {

@@ -1,0 +1,1 @@
+"""What the service reports: ids, log lines, metrics, the observer (see ``app``)."""

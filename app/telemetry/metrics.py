@@ -39,7 +39,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Exemplar, Sample
 from prometheus_client.utils import floatToGoString
 
-from app.telemetry.request_ids import SAFE_ID
+from app.telemetry.request_ids import exemplar_id
 from manager import ManagerStats, PolicyInfo
 
 # prometheus_client's own spelling of bucket bounds (``le``); the function is untyped upstream.
@@ -52,9 +52,6 @@ LATENCY_BUCKETS = (
     0.5, 1.0, 2.5,
 )  # fmt: skip
 TRANSFER_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
-# Whether recent req_ids are safe exemplar values: one check per request, not per observation.
-_CHECKED_MAX = 4096
-_checked: dict[str, bool] = {}
 
 
 FAILURE_REASONS = ("deadline", "shutdown", "injected")
@@ -68,26 +65,6 @@ def failure_reason(reason: str | None) -> str:
             if lowered.startswith(kind):
                 return kind
     return "error"
-
-
-def exemplar(req_id: str | None) -> dict[str, str] | None:
-    """The exemplar label set for ``req_id``, or None when it cannot be one (not a safe id, see
-    ``app.telemetry.request_ids``; OpenMetrics caps an exemplar at 128 characters): an
-    observation is never refused for its exemplar. Callers pass ``safe_req_id(req_id)``."""
-    req = _exemplar_id(req_id)
-    return None if req is None else {"req_id": req}
-
-
-def _exemplar_id(req_id: str | None) -> str | None:
-    if not req_id:
-        return None
-    safe = _checked.get(req_id)
-    if safe is None:
-        safe = SAFE_ID.fullmatch(req_id) is not None
-        if len(_checked) >= _CHECKED_MAX:
-            _checked.clear()
-        _checked[req_id] = safe
-    return req_id if safe else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -422,7 +399,7 @@ class Metrics:
         self, route: str, method: str, status: int, seconds: float, req_id: str | None
     ) -> None:
         """One HTTP call: counter by status, latency histogram, both with the exemplar."""
-        ex = _exemplar_id(req_id)
+        ex = exemplar_id(req_id)
         now = self._clock()
         key = (route, method, status)
         labels = self._http_labels.get(key)
@@ -440,7 +417,7 @@ class Metrics:
     ) -> None:
         """One manager operation and, optionally, its key counts by result (zero counts make
         no series)."""
-        ex = _exemplar_id(req_id)
+        ex = exemplar_id(req_id)
         now = self._clock()
         self.manager_ops.inc((op, result), 1, ex, now)
         if keys:
@@ -459,7 +436,7 @@ class Metrics:
         req_id: str | None,
     ) -> None:
         """One finished transfer job; ``reason`` is reduced to a bounded label."""
-        ex = _exemplar_id(req_id)
+        ex = exemplar_id(req_id)
         now = self._clock()
         self.transfer_jobs.inc((direction, "ok" if ok else "failed"), 1, ex, now)
         self.transfer_duration.observe((direction,), seconds, ex, now)

@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from app.http.middleware import CallInfo, current_call
+from app.telemetry.calls import CallInfo, add_keys
 from app.telemetry.logging import CallLevel, get_logger, log_call
 from app.telemetry.metrics import LiveRequestRow, Metrics
 from app.telemetry.request_ids import safe_req_id
@@ -154,7 +154,7 @@ class Observer:
         """A lookup: keys by state, the live prefix window."""
         results = out.results
         n = len(results)
-        _add_keys(n)
+        add_keys(n)
         self.hit_window.add(out.hit_prefix, n)
         if self.metrics is not None:
             if out.hit_prefix == n:
@@ -171,7 +171,7 @@ class Observer:
     def prepare_store(self, req_id: str, offered: int, out: PrepareStoreOutput | None) -> None:
         """A store offer of ``offered`` keys: admitted (stored), filtered (skipped), reused;
         ``out`` None: refused for lack of room."""
-        _add_keys(offered)
+        add_keys(offered)
         if self.metrics is None:
             return
         if out is None:
@@ -188,7 +188,7 @@ class Observer:
     def complete_store(self, req_id: str, out: CompleteStoreOutput) -> None:
         """Stores finished (by the engine, or by a store job's end)."""
         completed = len(out.completed)
-        _add_keys(completed + len(out.dropped) + len(out.ignored))
+        add_keys(completed + len(out.dropped) + len(out.ignored))
         if self.request_counts is not None and completed:
             self.request_counts.add(req_id, stored=completed)
         if self.metrics is not None:
@@ -201,14 +201,14 @@ class Observer:
 
     def prepare_load(self, req_id: str, pinned: int) -> None:
         """Keys pinned for a load."""
-        _add_keys(pinned)
+        add_keys(pinned)
         if self.metrics is not None:
             self.metrics.manager_op("prepare_load", "ok", safe_req_id(req_id), {"pinned": pinned})
 
     def complete_load(self, req_id: str, keys: int, *, by_engine: bool) -> None:
         """Keys unpinned; an engine's own ``complete_load`` also counts them as loaded (a load
         job's keys are counted by ``transfer_done`` when the job succeeded)."""
-        _add_keys(keys)
+        add_keys(keys)
         if by_engine and self.request_counts is not None and keys:
             self.request_counts.add(req_id, loaded=keys)
         if self.metrics is not None:
@@ -281,9 +281,3 @@ class Observer:
         fields["req_id"] = info.log_id
         fields["request_id"] = info.request_id
         log_call(level, fields)
-
-
-def _add_keys(n: int) -> None:
-    info = current_call()
-    if info is not None:
-        info.keys += n

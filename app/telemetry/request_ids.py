@@ -35,6 +35,15 @@ def is_safe_id(value: str) -> bool:
     return SAFE_ID.fullmatch(value) is not None
 
 
+def exemplar_id(value: str | None) -> str | None:
+    """``value`` when it can be an exemplar's ``req_id`` as it is (a safe id), else None: an
+    observation is never refused for its exemplar. Answered from the same cache as
+    ``safe_req_id``, so a request's many observations pay one regex match."""
+    if not value:
+        return None
+    return value if safe_req_id(value) == value else None
+
+
 def safe_req_id(req_id: str) -> str:
     """``req_id`` itself when safe, else its sanitised and hashed form (module docstring)."""
     safe = _cache.get(req_id)

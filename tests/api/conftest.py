@@ -18,9 +18,9 @@ import pytest
 
 from app.core.service import Service
 from app.http.apps import create_admin_app, create_app
-from app.http.middleware import CallInfo
 from app.http.openapi import KVOffloadAPI
 from app.settings import Settings
+from app.telemetry.calls import CallInfo
 from tests.api.devices import ShmDevice
 
 TOKEN = "test-admin-token"

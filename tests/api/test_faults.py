@@ -143,8 +143,7 @@ async def test_an_admin_release_cannot_let_a_running_store_overwrite_another_blo
         assert (await h.admin.post("/admin/v1/requests/victim/release")).status_code == 200
         spec = (await h.post("/v1/requests/other/prepare-store", {"keys": hexkeys(2)})).json()
         own = bytes([0xBB]) * h.settings.block_bytes
-        pool = h.service._pool
-        assert pool is not None
+        pool = h.service.transfers().pool
         pool.tensor[spec["slots"][0]] = pool.tensor.new_tensor(list(own))
         await h.post("/v1/requests/other/complete-store", {"keys": hexkeys(2)})
         await asyncio.sleep(0.8)  # the released request's job has run by now

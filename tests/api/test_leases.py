@@ -58,8 +58,7 @@ async def test_ready_then_not_ready_while_draining(h: Harness) -> None:
 async def test_not_ready_while_a_transfer_is_past_its_deadline(
     h: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    tracker = h.service._tracker
-    assert tracker is not None
+    tracker = h.service.transfers().tracker
     monkeypatch.setattr(tracker, "oldest_running_age", lambda: h.settings.job_deadline_s + 1)
     r = await h.client.get("/readyz")
     assert r.status_code == 503
@@ -87,7 +86,7 @@ async def test_stop_fails_running_jobs_and_frees_everything() -> None:
         assert r.json()["state"] == "running"
         service = h.service
     assert service.state == "stopped"
-    stats = service.stats()
+    stats = service.admin.stats()
     assert (stats.pending, stats.ready) == (0, 0)
 
 

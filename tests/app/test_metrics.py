@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.exposition import generate_latest
 
-from app.telemetry.metrics import LiveRequestRow, Metrics, ServiceSnapshot, exemplar, failure_reason
+from app.telemetry.metrics import LiveRequestRow, Metrics, ServiceSnapshot, failure_reason
 from manager import ReqContext, create_manager
 
 
@@ -104,7 +104,13 @@ def test_failure_reason_labels(reason, label) -> None:
      (None, False), ("sp ace", False)],
 )  # fmt: skip
 def test_exemplars_only_for_safe_req_ids(req_id, ok) -> None:
-    assert (exemplar(req_id) is not None) is ok
+    reg = CollectorRegistry()
+    Metrics(reg).manager_op("touch", "ok", req_id)
+    (sample,) = [
+        s for f in reg.collect() for s in f.samples if s.name == "kvoffload_manager_ops_total"
+    ]
+    assert sample.value == 1
+    assert (sample.exemplar is not None) is ok
 
 
 def test_state_is_read_from_the_snapshot_at_scrape_time(manager) -> None:

@@ -24,6 +24,7 @@ import dataclasses
 import hmac
 import json
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Header, Path, Query, Request
@@ -31,8 +32,8 @@ from fastapi.responses import Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.core.service import Service
 from app.http import schemas as s
+from app.http.deps import ServiceDep
 from app.http.errors import BODY_ERRORS, APIError, responses
 from app.http.middleware import call_info
 from app.http.openapi import KVOffloadAPI
@@ -178,288 +179,307 @@ async def admin_guard(request: Request) -> None:
     await strict_query(request)
 
 
-def register_admin_routes(app: KVOffloadAPI, service: Service, token: str | None) -> None:
-    """Add the admin routes to ``app``, each behind the token check."""
-    setattr(app.state, _TOKEN_STATE, None if token is None else token.encode())
-    parse_policy = body_parser(s.PolicyBody)
-    parse_level = body_parser(LogLevelBody)
+_parse_policy = body_parser(s.PolicyBody)
+_parse_level = body_parser(LogLevelBody)
 
-    def note(request: Request, op: str) -> None:
-        info = call_info(request.scope)
-        if info is not None:
-            info.op = op
 
-    async def get_policy(request: Request, actor: Actor) -> Response:
-        note(request, "admin_policy_get")
-        info, available = service.policy()
-        return _answer({**_policy_ref(info), "available": available}, tag=etag(info.generation))
+def _note(request: Request, op: str) -> None:
+    info = call_info(request.scope)
+    if info is not None:
+        info.op = op
 
-    async def put_policy(
-        request: Request,
-        actor: Actor,
-        if_match: Annotated[
-            str | None, Header(description="current generation (ETag); 412 if it moved")
-        ] = None,
-    ) -> Response:
-        note(request, "admin_policy_set")
-        body: s.PolicyBody = parse_policy(await request.body())
-        current, available = service.policy()
-        if body.name not in available:  # an invalid body is 422 whatever If-Match says
-            raise UnknownPolicyError(body.name, available)
-        if if_match is not None and not if_match_ok(if_match, current.generation):
-            raise APIError(
-                412,
-                "precondition_failed",
-                f"policy generation is {current.generation}, If-Match was {if_match}",
-                {"ETag": etag(current.generation)},
-            )
-        switch = service.switch_policy(body.name, body.params, actor)
-        return _answer(
-            {
-                "from": _policy_ref(switch.previous),
-                "to": _policy_ref(switch.current),
-                "blocks_migrated": switch.blocks_migrated,
-                "changed": switch.changed,
-            },
-            tag=etag(switch.current.generation),
+
+async def get_policy(request: Request, actor: Actor, service: ServiceDep) -> Response:
+    _note(request, "admin_policy_get")
+    info, available = service.admin.policy()
+    return _answer({**_policy_ref(info), "available": available}, tag=etag(info.generation))
+
+
+async def put_policy(
+    request: Request,
+    actor: Actor,
+    service: ServiceDep,
+    if_match: Annotated[
+        str | None, Header(description="current generation (ETag); 412 if it moved")
+    ] = None,
+) -> Response:
+    _note(request, "admin_policy_set")
+    body: s.PolicyBody = _parse_policy(await request.body())
+    current, available = service.admin.policy()
+    if body.name not in available:  # an invalid body is 422 whatever If-Match says
+        raise UnknownPolicyError(body.name, available)
+    if if_match is not None and not if_match_ok(if_match, current.generation):
+        raise APIError(
+            412,
+            "precondition_failed",
+            f"policy generation is {current.generation}, If-Match was {if_match}",
+            {"ETag": etag(current.generation)},
         )
+    switch = service.admin.switch_policy(body.name, body.params, actor)
+    return _answer(
+        {
+            "from": _policy_ref(switch.previous),
+            "to": _policy_ref(switch.current),
+            "blocks_migrated": switch.blocks_migrated,
+            "changed": switch.changed,
+        },
+        tag=etag(switch.current.generation),
+    )
 
-    async def get_shadow(request: Request, actor: Actor) -> Response:
-        note(request, "admin_shadow")
-        active = service.policy()[0]
-        live = service.observer.hit_window.ratio()
-        state = service.shadow_state()
-        if state is None:
-            return _answer(
-                {
-                    "enabled": False,
-                    "active": _policy_ref(active),
-                    "live_prefix_hit_ratio": live,
-                    "since_generation": None,
-                    "restarts": 0,
-                    "sample_rate": None,
-                    "shadow_capacity": None,
-                    "observed": 0,
-                    "sampled": 0,
-                    "queued": 0,
-                    "dropped": 0,
-                    "policies": [],
-                }
-            )
-        report = state.report
+
+async def get_shadow(request: Request, actor: Actor, service: ServiceDep) -> Response:
+    _note(request, "admin_shadow")
+    active = service.admin.policy()[0]
+    live = service.admin.live_hit_ratio()
+    state = service.admin.shadow_state()
+    if state is None:
         return _answer(
             {
-                "enabled": True,
+                "enabled": False,
                 "active": _policy_ref(active),
                 "live_prefix_hit_ratio": live,
-                "since_generation": state.since_generation,
-                "restarts": state.restarts,
-                "sample_rate": report.sample_rate,
-                "shadow_capacity": report.shadow_capacity,
-                "observed": report.observed,
-                "sampled": report.sampled,
-                "queued": report.queued,
-                "dropped": report.dropped,
-                "policies": [
-                    {
-                        "policy": r.policy,
-                        "active": r.policy == active.name,
-                        "projected_hit_ratio": r.window if r.requests else None,
-                        "cumulative_hit_ratio": r.cumulative if r.requests else None,
-                        "sampled_requests": r.requests,
-                        "sampled_blocks": r.blocks,
-                    }
-                    for r in report.ratios
-                ],
+                "since_generation": None,
+                "restarts": 0,
+                "sample_rate": None,
+                "shadow_capacity": None,
+                "observed": 0,
+                "sampled": 0,
+                "queued": 0,
+                "dropped": 0,
+                "policies": [],
             }
         )
+    report = state.report
+    return _answer(
+        {
+            "enabled": True,
+            "active": _policy_ref(active),
+            "live_prefix_hit_ratio": live,
+            "since_generation": state.since_generation,
+            "restarts": state.restarts,
+            "sample_rate": report.sample_rate,
+            "shadow_capacity": report.shadow_capacity,
+            "observed": report.observed,
+            "sampled": report.sampled,
+            "queued": report.queued,
+            "dropped": report.dropped,
+            "policies": [
+                {
+                    "policy": r.policy,
+                    "active": r.policy == active.name,
+                    "projected_hit_ratio": r.window if r.requests else None,
+                    "cumulative_hit_ratio": r.cumulative if r.requests else None,
+                    "sampled_requests": r.requests,
+                    "sampled_blocks": r.blocks,
+                }
+                for r in report.ratios
+            ],
+        }
+    )
 
-    async def get_log_level(request: Request, actor: Actor) -> Response:
-        note(request, "admin_log_level_get")
-        return _answer({"level": service.log_level(), "available": list(app_logging.LEVELS)})
 
-    async def put_log_level(request: Request, actor: Actor) -> Response:
-        note(request, "admin_log_level_set")
-        body: LogLevelBody = parse_level(await request.body())
-        previous, level = service.set_log_level(body.level, actor)
-        return _answer({"level": level, "previous": previous, "changed": previous != level})
+async def get_log_level(request: Request, actor: Actor, service: ServiceDep) -> Response:
+    _note(request, "admin_log_level_get")
+    return _answer({"level": service.admin.log_level(), "available": list(app_logging.LEVELS)})
 
-    async def stats(request: Request, actor: Actor) -> Response:
-        note(request, "admin_stats")
-        st = service.stats()
-        looked = st.lookup_hit + st.lookup_pending + st.lookup_miss
-        running, oldest = service.jobs_running()
-        counters: dict[str, int] = {}
-        breakdowns: dict[str, dict[str, int]] = {}
-        for f in dataclasses.fields(st):
-            value = getattr(st, f.name)
-            if f.name in _NOT_COUNTERS:
-                continue
-            if isinstance(value, dict):
-                breakdowns[f.name] = value
-            elif isinstance(value, int):
-                counters[f.name] = value
-        return _answer(
-            {
-                "blocks": {
-                    "num_blocks": st.num_blocks,
-                    "free": st.free,
-                    "pending": st.pending,
-                    "ready": st.ready,
-                    "pinned": st.pinned,
-                },
-                "hit_ratio": st.lookup_hit / looked if looked else None,
-                "live_requests": st.live_requests,
-                "policy": _policy_ref(service.policy()[0]),
-                "counters": counters,
-                "breakdowns": breakdowns,
-                "jobs": {"running": running, "oldest_running_age_s": oldest},
-                "events": {
-                    "latest_seq": service.events.latest_seq,
-                    "buffered": len(service.events),
-                    "dropped": service.events.dropped,
-                },
-                "kv_caches": len(service.caches()) if service.state == "running" else 0,
-            }
-        )
 
-    async def list_requests(
-        request: Request,
-        actor: Actor,
-        limit: Annotated[int, Query(ge=1, le=100000)] = 1000,
-    ) -> Response:
-        note(request, "admin_requests")
-        tracked = service.requests()
-        return _answer(
-            {
-                "requests": [
-                    {
-                        "req_id": r.req_id,
-                        "pins": {k.hex(): n for k, n in r.pins.items()},
-                        "pending_stores": [k.hex() for k in r.pending_stores],
-                        "idle_seconds": r.idle_seconds,
-                    }
-                    for r in tracked[:limit]
-                ],
-                "total": len(tracked),
-            }
-        )
+async def put_log_level(request: Request, actor: Actor, service: ServiceDep) -> Response:
+    _note(request, "admin_log_level_set")
+    body: LogLevelBody = _parse_level(await request.body())
+    previous, level = service.admin.set_log_level(body.level, actor)
+    return _answer({"level": level, "previous": previous, "changed": previous != level})
 
-    async def release(
-        request: Request,
-        actor: Actor,
-        req_id: Annotated[str, Path(min_length=1, max_length=256)],
-    ) -> Response:
-        note(request, "admin_release")
-        released = service.release_request(req_id, actor)
-        return _answer(
-            {
-                "req_id": released.req_id,
-                "pins_released": released.pins_released,
-                "stores_dropped": released.stores_dropped,
-            }
-        )
 
-    async def clear(request: Request, actor: Actor) -> Response:
-        note(request, "admin_clear")
-        counts = service.clear_cache(actor)
-        return _answer(dataclasses.asdict(counts))
+async def stats(request: Request, actor: Actor, service: ServiceDep) -> Response:
+    _note(request, "admin_stats")
+    st = service.admin.stats()
+    looked = st.lookup_hit + st.lookup_pending + st.lookup_miss
+    running, oldest = service.admin.jobs_running()
+    counters: dict[str, int] = {}
+    breakdowns: dict[str, dict[str, int]] = {}
+    for f in dataclasses.fields(st):
+        value = getattr(st, f.name)
+        if f.name in _NOT_COUNTERS:
+            continue
+        if isinstance(value, dict):
+            breakdowns[f.name] = value
+        elif isinstance(value, int):
+            counters[f.name] = value
+    return _answer(
+        {
+            "blocks": {
+                "num_blocks": st.num_blocks,
+                "free": st.free,
+                "pending": st.pending,
+                "ready": st.ready,
+                "pinned": st.pinned,
+            },
+            "hit_ratio": st.lookup_hit / looked if looked else None,
+            "live_requests": st.live_requests,
+            "policy": _policy_ref(service.admin.policy()[0]),
+            "counters": counters,
+            "breakdowns": breakdowns,
+            "jobs": {"running": running, "oldest_running_age_s": oldest},
+            "events": {
+                "latest_seq": service.events.latest_seq,
+                "buffered": len(service.events),
+                "dropped": service.events.dropped,
+            },
+            "kv_caches": service.admin.kv_caches(),
+        }
+    )
 
-    etag_header = {"ETag": {"description": "policy generation", "schema": {"type": "string"}}}
 
-    def add(
-        method: str,
-        path: str,
-        endpoint: Callable[..., Awaitable[Response]],
-        answer: type[s.Answer],
-        summary: str,
-        *errors: int | tuple[int, ...],
-        tagged: bool = False,
-        body: type[BaseModel] | None = None,
-    ) -> None:
-        documented = responses(_AUTH_ERRORS, *errors)
-        if tagged:
-            documented[200] = {"description": "OK", "headers": etag_header}
-        app.add_api_route(
-            path,
-            endpoint,
-            methods=[method],
-            name=endpoint.__name__,
-            operation_id=f"admin_{endpoint.__name__}",
-            summary=summary,
-            tags=["admin"],
-            response_model=answer,
-            responses=documented,
-            openapi_extra=None if body is None else app.json_body(body),
-        )
+async def list_requests(
+    request: Request,
+    actor: Actor,
+    service: ServiceDep,
+    limit: Annotated[int, Query(ge=1, le=100000)] = 1000,
+) -> Response:
+    _note(request, "admin_requests")
+    tracked = service.admin.requests()
+    return _answer(
+        {
+            "requests": [
+                {
+                    "req_id": r.req_id,
+                    "pins": {k.hex(): n for k, n in r.pins.items()},
+                    "pending_stores": [k.hex() for k in r.pending_stores],
+                    "idle_seconds": r.idle_seconds,
+                }
+                for r in tracked[:limit]
+            ],
+            "total": len(tracked),
+        }
+    )
 
-    add(
+
+async def release(
+    request: Request,
+    actor: Actor,
+    service: ServiceDep,
+    req_id: Annotated[str, Path(min_length=1, max_length=256)],
+) -> Response:
+    _note(request, "admin_release")
+    released = service.admin.release_request(req_id, actor)
+    return _answer(
+        {
+            "req_id": released.req_id,
+            "pins_released": released.pins_released,
+            "stores_dropped": released.stores_dropped,
+        }
+    )
+
+
+async def clear(request: Request, actor: Actor, service: ServiceDep) -> Response:
+    _note(request, "admin_clear")
+    counts = service.admin.clear_cache(actor)
+    return _answer(dataclasses.asdict(counts))
+
+
+@dataclass(frozen=True, slots=True)
+class AdminRoute:
+    """One admin route: its handler, answer model, summary and the errors it documents."""
+
+    method: str
+    path: str
+    endpoint: Callable[..., Awaitable[Response]]
+    answer: type[s.Answer]
+    summary: str
+    errors: tuple[int | tuple[int, ...], ...] = ()
+    tagged: bool = False
+    body: type[BaseModel] | None = None
+
+
+ROUTES: tuple[AdminRoute, ...] = (
+    AdminRoute(
         "GET",
         "/admin/v1/policy",
         get_policy,
         s.PolicyAnswer,
         "The active eviction policy; ETag = generation",
         tagged=True,
-    )
-    add(
+    ),
+    AdminRoute(
         "PUT",
         "/admin/v1/policy",
         put_policy,
         s.PolicySwitchAnswer,
         "Switch the eviction policy live (If-Match optional, idempotent)",
-        BODY_ERRORS,
-        412,
+        (BODY_ERRORS, 412),
         tagged=True,
         body=s.PolicyBody,
-    )
-    add(
+    ),
+    AdminRoute(
         "GET",
         "/admin/v1/policy/shadow",
         get_shadow,
         ShadowAnswer,
         "Each policy's projected prefix hit ratio (shadow evaluation) beside the live one",
-    )
-    add(
-        "GET",
-        "/admin/v1/log-level",
-        get_log_level,
-        LogLevelAnswer,
-        "The process's log level",
-    )
-    add(
+    ),
+    AdminRoute(
+        "GET", "/admin/v1/log-level", get_log_level, LogLevelAnswer, "The process's log level"
+    ),
+    AdminRoute(
         "PUT",
         "/admin/v1/log-level",
         put_log_level,
         LogLevelSwitchAnswer,
         "Set the log level live (audited)",
-        BODY_ERRORS,
+        (BODY_ERRORS,),
         body=LogLevelBody,
-    )
-    add(
+    ),
+    AdminRoute(
         "GET",
         "/admin/v1/stats",
         stats,
         s.StatsAnswer,
         "Pool blocks by state, hit ratio, requests, counters, jobs",
-    )
-    add(
+    ),
+    AdminRoute(
         "GET",
         "/admin/v1/requests",
         list_requests,
         s.RequestsAnswer,
         "Tracked requests and the leases each holds",
-        422,
-    )
-    add(
+        (422,),
+    ),
+    AdminRoute(
         "POST",
         "/admin/v1/requests/{req_id}/release",
         release,
         s.ReleaseAnswer,
         "Force-release a request's leases",
-        404,
-        422,
-    )
-    add("POST", "/admin/v1/cache/clear", clear, s.ClearAnswer, "Drop every unpinned block; counts")
+        (404, 422),
+    ),
+    AdminRoute(
+        "POST", "/admin/v1/cache/clear", clear, s.ClearAnswer, "Drop every unpinned block; counts"
+    ),
+)
+
+
+def register_admin_routes(app: KVOffloadAPI, token: str | None) -> None:
+    """Add the admin routes (``ROUTES``) to ``app``, each behind the token check; the handlers
+    find the service in ``app.state.service``."""
+    setattr(app.state, _TOKEN_STATE, None if token is None else token.encode())
+    etag_header = {"ETag": {"description": "policy generation", "schema": {"type": "string"}}}
+    for route in ROUTES:
+        documented = responses(_AUTH_ERRORS, *route.errors)
+        if route.tagged:
+            documented[200] = {"description": "OK", "headers": etag_header}
+        name = route.endpoint.__name__
+        app.add_api_route(
+            route.path,
+            route.endpoint,
+            methods=[route.method],
+            name=name,
+            operation_id=f"admin_{name}",
+            summary=route.summary,
+            tags=["admin"],
+            response_model=route.answer,
+            responses=documented,
+            openapi_extra=None if route.body is None else app.json_body(route.body),
+        )
 
 
 def register_admin_health(app: FastAPI) -> None:

@@ -19,6 +19,7 @@ from fastapi.routing import APIRoute
 from app.core.events import event_json
 from app.core.service import Service
 from app.http import schemas as s
+from app.http.deps import service_of
 from app.http.errors import BODY_ERRORS, APIError, error_for, responses, too_many
 from app.http.limits import batch_exceeds_ops, transfer_params_error
 from app.http.middleware import call_info
@@ -26,6 +27,7 @@ from app.http.openapi import KVOffloadAPI
 from app.http.operations import BY_NAME, OPERATIONS, Operation, job_json
 from app.http.routes.raw import RawRoute, body_parser, check_path_param, read_body
 from app.telemetry.logging import get_logger
+from transfer import RegisteredCache
 
 log = get_logger("engine")
 JSON = "application/json"
@@ -196,24 +198,93 @@ def register_engine_routes(app: KVOffloadAPI, service: Service) -> None:
     )
     for op in ops[1:]:
         _add_op_route(app, op, service)
-    _add_job_routes(app, service)
-    _add_event_routes(app, service)
-    _add_cache_routes(app, service)
+    _add_resource_routes(app)
 
 
-def _add_job_routes(app: KVOffloadAPI, service: Service) -> None:
-    async def get_job(job_id: Annotated[int, Path(ge=0)]) -> Response:
-        return json_response(json.dumps(job_json(service.job(job_id))))
+_parse_wait = body_parser(s.WaitJobsBody)
+_parse_cache = body_parser(s.KVCacheBody)
 
-    parse_wait = body_parser(s.WaitJobsBody)
 
-    async def wait_jobs(request: Request) -> Response:
-        body: s.WaitJobsBody = parse_wait(await read_body(request))
-        records = await service.wait_jobs(body.job_ids, body.timeout_s)
-        jobs = [job_json(r) for r in records]
-        done = all(j["state"] != "running" for j in jobs)
-        return json_response(json.dumps({"jobs": jobs, "done": done}))
+async def get_job(request: Request, job_id: Annotated[int, Path(ge=0)]) -> Response:
+    return json_response(json.dumps(job_json(service_of(request).transfers().job(job_id))))
 
+
+async def wait_jobs(request: Request) -> Response:
+    body: s.WaitJobsBody = _parse_wait(await read_body(request))
+    records = await service_of(request).transfers().wait(body.job_ids, body.timeout_s)
+    jobs = [job_json(r) for r in records]
+    done = all(j["state"] != "running" for j in jobs)
+    return json_response(json.dumps({"jobs": jobs, "done": done}))
+
+
+async def events(
+    request: Request,
+    after: Annotated[int, Query(ge=0, description="last seq seen (0: from the start)")] = 0,
+    limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
+) -> Response:
+    service = service_of(request)
+    service.drain_events()
+    page = service.events.page(after, limit)
+    return json_response(
+        json.dumps(
+            {
+                "events": [event_json(e) for e in page.events],
+                "next_after": page.next_after,
+                "latest_seq": page.latest_seq,
+                "fell_behind": page.fell_behind,
+                "instance": service.instance,
+            }
+        )
+    )
+
+
+def _cache_json(cache: RegisteredCache) -> dict[str, Any]:
+    return {
+        "cache_id": cache.cache_id,
+        "name": cache.name,
+        "block_bytes": cache.block_bytes,
+        "num_blocks": cache.num_blocks,
+        "device": str(cache.device),
+    }
+
+
+async def register_kv_cache(request: Request) -> Response:
+    raw = await read_body(request)
+    _parse_cache(raw)  # shape and types; the transfer layer checks sizes and handles
+    cache = service_of(request).transfers().register_cache(json.loads(raw))
+    return json_response(json.dumps(_cache_json(cache)), 201)
+
+
+async def list_kv_caches(request: Request) -> Response:
+    caches = service_of(request).transfers().caches()
+    return json_response(json.dumps({"kv_caches": [_cache_json(c) for c in caches]}))
+
+
+async def unregister_kv_cache(
+    request: Request, cache_id: Annotated[str, Path(min_length=1, max_length=256)]
+) -> Response:
+    service_of(request).transfers().unregister_cache(cache_id)
+    return Response(status_code=204)
+
+
+async def pool(request: Request) -> Response:
+    service = service_of(request)
+    layout = service.transfers().pool_layout()
+    return json_response(
+        json.dumps(
+            {
+                "path": str(layout["path"]),
+                "num_blocks": layout["num_blocks"],
+                "block_bytes": layout["block_bytes"],
+                "pinned": bool(layout["pinned"]),
+                "max_keys_per_call": service.settings.max_keys_per_call,
+            }
+        )
+    )
+
+
+def _add_resource_routes(app: KVOffloadAPI) -> None:
+    """Jobs, events, KV caches and the pool: the routes that are not request-scoped ops."""
     app.add_api_route(
         "/v1/jobs/{job_id}",
         get_job,
@@ -242,27 +313,6 @@ def _add_job_routes(app: KVOffloadAPI, service: Service) -> None:
         openapi_extra=app.json_body(s.WaitJobsBody),
         route_class_override=RawRoute,
     )
-
-
-def _add_event_routes(app: KVOffloadAPI, service: Service) -> None:
-    async def events(
-        after: Annotated[int, Query(ge=0, description="last seq seen (0: from the start)")] = 0,
-        limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
-    ) -> Response:
-        service.drain_events()
-        page = service.events.page(after, limit)
-        return json_response(
-            json.dumps(
-                {
-                    "events": [event_json(e) for e in page.events],
-                    "next_after": page.next_after,
-                    "latest_seq": page.latest_seq,
-                    "fell_behind": page.fell_behind,
-                    "instance": service.instance,
-                }
-            )
-        )
-
     app.add_api_route(
         "/v1/events",
         events,
@@ -274,50 +324,9 @@ def _add_event_routes(app: KVOffloadAPI, service: Service) -> None:
         response_model=s.EventsAnswer,
         responses=responses(422),
     )
-
-
-def _add_cache_routes(app: KVOffloadAPI, service: Service) -> None:
-    parse_cache = body_parser(s.KVCacheBody)
-
-    def cache_json(cache: Any) -> dict[str, Any]:
-        return {
-            "cache_id": cache.cache_id,
-            "name": cache.name,
-            "block_bytes": cache.block_bytes,
-            "num_blocks": cache.num_blocks,
-            "device": str(cache.device),
-        }
-
-    async def register(request: Request) -> Response:
-        raw = await read_body(request)
-        parse_cache(raw)  # shape and types; the transfer layer checks sizes and handles
-        cache = service.register_cache(json.loads(raw))
-        return json_response(json.dumps(cache_json(cache)), 201)
-
-    async def list_caches() -> Response:
-        return json_response(json.dumps({"kv_caches": [cache_json(c) for c in service.caches()]}))
-
-    async def unregister(cache_id: Annotated[str, Path(min_length=1, max_length=256)]) -> Response:
-        service.unregister_cache(cache_id)
-        return Response(status_code=204)
-
-    async def pool() -> Response:
-        layout = service.pool_layout()
-        return json_response(
-            json.dumps(
-                {
-                    "path": str(layout["path"]),
-                    "num_blocks": layout["num_blocks"],
-                    "block_bytes": layout["block_bytes"],
-                    "pinned": bool(layout["pinned"]),
-                    "max_keys_per_call": service.settings.max_keys_per_call,
-                }
-            )
-        )
-
     app.router.add_api_route(
         "/v1/kv-caches",
-        register,
+        register_kv_cache,
         methods=["POST"],
         name="register_kv_cache",
         operation_id="register_kv_cache",
@@ -331,7 +340,7 @@ def _add_cache_routes(app: KVOffloadAPI, service: Service) -> None:
     )
     app.add_api_route(
         "/v1/kv-caches",
-        list_caches,
+        list_kv_caches,
         methods=["GET"],
         name="list_kv_caches",
         operation_id="list_kv_caches",
@@ -342,7 +351,7 @@ def _add_cache_routes(app: KVOffloadAPI, service: Service) -> None:
     )
     app.add_api_route(
         "/v1/kv-caches/{cache_id}",
-        unregister,
+        unregister_kv_cache,
         methods=["DELETE"],
         name="unregister_kv_cache",
         operation_id="unregister_kv_cache",

@@ -9,29 +9,30 @@ from __future__ import annotations
 
 import json
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from app.core.service import Service
 from app.http import schemas as s
+from app.http.deps import service_of
 
 JSON = "application/json"
 _LIVE = json.dumps({"status": "ok"}).encode()
 
 
-def register_health_routes(app: FastAPI, service: Service) -> None:
+async def livez() -> Response:
+    return Response(_LIVE, media_type=JSON)
+
+
+async def readyz(request: Request) -> Response:
+    reason = service_of(request).readiness()
+    if reason is None:
+        return Response(json.dumps({"status": "ready"}), media_type=JSON)
+    body = json.dumps({"status": "not_ready", "reason": reason})
+    return Response(body, 503, media_type=JSON)
+
+
+def register_health_routes(app: FastAPI) -> None:
     """Add ``/livez`` and ``/readyz``."""
-
-    async def livez() -> Response:
-        return Response(_LIVE, media_type=JSON)
-
-    async def readyz() -> Response:
-        reason = service.readiness()
-        if reason is None:
-            return Response(json.dumps({"status": "ready"}), media_type=JSON)
-        body = json.dumps({"status": "not_ready", "reason": reason})
-        return Response(body, 503, media_type=JSON)
-
     app.add_api_route(
         "/livez",
         livez,

@@ -1,0 +1,120 @@
+"""The offload manager, observed: every request-scoped manager call, with its telemetry.
+
+``ObservedManager`` is the one place where a manager call meets the observer
+(``app.telemetry.observer``): it calls the manager, reports a raise as the op's ``error``
+result and re-raises it unchanged, and otherwise hands the outcome to the observer (metrics with
+the request's id as exemplar, the keys counted for the HTTP call's log line). Its methods take
+the manager's own arguments, so it is also the job tracker's ``CompletionSink``: a transfer job
+that ends completes through it and is observed like an engine's call.
+
+Two things differ by caller, named by ``by_engine``: an engine's own ``complete_load`` counts
+its keys as loaded (a job's keys are counted when the job is reported), and a job's completion
+binds the job's ``req_id`` for logging (an engine call has it bound by the HTTP layer already).
+
+``prepare_store`` that finds no room raises ``NoSpaceError`` (after the observer has counted the
+refusal), so every caller sees one error type for it.
+
+Adding a request-scoped manager op: one method here (call, observe), one observer method.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from structlog.contextvars import bind_contextvars
+
+from app.core.errors import NoSpaceError
+from app.telemetry.observer import Observer
+from app.telemetry.request_ids import safe_req_id
+from manager import (
+    BlockKey,
+    CompleteStoreOutput,
+    LookupOutput,
+    OffloadManager,
+    PrepareStoreOutput,
+    ReleasedLeases,
+    ReqContext,
+)
+
+T = TypeVar("T")
+
+
+class ObservedManager:
+    """Request-scoped manager calls with their telemetry; see the module docstring."""
+
+    def __init__(self, manager: OffloadManager, observer: Observer) -> None:
+        self.manager = manager
+        self.observer = observer
+
+    def _call(self, op: str, req_id: str, call: Callable[..., T], *args: Any) -> T:
+        """``call(*args)``; a raise is counted as ``op``'s error and re-raised."""
+        try:
+            return call(*args)
+        except Exception:
+            self.observer.failed(op, req_id)
+            raise
+
+    def start_request(self, req_id: str, kv_transfer_params: Mapping[str, Any] | None) -> bool:
+        """Start or renew a request; True if it is new."""
+        ctx = ReqContext(req_id, kv_transfer_params)
+        created = self._call("request_start", req_id, self.manager.on_new_request, ctx)
+        self.observer.op("request_start", req_id)
+        return created
+
+    def finish_request(self, req_id: str, abort: bool) -> ReleasedLeases:
+        """Finish a request (abort: release its leases now)."""
+        finish = self.manager.on_request_finished
+        released = self._call("request_finish", req_id, finish, ReqContext(req_id), abort)
+        self.observer.op("request_finish", req_id)
+        return released
+
+    def lookup(self, keys: Sequence[BlockKey], ctx: ReqContext) -> LookupOutput:
+        """Per-key state and ``hit_prefix``."""
+        out = self._call("lookup", ctx.req_id, self.manager.lookup, keys, ctx)
+        self.observer.lookup(ctx.req_id, out)
+        return out
+
+    def prepare_load(self, keys: Sequence[BlockKey], ctx: ReqContext) -> list[int]:
+        """Pin ready keys; their host slots."""
+        slots = self._call("prepare_load", ctx.req_id, self.manager.prepare_load, keys, ctx)
+        self.observer.prepare_load(ctx.req_id, len(slots))
+        return slots
+
+    def touch(self, keys: Sequence[BlockKey], ctx: ReqContext) -> None:
+        """Mark keys recently used."""
+        self._call("touch", ctx.req_id, self.manager.touch, keys, ctx)
+        self.observer.op("touch", ctx.req_id)
+
+    def complete_load(
+        self, keys: Sequence[BlockKey], ctx: ReqContext, *, by_engine: bool = False
+    ) -> None:
+        """Unpin keys pinned by ``prepare_load``."""
+        if not by_engine:
+            bind_contextvars(req_id=safe_req_id(ctx.req_id))
+        self._call("complete_load", ctx.req_id, self.manager.complete_load, keys, ctx)
+        self.observer.complete_load(ctx.req_id, len(keys), by_engine=by_engine)
+
+    def prepare_store(self, keys: Sequence[BlockKey], ctx: ReqContext) -> PrepareStoreOutput:
+        """Reserve slots for the new keys; ``NoSpaceError`` when no room can be made."""
+        out = self._call("prepare_store", ctx.req_id, self.manager.prepare_store, keys, ctx)
+        self.observer.prepare_store(ctx.req_id, len(keys), out)
+        if out is None:
+            raise NoSpaceError(len(keys))
+        return out
+
+    def complete_store(
+        self,
+        keys: Sequence[BlockKey],
+        ctx: ReqContext,
+        success: bool = True,
+        *,
+        by_engine: bool = False,
+    ) -> CompleteStoreOutput:
+        """Finish this request's stores of ``keys``."""
+        if not by_engine:
+            bind_contextvars(req_id=safe_req_id(ctx.req_id))
+        complete = self.manager.complete_store
+        out = self._call("complete_store", ctx.req_id, complete, keys, ctx, success)
+        self.observer.complete_store(ctx.req_id, out)
+        return out

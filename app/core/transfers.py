@@ -1,0 +1,271 @@
+"""The data path of a running service: host pool, registered KV caches, worker and job tracker.
+
+``Transfers`` exists while the service runs (``Transfers.open`` at start, ``close`` at stop).
+It runs the two composite engine operations and everything about jobs and KV caches:
+
+- ``offload`` = ``prepare_store`` (observed), then a device->host job for the keys that must
+  move; the job's end completes the store (``complete_store(success=ok)``). Only
+  ``keys_to_store`` move (resident keys are skipped). If the job cannot be submitted the
+  reservation is undone, so a failed call changes nothing.
+- ``onload`` = ``prepare_load`` (pins), then a host->device job; the job's end unpins
+  (``complete_load``) whether it succeeded or not, and the job's state says whether the device
+  blocks hold the data. A job that cannot be submitted unpins at once.
+- ``wait``: long-poll until none of the given jobs runs, woken by ``collect`` when jobs end, and
+  at once while draining or after ``close`` (so it never holds up a shutdown).
+
+Completions go to the observed manager (the tracker's sink), so jobs are observed like engine
+calls. Errors: ``UnknownJobError``, ``DeviceBlockError``, ``ServiceUnavailableError`` after
+``close``, and the transfer layer's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from app.core.errors import DeviceBlockError, ServiceUnavailableError, UnknownJobError
+from app.core.observed import ObservedManager
+from app.settings import Settings
+from app.telemetry.logging import get_logger
+from manager import BlockKey, PrepareStoreOutput, ReqContext
+from transfer import (
+    FaultSpec,
+    HostPool,
+    JobRecord,
+    JobTracker,
+    KVCacheRegistry,
+    KVCacheSpec,
+    RegisteredCache,
+    TransferWorker,
+    create_worker,
+)
+
+log = get_logger("service")
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadStarted:
+    """What ``offload`` started: the job (None when nothing had to move) and the store spec."""
+
+    job: JobRecord | None
+    spec: PrepareStoreOutput
+
+
+@dataclass(frozen=True, slots=True)
+class OnloadStarted:
+    """What ``onload`` started: the job (None for an empty key list) and the pinned slots."""
+
+    job: JobRecord | None
+    slots: list[int]
+
+
+def fault_spec(settings: Settings) -> FaultSpec | None:
+    """The injected faults the settings ask for (None: faults off)."""
+    if not settings.faults_enabled:
+        return None
+    return FaultSpec(
+        fail_rate=settings.fault_fail_rate,
+        delay_s=settings.fault_delay_s,
+        hang_rate=settings.fault_hang_rate,
+        seed=settings.fault_seed,
+    )
+
+
+class Transfers:
+    """Pool, KV caches, worker and jobs of a running service; see the module docstring."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        manager: ObservedManager,
+        pool: HostPool,
+        registry: KVCacheRegistry,
+        worker: TransferWorker,
+    ) -> None:
+        self.settings = settings
+        self.manager = manager
+        self.pool = pool
+        self.registry = registry
+        self.worker = worker
+        self.tracker = JobTracker(worker, manager, max_finished=settings.max_finished_jobs)
+        self.draining = False
+        self.closed = False
+        # Replaced on every batch of finished jobs; waiters hold the one current when they
+        # started waiting.
+        self._changed = asyncio.Event()
+
+    @classmethod
+    async def open(
+        cls, settings: Settings, manager: ObservedManager, on_finished: Callable[[], None]
+    ) -> Transfers:
+        """Create the pool (off the loop: a large pinned pool takes a while), the registry and
+        the worker; ``on_finished`` is called from the worker thread when a job ends."""
+        s = settings
+        pool = await asyncio.to_thread(
+            HostPool.create, s.num_blocks, s.block_bytes, pin=s.pin_memory, shm_dir=str(s.shm_dir)
+        )
+        try:
+            registry = KVCacheRegistry(pool)
+            worker = create_worker(
+                pool,
+                registry,
+                backend=s.transfer_backend,
+                faults=fault_spec(s),
+                on_finished=on_finished,
+            )
+        except BaseException:
+            pool.close()
+            raise
+        return cls(settings, manager, pool, registry, worker)
+
+    async def close(self) -> list[JobRecord]:
+        """Stop the worker (running jobs end or fail within the grace), complete what ended,
+        free the KV caches and the pool, and release every waiter; the jobs that ended."""
+        await asyncio.to_thread(self.worker.shutdown, self.settings.shutdown_grace_s)
+        finished = self.collect()
+        self.registry.close()
+        self.pool.close()
+        self.closed = True
+        self.notify()
+        return finished
+
+    def _open(self) -> None:
+        if self.closed:
+            raise ServiceUnavailableError("service is stopped")
+
+    # ------------------------------------------------------------------ jobs
+
+    def collect(self) -> list[JobRecord]:
+        """Complete the jobs that ended (in the manager, through the observed sink) and wake
+        the waiters; the finished records."""
+        # A copied context: the ids the completions bind for logging stay in there.
+        finished = contextvars.copy_context().run(self.tracker.poll)
+        if finished:
+            self.notify()
+        return finished
+
+    def notify(self) -> None:
+        """Wake every ``wait`` to look again."""
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    def job(self, job_id: int) -> JobRecord:
+        """A transfer job by id; ``UnknownJobError`` when unknown (or long forgotten)."""
+        self._open()
+        record = self.tracker.get(job_id)
+        if record is None:
+            raise UnknownJobError(job_id)
+        return record
+
+    async def wait(self, job_ids: Sequence[int], timeout_s: float) -> list[JobRecord]:
+        """Wait until none of the jobs is running, or ``timeout_s`` (capped by
+        ``job_wait_max_s``) passed; their records. Answers at once while draining."""
+        timeout_s = min(timeout_s, self.settings.job_wait_max_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            records = [self.job(j) for j in job_ids]
+            remaining = deadline - loop.time()
+            if remaining <= 0 or self.draining or all(r.state != "running" for r in records):
+                return records
+            changed = self._changed
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining):
+                    await changed.wait()
+
+    def running(self) -> tuple[int, float | None]:
+        """Number of running jobs and the age of the oldest (None: none running)."""
+        running = self.tracker.running()
+        return len(running), (self.tracker.oldest_running_age() if running else None)
+
+    def writing(self) -> set[str]:
+        """Requests whose store jobs run here: the slots they reserved are being written."""
+        return {r.req_id for r in self.tracker.running() if r.direction == "store"}
+
+    # ------------------------------------------------------------------ engine operations
+
+    def _cache(self, cache_id: str, device_blocks: Sequence[int]) -> RegisteredCache:
+        self._open()
+        cache = self.registry.get(cache_id)
+        bad = [b for b in device_blocks if b >= cache.num_blocks]
+        if bad:
+            raise DeviceBlockError(cache.cache_id, cache.num_blocks, bad)
+        return cache
+
+    def offload(
+        self, req_id: str, cache_id: str, keys: Sequence[BlockKey], device_blocks: Sequence[int]
+    ) -> OffloadStarted:
+        """Store device blocks under ``keys`` (module docstring)."""
+        self._cache(cache_id, device_blocks)
+        ctx = ReqContext(req_id)
+        spec = self.manager.prepare_store(keys, ctx)
+        if not spec.keys_to_store:
+            return OffloadStarted(None, spec)
+        block_of: dict[BlockKey, int] = {}
+        for key, block in zip(keys, device_blocks, strict=True):
+            block_of.setdefault(key, block)
+        blocks = [block_of[k] for k in spec.keys_to_store]
+        # A refused job is completed as failed by the tracker (reservation undone) and re-raised.
+        job = self.tracker.submit(
+            "store",
+            ctx,
+            cache_id,
+            spec.keys_to_store,
+            blocks,
+            spec.slots,
+            self.settings.job_deadline_s,
+        )
+        return OffloadStarted(job, spec)
+
+    def onload(
+        self, req_id: str, cache_id: str, keys: Sequence[BlockKey], device_blocks: Sequence[int]
+    ) -> OnloadStarted:
+        """Load ready keys into device blocks (module docstring)."""
+        self._cache(cache_id, device_blocks)
+        ctx = ReqContext(req_id)
+        slots = self.manager.prepare_load(keys, ctx)
+        if not slots:
+            return OnloadStarted(None, slots)
+        # A refused job is unpinned by the tracker and re-raised.
+        job = self.tracker.submit(
+            "load",
+            ctx,
+            cache_id,
+            list(keys),
+            list(device_blocks),
+            slots,
+            self.settings.job_deadline_s,
+        )
+        return OnloadStarted(job, slots)
+
+    # ------------------------------------------------------------------ KV caches and pool
+
+    def register_cache(self, spec: dict[str, Any]) -> RegisteredCache:
+        """Register a device KV cache (``RegistrationError`` when it does not fit the pool)."""
+        self._open()
+        cache = self.registry.register(KVCacheSpec.from_dict(spec))
+        log.info(
+            "kv cache registered",
+            extra={"fields": {"cache_id": cache.cache_id, "name": cache.name}},
+        )
+        return cache
+
+    def unregister_cache(self, cache_id: str) -> None:
+        """Forget a device KV cache (``UnknownCacheError`` when unknown)."""
+        self._open()
+        self.registry.get(cache_id)
+        self.registry.unregister(cache_id)
+
+    def caches(self) -> list[RegisteredCache]:
+        """Every registered device KV cache."""
+        self._open()
+        return list(self.registry.list())
+
+    def pool_layout(self) -> dict[str, Any]:
+        """The host pool's layout (path, num_blocks, block_bytes, pinned)."""
+        self._open()
+        return dict(self.pool.layout())

@@ -1,0 +1,206 @@
+"""The import graph of ``app/``, ``manager/`` and ``transfer/``: no circle, no private name
+imported across modules, and the app's rooms import only downward.
+
+Every import statement counts, wherever it is (module level, inside a function, under
+``TYPE_CHECKING``): a lazy import is still a dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("app", "manager", "transfer")
+
+# The app's rooms, lowest first. A module may import app modules of its own rank or lower.
+# A new module must be given its room here (the test names it otherwise).
+APP_RANKS: dict[str, int] = {
+    "app": 0,  # the package root: a docstring and the version lookup
+    "app.settings": 0,
+    "app.client": 0,
+    "app.pool_share": 0,
+    "app.telemetry": 1,
+    "app.core": 2,
+    "app.http": 3,
+    "app.server": 4,
+    "app.replay": 4,
+    "app.cli": 5,
+}
+# Imported inside an inference engine's process: nothing of the server may come with them.
+ENGINE_SIDE = ("app.client", "app.pool_share", "app.vllm_tier")
+SERVER_LIBRARIES = ("fastapi", "starlette", "uvicorn", "pydantic_settings", "prometheus_client")
+# The service core speaks no HTTP: it raises domain errors, the edge maps them.
+HTTP_LIBRARIES = ("fastapi", "starlette", "uvicorn", "httpx")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def project_modules() -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            found[module_name(path)] = path
+    return found
+
+
+MODULES = project_modules()
+
+
+def imports(name: str, path: Path) -> Iterator[tuple[str, list[str]]]:
+    """(imported module, names taken from it) for every import in the file."""
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, []
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".")
+                anchor = anchor[: len(anchor) - node.level + (1 if is_package else 0)]
+                base = ".".join([*anchor, base] if base else anchor)
+            names = [a.name for a in node.names]
+            # ``from pkg import submodule`` depends on the submodule itself.
+            submodules = [n for n in names if f"{base}.{n}" in MODULES]
+            for sub in submodules:
+                yield f"{base}.{sub}", []
+            rest = [n for n in names if n not in submodules]
+            if rest or not submodules:
+                yield base, rest
+
+
+def project_target(imported: str) -> str | None:
+    """The project module an import refers to (a parent package for a missing leaf)."""
+    while imported:
+        if imported in MODULES:
+            return imported
+        imported = imported.rpartition(".")[0]
+    return None
+
+
+def graph() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {name: set() for name in MODULES}
+    for name, path in MODULES.items():
+        for imported, _ in imports(name, path):
+            target = project_target(imported)
+            if target is not None and target != name:
+                edges[name].add(target)
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def room(module: str) -> str:
+    best = max((r for r in APP_RANKS if module == r or module.startswith(r + ".")), key=len)
+    return best
+
+
+def test_the_scan_sees_the_packages() -> None:
+    assert {"app.core.service", "manager.core", "transfer.worker"} <= MODULES.keys()
+
+
+def test_no_import_circle() -> None:
+    assert cycles(graph()) == []
+
+
+def test_cycle_finder_finds_one() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_private_name_is_imported_from_another_module() -> None:
+    offences = [
+        f"{name} imports {imported}.{n}"
+        for name, path in MODULES.items()
+        for imported, names in imports(name, path)
+        if project_target(imported) not in (None, name)
+        for n in names
+        if n.startswith("_") and not n.startswith("__")
+    ]
+    assert offences == []
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.split(".")[0] == "app"))
+def test_app_imports_only_downward(name: str) -> None:
+    if name.startswith("app.vllm_tier"):
+        pytest.skip("engine side: held by test_engine_side_modules_import_no_server_code")
+    rank = APP_RANKS[room(name)]
+    upward = [
+        target
+        for imported, _ in imports(name, MODULES[name])
+        if (target := project_target(imported)) is not None
+        and target.split(".")[0] == "app"
+        and not target.startswith("app.vllm_tier")
+        and APP_RANKS[room(target)] > rank
+    ]
+    assert upward == [], f"{name} (room {room(name)}) imports upward: {upward}"
+
+
+def test_every_app_module_has_a_room() -> None:
+    roomless = [
+        n
+        for n in MODULES
+        if n.split(".")[0] == "app"
+        and not n.startswith("app.vllm_tier")
+        and not any(n == r or n.startswith(r + ".") for r in APP_RANKS)
+    ]
+    assert roomless == []
+
+
+def test_engine_side_modules_import_no_server_code() -> None:
+    for name, path in MODULES.items():
+        if not name.startswith(ENGINE_SIDE):
+            continue
+        for imported, _ in imports(name, path):
+            top = imported.split(".")[0]
+            assert top not in SERVER_LIBRARIES, f"{name} imports {imported}"
+            if top == "app" and imported != "app":
+                assert imported.startswith(ENGINE_SIDE), f"{name} imports {imported}"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("app.core")))
+def test_the_core_speaks_no_http(name: str) -> None:
+    for imported, _ in imports(name, MODULES[name]):
+        assert imported.split(".")[0] not in HTTP_LIBRARIES, f"{name} imports {imported}"
+        assert not imported.startswith("app.http"), f"{name} imports {imported}"
