@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from app.client import AsyncKVOffloadClient, Batch, KVOffloadError
-from tests.api.conftest import Harness
+from tests.api.harness import Harness
 
 pytestmark = pytest.mark.anyio
 

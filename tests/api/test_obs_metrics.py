@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.exposition import generate_latest
 
 from app.telemetry.request_ids import safe_req_id
-from tests.api.conftest import Harness, hexkeys, make_settings, running
+from tests.api.harness import Harness, hexkeys, make_settings, running
 from tests.app.exposition import OPENMETRICS, catalogue_mismatches, parse
 
 pytestmark = pytest.mark.anyio

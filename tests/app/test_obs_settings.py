@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
@@ -10,13 +9,6 @@ from pydantic import ValidationError
 
 from app.cli import _build_parser, settings_from_args
 from app.settings import Settings
-
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("KVOFFLOAD_"):
-            monkeypatch.delenv(name)
 
 
 def test_defaults() -> None:

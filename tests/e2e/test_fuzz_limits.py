@@ -26,7 +26,7 @@ import pytest
 from app.client import Batch, KVOffloadClient, KVOffloadError
 from app.http.limits import body_caps
 from app.settings import Settings
-from tests.e2e.conftest import ServerProcess
+from tests.e2e.server import ServerProcess
 from tests.load import wire
 from tests.load.sim import proc_status
 

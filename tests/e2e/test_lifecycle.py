@@ -13,7 +13,7 @@ import pytest
 
 from app.client import KVOffloadAdminClient, KVOffloadClient, KVOffloadError
 from tests.api.devices import ShmDevice
-from tests.e2e.conftest import ROOT, TOKEN, ServerProcess
+from tests.e2e.server import ROOT, TOKEN, ServerProcess
 
 
 def client_for(server: ServerProcess, transport: str) -> KVOffloadClient:

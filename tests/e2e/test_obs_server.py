@@ -28,7 +28,7 @@ from tests.deploy.helpers import (
     recording_rule_names,
 )
 from tests.deploy.promql import Analysis, analyse
-from tests.e2e.conftest import TOKEN, ServerProcess
+from tests.e2e.server import TOKEN, ServerProcess
 
 BLOCK = 4096
 JOB_REQ = "e2e-jobs"

@@ -8,7 +8,7 @@ import time
 
 from app.client import KVOffloadAdminClient, KVOffloadClient
 from tests.api.devices import ShmDevice
-from tests.e2e.conftest import TOKEN, ServerProcess
+from tests.e2e.server import TOKEN, ServerProcess
 
 WORKERS = 4
 PRESTORED = 64

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from tests.app.exposition import OPENMETRICS, parse
-from tests.e2e.conftest import ServerProcess, free_port
+from tests.e2e.server import ServerProcess, free_port
 
 PROMETHEUS = shutil.which("prometheus")
 DEADLINE_S = 20.0

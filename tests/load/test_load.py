@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import TOKEN, ServerProcess
+from tests.e2e.server import TOKEN, ServerProcess
 from tests.load.sim import LoadConfig, LoadReport, Target, run_load
 
 # Growth of the server's RSS between the end of warm-up (the first 30% of the run) and its peak
