@@ -21,7 +21,7 @@ from app.middleware import CallInfo
 from app.openapi import KVOffloadAPI
 from app.service import Service
 from app.settings import Settings
-from tests.api.devices import ShmDevice
+from tests.shm_device import ShmDevice
 
 TOKEN = "test-admin-token"
 BLOCK = 4096

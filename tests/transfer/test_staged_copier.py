@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 
-from tests.transfer.conftest import mixed_block_bytes
-from tests.transfer.kvref import MIXED_LAYOUT, device_block, host_block, shapes
+from tests.transfer.helpers import mixed_block_bytes
+from tests.transfer.kvref import device_block, host_block, mixed_layout
 from transfer import KVCacheRegistry
 from transfer.cuda_worker import StagedCopier, find_cuda_memcpy
 from transfer.worker import make_plan
@@ -27,9 +27,7 @@ def world(make_pool):
     pool = make_pool(SLOTS, mixed_block_bytes(N), pin=False)
     registry = KVCacheRegistry(pool)
     gen = torch.Generator().manual_seed(7)
-    layout = [
-        (s, dt, bd) for s, (_x, dt, bd) in zip(shapes(MIXED_LAYOUT, N), MIXED_LAYOUT, strict=True)
-    ]
+    layout = mixed_layout(N)
     tensors = [
         torch.randint(-1000, 1000, shape, generator=gen).to(getattr(torch, dt))
         for shape, dt, _bd in layout
