@@ -149,16 +149,27 @@ def test_cycle_finder_finds_one() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def private_imports(name: str, path: Path) -> Iterator[str]:
+    """Private names (and private modules) ``name`` imports from other project modules."""
+    for imported, names in imports(name, path):
+        if project_target(imported) in (None, name):
+            continue
+        parts = [p for p in imported.split(".") if p.startswith("_") and not p.endswith("__")]
+        parts += [n for n in names if n.startswith("_") and not n.startswith("__")]
+        yield from (f"{name} imports {p} from {imported}" for p in parts)
+
+
 def test_no_private_name_is_imported_from_another_module() -> None:
-    offences = [
-        f"{name} imports {imported}.{n}"
-        for name, path in MODULES.items()
-        for imported, names in imports(name, path)
-        if project_target(imported) not in (None, name)
-        for n in names
-        if n.startswith("_") and not n.startswith("__")
+    assert [o for name, path in MODULES.items() for o in private_imports(name, path)] == []
+
+
+def test_private_finder_finds_a_name_and_a_module(tmp_path: Path) -> None:
+    planted = tmp_path / "planted.py"
+    planted.write_text("from transfer.worker import _Held\nfrom transfer._hidden import x\n")
+    assert list(private_imports("manager.planted", planted)) == [
+        "manager.planted imports _Held from transfer.worker",
+        "manager.planted imports _hidden from transfer._hidden",
     ]
-    assert offences == []
 
 
 @pytest.mark.parametrize("name", sorted(n for n in MODULES if n.split(".")[0] == "app"))

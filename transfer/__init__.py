@@ -3,8 +3,12 @@
 - ``HostPool``: the shared-memory pool the manager's slots index (``transfer.host_pool``).
 - ``KVCacheRegistry``: device KV caches registered by engines, by shared-memory file or CUDA
   IPC handle, and the block geometry that maps them onto host blocks (``transfer.kv_cache``).
-- ``TransferWorker``: executes store (device -> host) and load (host -> device) jobs; CPU,
-  CUDA and fault-injecting backends behind one contract (``transfer.worker``).
+- ``TransferWorker``: executes store (device -> host) and load (host -> device) jobs; the
+  contract, its job and result types and the machinery backends share (``transfer.worker``).
+- Backends behind that contract: CPU (``transfer.cpu_worker``, copying with
+  ``transfer.cpu_copy``), CUDA (``transfer.cuda_worker``), and the fault-injecting wrapper with
+  its ``FaultSpec`` (``transfer.faulty_worker``); ``create_worker`` picks one by name
+  (``transfer.backends``).
 - ``JobTracker``: completes finished jobs against the manager (``transfer.jobs``).
 
 Knows ``manager.spec`` (and nothing else of ``manager``). Errors live in ``transfer.errors``.
@@ -12,6 +16,7 @@ Knows ``manager.spec`` (and nothing else of ``manager``). Errors live in ``trans
 
 from __future__ import annotations
 
+from transfer.backends import BACKENDS, create_worker
 from transfer.errors import (
     InvalidJobError,
     PoolError,
@@ -20,6 +25,7 @@ from transfer.errors import (
     UnknownCacheError,
     WorkerClosedError,
 )
+from transfer.faulty_worker import FaultSpec
 from transfer.host_pool import HostPool
 from transfer.jobs import CompletionSink, JobRecord, JobTracker
 from transfer.kv_cache import (
@@ -31,14 +37,7 @@ from transfer.kv_cache import (
     TensorSpec,
     export_cuda_ipc_handle,
 )
-from transfer.worker import (
-    BACKENDS,
-    FaultSpec,
-    JobResult,
-    TransferJob,
-    TransferWorker,
-    create_worker,
-)
+from transfer.worker import JobResult, TransferJob, TransferWorker
 
 __all__ = [
     "BACKENDS",

@@ -21,7 +21,7 @@ thread polls each in-flight job's events independently, so a slow job never hide
 A job not yet issued fails at its deadline without running; an issued job that passes its
 deadline is reported failed (``"deadline"``) at once while its copies, which cannot be
 cancelled, are still tracked until they end so their buffers are not reused early. Tensors of
-a cache on the CPU are copied with ``memmove`` on the issuing thread.
+a cache on the CPU are copied with ``memmove`` on the issuing thread (``transfer.cpu_copy``).
 
 The engine must have finished writing blocks (synchronised its streams) before asking to store
 them; the service cannot order its streams after another process's work.
@@ -43,11 +43,11 @@ from typing import Any
 
 import torch
 
-from transfer.cpu_worker import CopyAborted, copy_on_cpu
+from transfer.cpu_copy import CopyAborted, copy_on_cpu
 from transfer.errors import InvalidJobError
 from transfer.host_pool import HostPool
 from transfer.kv_cache import KVCacheRegistry, RegisteredCache
-from transfer.worker import CopyPlan, OnFinished, QueueingWorker, _Entry
+from transfer.worker import CopyPlan, HeldJob, OnFinished, QueueingWorker
 
 __all__ = ["DEFAULT_STAGING_BYTES", "CudaTransferWorker", "StagedCopier", "find_cuda_memcpy"]
 
@@ -226,7 +226,6 @@ class StagedCopier:
             cache.tensors[s.tensor].view(wdt).view(s.outer, s.num_blocks, s.inner_bytes // w)
             for s in geo.segments
         ]
-        slots = plan.host_slots
         block_bytes = pool_tensor.shape[1]
         pool_flat = pool_tensor.view(-1)
         full_block = geo.groups == ((0, 0, block_bytes),)
@@ -246,7 +245,7 @@ class StagedCopier:
                     part.copy_(view.index_select(1, idx).transpose(0, 1))
             copies: list[tuple[int, int, int]] = []  # (pool byte, staging byte, bytes)
             row = geo.row_bytes
-            for c0, s0, length in _runs(slots, i0, i1, split_every):
+            for c0, s0, length in plan.slot_runs(split_every, i0, i1):
                 c = c0 - i0
                 if full_block:
                     copies.append((s0 * block_bytes, c * row, length * row))
@@ -304,23 +303,6 @@ class StagedCopier:
                 dev_t.copy_(host_t, non_blocking=True)
 
 
-def _runs(
-    slots: list[int], begin: int, end: int, split_every: int | None
-) -> list[tuple[int, int, int]]:
-    """``(index, first_slot, length)`` runs of consecutive slots in ``slots[begin:end]``."""
-    runs = []
-    i = begin
-    while i < end:
-        j = i + 1
-        while j < end and slots[j] == slots[j - 1] + 1:
-            if split_every and slots[j] % split_every == 0:
-                break
-            j += 1
-        runs.append((i, slots[i], j - i))
-        i = j
-    return runs
-
-
 @dataclass
 class _Lane:
     """One GPU: a stream and a staging copier per direction."""
@@ -332,7 +314,7 @@ class _Lane:
 
 @dataclass
 class _Issued:
-    entry: _Entry
+    entry: HeldJob
     events: list[Any]
     error: str | None  # set when issuing failed part-way; reported once the events drain
 
@@ -442,7 +424,7 @@ class CudaTransferWorker(QueueingWorker):
             lane = self._lanes[index] = _Lane(index, streams, copiers)
         return lane
 
-    def _issue(self, job_id: int, entry: _Entry) -> None:
+    def _issue(self, job_id: int, entry: HeldJob) -> None:
         plan = entry.plan
         events: list[Any] = []
         error: str | None = None

@@ -1,8 +1,9 @@
 """Fault injection: a worker that wraps a real backend and makes some of its jobs misbehave.
 
 Shipped code, selected by settings (``create_worker(..., faults=FaultSpec(...))`` or
-``backend="faulty"``), so staging and chaos tests can exercise the service's failure paths
-against real copies. Per job, drawn in submission order from ``random.Random(seed)``:
+``backend="faulty"``, see ``transfer.backends``), so staging and chaos tests can exercise the
+service's failure paths against real copies. ``FaultSpec`` says which faults. Per job, drawn in
+submission order from ``random.Random(seed)``:
 
 - with probability ``fail_rate``: the job does not run and finishes ``ok=False`` with reason
   ``"injected failure"`` (after ``delay_s``);
@@ -20,18 +21,43 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import random
 import threading
 import time
 from collections.abc import Callable
 
-from transfer.worker import CopyPlan, FaultSpec, OnFinished, TransferJob, WorkerBase, _Entry
+from transfer.worker import CopyPlan, HeldJob, OnFinished, TransferJob, WorkerBase
 
-__all__ = ["FaultyWorker"]
+__all__ = ["INJECTED", "FaultSpec", "FaultyWorker"]
 
 log = logging.getLogger(__name__)
 
 INJECTED = "injected failure"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FaultSpec:
+    """Faults to inject: per job, fail with probability ``fail_rate``, never finish (until its
+    deadline) with probability ``hang_rate``; every job starts ``delay_s`` late. ``seed`` makes
+    the draw reproducible."""
+
+    fail_rate: float = 0.0
+    delay_s: float = 0.0
+    hang_rate: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("fail_rate", "hang_rate"):
+            v = getattr(self, name)
+            if not 0.0 <= v <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {v}")
+        if self.fail_rate + self.hang_rate > 1.0:
+            raise ValueError(
+                f"fail_rate + hang_rate must be <= 1, got {self.fail_rate + self.hang_rate}"
+            )
+        if not (math.isfinite(self.delay_s) and self.delay_s >= 0.0):
+            raise ValueError(f"delay_s must be a finite number >= 0, got {self.delay_s}")
 
 
 class FaultyWorker(WorkerBase):
@@ -65,7 +91,7 @@ class FaultyWorker(WorkerBase):
     def validate(self, job: TransferJob) -> CopyPlan:
         return self.inner.validate(job)
 
-    def _accept(self, job_id: int, entry: _Entry) -> None:
+    def _accept(self, job_id: int, entry: HeldJob) -> None:
         draw = self._rng.random()
         f = self.faults
         if draw < f.fail_rate:
@@ -89,7 +115,7 @@ class FaultyWorker(WorkerBase):
                 now = time.monotonic()
                 expired: list[int] = []
                 failed: list[int] = []
-                release: list[tuple[int, _Entry]] = []
+                release: list[tuple[int, HeldJob]] = []
                 wake_at = float("inf")
                 for job_id, (fate, act_at) in list(self._pending.items()):
                     entry = self._held.get(job_id)
@@ -119,7 +145,7 @@ class FaultyWorker(WorkerBase):
                 self._start(job_id, entry)
             self._drain_inner()
 
-    def _start(self, job_id: int, entry: _Entry) -> None:
+    def _start(self, job_id: int, entry: HeldJob) -> None:
         remaining = entry.deadline - time.monotonic()
         if remaining <= 0:
             self._finish([(job_id, False, "deadline")])

@@ -30,8 +30,12 @@ failed stores leave the host slots undefined (the manager drops those blocks).
 worker's lock, whenever one or more jobs finish. Keep it cheap and thread-safe, e.g.
 ``lambda: loop.call_soon_threadsafe(event.set)``.
 
-Backends: ``cpu`` (``transfer.cpu_worker``), ``cuda`` (``transfer.cuda_worker``), and the
-fault-injecting wrapper (``transfer.faulty_worker``) over either, chosen by ``create_worker``.
+This module holds the contract (``TransferWorker``), its types (``TransferJob``, ``JobResult``,
+the validated ``CopyPlan`` built by ``make_plan``) and the machinery the backends share
+(``WorkerBase``: ids, results, ``wait``, deadlines, callbacks; ``QueueingWorker``: the load and
+store queues). It imports no backend. The backends, ``cpu`` (``transfer.cpu_worker``), ``cuda``
+(``transfer.cuda_worker``) and the fault-injecting wrapper over either
+(``transfer.faulty_worker``), are chosen by ``create_worker`` (``transfer.backends``).
 """
 
 from __future__ import annotations
@@ -44,24 +48,23 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from transfer.errors import InvalidJobError, WorkerClosedError
 from transfer.host_pool import HostPool
 from transfer.kv_cache import KVCacheRegistry, RegisteredCache
 
-if TYPE_CHECKING:
-    from transfer.faulty_worker import FaultyWorker
-
 __all__ = [
-    "BACKENDS",
+    "MAX_JOB_BLOCKS",
     "CopyPlan",
-    "FaultSpec",
+    "Direction",
+    "HeldJob",
     "JobResult",
+    "OnFinished",
+    "QueueingWorker",
     "TransferJob",
     "TransferWorker",
     "WorkerBase",
-    "create_worker",
     "make_plan",
 ]
 
@@ -69,7 +72,6 @@ log = logging.getLogger(__name__)
 
 Direction = Literal["store", "load"]
 OnFinished = Callable[[], None]
-BACKENDS = ("auto", "cpu", "cuda", "faulty")
 MAX_JOB_BLOCKS = 1 << 20
 
 
@@ -97,30 +99,6 @@ class JobResult:
 
 
 @dataclass(frozen=True, slots=True)
-class FaultSpec:
-    """Faults to inject: per job, fail with probability ``fail_rate``, never finish (until its
-    deadline) with probability ``hang_rate``; every job starts ``delay_s`` late. ``seed`` makes
-    the draw reproducible."""
-
-    fail_rate: float = 0.0
-    delay_s: float = 0.0
-    hang_rate: float = 0.0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("fail_rate", "hang_rate"):
-            v = getattr(self, name)
-            if not 0.0 <= v <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {v}")
-        if self.fail_rate + self.hang_rate > 1.0:
-            raise ValueError(
-                f"fail_rate + hang_rate must be <= 1, got {self.fail_rate + self.hang_rate}"
-            )
-        if not (math.isfinite(self.delay_s) and self.delay_s >= 0.0):
-            raise ValueError(f"delay_s must be a finite number >= 0, got {self.delay_s}")
-
-
-@dataclass(frozen=True, slots=True)
 class CopyPlan:
     """A validated job: pairs sorted by host slot (runs of slots become adjacent)."""
 
@@ -130,23 +108,25 @@ class CopyPlan:
     host_slots: list[int]
     nbytes: int
 
-    def slot_runs(self, split_every: int | None = None) -> list[tuple[int, int, int]]:
-        """``(first_index, first_slot, length)`` for each run of consecutive host slots.
+    def slot_runs(
+        self, split_every: int | None = None, begin: int = 0, end: int | None = None
+    ) -> list[tuple[int, int, int]]:
+        """``(first_index, first_slot, length)`` for each run of consecutive host slots among
+        pairs ``[begin, end)``.
 
         With ``split_every``, a run never crosses a multiple of it (pinned-chunk boundary).
         """
         slots = self.host_slots
         runs: list[tuple[int, int, int]] = []
-        n = len(slots)
-        i = 0
+        n = len(slots) if end is None else end
+        i = begin
         while i < n:
             j = i + 1
-            first = slots[i]
             while j < n and slots[j] == slots[j - 1] + 1:
                 if split_every and slots[j] % split_every == 0:
                     break
                 j += 1
-            runs.append((i, first, j - i))
+            runs.append((i, slots[i], j - i))
             i = j
         return runs
 
@@ -231,8 +211,8 @@ class TransferWorker(ABC):
         self.shutdown()
 
 
-class _Entry:
-    """A job the worker holds: accepted, not yet reported."""
+class HeldJob:
+    """A job the worker holds: accepted, not yet reported. ``deadline`` is monotonic."""
 
     __slots__ = ("deadline", "job", "plan", "submitted")
 
@@ -261,7 +241,7 @@ class WorkerBase(TransferWorker):
         self._on_finished = on_finished
         self._cond = threading.Condition()
         self._next_id = 1
-        self._held: dict[int, _Entry] = {}
+        self._held: dict[int, HeldJob] = {}
         self._done: dict[int, JobResult] = {}
         self._closed = False
         self._shutdown_done = False
@@ -293,14 +273,14 @@ class WorkerBase(TransferWorker):
                 raise WorkerClosedError(f"{self.backend} transfer worker is shut down")
             job_id = self._next_id
             self._next_id += 1
-            entry = _Entry(job, plan, time.monotonic())
+            entry = HeldJob(job, plan, time.monotonic())
             self._held[job_id] = entry
             self._accept(job_id, entry)
             self._cond.notify_all()
         return job_id
 
     @abstractmethod
-    def _accept(self, job_id: int, entry: _Entry) -> None: ...
+    def _accept(self, job_id: int, entry: HeldJob) -> None: ...
 
     # ---------------------------------------------------------------- completion
 
@@ -398,10 +378,10 @@ class QueueingWorker(WorkerBase):
         self._loads: deque[int] = deque()
         self._stores: deque[int] = deque()
 
-    def _accept(self, job_id: int, entry: _Entry) -> None:
+    def _accept(self, job_id: int, entry: HeldJob) -> None:
         (self._loads if entry.job.direction == "load" else self._stores).append(job_id)
 
-    def _pop_locked(self, now: float, expired: list[int]) -> tuple[int, _Entry] | None:
+    def _pop_locked(self, now: float, expired: list[int]) -> tuple[int, HeldJob] | None:
         """Next runnable job, loads first; queued jobs past their deadline go to ``expired``."""
         for queue in (self._loads, self._stores):
             while queue:
@@ -414,50 +394,3 @@ class QueueingWorker(WorkerBase):
                     continue
                 return job_id, entry
         return None
-
-
-def create_worker(
-    pool: HostPool,
-    registry: KVCacheRegistry,
-    backend: str = "auto",
-    *,
-    faults: FaultSpec | None = None,
-    on_finished: OnFinished | None = None,
-    copy_threads: int | None = None,
-    staging_bytes: int | None = None,
-) -> TransferWorker:
-    """Build a worker. ``backend``: ``auto`` (cuda if available, else cpu), ``cpu``, ``cuda``,
-    or ``faulty`` (``auto`` wrapped in fault injection). With ``faults`` given, the chosen
-    backend is wrapped in the fault-injecting worker. ``copy_threads`` tunes the CPU copies;
-    ``staging_bytes`` the CUDA staging buffers (per device and direction).
-    """
-    import torch
-
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown transfer backend {backend!r}; choose one of {BACKENDS}")
-    if backend == "faulty" and faults is None:
-        faults = FaultSpec()
-    real = backend if backend in ("cpu", "cuda") else "auto"
-    if real == "auto":
-        real = "cuda" if torch.cuda.is_available() else "cpu"
-
-    def build(callback: OnFinished | None) -> WorkerBase:
-        if real == "cuda":
-            from transfer.cuda_worker import DEFAULT_STAGING_BYTES, CudaTransferWorker
-
-            return CudaTransferWorker(
-                pool,
-                registry,
-                on_finished=callback,
-                staging_bytes=DEFAULT_STAGING_BYTES if staging_bytes is None else staging_bytes,
-            )
-        from transfer.cpu_worker import CpuTransferWorker
-
-        return CpuTransferWorker(pool, registry, on_finished=callback, copy_threads=copy_threads)
-
-    if faults is None:
-        return build(on_finished)
-    from transfer.faulty_worker import FaultyWorker
-
-    wrapper: FaultyWorker = FaultyWorker(build, faults, on_finished=on_finished)
-    return wrapper

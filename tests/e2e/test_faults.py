@@ -35,9 +35,9 @@ import httpx
 import pytest
 
 from app.client import KVOffloadAdminClient, KVOffloadClient, KVOffloadError
-from tests.api.devices import ShmDevice
 from tests.e2e.server import ROOT, TOKEN, ServerProcess
 from tests.load import wire
+from tests.shm_device import ShmDevice
 
 BLOCK = 4096
 NUM_BLOCKS = 256  # ServerProcess's pool

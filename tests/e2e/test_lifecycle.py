@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from app.client import KVOffloadAdminClient, KVOffloadClient, KVOffloadError
-from tests.api.devices import ShmDevice
 from tests.e2e.server import ROOT, TOKEN, ServerProcess
+from tests.shm_device import ShmDevice
 
 
 def client_for(server: ServerProcess, transport: str) -> KVOffloadClient:

@@ -17,7 +17,6 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.api.devices import ShmDevice
 from tests.app.exposition import OPENMETRICS, Exposition, catalogue_mismatches, parse
 from tests.deploy.helpers import (
     DASHBOARD,
@@ -29,6 +28,7 @@ from tests.deploy.helpers import (
 )
 from tests.deploy.promql import Analysis, analyse
 from tests.e2e.server import TOKEN, ServerProcess
+from tests.shm_device import ShmDevice
 
 BLOCK = 4096
 JOB_REQ = "e2e-jobs"

@@ -7,8 +7,8 @@ import threading
 import time
 
 from app.client import KVOffloadAdminClient, KVOffloadClient
-from tests.api.devices import ShmDevice
 from tests.e2e.server import TOKEN, ServerProcess
+from tests.shm_device import ShmDevice
 
 WORKERS = 4
 PRESTORED = 64

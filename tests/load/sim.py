@@ -50,7 +50,7 @@ from typing import Any
 import httpx
 
 from app.client import AsyncKVOffloadClient, Batch, Job, KVOffloadError
-from tests.api.devices import ShmDevice
+from tests.shm_device import ShmDevice
 
 # Refusals an engine meets in normal operation: a hit evicted (or cleared) between its lookup and
 # its load, and a store that finds every block pinned or pending.

@@ -26,7 +26,9 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     import torch
 
-from tests.transfer.kvref import MIXED_LAYOUT, device_block, host_block, shapes, shm_spec
+from tests.shm_device import shm_spec
+from tests.transfer.helpers import write_shm_tensors
+from tests.transfer.kvref import device_block, host_block, mixed_layout
 
 
 class Engine:
@@ -36,20 +38,9 @@ class Engine:
         self.layout: list[tuple[list[int], str, int]] = []
 
     def create(self, prefix: str, n: int, seed: int) -> dict[str, Any]:
-        gen = torch.Generator().manual_seed(seed)
-        self.layout = [
-            (shape, dt, bd)
-            for shape, (_s, dt, bd) in zip(shapes(MIXED_LAYOUT, n), MIXED_LAYOUT, strict=True)
-        ]
-        paths = []
-        for i, (shape, dt, _bd) in enumerate(self.layout):
-            path = f"/dev/shm/{prefix}-t{i}"
-            nbytes = torch.Size(shape).numel() * getattr(torch, dt).itemsize
-            flat = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-            flat.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen))
-            self.flats.append(flat)
-            self.originals.append(flat.clone())
-            paths.append(path)
+        self.layout = mixed_layout(n)
+        paths, self.flats = write_shm_tensors(prefix, self.layout, seed)
+        self.originals = [flat.clone() for flat in self.flats]
         return {"spec": shm_spec(prefix, paths, self.layout)}
 
     def check_pool(

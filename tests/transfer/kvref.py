@@ -9,7 +9,6 @@ import math
 import os
 import secrets
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -25,6 +24,13 @@ MIXED_LAYOUT: list[tuple[list[int | str], str, int]] = [
 
 def shapes(layout: Sequence[tuple[list[int | str], str, int]], n: int) -> list[list[int]]:
     return [[n if d == "N" else int(d) for d in shape] for shape, _dt, _bd in layout]
+
+
+def mixed_layout(n: int) -> list[tuple[list[int], str, int]]:
+    """``MIXED_LAYOUT`` with ``n`` device blocks: ``(shape, dtype, block_dim)`` per tensor."""
+    return [
+        (s, dt, bd) for s, (_x, dt, bd) in zip(shapes(MIXED_LAYOUT, n), MIXED_LAYOUT, strict=True)
+    ]
 
 
 def bytes_per_block(shape: Sequence[int], dtype: str, block_dim: int) -> int:
@@ -64,21 +70,3 @@ def host_block(
 
 def unique_prefix(tag: str) -> str:
     return f"kvotest-{tag}-{os.getpid()}-{secrets.token_hex(4)}"
-
-
-def shm_spec(
-    name: str, paths: Sequence[str], layout: Sequence[tuple[Sequence[int], str, int]]
-) -> dict[str, Any]:
-    return {
-        "name": name,
-        "device": "cpu",
-        "tensors": [
-            {
-                "shape": list(shape),
-                "dtype": dt,
-                "block_dim": bd,
-                "handle": {"kind": "shm", "path": p},
-            }
-            for p, (shape, dt, bd) in zip(paths, layout, strict=True)
-        ],
-    }

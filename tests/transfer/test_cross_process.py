@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.transfer.conftest import mixed_block_bytes
+from tests.transfer.helpers import mixed_block_bytes
 from transfer import KVCacheRegistry, KVCacheSpec, TransferJob, create_worker
 
 REPO = Path(__file__).resolve().parents[2]

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.transfer.conftest import mixed_block_bytes
-from tests.transfer.kvref import MIXED_LAYOUT, host_block, shapes
+from tests.transfer.helpers import mixed_block_bytes
+from tests.transfer.kvref import host_block, mixed_layout
 from transfer import KVCacheRegistry, TransferJob, cuda_worker
 from transfer.cuda_worker import CudaTransferWorker, StagedCopier
 
@@ -72,9 +72,7 @@ def world(fake_cuda, make_pool):
     pool = make_pool(SLOTS, mixed_block_bytes(N), pin=False)
     registry = KVCacheRegistry(pool)
     gen = torch.Generator().manual_seed(3)
-    layout = [
-        (s, dt, bd) for s, (_x, dt, bd) in zip(shapes(MIXED_LAYOUT, N), MIXED_LAYOUT, strict=True)
-    ]
+    layout = mixed_layout(N)
     tensors = [
         torch.randint(-50, 50, shape, generator=gen).to(getattr(torch, dt))
         for shape, dt, _bd in layout

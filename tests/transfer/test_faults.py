@@ -7,9 +7,10 @@ import time
 import pytest
 import torch
 
-from tests.transfer.conftest import mixed_block_bytes
+from tests.transfer.helpers import mixed_block_bytes
 from transfer import FaultSpec, KVCacheRegistry, KVCacheSpec, TransferJob, cpu_worker, create_worker
-from transfer.cpu_worker import CopyAborted, CpuTransferWorker, copy_on_cpu
+from transfer.cpu_copy import CopyAborted, copy_on_cpu
+from transfer.cpu_worker import CpuTransferWorker
 from transfer.faulty_worker import INJECTED, FaultyWorker
 from transfer.worker import make_plan
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.transfer.conftest import mixed_block_bytes
+from tests.transfer.helpers import mixed_block_bytes
 from tests.transfer.kvref import host_block
 from transfer import HostPool, KVCacheRegistry, KVCacheSpec, TransferJob, create_worker
 from transfer.cuda_worker import CudaTransferWorker

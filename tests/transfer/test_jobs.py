@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from manager import LookupResult, OffloadManager, ReqContext, create_manager
-from tests.transfer.conftest import ShmCache, mixed_block_bytes
+from tests.transfer.helpers import ShmCache, mixed_block_bytes
 from tests.transfer.kvref import host_block
 from transfer import (
     FaultSpec,

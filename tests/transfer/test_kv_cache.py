@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.transfer.conftest import write_shm_tensors
-from tests.transfer.kvref import shm_spec
+from tests.shm_device import shm_spec
+from tests.transfer.helpers import write_shm_tensors
 from transfer import (
     KVCacheRegistry,
     KVCacheSpec,

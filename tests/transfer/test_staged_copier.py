@@ -12,10 +12,10 @@ import random
 import pytest
 import torch
 
-from tests.transfer.conftest import mixed_block_bytes
-from tests.transfer.kvref import MIXED_LAYOUT, device_block, host_block, shapes
+from tests.transfer.helpers import mixed_block_bytes
+from tests.transfer.kvref import device_block, host_block, mixed_layout
 from transfer import KVCacheRegistry
-from transfer.cuda_worker import StagedCopier, _geometry, _runs, find_cuda_memcpy
+from transfer.cuda_worker import StagedCopier, find_cuda_memcpy
 from transfer.worker import make_plan
 
 N = 32
@@ -27,9 +27,7 @@ def world(make_pool):
     pool = make_pool(SLOTS, mixed_block_bytes(N), pin=False)
     registry = KVCacheRegistry(pool)
     gen = torch.Generator().manual_seed(7)
-    layout = [
-        (s, dt, bd) for s, (_x, dt, bd) in zip(shapes(MIXED_LAYOUT, N), MIXED_LAYOUT, strict=True)
-    ]
+    layout = mixed_layout(N)
     tensors = [
         torch.randint(-1000, 1000, shape, generator=gen).to(getattr(torch, dt))
         for shape, dt, _bd in layout
@@ -104,11 +102,12 @@ def test_find_cuda_memcpy_without_a_cuda_runtime(monkeypatch) -> None:
 
 def test_geometry_groups_and_word_size(world) -> None:
     _pool, cache, _layout, _originals = world
-    full = _geometry(cache, [0, 1, 2, 3])
+    copier = StagedCopier(torch.device("cpu"))
+    full = copier.geometry(cache, [0, 1, 2, 3])
     assert full.row_bytes == cache.block_bytes
     assert full.groups == ((0, 0, cache.block_bytes),)
     assert full.word == 4  # the float32 pieces are 20 bytes: 4-byte words fit everything
-    split = _geometry(cache, [0, 2])
+    split = copier.geometry(cache, [0, 2])
     lay = cache.layouts
     assert split.groups == (
         (0, 0, lay[0].bytes_per_block),
@@ -116,11 +115,13 @@ def test_geometry_groups_and_word_size(world) -> None:
     )
 
 
-def test_runs_split_at_boundaries() -> None:
+def test_runs_split_at_boundaries(world) -> None:
+    _pool, cache, _layout, _originals = world
     slots = [0, 1, 2, 3, 4, 5, 9, 10, 12]
-    assert _runs(slots, 0, len(slots), None) == [(0, 0, 6), (6, 9, 2), (8, 12, 1)]
-    assert _runs(slots, 0, len(slots), 4) == [(0, 0, 4), (4, 4, 2), (6, 9, 2), (8, 12, 1)]
-    assert _runs(slots, 2, 5, None) == [(2, 2, 3)]
+    plan = make_plan("store", cache, SLOTS, list(range(len(slots))), slots)
+    assert plan.slot_runs() == [(0, 0, 6), (6, 9, 2), (8, 12, 1)]
+    assert plan.slot_runs(4) == [(0, 0, 4), (4, 4, 2), (6, 9, 2), (8, 12, 1)]
+    assert plan.slot_runs(None, 2, 5) == [(2, 2, 3)]
 
 
 def test_plan_sorts_pairs_by_slot(world) -> None:

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from tests.transfer.conftest import BACKEND_PARAMS, ShmCache, build_worker, mixed_block_bytes
+from tests.transfer.helpers import BACKEND_PARAMS, ShmCache, build_worker, mixed_block_bytes
 from tests.transfer.kvref import device_block, host_block
 from transfer import (
     InvalidJobError,

@@ -1,0 +1,112 @@
+"""CPU "device" KV caches for tests: tensors in /dev/shm files that the test (the engine) owns.
+
+One helper for every suite that needs a registered-by-path cache:
+
+- ``create_shm_file(path, nbytes)``: a new zero-filled file (created exclusively, mode 0600);
+- ``shm_spec(name, paths, layout)``: the registration body (``POST /v1/kv-caches``, or
+  ``KVCacheSpec.from_dict``) for tensors in those files;
+- ``ShmDevice``: one float16 tensor whose block dimension is 0, read and written by block
+  through ``mmap`` (API, end-to-end and load tests). The transfer tests map files of any
+  layout with torch instead (``tests.transfer.helpers.write_shm_tensors``).
+
+Imports no torch, so load-test workers stay light.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+SHM_DIR = "/dev/shm"
+
+Layout = Sequence[tuple[Sequence[int], str, int]]
+"""Per tensor: ``(shape, dtype name, block_dim)``."""
+
+
+def create_shm_file(path: str, nbytes: int) -> None:
+    """Create ``path`` (which must not exist) as ``nbytes`` zero bytes, readable by us only."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def shm_spec(name: str, paths: Sequence[str], layout: Layout) -> dict[str, Any]:
+    """The registration body of a CPU cache whose tensor ``i`` lives in ``paths[i]``."""
+    return {
+        "name": name,
+        "device": "cpu",
+        "tensors": [
+            {
+                "shape": list(shape),
+                "dtype": dt,
+                "block_dim": bd,
+                "handle": {"kind": "shm", "path": p},
+            }
+            for p, (shape, dt, bd) in zip(paths, layout, strict=True)
+        ],
+    }
+
+
+class ShmDevice:
+    """A registered-by-path CPU KV cache; block ``b`` is bytes ``[b*block_bytes, (b+1)*...)``.
+
+    Its file is ``/dev/shm/kvoffload-test-*``; ``close()`` unmaps and unlinks it.
+    """
+
+    def __init__(self, num_blocks: int, block_bytes: int, name: str | None = None) -> None:
+        if block_bytes % 2:
+            raise ValueError("block_bytes must be even (float16 elements)")
+        self.num_blocks = num_blocks
+        self.block_bytes = block_bytes
+        self.name = name or f"engine-{uuid.uuid4().hex[:8]}"
+        self.path = os.path.join(SHM_DIR, f"kvoffload-test-{uuid.uuid4().hex}")
+        create_shm_file(self.path, num_blocks * block_bytes)
+        try:
+            with open(self.path, "r+b") as f:
+                self._map = mmap.mmap(f.fileno(), num_blocks * block_bytes)
+        except BaseException:
+            os.unlink(self.path)
+            raise
+
+    def spec(self) -> dict[str, Any]:
+        """The registration body for ``POST /v1/kv-caches``."""
+        layout = [([self.num_blocks, self.block_bytes // 2], "float16", 0)]
+        return shm_spec(self.name, [self.path], layout)
+
+    def write(self, block: int, data: bytes) -> None:
+        """Fill device block ``block`` with ``data`` (exactly ``block_bytes``)."""
+        assert len(data) == self.block_bytes
+        start = block * self.block_bytes
+        self._map[start : start + self.block_bytes] = data
+
+    def read(self, block: int) -> bytes:
+        """The bytes of device block ``block``."""
+        start = block * self.block_bytes
+        return bytes(self._map[start : start + self.block_bytes])
+
+    def fill(self, block: int, seed: int) -> bytes:
+        """Write a recognisable pattern derived from ``seed``; returns it."""
+        pattern = (seed.to_bytes(4, "little") * (self.block_bytes // 4 + 1))[: self.block_bytes]
+        self.write(block, pattern)
+        return pattern
+
+    def close(self) -> None:
+        """Unmap and delete the file. Idempotent."""
+        if not self._map.closed:
+            self._map.close()
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+    def __enter__(self) -> ShmDevice:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
