@@ -242,9 +242,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{ratio:>7.0f} {r['hwm_growth_mib']:>8.1f}"
         )
     print(f"({elapsed:.1f} s)")
-    out = Path(args.out)
     harness.write_results(
-        out,
+        Path(args.out),
         {
             "benchmark": "body_limits",
             "src": str(args.src),
@@ -254,7 +253,6 @@ def main(argv: list[str] | None = None) -> int:
             "results": rows,
         },
     )
-    print(f"wrote {out}")
     return 0
 
 

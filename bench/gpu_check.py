@@ -69,7 +69,7 @@ OUT_PATH = OUT_DEFAULT
 
 
 def save() -> None:
-    harness.write_results(OUT_PATH, REPORT)
+    harness.write_results(OUT_PATH, REPORT, quiet=True)
 
 
 def section(name: str, fn: Callable[[], dict[str, Any]]) -> bool:

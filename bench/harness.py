@@ -1,9 +1,9 @@
 """What the benchmarks share: where a run's results go, and the server processes they watch.
 
 - ``write_results(path, record)``: the run's record as indented JSON (by default a benchmark
-  writes ``RESULTS_DIR / "<name>.json"``, i.e. under ``bench/results/``); the folder is made if
-  missing. ``machine()`` is the host description a record carries (CPU count, platform,
-  Python, plus what the caller adds).
+  writes ``RESULTS_DIR / "<name>.json"``, i.e. under ``bench/results/``), and ``wrote <path>``
+  on stdout; the folder is made if missing. ``machine()`` is the host description a record
+  carries (CPU count, platform, Python, plus what the caller adds).
 - ``free_port()``, ``stop_server(proc)``: a loopback port to start a server on, and the end of
   it (SIGTERM, then SIGKILL if it has not exited within the grace period).
 - ``proc_status(pid)``, ``proc_cpu_seconds(pid)``: a process's memory figures and CPU time,
@@ -35,11 +35,14 @@ def machine(**extra: Any) -> dict[str, Any]:
     }
 
 
-def write_results(path: Path, record: Mapping[str, Any]) -> None:
-    """Write ``record`` to ``path`` as indented JSON, making its folder if missing. Values JSON
-    cannot hold are written as their ``str`` rather than failing a run at its very end."""
+def write_results(path: Path, record: Mapping[str, Any], *, quiet: bool = False) -> None:
+    """Write ``record`` to ``path`` as indented JSON, making its folder if missing, and say so
+    on stdout unless ``quiet`` (a run that saves partial results as it goes). Values JSON cannot
+    hold are written as their ``str`` rather than failing a run at its very end."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    if not quiet:
+        print(f"wrote {path}")
 
 
 def free_port() -> int:

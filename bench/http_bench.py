@@ -788,8 +788,8 @@ def main_bench(args: argparse.Namespace) -> int:
             out["floors"] = floors_suite(tmp, args, pinned)
         if args.suite in ("all", "obs", "shadow"):
             out["observability"] = obs_suite(tmp, args, pinned)
+    print()
     harness.write_results(RESULTS, out)
-    print(f"\nwrote {RESULTS.relative_to(ROOT)}")
     return 0
 
 

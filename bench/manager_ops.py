@@ -233,9 +233,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{'dict':<8}{cap_factor:>5} | " + " ".join(f"{fmt(base[op]):>8}" for op in OPS) + " |"
         )
     host = harness.machine()
-    out = Path(args.out)
     harness.write_results(
-        out,
+        Path(args.out),
         {
             "benchmark": "manager_ops",
             "keys": args.keys,
@@ -248,7 +247,6 @@ def main(argv: list[str] | None = None) -> int:
             "results": results,
         },
     )
-    print(f"wrote {out}")
     return 0
 
 

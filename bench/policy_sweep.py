@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     save_plot(rows, args.out / "policy_sweep.png")
-    print(f"wrote {args.out / 'policy_sweep.json'} and policy_sweep.png")
+    print(f"wrote {args.out / 'policy_sweep.png'}")
     return 0
 
 

@@ -188,9 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['block_bytes'] >> 10:>6}Ki {thr:>3} {store} {load}  {note}")
     print(f"(* = the default copy_threads on this host; {elapsed:.1f} s)")
 
-    out = Path(args.out)
     harness.write_results(
-        out,
+        Path(args.out),
         {
             "benchmark": "transfer_bw",
             "quick": args.quick,
@@ -201,7 +200,6 @@ def main(argv: list[str] | None = None) -> int:
             "results": rows,
         },
     )
-    print(f"wrote {out}")
     return 0
 
 
