@@ -29,9 +29,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,7 +42,12 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results" / "body_limits.json"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import harness  # noqa: E402
+
+RESULTS = harness.RESULTS_DIR / "body_limits.json"
 IDLE_S = 0.5
 JSON_TYPE = {"content-type": "application/json"}
 
@@ -98,30 +100,17 @@ SCENARIOS = (
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _hwm_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    raise RuntimeError("no VmHWM")
-
-
 class Server:
     """``kvoffload serve`` from ``src`` on free ports, default limits, CPU pool."""
 
     def __init__(self, src: Path, workdir: Path) -> None:
-        self.port = _free_port()
+        self.port = harness.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
         env["PYTHONPATH"] = str(src)
         argv = [sys.executable, "-m", "app.cli", "serve", "--port", str(self.port)]
-        argv += ["--admin-port", str(_free_port()), "--device", "cpu", "--log-level", "error"]
+        argv += ["--admin-port", str(harness.free_port()), "--device", "cpu"]
+        argv += ["--log-level", "error"]
         self.log = (workdir / f"serve-{self.port}.log").open("wb")
         self.proc = subprocess.Popen(argv, cwd=src, env=env, stdout=self.log, stderr=self.log)
 
@@ -139,13 +128,7 @@ class Server:
         raise RuntimeError("kvoffload serve not ready")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        harness.stop_server(self.proc)
         self.log.close()
 
 
@@ -173,7 +156,7 @@ async def _one_round(src: Path, workdir: Path, scenario: Scenario, body: bytes) 
                 await poster.put("/v1/requests/r", json={})
             await poller.get("/livez")
             idle = await _poll_until(poller, asyncio.sleep(IDLE_S))
-            before = _hwm_kib(server.proc.pid)
+            before = harness.proc_status(server.proc.pid)["VmHWM"]
             outcome: dict[str, Any] = {}
 
             async def post() -> None:
@@ -188,7 +171,7 @@ async def _one_round(src: Path, workdir: Path, scenario: Scenario, body: bytes) 
                 outcome["post_s"] = time.perf_counter() - start
 
             busy = await _poll_until(poller, post())
-            growth = _hwm_kib(server.proc.pid) - before
+            growth = harness.proc_status(server.proc.pid)["VmHWM"] - before
         return {
             "answer": outcome["answer"],
             "post_s": outcome["post_s"],
@@ -259,27 +242,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{ratio:>7.0f} {r['hwm_growth_mib']:>8.1f}"
         )
     print(f"({elapsed:.1f} s)")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "benchmark": "body_limits",
-                "src": str(args.src),
-                "rounds": rounds,
-                "machine": {
-                    "cpus": os.cpu_count(),
-                    "platform": platform.platform(),
-                    "python": platform.python_version(),
-                },
-                "seconds": elapsed,
-                "results": rows,
-            },
-            indent=2,
-        )
-        + "\n"
+    harness.write_results(
+        Path(args.out),
+        {
+            "benchmark": "body_limits",
+            "src": str(args.src),
+            "rounds": rounds,
+            "machine": harness.machine(),
+            "seconds": elapsed,
+            "results": rows,
+        },
     )
-    print(f"wrote {out}")
     return 0
 
 

@@ -8,9 +8,10 @@ is known, so a crash or the watchdog still leaves what was measured):
    every host byte, then load them into other blocks and check every device byte. Run with the
    default staging buffer, with a tiny one (many chunks), and with the torch copy path instead
    of the raw ``cudaMemcpyAsync`` path.
-2. ``ipc``: a child process allocates the cache on the GPU and exports it by CUDA IPC handle
-   (``export_cuda_ipc_handle``); the service side registers it from the JSON body, stores and
-   loads, and the child checks the loaded bytes in its own memory.
+2. ``ipc``: a child process (``tests/transfer/ipc_child.py``, the GPU test's engine) allocates
+   the cache on the GPU and exports it by CUDA IPC handle (``export_cuda_ipc_handle``); the
+   service side registers it from the JSON body, stores and loads, and the child checks the
+   loaded bytes in its own memory.
 3. ``bandwidth``: D2H (store) and H2D (load) GB/s of whole-cache jobs, 4 tensors per cache,
    block sizes 64 KiB to 4 MiB, device blocks in random order and host slots either in runs
    (contiguous) or scattered, against one large copy between a pinned buffer and the GPU (and
@@ -40,7 +41,7 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -54,25 +55,21 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     import torch
 
+from bench import harness  # noqa: E402
+from tests.transfer import ipc_child  # noqa: E402
+from tests.transfer.kvref import MIXED_LAYOUT, bytes_per_block, host_block, shapes  # noqa: E402
 from transfer import HostPool, KVCacheRegistry, KVCacheSpec, TransferJob  # noqa: E402
 
-OUT_DEFAULT = ROOT / "bench" / "results" / "gpu_check.json"
+OUT_DEFAULT = harness.RESULTS_DIR / "gpu_check.json"
 TARGET = 0.85
-# (shape with "N" for the block dimension, dtype, block_dim)
-MIXED: list[tuple[list[int | str], str, int]] = [
-    ([2, "N", 4, 8], "float16", 1),
-    (["N", 2, 16], "bfloat16", 0),
-    ([3, 2, "N", 5], "float32", 2),
-    (["N", 64], "int8", 0),
-]
+Layout = Sequence[tuple[list[int], str, int]]  # (shape, dtype, block_dim) per tensor
 
 REPORT: dict[str, Any] = {"benchmark": "gpu_check", "sections": {}}
 OUT_PATH = OUT_DEFAULT
 
 
 def save() -> None:
-    OUT_PATH.parent.mkdir(parents=True, exist_ok=True)
-    OUT_PATH.write_text(json.dumps(REPORT, indent=2, default=str) + "\n")
+    harness.write_results(OUT_PATH, REPORT, quiet=True)
 
 
 def section(name: str, fn: Callable[[], dict[str, Any]]) -> bool:
@@ -93,30 +90,19 @@ def section(name: str, fn: Callable[[], dict[str, Any]]) -> bool:
     return ok
 
 
-def layout_for(n: int) -> list[tuple[list[int], str, int]]:
-    return [([n if d == "N" else int(d) for d in shape], dt, bd) for shape, dt, bd in MIXED]
+def layout_for(n: int) -> Layout:
+    """The tests' mixed layout (``tests.transfer.kvref.MIXED_LAYOUT``) with ``n`` blocks."""
+    return [
+        (shape, dt, bd)
+        for shape, (_x, dt, bd) in zip(shapes(MIXED_LAYOUT, n), MIXED_LAYOUT, strict=True)
+    ]
 
 
-def block_bytes(layout: list[tuple[list[int], str, int]]) -> int:
-    total = 0
-    for shape, dt, bd in layout:
-        total += torch.Size(shape).numel() // shape[bd] * getattr(torch, dt).itemsize
-    return total
+def block_bytes(layout: Layout) -> int:
+    return sum(bytes_per_block(shape, dt, bd) for shape, dt, bd in layout)
 
 
-def host_block(
-    flats: list[torch.Tensor], layout: list[tuple[list[int], str, int]], b: int
-) -> torch.Tensor:
-    parts = []
-    for flat, (shape, _dt, bd) in zip(flats, layout, strict=True):
-        outer = torch.Size(shape[:bd]).numel()
-        parts.append(flat.view(outer, shape[bd], -1)[:, b, :].reshape(-1))
-    return torch.cat(parts)
-
-
-def random_tensors(
-    layout: list[tuple[list[int], str, int]], seed: int, device: str
-) -> list[torch.Tensor]:
+def random_tensors(layout: Layout, seed: int, device: str) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return [
         torch.randint(
@@ -214,40 +200,6 @@ def correctness() -> dict[str, Any]:
     return {"ok": all(r["ok"] for r in runs.values()), "runs": runs}
 
 
-CHILD = r"""
-import hashlib, json, sys
-sys.path.insert(0, sys.argv[1])
-import transfer, torch
-from transfer import export_cuda_ipc_handle
-layout = json.loads(sys.argv[2])
-gen = torch.Generator().manual_seed(7)
-tensors = []
-for shape, dt, bd in layout:
-    nbytes = torch.Size(shape).numel() * getattr(torch, dt).itemsize
-    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
-    tensors.append(raw.view(getattr(torch, dt)).view(shape).to("cuda:0"))
-torch.cuda.synchronize()
-spec = {"name": "ipc-child", "device": "cuda:0", "tensors": [
-    {"shape": shape, "dtype": dt, "block_dim": bd, "handle": export_cuda_ipc_handle(t)}
-    for t, (shape, dt, bd) in zip(tensors, layout)]}
-print(json.dumps({"spec": spec}), flush=True)
-flats = [t.reshape(-1).view(torch.uint8) for t in tensors]
-for line in sys.stdin:
-    cmd = json.loads(line)
-    if cmd["op"] == "exit":
-        break
-    torch.cuda.synchronize()
-    out = []
-    for b in cmd["blocks"]:
-        h = hashlib.sha256()
-        for flat, (shape, dt, bd) in zip(flats, layout):
-            outer = torch.Size(shape[:bd]).numel()
-            h.update(bytes(flat.view(outer, shape[bd], -1)[:, b, :].reshape(-1).cpu().tolist()))
-        out.append(h.hexdigest())
-    print(json.dumps({"digests": out}), flush=True)
-"""
-
-
 def read_line(proc: subprocess.Popen[str], timeout: float) -> str:
     assert proc.stdout is not None
     ready, _, _ = select.select([proc.stdout], [], [], timeout)
@@ -262,27 +214,27 @@ def read_line(proc: subprocess.Popen[str], timeout: float) -> str:
 def ipc() -> dict[str, Any]:
     from transfer.cuda_worker import CudaTransferWorker
 
-    n, slots_n = 48, 64
-    layout = layout_for(n)
-    bb = block_bytes(layout)
+    n, slots_n = ipc_child.N, 64
+    moved = n // 2
     proc = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(ROOT), json.dumps(layout)],
+        [sys.executable, "-m", ipc_child.__name__],
         cwd=ROOT,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
-    pool = HostPool.create(slots_n, bb)
-    worker = None
-    registry = KVCacheRegistry(pool)
+    pool = registry = worker = None
     try:
         spec = json.loads(read_line(proc, 60))["spec"]
         handle_keys = sorted(spec["tensors"][0]["handle"])
+        layout = [(t["shape"], t["dtype"], t["block_dim"]) for t in spec["tensors"]]
+        pool = HostPool.create(slots_n, block_bytes(layout))
+        registry = KVCacheRegistry(pool)
         cache = registry.register(KVCacheSpec.from_dict(spec))
         worker = CudaTransferWorker(pool, registry)
         rng = random.Random(5)
-        blocks = rng.sample(range(n), 30)
-        slots = rng.sample(range(slots_n), 30)
+        blocks = rng.sample(range(n), moved)
+        slots = rng.sample(range(slots_n), moved)
         # What the child holds, read through the IPC mapping, before anything moves.
         before = [t.cpu() for t in cache.tensors]
         r = run_job(worker, TransferJob("store", cache.cache_id, blocks, slots, 60.0))
@@ -291,7 +243,7 @@ def ipc() -> dict[str, Any]:
             for b, s in zip(blocks, slots, strict=True)
             if not torch.equal(pool.tensor[s], host_block(before, layout, b))
         ]
-        targets = rng.sample(range(n), 30)
+        targets = rng.sample(range(n), moved)
         r2 = run_job(worker, TransferJob("load", cache.cache_id, targets, slots, 60.0))
         assert proc.stdin is not None
         proc.stdin.write(json.dumps({"op": "digest", "blocks": targets}) + "\n")
@@ -314,8 +266,10 @@ def ipc() -> dict[str, Any]:
     finally:
         if worker is not None:
             worker.shutdown()
-        registry.close()
-        pool.close()
+        if registry is not None:
+            registry.close()
+        if pool is not None:
+            pool.close()
         try:
             if proc.stdin is not None:
                 proc.stdin.write('{"op": "exit"}\n')

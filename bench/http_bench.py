@@ -62,7 +62,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-RESULTS = ROOT / "bench" / "results" / "http_bench.json"
+from bench import harness  # noqa: E402
+
+RESULTS = harness.RESULTS_DIR / "http_bench.json"
 LOOKUP_PATH = "/v1/requests/bench/lookup"
 BATCH_PATH = "/v1/batch"
 NUM_KEYS = 64
@@ -319,13 +321,6 @@ def run_load(address: str, source: Source, connections: int, seconds: float) -> 
 # --------------------------------------------------------------------------- orchestration
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _pinned(core: int | None) -> Any:
     if core is None:
         return None
@@ -353,29 +348,15 @@ class Server:
     uds: str
     admin_port: int = 0
 
-    def cpu_seconds(self) -> float:
-        """CPU time (user + system, all threads) the server process has used so far."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
     def tcp(self) -> str:
         return f"127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def start_kvoffload(
     tmp: Path, core: int | None, name: str = "kvoffload", extra: tuple[str, ...] = ()
 ) -> Server:
     """``kvoffload serve`` with the bench's pool; ``extra`` flags win; its log goes to a file."""
-    port, admin = free_port(), free_port()
+    port, admin = harness.free_port(), harness.free_port()
     uds = str(tmp / f"{name}.sock")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
     argv = [
@@ -410,7 +391,7 @@ def start_kvoffload(
 
 
 def start_floor(kind: str, tmp: Path, core: int | None, body_size: int) -> Server:
-    port = free_port()
+    port = harness.free_port()
     uds = str(tmp / f"{kind}.sock")
     argv = [
         sys.executable,
@@ -512,11 +493,11 @@ def run_rounds(
     for _ in range(rounds):
         for name, server, transport, request, conns in scenarios:
             address = server.tcp() if transport == "tcp" else server.uds
-            cpu_before = server.cpu_seconds()
+            cpu_before = harness.proc_cpu_seconds(server.proc.pid)
             result = load_once(address, request, conns, seconds, load_core)
             # CPU per call includes the warm-up calls the generator does not count;
             # scale by the counted share of the run (warm-up is a quarter, at most).
-            cpu = server.cpu_seconds() - cpu_before
+            cpu = harness.proc_cpu_seconds(server.proc.pid) - cpu_before
             share = seconds / (seconds + min(0.3, seconds / 4))
             result["cpu_us_per_call"] = cpu * share / max(1, result["calls"]) * 1e6
             runs.setdefault((name, transport, conns), []).append(result)
@@ -551,7 +532,7 @@ def floors_suite(
         table = run_rounds(scenarios, rounds, seconds, load_core)
     finally:
         for server in servers:
-            server.stop()
+            harness.stop_server(server.proc)
     return report(table, answer_size, len(lookup_body), len(batch_body))
 
 
@@ -593,7 +574,7 @@ def obs_suite(
         shadow_stats = None if shadow_on is None else shadow_accounting(shadow_on)
     finally:
         for server in servers:
-            server.stop()
+            harness.stop_server(server.proc)
     app_level = app_cost_suite(args, server_core) if args.suite in ("all", "obs") else None
     return report_obs(table, shadow_stats, app_level)
 
@@ -807,9 +788,8 @@ def main_bench(args: argparse.Namespace) -> int:
             out["floors"] = floors_suite(tmp, args, pinned)
         if args.suite in ("all", "obs", "shadow"):
             out["observability"] = obs_suite(tmp, args, pinned)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=2))
-    print(f"\nwrote {RESULTS.relative_to(ROOT)}")
+    print()
+    harness.write_results(RESULTS, out)
     return 0
 
 

@@ -22,9 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -36,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench import harness  # noqa: E402
 from manager import ReqContext, available_policies, create_manager  # noqa: E402
 
 # vLLM 0.33.0 CPUOffloadingManager on this kind of machine (from the issue), keys/s or req/s.
@@ -184,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--policies", default=",".join(available_policies()))
     parser.add_argument("--quick", action="store_true", help="20k keys, 3 repeats")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "manager_ops.json"))
+    parser.add_argument("--out", default=str(harness.RESULTS_DIR / "manager_ops.json"))
     args = parser.parse_args(argv)
     if args.quick:
         args.keys, args.repeats = 20_000, 3
@@ -234,25 +232,21 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{'dict':<8}{cap_factor:>5} | " + " ".join(f"{fmt(base[op]):>8}" for op in OPS) + " |"
         )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "benchmark": "manager_ops",
-                "keys": args.keys,
-                "req_len": args.req_len,
-                "repeats": args.repeats,
-                "python": platform.python_version(),
-                "cpus": os.cpu_count(),
-                "vllm_reference": VLLM_REFERENCE,
-                "target_factor": TARGET_FACTOR,
-                "results": results,
-            },
-            indent=2,
-        )
+    host = harness.machine()
+    harness.write_results(
+        Path(args.out),
+        {
+            "benchmark": "manager_ops",
+            "keys": args.keys,
+            "req_len": args.req_len,
+            "repeats": args.repeats,
+            "python": host["python"],
+            "cpus": host["cpus"],
+            "vllm_reference": VLLM_REFERENCE,
+            "target_factor": TARGET_FACTOR,
+            "results": results,
+        },
     )
-    print(f"wrote {out}")
     return 0
 
 

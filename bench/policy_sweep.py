@@ -22,7 +22,6 @@ Run: ``.venv/bin/python bench/policy_sweep.py`` (``--quick``: first 1000 request
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -35,6 +34,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from app.replay import format_table, save_plot, sweep  # noqa: E402
+from bench import harness  # noqa: E402
 from manager import available_policies  # noqa: E402
 from manager.replay import HORIZON, ORACLE_PREFIX, is_bound, parse_trace  # noqa: E402
 
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", type=Path, default=TRACE)
     parser.add_argument("--capacity", default="5000,10000,20000")
     parser.add_argument("--quick", action="store_true", help="first 1000 requests only")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--out", type=Path, default=harness.RESULTS_DIR)
     args = parser.parse_args(argv)
     with args.trace.open(encoding="utf-8") as fh:
         requests = parse_trace(fh)
@@ -153,23 +153,20 @@ def main(argv: list[str] | None = None) -> int:
         f"block references = " + ", ".join(f"{median / cap:.2f}x {cap}" for cap in capacities)
     )
     print(f"replays took {elapsed:.1f} s")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "policy_sweep.json").write_text(
-        json.dumps(
-            {
-                "benchmark": "policy_sweep",
-                "trace": args.trace.name,
-                "requests": len(requests),
-                "seconds": round(elapsed, 3),
-                "chain_reuse": reuse,
-                "rows": rows,
-                "best": verdicts,
-            },
-            indent=2,
-        )
+    harness.write_results(
+        args.out / "policy_sweep.json",
+        {
+            "benchmark": "policy_sweep",
+            "trace": args.trace.name,
+            "requests": len(requests),
+            "seconds": round(elapsed, 3),
+            "chain_reuse": reuse,
+            "rows": rows,
+            "best": verdicts,
+        },
     )
     save_plot(rows, args.out / "policy_sweep.png")
-    print(f"wrote {args.out / 'policy_sweep.json'} and policy_sweep.png")
+    print(f"wrote {args.out / 'policy_sweep.png'}")
     return 0
 
 

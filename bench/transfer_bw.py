@@ -18,9 +18,7 @@ and writes ``bench/results/transfer_bw.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import random
 import secrets
 import statistics
@@ -40,6 +38,7 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     import torch
 
+from bench import harness  # noqa: E402
 from transfer import (  # noqa: E402
     HostPool,
     KVCacheRegistry,
@@ -154,7 +153,7 @@ def run_size(block_bytes: int, total: int, threads: int, reps: int, prefix: str)
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller run")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "transfer_bw.json"))
+    parser.add_argument("--out", default=str(harness.RESULTS_DIR / "transfer_bw.json"))
     args = parser.parse_args(argv)
     total = (64 << 20) if args.quick else (256 << 20)
     reps = 3 if args.quick else 9
@@ -189,29 +188,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['block_bytes'] >> 10:>6}Ki {thr:>3} {store} {load}  {note}")
     print(f"(* = the default copy_threads on this host; {elapsed:.1f} s)")
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "benchmark": "transfer_bw",
-                "quick": args.quick,
-                "target_ratio": TARGET,
-                "target_from_block_bytes": TARGET_FROM,
-                "machine": {
-                    "cpus": cores,
-                    "platform": platform.platform(),
-                    "python": platform.python_version(),
-                    "torch": torch.__version__,
-                },
-                "seconds": elapsed,
-                "results": rows,
-            },
-            indent=2,
-        )
-        + "\n"
+    harness.write_results(
+        Path(args.out),
+        {
+            "benchmark": "transfer_bw",
+            "quick": args.quick,
+            "target_ratio": TARGET,
+            "target_from_block_bytes": TARGET_FROM,
+            "machine": harness.machine(torch=torch.__version__),
+            "seconds": elapsed,
+            "results": rows,
+        },
     )
-    print(f"wrote {out}")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Simulated engines against a live ``kvoffload serve``: the driver of the load and soak tests.
+"""Simulated engines against a live ``kvoffload serve``: the driver of the load and soak tests
+(``tests/load/test_load.py``; ``run_load`` is the entry point).
 
 One asyncio loop (plus, optionally, worker processes for the engines) runs against one server
 on 127.0.0.1:
@@ -50,6 +51,7 @@ from typing import Any
 import httpx
 
 from app.client import AsyncKVOffloadClient, Batch, Job, KVOffloadError
+from bench.harness import proc_cpu_seconds, proc_status
 from tests.shm_device import ShmDevice
 
 # Refusals an engine meets in normal operation: a hit evicted (or cleared) between its lookup and
@@ -175,24 +177,6 @@ class RecordingTransport(httpx.AsyncBaseTransport):
 
     async def aclose(self) -> None:
         await self.inner.aclose()
-
-
-def proc_status(pid: int) -> dict[str, int]:
-    """Memory lines of ``/proc/<pid>/status``, in KiB (VmRSS, VmHWM, RssAnon, RssShmem...)."""
-    out: dict[str, int] = {}
-    with open(f"/proc/{pid}/status", encoding="ascii") as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            if name.startswith(("Vm", "Rss")):
-                out[name] = int(rest.split()[0])
-    return out
-
-
-def proc_cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process ``pid`` so far (``/proc/<pid>/stat``)."""
-    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class EventFollower:

@@ -1,0 +1,83 @@
+"""What the benchmarks share: where a run's results go, and the server processes they watch.
+
+- ``write_results(path, record)``: the run's record as indented JSON (by default a benchmark
+  writes ``RESULTS_DIR / "<name>.json"``, i.e. under ``bench/results/``), and ``wrote <path>``
+  on stdout; the folder is made if missing. ``machine()`` is the host description a record
+  carries (CPU count, platform, Python, plus what the caller adds).
+- ``free_port()``, ``stop_server(proc)``: a loopback port to start a server on, and the end of
+  it (SIGTERM, then SIGKILL if it has not exited within the grace period).
+- ``proc_status(pid)``, ``proc_cpu_seconds(pid)``: a process's memory figures and CPU time,
+  read from ``/proc`` (Linux only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def machine(**extra: Any) -> dict[str, Any]:
+    """The host a run measured: ``cpus``, ``platform``, ``python``, then ``extra``."""
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        **extra,
+    }
+
+
+def write_results(path: Path, record: Mapping[str, Any], *, quiet: bool = False) -> None:
+    """Write ``record`` to ``path`` as indented JSON, making its folder if missing, and say so
+    on stdout unless ``quiet`` (a run that saves partial results as it goes). Values JSON cannot
+    hold are written as their ``str`` rather than failing a run at its very end."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    if not quiet:
+        print(f"wrote {path}")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def stop_server(proc: subprocess.Popen[bytes], grace_s: float = 20.0) -> None:
+    """End ``proc``: SIGTERM (a graceful shutdown), SIGKILL if still running after ``grace_s``;
+    returns once it has exited. A process that already exited is left as it is."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    """Memory lines of ``/proc/<pid>/status``, in KiB (VmRSS, VmHWM, RssAnon, RssShmem...)."""
+    out: dict[str, int] = {}
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.startswith(("Vm", "Rss")):
+                out[name] = int(rest.split()[0])
+    return out
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` (all its threads) so far (``/proc/<pid>/stat``)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
