@@ -136,10 +136,6 @@ class JobTracker:
         """Complete every job the worker reports finished; returns their records."""
         return [r for r in map(self._settle, self.worker.poll_finished()) if r is not None]
 
-    def settle(self, results: Sequence[JobResult]) -> list[JobRecord]:
-        """Complete results obtained elsewhere (e.g. from ``worker.wait``)."""
-        return [r for r in map(self._settle, results) if r is not None]
-
     def _settle(self, result: JobResult) -> JobRecord | None:
         record = self._running.pop(result.job_id, None)
         if record is None:

@@ -227,16 +227,3 @@ def test_finished_records_are_bounded_lru(world) -> None:
     assert tracker.get(recs[3].job_id) is None
     with pytest.raises(ValueError, match="max_finished must be positive"):
         JobTracker(tracker.worker, manager, max_finished=0)
-
-
-def test_settle_accepts_results_from_wait(world) -> None:
-    _pool, cache, manager, make_tracker = world
-    tracker = make_tracker()
-    ctx = ReqContext("r1")
-    manager.on_new_request(ctx)
-    rec = offload(manager, tracker, cache, ctx, keys(1), [1])
-    results = tracker.worker.wait([rec.job_id], timeout=10)
-    assert tracker.settle(results) == [rec]
-    assert rec.state == "done"
-    assert tracker.poll() == []
-    assert manager.lookup(keys(1), ctx).results == [HIT]
