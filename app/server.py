@@ -8,6 +8,11 @@ handler ``app.logging.configure_logging`` installed, at the level set there (and
 The sockets are bound here, before anything starts, so a busy port fails fast and port 0 works
 (the ``listening`` log line names the real ports).
 
+The pool socket (``Settings.effective_pool_socket``: ``pool_socket``, by default the engine
+socket's path plus ``.pool``) hands engines the pool's descriptor (``app.pool_share``) while the
+service runs, on the same loop; it stops before the service frees the pool, and its file is
+removed at exit like the engine socket's.
+
 Shutdown: the first SIGTERM/SIGINT marks the service not ready (``/readyz`` 503), waits
 ``shutdown_delay_s`` (time for a load balancer to notice), then stops both listeners, which let
 calls in flight finish (up to ``shutdown_grace_s``); the service then stops the transfer worker
@@ -31,8 +36,10 @@ import uvicorn
 
 from app.logging import get_logger
 from app.main import create_admin_app, create_app
+from app.pool_share import PoolShareServer, SharedPool
 from app.service import Service
 from app.settings import Settings
+from transfer import HostPool
 
 log = get_logger("server")
 UDS_MODE = 0o660
@@ -108,6 +115,13 @@ def uvicorn_config(app: Any, *, graceful_shutdown_s: float = 1.0) -> uvicorn.Con
     )
 
 
+def shared_pool(pool: HostPool) -> SharedPool:
+    """What the pool socket hands out for ``pool``: its layout and its own descriptor."""
+    return SharedPool(
+        fd=pool.fd, pool_id=pool.pool_id, num_blocks=pool.num_blocks, block_bytes=pool.block_bytes
+    )
+
+
 def _address(sock: socket.socket) -> str:
     name = sock.getsockname()
     if sock.family == socket.AF_UNIX:
@@ -122,12 +136,16 @@ async def serve(
     """Run both listeners until a signal (or a listener failing) stops them."""
     public_socks = [bind_tcp(settings.host, settings.port)]
     admin_socks: list[socket.socket] = []
+    pool_path = settings.effective_pool_socket
+    pool_socks: list[socket.socket] = []
     try:
         if settings.uds is not None:
             public_socks.append(bind_unix(settings.uds))
+        if pool_path is not None:
+            pool_socks.append(bind_unix(pool_path))
         admin_socks.append(bind_tcp(settings.admin_host, settings.admin_port))
     except BaseException:
-        for sock in public_socks:
+        for sock in (*public_socks, *pool_socks):
             sock.close()
         raise
 
@@ -165,8 +183,15 @@ async def serve(
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
+    pool_share = (
+        PoolShareServer(pool_socks[0], lambda: shared_pool(service.host_pool()))
+        if pool_socks
+        else None
+    )
     try:
         async with service.running():
+            if pool_share is not None:
+                pool_share.start()
             tasks = [
                 asyncio.create_task(public.serve(sockets=public_socks), name="kvoffload-engine"),
                 asyncio.create_task(admin.serve(sockets=admin_socks), name="kvoffload-admin"),
@@ -177,6 +202,7 @@ async def serve(
                 addresses = {
                     "engine": [_address(s) for s in public_socks],
                     "admin": [_address(s) for s in admin_socks],
+                    "pool": [_address(s) for s in pool_socks],
                 }
                 log.info("listening", extra={"fields": addresses})
                 # What exists now (torch, FastAPI, schemas) lives as long as the process;
@@ -189,17 +215,23 @@ async def serve(
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             stop_servers()
             results = await asyncio.gather(*tasks, return_exceptions=True)
+            if pool_share is not None:
+                # Before the service frees the pool: nobody receives a pool being closed.
+                await pool_share.stop()
             for result in results:
                 if isinstance(result, BaseException):
                     raise result
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
-        for sock in (*public_socks, *admin_socks):
+        if pool_share is not None:
+            await pool_share.stop()
+        for sock in (*public_socks, *admin_socks, *pool_socks):
             sock.close()
-        if settings.uds is not None:
-            with contextlib.suppress(FileNotFoundError):
-                settings.uds.unlink()
+        for path in (settings.uds, pool_path):
+            if path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
         log.info("stopped")
 
 

@@ -288,6 +288,7 @@ class Service:
                 extra={
                     "fields": {
                         "pool": pool.path,
+                        "pool_id": pool.pool_id,
                         "num_blocks": s.num_blocks,
                         "block_bytes": s.block_bytes,
                         "pinned": pool.pinned,
@@ -652,9 +653,18 @@ class Service:
         return list(registry.list())
 
     def pool_layout(self) -> dict[str, Any]:
-        """The host pool's layout (path, num_blocks, block_bytes, pinned)."""
+        """The host pool's layout (path, num_blocks, block_bytes, pinned, pool_id)."""
         _, _, pool = self._running()
-        return dict(pool.layout())
+        return {**pool.layout(), "pool_id": pool.pool_id}
+
+    def host_pool(self) -> HostPool:
+        """The running service's pool (to hand its descriptor to engines); 503 otherwise."""
+        return self._running()[2]
+
+    @property
+    def pool_id(self) -> str | None:
+        """The id of the pool this service created (None before it started)."""
+        return None if self._pool is None else self._pool.pool_id
 
     # ------------------------------------------------------------------ admin operations
 

@@ -311,6 +311,7 @@ def _add_cache_routes(app: KVOffloadAPI, service: Service) -> None:
                     "block_bytes": layout["block_bytes"],
                     "pinned": bool(layout["pinned"]),
                     "max_keys_per_call": service.settings.max_keys_per_call,
+                    "pool_id": layout["pool_id"],
                 }
             )
         )
