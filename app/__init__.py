@@ -11,4 +11,6 @@
 - ``events``: the bounded KV-event buffer. ``logging``: JSON lines and the audit trail.
 - ``server``: one process, one loop, two uvicorn listeners. ``cli``: ``kvoffload``.
 - ``client``: typed engine and admin clients (httpx; TCP or Unix socket).
+- ``pool_share``: the host pool's descriptor handed to engines over a Unix socket (standard
+  library only: engines import it).
 """
