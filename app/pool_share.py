@@ -20,7 +20,7 @@ with a message naming the socket; no descriptor is leaked on failure.
 
 Service: ``PoolShareServer`` answers connections on a listening socket from the event loop
 without ever blocking it (a header of a few hundred bytes fits in a fresh socket's send buffer;
-a send that would block drops that connection, and the client sees a truncated header).
+a send that would block drops that connection, and that client gets a ``PoolShareError``).
 
 Restart detection: ``pool_id`` is new for every pool. The engine API answers carry it in the
 ``POOL_HEADER`` response header, so a client that mapped a pool notices in any answer that the
@@ -49,6 +49,7 @@ from typing import Any
 __all__ = [
     "MAX_HEADER_BYTES",
     "POOL_HEADER",
+    "POOL_SOCKET_SUFFIX",
     "PROTOCOL",
     "PoolShareError",
     "PoolShareServer",
@@ -63,6 +64,7 @@ MAX_HEADER_BYTES = 4096
 POOL_HEADER = "X-KVOffload-Pool"
 """Response header of the engine API: the ``pool_id`` of the pool the service holds."""
 POOL_SOCKET_SUFFIX = ".pool"
+"""Added to the engine socket's path to name the pool socket, unless it is configured."""
 
 log = logging.getLogger("kvoffload.pool_share")
 

@@ -10,6 +10,8 @@ import contextlib
 import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -29,6 +31,7 @@ from app.settings import Settings
 from transfer import HostPool, PoolError
 
 BLOCKS, BLOCK_BYTES = 8, 4096
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def open_fds() -> set[str]:
@@ -304,6 +307,20 @@ def test_a_descriptor_that_is_not_a_file(sock_path: str) -> None:
 
     with left, right, raw_server(sock_path, answer):
         refused(sock_path, "not a regular file")
+
+
+def test_the_module_needs_only_the_standard_library() -> None:
+    """Engines import it: no web framework, torch or third-party package comes along."""
+    code = (
+        "import sys; before = set(sys.modules); import app.pool_share; "
+        "new = {m.split('.')[0] for m in set(sys.modules) - before}; "
+        "print(sorted(new - set(sys.stdlib_module_names)))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.replace("'", '"')) == ["app"]
 
 
 # --------------------------------------------------------------------------- HostPool
