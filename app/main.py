@@ -7,9 +7,9 @@ both share one pool, manager and worker under ``kvoffload serve``.
 
 Middleware (pure ASGI, outermost first): ``CallContextMiddleware`` (request id, the per-call
 ``CallInfo``, the ids bound for logging, the hooks, and on the engine app the
-``X-KVOffload-Pool`` header), then ``BodyGuardMiddleware`` (413/415
-before a body is parsed; each route held to its own byte cap, ``app.limits.body_caps``, in a
-table built from the app's routes once they are all registered). The service's
+``X-KVOffload-Pool`` header), then ``BodyGuardMiddleware`` (413/415 before a body is parsed;
+each route held to its own byte cap, ``app.limits.body_caps``, in a table built from the app's
+routes once they are all registered). The service's
 ``observer.on_call`` is always the first hook of both apps (HTTP metrics, the canonical log
 line); ``hooks`` given by the caller run after it.
 
