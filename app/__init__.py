@@ -17,6 +17,8 @@ Rooms, each importing only from the rooms below it (``tests/test_layering.py`` h
 - ``server``: one process, one loop, two uvicorn listeners. ``cli``: ``kvoffload``.
   ``replay``: the policy lab's command.
 - ``client``: typed engine and admin clients (httpx only; importable without the server).
+- ``pool_share``: the host pool's descriptor handed to engines over a Unix socket (standard
+  library only: engines import it).
 """
 
 

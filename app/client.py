@@ -154,6 +154,7 @@ class Pool:
     block_bytes: int
     pinned: bool
     max_keys_per_call: int
+    pool_id: str
 
 
 @dataclass(frozen=True, slots=True)

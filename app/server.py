@@ -9,6 +9,11 @@ changed live).
 The sockets are bound here, before anything starts, so a busy port fails fast and port 0 works
 (the ``listening`` log line names the real ports).
 
+The pool socket (``Settings.effective_pool_socket``: ``pool_socket``, by default the engine
+socket's path plus ``.pool``) hands engines the pool's descriptor (``app.pool_share``) while the
+service runs, on the same loop; it stops before the service frees the pool, and its file is
+removed at exit like the engine socket's.
+
 Shutdown: the first SIGTERM/SIGINT marks the service not ready (``/readyz`` 503), waits
 ``shutdown_delay_s`` (time for a load balancer to notice), then stops both listeners, which let
 calls in flight finish (up to ``shutdown_grace_s``); the service then stops the transfer worker
@@ -32,8 +37,10 @@ import uvicorn
 
 from app.core.service import Service
 from app.http.apps import create_admin_app, create_app
+from app.pool_share import PoolShareServer, SharedPool
 from app.settings import Settings
 from app.telemetry.logging import get_logger
+from transfer import HostPool
 
 log = get_logger("server")
 UDS_MODE = 0o660
@@ -109,6 +116,13 @@ def uvicorn_config(app: Any, *, graceful_shutdown_s: float = 1.0) -> uvicorn.Con
     )
 
 
+def shared_pool(pool: HostPool) -> SharedPool:
+    """What the pool socket hands out for ``pool``: its layout and its own descriptor."""
+    return SharedPool(
+        fd=pool.fd, pool_id=pool.pool_id, num_blocks=pool.num_blocks, block_bytes=pool.block_bytes
+    )
+
+
 def _address(sock: socket.socket) -> str:
     name = sock.getsockname()
     if sock.family == socket.AF_UNIX:
@@ -123,12 +137,16 @@ async def serve(
     """Run both listeners until a signal (or a listener failing) stops them."""
     public_socks = [bind_tcp(settings.host, settings.port)]
     admin_socks: list[socket.socket] = []
+    pool_path = settings.effective_pool_socket
+    pool_socks: list[socket.socket] = []
     try:
         if settings.uds is not None:
             public_socks.append(bind_unix(settings.uds))
+        if pool_path is not None:
+            pool_socks.append(bind_unix(pool_path))
         admin_socks.append(bind_tcp(settings.admin_host, settings.admin_port))
     except BaseException:
-        for sock in public_socks:
+        for sock in (*public_socks, *pool_socks):
             sock.close()
         raise
 
@@ -166,8 +184,15 @@ async def serve(
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
+    pool_share = (
+        PoolShareServer(pool_socks[0], lambda: shared_pool(service.transfers().pool))
+        if pool_socks
+        else None
+    )
     try:
         async with service.running():
+            if pool_share is not None:
+                pool_share.start()
             tasks = [
                 asyncio.create_task(public.serve(sockets=public_socks), name="kvoffload-engine"),
                 asyncio.create_task(admin.serve(sockets=admin_socks), name="kvoffload-admin"),
@@ -178,6 +203,7 @@ async def serve(
                 addresses = {
                     "engine": [_address(s) for s in public_socks],
                     "admin": [_address(s) for s in admin_socks],
+                    "pool": [_address(s) for s in pool_socks],
                 }
                 log.info("listening", extra={"fields": addresses})
                 # What exists now (torch, FastAPI, schemas) lives as long as the process;
@@ -190,17 +216,23 @@ async def serve(
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             stop_servers()
             results = await asyncio.gather(*tasks, return_exceptions=True)
+            if pool_share is not None:
+                # Before the service frees the pool: nobody receives a pool being closed.
+                await pool_share.stop()
             for result in results:
                 if isinstance(result, BaseException):
                     raise result
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
-        for sock in (*public_socks, *admin_socks):
+        if pool_share is not None:
+            await pool_share.stop()
+        for sock in (*public_socks, *admin_socks, *pool_socks):
             sock.close()
-        if settings.uds is not None:
-            with contextlib.suppress(FileNotFoundError):
-                settings.uds.unlink()
+        for path in (settings.uds, pool_path):
+            if path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
         log.info("stopped")
 
 

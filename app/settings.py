@@ -27,6 +27,8 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from app.pool_share import default_pool_socket
+
 _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["auto", "json", "console"]
@@ -99,6 +101,10 @@ class Settings(BaseSettings):
     host: str = Field(default="127.0.0.1", description="engine API address")
     port: int = Field(default=8000, ge=0, le=65535, description="engine API port (0: any)")
     uds: Path | None = Field(default=None, description="also serve the engine API here")
+    pool_socket: Path | None = Field(
+        default=None,
+        description="hand the pool to engines on this Unix socket (default with uds: UDS.pool)",
+    )
     admin_host: str = Field(default="127.0.0.1", description="admin API address")
     admin_port: int = Field(default=8001, ge=0, le=65535, description="admin port (0: any)")
     admin_token: SecretStr | None = Field(default=None, description="admin bearer token")
@@ -245,8 +251,20 @@ class Settings(BaseSettings):
             return self.request_idle_ttl_s
         return 4 * self.lease_ttl_s
 
+    @property
+    def effective_pool_socket(self) -> Path | None:
+        """Where engines receive the pool (``app.pool_share``): ``pool_socket``, else ``uds``
+        plus ``.pool``, else nowhere (no Unix socket at all)."""
+        if self.pool_socket is not None:
+            return self.pool_socket
+        if self.uds is not None:
+            return Path(default_pool_socket(str(self.uds)))
+        return None
+
     @model_validator(mode="after")
     def _check_combination(self) -> Settings:
+        if self.uds is not None and self.effective_pool_socket == self.uds:
+            raise ValueError(f"pool_socket and uds are the same path: {self.uds}")
         if self.admin_token is not None and self.admin_token_file is not None:
             raise ValueError("set admin_token or admin_token_file, not both")
         if self.admin_token_file is not None:

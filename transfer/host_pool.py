@@ -9,10 +9,14 @@ Contract:
   the filesystem lacks it, created and unlinked at once). The memory lives as long as the
   pool's descriptor or any mapping of it, so nothing is left in ``shm_dir`` after ``close()``,
   after a normal exit, or after the service is killed with ``SIGKILL``.
-- Engines map the pool through ``path`` = ``/proc/<pid>/fd/<n>``: a link that exists exactly
-  while the owning process keeps the pool open. Opening it needs the same user as the service
-  (the file is mode 0600, since it holds KV data) and a shared PID namespace (same host, or a
-  pod with ``shareProcessNamespace``).
+- Engines in other containers get the pool's descriptor itself (``fd``, read-write), passed
+  over a Unix socket (``SCM_RIGHTS``, ``app.pool_share``): the copy they receive maps the same
+  memory read-write whatever their user, PID or mount namespace. ``pool_id`` is random and new
+  for every pool, so a receiver can tell that the pool it mapped is no longer the service's.
+- ``path`` = ``/proc/<pid>/fd/<n>`` names the same file for processes on the same host: a link
+  that exists exactly while the owning process keeps the pool open. Opening it needs the same
+  user as the service (the file is mode 0600, since it holds KV data) and a shared PID
+  namespace (same host, or a pod with ``shareProcessNamespace``); other containers use ``fd``.
 - ``pin=None`` pins iff CUDA is available. Pinning registers the region with
   ``cudaHostRegister`` in chunks of at most 64 GiB whose boundaries fall on block boundaries
   where possible (``pin_chunk_blocks``), so a copy of a run of slots can be split to stay inside
@@ -31,6 +35,7 @@ import errno
 import logging
 import math
 import os
+import secrets
 import tempfile
 import weakref
 from typing import Any
@@ -148,6 +153,7 @@ class HostPool:
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes
         self.path = f"/proc/{os.getpid()}/fd/{fd}"
+        self.pool_id = secrets.token_hex(8)
         self._pin_chunks = pin_chunks
         self.pin_chunk_blocks = pin_chunk_blocks
         self._closed = False
@@ -225,6 +231,17 @@ class HostPool:
         return self._tensor
 
     @property
+    def fd(self) -> int:
+        """The pool's read-write descriptor, to pass to another process (``SCM_RIGHTS``).
+
+        The pool owns it: never close it. A passed copy maps the same memory read-write and
+        keeps it alive after ``close()``; ``PoolError`` once the pool is closed.
+        """
+        if self._closed:
+            raise PoolError("host pool is closed")
+        return self._fd
+
+    @property
     def pinned(self) -> bool:
         """True while the whole region is registered with CUDA (page-locked)."""
         return bool(self._pin_chunks)
@@ -265,7 +282,10 @@ class HostPool:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("pinned" if self.pinned else "pageable")
-        return f"HostPool({self.num_blocks} x {self.block_bytes} B, {state}, path={self.path})"
+        return (
+            f"HostPool({self.num_blocks} x {self.block_bytes} B, {state}, "
+            f"pool_id={self.pool_id}, path={self.path})"
+        )
 
 
 def _register(flat: torch.Tensor, chunk: int) -> list[tuple[int, int]]:

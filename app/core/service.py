@@ -176,6 +176,7 @@ class Service:
                 extra={
                     "fields": {
                         "pool": transfers.pool.path,
+                        "pool_id": transfers.pool.pool_id,
                         "num_blocks": s.num_blocks,
                         "block_bytes": s.block_bytes,
                         "pinned": transfers.pool.pinned,
@@ -237,6 +238,11 @@ class Service:
         if transfers is None:
             raise ServiceUnavailableError(f"service is {self.state}")
         return transfers
+
+    @property
+    def pool_id(self) -> str | None:
+        """The id of the pool this service created (None before it started)."""
+        return None if self._transfers is None else self._transfers.pool.pool_id
 
     def running_transfers(self) -> Transfers | None:
         """The data path while the service runs, else None."""

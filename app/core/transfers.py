@@ -266,6 +266,6 @@ class Transfers:
         return list(self.registry.list())
 
     def pool_layout(self) -> dict[str, Any]:
-        """The host pool's layout (path, num_blocks, block_bytes, pinned)."""
+        """The host pool's layout (path, num_blocks, block_bytes, pinned, pool_id)."""
         self._open()
-        return dict(self.pool.layout())
+        return {**self.pool.layout(), "pool_id": self.pool.pool_id}

@@ -6,9 +6,10 @@ lifespan holds the service running (reference counted), so either app works alon
 both share one pool, manager and worker under ``kvoffload serve``.
 
 Middleware (pure ASGI, outermost first): ``CallContextMiddleware`` (request id, the per-call
-``CallInfo``, the ids bound for logging, and the hooks), then ``BodyGuardMiddleware`` (413/415
-before a body is parsed; each route held to its own byte cap, ``app.http.limits.body_caps``, in a
-table built from the app's routes once they are all registered). The service's
+``CallInfo``, the ids bound for logging, the hooks, and on the engine app the
+``X-KVOffload-Pool`` header), then ``BodyGuardMiddleware`` (413/415 before a body is parsed;
+each route held to its own byte cap, ``app.http.limits.body_caps``, in a table built from the app's
+routes once they are all registered). The service's
 ``observer.on_call`` is always the first hook of both apps (HTTP metrics, the canonical log
 line); ``hooks`` given by the caller run after it.
 
@@ -20,7 +21,7 @@ Metrics: one ``Metrics`` per service, in the registry given to ``create_app`` (a
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from fastapi import Depends, FastAPI
 from prometheus_client import CollectorRegistry
@@ -44,6 +45,7 @@ from app.http.routes.admin import (
 from app.http.routes.engine import register_engine_routes
 from app.http.routes.health import register_health_routes
 from app.http.routes.metrics import register_metrics_route
+from app.pool_share import POOL_HEADER
 from app.settings import Settings
 from app.telemetry.calls import CallHook
 
@@ -51,6 +53,8 @@ _ENGINE_DESCRIPTION = """\
 KV-cache offloading for LLM inference engines. Keys are block hashes written as hex
 (1..64 bytes). Every request-scoped call names the engine request in the path; pins and pending
 stores are leases held by that request. Errors are `{"error": {"code", "message"}}`.
+Every answer carries `X-KVOffload-Pool`, the `pool_id` of the host pool (new when the service
+restarts).
 """
 
 
@@ -60,6 +64,7 @@ def _install_middleware(
     service: Service,
     hooks: Sequence[CallHook],
     request_prefix: str,
+    response_header: Callable[[], tuple[bytes, bytes] | None] | None = None,
 ) -> None:
     # Called after every route is registered: the table must know them all.
     limits = BodyLimits.for_routes(app.routes, body_caps(settings), settings.max_body_bytes)
@@ -69,7 +74,20 @@ def _install_middleware(
         CallContextMiddleware,
         hooks=(service.observer.on_call, *hooks),
         request_prefix=request_prefix,
+        response_header=response_header,
     )
+
+
+def pool_header(service: Service) -> Callable[[], tuple[bytes, bytes] | None]:
+    """``X-KVOffload-Pool: <pool_id>`` for every engine answer once the service has a pool, so
+    an engine that mapped a pool sees in any answer that the service behind it restarted."""
+    name = POOL_HEADER.lower().encode()
+
+    def header() -> tuple[bytes, bytes] | None:
+        pool_id = service.pool_id
+        return None if pool_id is None else (name, pool_id.encode())
+
+    return header
 
 
 def create_app(
@@ -109,7 +127,7 @@ def create_app(
     if svc.registry is not None:
         register_metrics_route(app, svc.registry)
     add_docs_routes(app)
-    _install_middleware(app, settings, svc, hooks, ENGINE_REQUEST_PREFIX)
+    _install_middleware(app, settings, svc, hooks, ENGINE_REQUEST_PREFIX, pool_header(svc))
     return app
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -67,18 +67,21 @@ def path_req_id(path: str, prefix: str) -> str | None:
 
 
 class CallContextMiddleware:
-    """Attach a ``CallInfo`` to each HTTP call, bind the ids for logging, echo ``X-Request-ID``,
-    run the hooks at the end."""
+    """Attach a ``CallInfo`` to each HTTP call, bind the ids for logging, echo ``X-Request-ID``
+    (and add ``response_header()`` when given), run the hooks at the end."""
 
     def __init__(
         self,
         app: ASGIApp,
         hooks: Sequence[CallHook] = (),
         request_prefix: str | None = ENGINE_REQUEST_PREFIX,
+        response_header: Callable[[], tuple[bytes, bytes] | None] | None = None,
     ) -> None:
         self.app = app
         self.hooks = tuple(hooks)
         self.request_prefix = request_prefix
+        # Added to every answer beside X-Request-ID while it returns one (engine app: the pool).
+        self.response_header = response_header
         # Made-up ids: a random per-process prefix and a counter (unique without an RNG call
         # per request).
         self._id_prefix = os.urandom(6).hex()
@@ -111,7 +114,11 @@ class CallContextMiddleware:
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 info.status = message["status"]
-                message["headers"] = [*message.get("headers", ()), echoed]
+                headers = [*message.get("headers", ()), echoed]
+                extra = self.response_header() if self.response_header is not None else None
+                if extra is not None:
+                    headers.append(extra)
+                message["headers"] = headers
             await send(message)
 
         escaped = True

@@ -416,13 +416,20 @@ class KVCacheListAnswer(Answer):
 
 
 class PoolAnswer(Answer):
-    """The host pool, to map it from an engine (``path`` is a shared-memory file)."""
+    """The host pool, to map it from an engine.
+
+    ``path`` opens only on the service's host for its user (``/proc/<pid>/fd/<n>``); from
+    another container receive the pool's descriptor on the pool socket (``app.pool_share``).
+    ``pool_id`` is new for every pool: compare it with the ``X-KVOffload-Pool`` header that
+    every answer carries to notice a restarted service.
+    """
 
     path: str
     num_blocks: int
     block_bytes: int
     pinned: bool
     max_keys_per_call: int
+    pool_id: str
 
 
 class HealthAnswer(Answer):

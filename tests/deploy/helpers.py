@@ -52,6 +52,25 @@ def load_json(path: Path) -> Any:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
+def compose_default(value: object) -> str:
+    """A compose value with ``${VAR:-default}`` replaced by its default."""
+    m = re.fullmatch(r"\$\{\w+:-(.+)\}", str(value))
+    return m.group(1) if m else str(value)
+
+
+def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = path.read_text(encoding="utf-8")
+    lines = [ln for ln in text.splitlines() if not ln.lstrip().startswith("#")]
+    joined = re.sub(r"\\\n", " ", "\n".join(lines))
+    out = []
+    for line in joined.splitlines():
+        if line.strip():
+            word, _, rest = line.strip().partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
 @dataclass(frozen=True)
 class Metric:
     name: str

@@ -18,6 +18,8 @@ from tests.deploy.helpers import (
     PROMETHEUS_CONFIG,
     ROOT,
     TARGET_LABELS,
+    compose_default,
+    dockerfile_instructions,
     load_json,
     load_yaml,
     load_yaml_all,
@@ -46,21 +48,8 @@ def test_json_parses(path: Path) -> None:
 # --- Dockerfile -------------------------------------------------------------------------------
 
 
-def _instructions() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
-    text = DOCKERFILE.read_text(encoding="utf-8")
-    lines = [ln for ln in text.splitlines() if not ln.lstrip().startswith("#")]
-    joined = re.sub(r"\\\n", " ", "\n".join(lines))
-    out = []
-    for line in joined.splitlines():
-        if line.strip():
-            word, _, rest = line.strip().partition(" ")
-            out.append((word.upper(), rest.strip()))
-    return out
-
-
 def test_dockerfile_runs_as_non_root_and_exposes_both_ports() -> None:
-    instructions = _instructions()
+    instructions = dockerfile_instructions(DOCKERFILE)
     users = [arg for word, arg in instructions if word == "USER"]
     assert users, "no USER: the image would run as root"
     assert users[-1].split(":")[0] not in ("root", "0")
@@ -70,7 +59,7 @@ def test_dockerfile_runs_as_non_root_and_exposes_both_ports() -> None:
 
 
 def test_dockerfile_entrypoint_healthcheck_and_install() -> None:
-    instructions = dict(_instructions())
+    instructions = dict(dockerfile_instructions(DOCKERFILE))
     assert instructions["ENTRYPOINT"] == '["kvoffload", "serve", "--host", "0.0.0.0"]'
     assert "/livez" in instructions["HEALTHCHECK"]
     text = DOCKERFILE.read_text(encoding="utf-8")
@@ -79,7 +68,11 @@ def test_dockerfile_entrypoint_healthcheck_and_install() -> None:
 
 
 def test_dockerfile_copies_only_what_exists_and_the_ignore_file_lets_it_through() -> None:
-    copies = [arg for word, arg in _instructions() if word == "COPY" and "--from" not in arg]
+    copies = [
+        arg
+        for word, arg in dockerfile_instructions(DOCKERFILE)
+        if word == "COPY" and "--from" not in arg
+    ]
     sources = [src for arg in copies for src in arg.split()[:-1]]
     assert {"pyproject.toml", "README.md", "app", "manager", "transfer"} <= set(sources)
     ignore = (DEPLOY / "Dockerfile.dockerignore").read_text(encoding="utf-8").splitlines()
@@ -118,13 +111,10 @@ def test_compose_services_and_published_ports(compose) -> None:
 def test_compose_shm_holds_the_default_pool(compose) -> None:
     kv = compose["services"]["kvoffload"]
     env = kv["environment"]
-
-    def default(value: str) -> str:
-        m = re.fullmatch(r"\$\{\w+:-(.+)\}", str(value))
-        return m.group(1) if m else str(value)
-
-    pool = int(default(env["KVOFFLOAD_NUM_BLOCKS"])) * int(default(env["KVOFFLOAD_BLOCK_BYTES"]))
-    assert pool <= parse_bytes(default(kv["shm_size"]))
+    pool = int(compose_default(env["KVOFFLOAD_NUM_BLOCKS"])) * int(
+        compose_default(env["KVOFFLOAD_BLOCK_BYTES"])
+    )
+    assert pool <= parse_bytes(compose_default(kv["shm_size"]))
 
 
 def test_compose_admin_token_is_a_secret(compose) -> None:

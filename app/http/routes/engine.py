@@ -278,6 +278,7 @@ async def pool(request: Request) -> Response:
                 "block_bytes": layout["block_bytes"],
                 "pinned": bool(layout["pinned"]),
                 "max_keys_per_call": service.settings.max_keys_per_call,
+                "pool_id": layout["pool_id"],
             }
         )
     )
