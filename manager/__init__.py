@@ -7,7 +7,7 @@ manager decides which blocks live where and returns specs; ``transfer/`` moves t
 
 from __future__ import annotations
 
-from manager.core import OffloadManager, ReuseFilter, create_manager
+from manager.core import OffloadManager, create_manager
 from manager.errors import (
     InvalidArgumentError,
     InvalidPolicyParamsError,
@@ -20,6 +20,7 @@ from manager.errors import (
     UnknownRequestError,
 )
 from manager.policies import EvictionPolicy, available_policies, create_policy, register_policy
+from manager.reuse import ReuseFilter
 from manager.spec import (
     MAX_KEY_BYTES,
     MEDIUM,

@@ -22,6 +22,16 @@ Primitives (all batch-native, all carrying a ``ReqContext``):
 - ``switch_policy(name, params)``: rebuild a new policy from the resident blocks, coldest first;
   block state is untouched and no block is lost. ``reset()``: drop every unpinned ready block.
 
+Keys: a key is ``bytes`` (exactly) of 1..``MAX_KEY_BYTES`` bytes. Every call that takes keys
+(``lookup``, ``touch``, ``prepare_load``, ``complete_load``, ``prepare_store``,
+``complete_store``) raises ``InvalidArgumentError`` and changes nothing (the request's lease is
+still renewed) when one of them is not a key and not equal to a key the manager holds. Held keys
+(resident, pending or pinned) were checked when ``prepare_store`` admitted them, so each call
+checks its batch only on the paths where some key was not found in the table it was looked up
+in; a batch of held keys in the expected state, the hot case, pays nothing for the check. The
+tables compare by equality, as dicts do: an object equal to a held key (a ``bytes`` subclass, a
+``memoryview`` of it) is taken as that key.
+
 Block states: a key is *pending* from ``prepare_store`` until ``complete_store``, then *ready*;
 a ready block with a ref count above zero is *pinned*. The policy only holds ready blocks, and
 the manager only lets it evict ready blocks with a zero ref count that are not part of the
@@ -35,8 +45,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Container, Iterable, Mapping, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Collection, Container, Iterable, Mapping, Sequence
 from typing import Any
 
 from manager.errors import (
@@ -46,6 +56,7 @@ from manager.errors import (
     UnknownRequestError,
 )
 from manager.policies import CanEvict, EvictionPolicy, create_policy, policy_class
+from manager.reuse import ReuseFilter
 from manager.spec import (
     MAX_KEY_BYTES,
     AllBlocksCleared,
@@ -76,14 +87,28 @@ Clock = Callable[[], float]
 _ALWAYS_ZERO = itertools.repeat(0)
 _consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
 _ONLY_BYTES = frozenset({bytes})
+_KEY_SIZES = frozenset(range(1, MAX_KEY_BYTES + 1))
 _READY_OR_MISS = {True: HIT, False: MISS}
 ChainListener = Callable[[list[BlockKey]], None]
 DEFAULT_MAX_EVENTS = 1_000_000
 
 
-def _bad_key(keys: Sequence[object]) -> InvalidArgumentError:
-    """The error for a batch holding something that cannot be a key (e.g. unhashable)."""
-    bad = next((k for k in keys if type(k) is not bytes), None)
+def _check_keys(keys: Collection[BlockKey]) -> None:
+    """Raise ``InvalidArgumentError`` unless every key is ``bytes`` of 1..``MAX_KEY_BYTES``.
+
+    Two C-level passes, about 30 ns a key: every type must be in a set holding only ``bytes``
+    (exactly ``bytes``, not a subclass or another hashable buffer such as a ``memoryview``,
+    which would compare equal to a key), then every length in the set of valid lengths. The
+    Python loop that names the culprit runs only on failure.
+    """
+    if not (_ONLY_BYTES.issuperset(map(type, keys)) and _KEY_SIZES.issuperset(map(len, keys))):
+        raise _bad_key(keys)
+
+
+def _bad_key(keys: Iterable[object]) -> InvalidArgumentError:
+    """The error for a batch holding something that is not a key (wrong type or size, or
+    unhashable); it shows the first such."""
+    bad = next((k for k in keys if type(k) is not bytes or not 0 < len(k) <= MAX_KEY_BYTES), None)
     return InvalidArgumentError(f"keys must be 1..{MAX_KEY_BYTES} bytes, got {bad!r:.80}")
 
 
@@ -122,48 +147,6 @@ class _Request:
 
     def holds_leases(self) -> bool:
         return bool(self.pins or self.pending or self.reserved)
-
-
-class ReuseFilter:
-    """Admit a new key only on its ``threshold``-th store offer.
-
-    Offer counts live in a bounded LRU tracker (``max_tracked`` keys, the least recently offered
-    forgotten first). A key keeps its count after admission, so a block that proved reuse once
-    is admitted again at once if it is evicted and offered anew.
-    """
-
-    def __init__(self, threshold: int, max_tracked: int) -> None:
-        if threshold < 2:
-            raise InvalidArgumentError(f"reuse filter threshold must be >= 2, got {threshold}")
-        if max_tracked <= 0:
-            raise InvalidArgumentError(f"reuse tracker size must be positive, got {max_tracked}")
-        self.threshold = threshold
-        self.max_tracked = max_tracked
-        self._offers: OrderedDict[BlockKey, int] = OrderedDict()
-
-    def split(self, keys: Sequence[BlockKey]) -> tuple[list[BlockKey], list[BlockKey]]:
-        """(admitted, skipped) for an offer of ``keys``, counting this offer; changes nothing."""
-        get = self._offers.get
-        need = self.threshold - 1
-        admitted = [k for k in keys if get(k, 0) >= need]
-        if len(admitted) == len(keys):
-            return admitted, []
-        return admitted, [k for k in keys if get(k, 0) < need]
-
-    def record(self, keys: Sequence[BlockKey]) -> None:
-        """Count one offer of each key."""
-        offers = self._offers
-        for key in keys:
-            offers[key] = offers.pop(key, 0) + 1
-        while len(offers) > self.max_tracked:
-            offers.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._offers)
-
-    def offers(self, key: BlockKey) -> int:
-        """Offers counted for ``key`` (0 when untracked)."""
-        return self._offers.get(key, 0)
 
 
 class OffloadManager:
@@ -405,6 +388,8 @@ class OffloadManager:
             raise _bad_key(keys) from None
         n = len(resident)
         found = resident.count(True)
+        if found != n:
+            _check_keys(keys)  # a batch of resident keys, checked when offered, skips this
         in_flight = self._pending
         if found == 0:
             results = [MISS] * n
@@ -452,6 +437,7 @@ class OffloadManager:
         except KeyError:
             ready = False
         if not ready:
+            _check_keys(keys)  # a missing key may be no key at all
             missing = [k for k in keys if k not in slot_of]
             pending = [k for k in keys if k in in_flight]
             raise KeyNotReadyError(missing, pending)
@@ -504,6 +490,7 @@ class OffloadManager:
             if counts.count(1) != n:  # others pin some of these blocks too: they keep theirs
                 refs.update((k, c - 1) for k, c in zip(keys, counts, strict=True) if c > 1)
         else:
+            _check_keys(keys)  # pinned keys were checked when offered; others may be no keys
             bad = [k for k, c in Counter(keys).items() if pins_get(k, 0) < c]
             if bad:
                 raise NotPinnedError(req.req_id, bad)
@@ -529,6 +516,10 @@ class OffloadManager:
         except TypeError:
             raise _bad_key(keys) from None
         if chain:
+            # A resident key was checked when offered; the view comparison runs in C and
+            # costs less than checking the keys themselves.
+            if not self._slot.keys() >= chain.keys():
+                _check_keys(keys)
             self._policy.touch(keys)
             if req.keys:
                 req.keys.update(chain)
@@ -548,89 +539,124 @@ class OffloadManager:
         reported as one ``BlockRemoved`` event.
         """
         req = self._live(ctx)
-        slot_of = self._slot
-        refs = self._refs
-        in_flight = self._pending
-        try:
-            resident = list(map(slot_of.__contains__, keys))
-        except TypeError:
-            raise _bad_key(keys) from None
-        reused = resident.count(True)
-        protected: set[BlockKey] = set()
-        chain = dict.fromkeys(keys)
-        if reused == 0:
-            new_keys = list(chain)
-        else:
-            fresh = (k for k, r in zip(keys, resident, strict=True) if not r)
-            new_keys = list(dict.fromkeys(fresh))
-            protected = {
-                k
-                for k, r in zip(keys, resident, strict=True)
-                if r and k not in refs and k not in in_flight  # ready and evictable
-            }
-        if new_keys and (
-            not _ONLY_BYTES.issuperset(map(type, new_keys))
-            or min(sizes := set(map(len, new_keys))) == 0
-            or max(sizes) > MAX_KEY_BYTES
-        ):
-            bad = next(
-                k for k in new_keys if type(k) is not bytes or not 0 < len(k) <= MAX_KEY_BYTES
-            )
-            raise InvalidArgumentError(f"keys must be 1..{MAX_KEY_BYTES} bytes, got {bad!r:.80}")
-        skipped: list[BlockKey] = []
+        # All or nothing by order: deciding (sorting the offer, asking the reuse filter)
+        # changes nothing, making room either succeeds whole or changes nothing, and only then
+        # are the offers counted and the slots reserved, which cannot fail.
+        new_keys, protected, chain, reused = self._sort_offer(keys)
         admitted = new_keys
+        skipped: list[BlockKey] = []
         if self._reuse is not None and new_keys:
             admitted, skipped = self._reuse.split(new_keys)
-
-        free = self._free
-        shortfall = len(admitted) - len(free)
-        victims: list[BlockKey] = []
-        if shortfall > 0:
-            evictable = len(slot_of) - len(in_flight) - len(refs) - len(protected)
-            if shortfall > evictable:
-                self._stores_refused += 1
-                return None
-            can_evict: CanEvict | None = None
-            if protected:
-
-                def can_evict(key: BlockKey) -> bool:
-                    return key not in refs and key not in protected
-
-            elif refs:
-
-                def can_evict(key: BlockKey) -> bool:
-                    return key not in refs
-
-            chosen = self._policy.evict(shortfall, can_evict)
-            if chosen is None:  # the count above is exact; this guards a policy bug
-                self._stores_refused += 1
-                return None
-            victims = chosen
-            free.extend(map(slot_of.pop, victims))
-            self._evictions += len(victims)
-            name = self._policy.name
-            self._evictions_by_policy[name] = self._evictions_by_policy.get(name, 0) + len(victims)
-            self._emit_removed(victims)
-
+        victims = self._make_room(len(admitted), protected)
+        if victims is None:
+            self._stores_refused += 1
+            return None
         if self._reuse is not None and new_keys:
             self._reuse.record(new_keys)
-        count = len(admitted)
-        if count:
-            slots = free[-count:]
-            del free[-count:]
-            slot_of.update(zip(admitted, slots, strict=True))
-            in_flight.update(admitted)
-            req.pending.update(admitted)
-        else:
-            slots = []
-        if req.keys:
-            req.keys.update(chain)
-        else:
-            req.keys = chain  # a fresh dict nobody else holds
-        self._stores_prepared += count
+        slots = self._reserve(req, admitted, chain)
+        self._stores_prepared += len(slots)
         self._stores_reused += reused
         self._stores_skipped += len(skipped)
         return PrepareStoreOutput(admitted, slots, victims, skipped)
+
+    def _sort_offer(
+        self, keys: Sequence[BlockKey]
+    ) -> tuple[list[BlockKey], set[BlockKey], dict[BlockKey, None], int]:
+        """Split a store offer into ``(new_keys, protected, chain, reused)``; changes nothing.
+
+        ``new_keys``: the distinct offered keys not resident, in order of first offer.
+        ``protected``: the offered keys that are ready and evictable (unpinned); making room
+        for this offer must not evict them. ``chain``: the distinct offered keys in order, as a
+        fresh dict nobody else holds. ``reused``: how many offered keys (with repeats) are
+        resident, ready or pending. Raises ``InvalidArgumentError`` if an offered key is not a
+        key; only new keys need the check, resident ones passed it when they were offered.
+        """
+        try:
+            resident = list(map(self._slot.__contains__, keys))  # hashes every key, in C
+        except TypeError:
+            raise _bad_key(keys) from None
+        reused = resident.count(True)
+        chain = dict.fromkeys(keys)
+        if reused == 0:
+            # Common case, a new stretch of a prefix: the distinct keys are the new keys, and
+            # no resident key needs protecting, so both come without a Python-level loop.
+            _check_keys(chain)
+            return list(chain), set(), chain, 0
+        refs, in_flight = self._refs, self._pending
+        fresh = (k for k, r in zip(keys, resident, strict=True) if not r)
+        new_keys = list(dict.fromkeys(fresh))
+        _check_keys(new_keys)
+        protected = {
+            k
+            for k, r in zip(keys, resident, strict=True)
+            if r and k not in refs and k not in in_flight  # ready and evictable
+        }
+        return new_keys, protected, chain, reused
+
+    def _make_room(self, need: int, protected: set[BlockKey]) -> list[BlockKey] | None:
+        """Evict until ``need`` slots are free; returns the victims (often none).
+
+        Victims are ready blocks that no request has pinned and that are not in ``protected``.
+        All or nothing: if evicting every such block would not free enough slots, returns
+        ``None`` and changes nothing. The victims' slots join the free list, the eviction
+        counters grow and one ``BlockRemoved`` event lists the victims.
+        """
+        slot_of, refs = self._slot, self._refs
+        shortfall = need - len(self._free)
+        if shortfall <= 0:
+            return []
+        # Exact, because every resident key is pending, pinned, or ready and unpinned, and
+        # ``protected`` holds only the last kind; so the policy is asked only when it can
+        # succeed, and a refusal costs no scan.
+        evictable = len(slot_of) - len(self._pending) - len(refs) - len(protected)
+        if shortfall > evictable:
+            return None
+        # No filter at all when nothing is pinned or protected: the policies' fast path, which
+        # takes victims straight off their order without a call per candidate.
+        can_evict: CanEvict | None = None
+        if protected:
+
+            def can_evict(key: BlockKey) -> bool:
+                return key not in refs and key not in protected
+
+        elif refs:
+
+            def can_evict(key: BlockKey) -> bool:
+                return key not in refs
+
+        victims = self._policy.evict(shortfall, can_evict)
+        if victims is None:  # the count above is exact; this guards a policy bug
+            return None
+        self._free.extend(map(slot_of.pop, victims))  # frees the slots in one C-level pass
+        self._evictions += len(victims)
+        name = self._policy.name
+        self._evictions_by_policy[name] = self._evictions_by_policy.get(name, 0) + len(victims)
+        self._emit_removed(victims)
+        return victims
+
+    def _reserve(
+        self, req: _Request, admitted: list[BlockKey], chain: dict[BlockKey, None]
+    ) -> list[int]:
+        """Give each admitted key a free slot, as a store pending for ``req``; returns the slots.
+
+        There must be at least ``len(admitted)`` free slots. The offer's ``chain`` joins the
+        request's chain (the order its blocks are reordered in when the request ends).
+        """
+        count = len(admitted)
+        slots: list[int] = []
+        if count:
+            # Slots come off the end of the free stack as one slice, not one pop per key.
+            free = self._free
+            slots = free[-count:]
+            del free[-count:]
+            self._slot.update(zip(admitted, slots, strict=True))
+            self._pending.update(admitted)
+            req.pending.update(admitted)
+        if req.keys:
+            req.keys.update(chain)
+        else:
+            req.keys = chain  # a fresh dict nobody else holds: adopted instead of copied
+        return slots
 
     def complete_store(
         self, keys: Sequence[BlockKey], ctx: ReqContext, success: bool = True
@@ -657,6 +683,7 @@ class OffloadManager:
             mine = list(keys)
             pending.difference_update(mine)
         else:
+            _check_keys(keys)  # keys in flight were checked when offered; others may not be
             mine = []
             for key in keys:
                 if key in pending:

@@ -7,19 +7,19 @@ count of a key survives its eviction in a bounded history (``history_factor`` x 
 oldest forgotten first), so a block that keeps coming back is recognised as popular.
 
 Victims: lowest priority first; among equals the one filed earliest. A batch is filed tail
-first, so within a request the tail goes before the head. O(log n) per operation (a binary heap
-with lazy invalidation, compacted when stale entries dominate).
+first, so within a request the tail goes before the head. O(log n) per operation (a
+``LazyHeap``: a binary heap with lazy invalidation, compacted when stale entries dominate).
 """
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from manager.errors import InvalidPolicyParamsError
 from manager.policies.base import CanEvict, EvictionPolicy
+from manager.policies.lazy_heap import LazyHeap
 from manager.policies.registry import register_policy
 
 
@@ -34,9 +34,8 @@ class LFUPolicy(EvictionPolicy):
         self._history_size = max(1, int(capacity * self.params["history_factor"]))
         self._age = 0.0
         self._seq = 0
-        # key -> (priority, seq) of its live heap entry; only held keys are here.
-        self._entry: dict[bytes, tuple[float, int]] = {}
-        self._heap: list[tuple[float, int, bytes]] = []
+        # Held keys by (priority, filing sequence); rebuilt past 4 heap entries per held key.
+        self._order = LazyHeap(slack=4)
         # key -> use count, for held and recently evicted keys (bounded, LRU order).
         self._freq: OrderedDict[bytes, int] = OrderedDict()
 
@@ -51,9 +50,7 @@ class LFUPolicy(EvictionPolicy):
 
     def _file(self, key: bytes, count: int) -> None:
         self._seq += 1
-        prio = self._age + count
-        self._entry[key] = (prio, self._seq)
-        heapq.heappush(self._heap, (prio, self._seq, key))
+        self._order.set(key, self._age + count, self._seq)
 
     def _bump(self, key: bytes) -> int:
         freq = self._freq
@@ -65,58 +62,40 @@ class LFUPolicy(EvictionPolicy):
         for key in reversed(keys):
             self._file(key, self._bump(key))
         self._trim_history()
+        self._order.compact()
 
     def touch(self, keys: Sequence[bytes]) -> None:
-        entry = self._entry
+        entries = self._order.entries
         for key in reversed(keys):
-            if key in entry:
+            if key in entries:
                 self._file(key, self._bump(key))
+        self._order.compact()
 
     def request_finished(self, keys: Sequence[bytes]) -> None:
         """Re-file the held keys tail first at their current priority (no use counted)."""
-        entry = self._entry
+        order = self._order
+        entries = order.entries
         for key in reversed(keys):
-            if key in entry:
-                prio = entry[key][0]
+            if key in entries:
                 self._seq += 1
-                entry[key] = (prio, self._seq)
-                heapq.heappush(self._heap, (prio, self._seq, key))
-        self._compact()
+                order.set(key, entries[key][0], self._seq)
+        order.compact()
 
     def remove(self, keys: Sequence[bytes]) -> None:
-        entry = self._entry
+        order = self._order
         for key in keys:
-            entry.pop(key, None)
-        self._compact()
+            order.discard(key)
+        order.compact()
 
     def evict(self, n: int, can_evict: CanEvict | None = None) -> list[bytes] | None:
-        if n <= 0:
-            return []
-        heap, entry = self._heap, self._entry
-        victims: list[tuple[float, int, bytes]] = []
-        passed: list[tuple[float, int, bytes]] = []  # unevictable entries, filed back after
-        while heap and len(victims) < n:
-            item = heapq.heappop(heap)
-            prio, seq, key = item
-            if entry.get(key) != (prio, seq):
-                continue  # stale: the key was re-filed or dropped
-            if can_evict is not None and not can_evict(key):
-                passed.append(item)
-            else:
-                victims.append(item)
-        for item in passed:
-            heapq.heappush(heap, item)
-        if len(victims) < n:
-            for item in victims:
-                heapq.heappush(heap, item)
+        victims = self._order.pop_lowest(n, can_evict)
+        if victims is None:
             return None
-        keys = [key for _, _, key in victims]
-        for key in keys:
-            prio, _ = entry.pop(key)
-            if prio > self._age:
-                self._age = prio
-        self._trim_history()
-        return keys
+        if victims:
+            # Victims come lowest first, so the last has the highest priority: the new age.
+            self._age = max(self._age, victims[-1][0])
+            self._trim_history()
+        return [key for _, _, key in victims]
 
     def _trim_history(self) -> None:
         """Forget the counts of the least recently counted evicted keys beyond the bound.
@@ -124,25 +103,20 @@ class LFUPolicy(EvictionPolicy):
         Held keys keep their counts: one met at the old end is moved to the young end, and at
         most ``len(freq)`` keys are examined, so the loop ends.
         """
-        freq, entry = self._freq, self._entry
-        limit = self._history_size + len(entry)
+        freq, held = self._freq, self._order.entries
+        limit = self._history_size + len(held)
         steps = len(freq)
         while len(freq) > limit and steps > 0:
             steps -= 1
             key, count = freq.popitem(last=False)
-            if key in entry:
+            if key in held:
                 freq[key] = count
 
-    def _compact(self) -> None:
-        if len(self._heap) > 4 * len(self._entry) + 64:
-            self._heap = [(p, s, k) for k, (p, s) in self._entry.items()]
-            heapq.heapify(self._heap)
-
     def coldest_first(self) -> Iterator[bytes]:
-        return iter(sorted(self._entry, key=self._entry.__getitem__))
+        return iter(self._order.ordered())
 
     def __len__(self) -> int:
-        return len(self._entry)
+        return len(self._order)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._entry
+        return key in self._order

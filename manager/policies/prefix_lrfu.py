@@ -42,7 +42,6 @@ keys) is exactly the order in which repeated ``evict(1)`` calls take the keys.
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -50,6 +49,7 @@ from typing import Any
 
 from manager.errors import InvalidPolicyParamsError
 from manager.policies.base import CanEvict, EvictionPolicy
+from manager.policies.lazy_heap import LazyHeap
 from manager.policies.registry import register_policy
 
 # Learned classes of new blocks: for each of "starts a new prefix" and "extends a stored
@@ -160,8 +160,7 @@ class PrefixLRFUPolicy(EvictionPolicy):
         self._t = 0.0  # virtual clock: block references (keys inserted or touched) so far
         self._seq = 0
         self._finished = 0  # request_finished calls so far (tells one request from another)
-        self._entry: dict[bytes, tuple[float, int]] = {}  # held key -> (heap key, sequence)
-        self._heap: list[tuple[float, int, bytes]] = []
+        self._order = LazyHeap(slack=2)  # held keys by (heap key, sequence)
         self._stat: dict[bytes, _Stat] = {}
         self._ghost: OrderedDict[bytes, tuple[float, float]] = OrderedDict()
         self._parent: dict[bytes, bytes] = {}  # links between held keys only
@@ -221,17 +220,13 @@ class PrefixLRFUPolicy(EvictionPolicy):
 
     # ------------------------------------------------------------------ ordering
 
-    def _set(self, key: bytes, prio: float, seq: int) -> None:
-        self._entry[key] = (prio, seq)
-        heapq.heappush(self._heap, (prio, seq, key))
-
     def _file(self, items: list[tuple[bytes, float]]) -> None:
         """File a batch ordered head to tail: each key below the one before it and below its
         known parent; on equal keys the tail is numbered first (so it goes first)."""
         n = len(items)
         base = self._seq + n
         self._seq += n + 1
-        entry, parent = self._entry, self._parent
+        entry, parent = self._order.entries, self._parent
         prev: tuple[float, int] | None = None
         for i, (key, prio) in enumerate(items):
             cur = (prio, base - i)
@@ -243,21 +238,21 @@ class PrefixLRFUPolicy(EvictionPolicy):
             if prev is not None and cur >= prev:
                 cur = (prev[0], prev[1] - 1)
             old = entry.get(key)
-            self._set(key, cur[0], cur[1])
+            self._order.set(key, cur[0], cur[1])
             if old is not None and cur < old:  # moved down: its children must stay below it
                 self._clamp_below(key)
             prev = cur
 
     def _clamp_below(self, key: bytes) -> None:
         """Push the resident descendants of ``key`` below it where they are not already."""
-        entry, children = self._entry, self._children
+        entry, children = self._order.entries, self._children
         stack = [key]
         while stack:
             up = stack.pop()
             top = entry[up]
             for child in children.get(up, ()):
                 if entry[child] >= top:
-                    self._set(child, top[0], top[1] - 1)
+                    self._order.set(child, top[0], top[1] - 1)
                     stack.append(child)
 
     def _link(self, up: bytes, key: bytes) -> None:
@@ -327,7 +322,7 @@ class PrefixLRFUPolicy(EvictionPolicy):
             items.append((key, now + half * stat.logscore))
         self._file(items)
         self._expire_watch()
-        self._compact()
+        self._order.compact()
 
     def touch(self, keys: Sequence[bytes]) -> None:
         stats = self._stat
@@ -344,7 +339,7 @@ class PrefixLRFUPolicy(EvictionPolicy):
             items.append((key, now + half * stat.logscore))
         self._file(items)
         self._expire_watch()
-        self._compact()
+        self._order.compact()
 
     def request_finished(self, keys: Sequence[bytes]) -> None:
         """Learn the chain's links, place its new blocks by their class, file it tail first.
@@ -354,7 +349,7 @@ class PrefixLRFUPolicy(EvictionPolicy):
         (and its other descendants below it) where needed.
         """
         self._finished += 1
-        stats, entry, watch = self._stat, self._entry, self._watch
+        stats, entry, watch = self._stat, self._order.entries, self._watch
         n = len(keys)
         length_cls = _length_class(n)
         group = -1  # 0: the chain's new blocks start a prefix, 1: they extend a stored one
@@ -381,7 +376,7 @@ class PrefixLRFUPolicy(EvictionPolicy):
                 stat.logscore = logweight
             stat.cls = cls
             old = entry[key]
-            self._set(key, stat.time + self._half * stat.logscore, old[1])
+            self._order.set(key, stat.time + self._half * stat.logscore, old[1])
             if entry[key] < old:
                 self._clamp_below(key)
         prev: bytes | None = None  # the chain's previous key, if held: the parent to link
@@ -397,47 +392,27 @@ class PrefixLRFUPolicy(EvictionPolicy):
             if up is not None and (top is None or entry[up] < top):
                 top = entry[up]
             if top is not None and entry[key] >= top:
-                self._set(key, top[0], top[1] - 1)
+                self._order.set(key, top[0], top[1] - 1)
                 self._clamp_below(key)
             prev = above = key
-        self._compact()
+        self._order.compact()
 
     def remove(self, keys: Sequence[bytes]) -> None:
-        entry = self._entry
         for key in keys:
-            if entry.pop(key, None) is not None:
+            if self._order.discard(key):
                 del self._stat[key]
                 self._forget_links(key)
-        self._compact()
+        self._order.compact()
 
     def evict(self, n: int, can_evict: CanEvict | None = None) -> list[bytes] | None:
-        if n <= 0:
-            return []
-        heap, entry = self._heap, self._entry
-        chosen: list[tuple[float, int, bytes]] = []
-        taken: set[bytes] = set()
-        passed: list[tuple[float, int, bytes]] = []  # unevictable entries, filed back after
-        while heap and len(chosen) < n:
-            item = heapq.heappop(heap)
-            prio, seq, key = item
-            if key in taken or entry.get(key) != (prio, seq):
-                continue  # stale: the key was re-filed, dropped or already chosen
-            if can_evict is not None and not can_evict(key):
-                passed.append(item)
-            else:
-                chosen.append(item)
-                taken.add(key)
-        for item in passed:
-            heapq.heappush(heap, item)
-        if len(chosen) < n:
-            for item in chosen:
-                heapq.heappush(heap, item)
+        chosen = self._order.pop_lowest(n, can_evict)
+        if chosen is None:
             return None
         victims = [key for _, _, key in chosen]
+        entry = self._order.entries
         ghost, stats = self._ghost, self._stat
         orphans: list[bytes] = []
         for key in victims:
-            del entry[key]
             stat = stats.pop(key)
             ghost[key] = (stat.time, stat.logscore)
             orphans.extend(self._forget_links(key))
@@ -459,19 +434,13 @@ class PrefixLRFUPolicy(EvictionPolicy):
             stack.extend(self._children.get(key, ()))
         for key in reversed(order):  # every child was listed after its parent
             self._seq += 1
-            self._set(key, -math.inf, self._seq)
-
-    def _compact(self) -> None:
-        if len(self._heap) > 2 * len(self._entry) + 64:
-            self._heap = [(p, s, k) for k, (p, s) in self._entry.items()]
-            heapq.heapify(self._heap)
+            self._order.set(key, -math.inf, self._seq)
 
     def coldest_first(self) -> Iterator[bytes]:
-        entry = self._entry
-        return iter(sorted(entry, key=lambda k: (*entry[k], k)))
+        return iter(self._order.ordered())
 
     def __len__(self) -> int:
-        return len(self._entry)
+        return len(self._order)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._entry
+        return key in self._order

@@ -145,10 +145,10 @@ def test_memory_stays_bounded_by_multiples_of_the_capacity() -> None:
             assert p.evict(1) is not None
     assert len(p._ghost) <= 2 * capacity
     assert len(p._watch) <= 2 * capacity
-    assert len(p._heap) <= 2 * len(p) + 64
-    assert set(p._stat) == set(p._entry)
-    assert set(p._parent) <= set(p._entry)
-    assert set(p._children) <= set(p._entry)
+    assert p._order.heap_size() <= 2 * len(p) + 64
+    assert set(p._stat) == set(p._order.entries)
+    assert set(p._parent) <= set(p._order.entries)
+    assert set(p._children) <= set(p._order.entries)
 
 
 def test_the_prefix_shared_by_many_requests_survives_a_flood_of_one_off_prompts() -> None:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from manager import (
+    MAX_KEY_BYTES,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -922,6 +923,59 @@ def test_unhashable_keys_to_any_call_raise_invalid_argument_and_change_nothing(c
         getattr(pool.m, call)([key(0), bytearray(b"k001")], ctx)
     assert pool.snapshot(watched) == before
     assert pool.m.resident_keys() == order
+
+
+NOT_KEYS = [7, "k000", None, b"", b"x" * (MAX_KEY_BYTES + 1), memoryview(b"k999")]
+NOT_KEY_IDS = ["int", "str", "none", "empty", "too-long", "memoryview"]
+KEY_CALLS = ["lookup", "touch", "prepare_load", "complete_load", "prepare_store", "complete_store"]
+
+
+@pytest.mark.parametrize("call", KEY_CALLS)
+@pytest.mark.parametrize("alone", [True, False], ids=["alone", "after-a-held-key"])
+@pytest.mark.parametrize("bad", NOT_KEYS, ids=NOT_KEY_IDS)
+def test_a_non_key_raises_invalid_argument_in_every_call_and_changes_nothing(
+    call: str, alone: bool, bad: object
+) -> None:
+    pool = Pool(4, "lru")
+    chains: list[list[bytes]] = []
+    pool.m.add_chain_listener(chains.append)
+    pool.store([key(0), key(1)])
+    ctx = pool.request()
+    pool.m.prepare_load([key(0)], ctx)  # pinned by ctx: complete_load's fast path has it
+    assert pool.offer([key(2)], ctx) is not None  # pending for ctx: complete_store's has it
+    pool.m.take_events()
+    chains.clear()
+    stats, order, leases = pool.m.stats(), pool.m.resident_keys(), pool.m.requests()
+    batch = [bad] if alone else [key(0), bad]
+    with pytest.raises(InvalidArgumentError, match="keys must be"):
+        getattr(pool.m, call)(batch, ctx)
+    assert pool.m.stats() == stats  # the lookup counters too
+    assert pool.m.resident_keys() == order
+    assert pool.m.requests() == leases
+    assert pool.m.take_events() == []
+    # The request's chain (what its end reorders and reports) holds no trace of the call.
+    pool.m.complete_load([key(0)], ctx)
+    pool.m.complete_store([key(2)], ctx)
+    pool.m.on_request_finished(ctx)
+    assert chains == [[key(0), key(2)]]
+
+
+def test_valid_keys_the_manager_does_not_hold_pass_the_key_check_in_every_call() -> None:
+    pool = Pool(4, "lru")
+    ctx = pool.request()
+    edge = [b"\x00", b"\xff" * MAX_KEY_BYTES]  # the shortest and the longest key
+    assert pool.m.lookup(edge, ctx).results == [MISS, MISS]
+    pool.m.touch(edge, ctx)
+    with pytest.raises(KeyNotReadyError) as not_ready:
+        pool.m.prepare_load(edge, ctx)
+    assert not_ready.value.missing == edge
+    with pytest.raises(NotPinnedError) as not_pinned:
+        pool.m.complete_load(edge, ctx)
+    assert not_pinned.value.keys == edge
+    assert pool.m.complete_store(edge, ctx).ignored == edge
+    out = pool.m.prepare_store(edge, ctx)
+    assert out is not None
+    assert out.keys_to_store == edge
 
 
 def test_an_empty_touch_is_not_an_ordering_call() -> None:
