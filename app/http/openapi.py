@@ -6,17 +6,22 @@ body (``openapi_extra``) by reference, and ``KVOffloadAPI.openapi()`` adds the r
 to ``components.schemas``, so the published spec describes exactly what the routes validate.
 
 ``add_docs_routes`` serves ``/openapi.json`` and ``/docs``; it is called after the API routes so
-the hot routes are matched first.
+the hot routes are matched first. ``/docs`` loads Swagger UI's script, stylesheet and icon from
+the service itself (the files the ``fastapi-offline`` package ships), never from a CDN, so the
+page works on a node without internet access.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Awaitable, Callable
+from importlib.resources import files
+from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
@@ -112,14 +117,54 @@ def _document_shared_errors(schema: dict[str, Any]) -> None:
         components.setdefault(name, definition)
 
 
+# Swagger UI's files, served under /docs/ with these content types.
+DOCS_ASSETS = {
+    "swagger-ui-bundle.js": "text/javascript; charset=utf-8",
+    "swagger-ui.css": "text/css; charset=utf-8",
+    "favicon.png": "image/png",
+}
+
+
+def docs_asset_dir() -> Path:
+    """The installed directory holding ``DOCS_ASSETS`` (``fastapi-offline``'s static files)."""
+    return Path(str(files("fastapi_offline").joinpath("static")))
+
+
 def add_docs_routes(app: KVOffloadAPI) -> None:
-    """Serve ``/openapi.json`` and a Swagger UI at ``/docs``."""
+    """Serve ``/openapi.json``, a Swagger UI at ``/docs`` and its files at ``/docs/<asset>``.
+
+    Raises ``RuntimeError`` if an asset is missing from the installed package (a blank docs
+    page would be found much later than a service that does not start).
+    """
+    directory = docs_asset_dir()
+    missing = [name for name in DOCS_ASSETS if not (directory / name).is_file()]
+    if missing:
+        raise RuntimeError(f"Swagger UI files {missing} not found in {directory}")
 
     async def openapi_json(request: Request) -> JSONResponse:
         return JSONResponse(app.openapi())
 
     async def swagger(request: Request) -> HTMLResponse:
-        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - docs")
+        return get_swagger_ui_html(
+            openapi_url="/openapi.json",
+            title=f"{app.title} - docs",
+            swagger_js_url="/docs/swagger-ui-bundle.js",
+            swagger_css_url="/docs/swagger-ui.css",
+            swagger_favicon_url="/docs/favicon.png",
+            # No badge from the public validator service: the page makes no outside request.
+            swagger_ui_parameters={"validatorUrl": None},
+        )
 
     app.add_route("/openapi.json", openapi_json, include_in_schema=False)
     app.add_route("/docs", swagger, include_in_schema=False)
+    for name, media_type in DOCS_ASSETS.items():
+        app.add_route(
+            f"/docs/{name}", _asset_route(directory / name, media_type), include_in_schema=False
+        )
+
+
+def _asset_route(path: Path, media_type: str) -> Callable[[Request], Awaitable[FileResponse]]:
+    async def asset(request: Request) -> FileResponse:
+        return FileResponse(path, media_type=media_type)
+
+    return asset
