@@ -3,7 +3,8 @@
 Reads a Mooncake-format trace (JSON lines with ``hash_ids``), runs ``manager.replay.replay`` for
 every requested policy and capacity plus Belady's MIN (the ceiling) at each capacity, and prints
 a table of prefix hit ratios and their fraction of Belady's. ``--json`` prints the rows as JSON
-instead; ``--plot FILE.png`` saves hit ratio against capacity per policy (needs matplotlib).
+instead; ``--plot FILE.png`` saves hit ratio against capacity per policy (needs matplotlib: the
+``plot`` extra, ``pip install 'kvoffload[plot]'``).
 
 ``--policy oracle-NAME --param horizon=H`` replays the oracle-admission bound over policy NAME:
 a new block is stored only if it is used again within H pool sizes of block references (H may
@@ -17,6 +18,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -61,7 +63,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     parser.add_argument("--store-threshold", type=int, default=0)
     parser.add_argument("--no-belady", action="store_true", help="skip the Belady ceiling")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
-    parser.add_argument("--plot", type=Path, help="save hit ratio vs capacity to this PNG")
+    parser.add_argument(
+        "--plot", type=Path, help="save hit ratio vs capacity to this PNG (kvoffload[plot])"
+    )
     return parser
 
 
@@ -163,6 +167,9 @@ def format_table(rows: Sequence[dict[str, Any]], capacities: Sequence[int]) -> s
     return "\n".join(lines)
 
 
+PLOT_NEEDS_EXTRA = "--plot needs matplotlib: pip install 'kvoffload[plot]'"
+
+
 def save_plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
     """Hit ratio against capacity, one line per policy, bounds (Belady, oracle-*) dashed."""
     import matplotlib
@@ -193,6 +200,9 @@ def save_plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
 def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     """Execute ``kvoffload replay``; returns the exit status (2 for bad input)."""
     try:
+        # Before the sweep, which may run for minutes.
+        if args.plot is not None and find_spec("matplotlib") is None:
+            raise InvalidArgumentError(PLOT_NEEDS_EXTRA)
         capacities = parse_capacities(args.capacity)
         if args.policy == "all":
             policies = available_policies()
