@@ -1,39 +1,59 @@
 # kvoffload developer entry points. Every target sets up .venv first if needed.
-#   make run    set up, then start the service (CPU pool, loopback, embedded defaults)
+#   make run    set up the service alone, then start it (CPU pool, loopback, embedded defaults)
 #   make test   set up, then run the test suite
 #   make lint   ruff check, ruff format --check, mypy
 #   make bench  run every benchmark (tables on stdout, JSON under bench/results/)
+# `make setup` installs the package with its dev extra (tests, lint, plots); `make run` needs
+# only the service's own dependencies. Both hold every package to requirements/constraints.txt.
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-STAMP := $(VENV)/.kvoffload-installed
-# CPU wheel of torch used where no GPU is present; pinned because an unpinned
-# torch on PyPI resolves to a multi-GB CUDA build.
+CONSTRAINTS := requirements/constraints.txt
+# One stamp per install, so a venv made by `make run` gains the dev tools on `make test`, and
+# one made by `make test` serves at once (the dev install holds the service's).
+TORCH_STAMP := $(VENV)/.kvoffload-torch
+SERVE_STAMP := $(VENV)/.kvoffload-serve
+DEV_STAMP := $(VENV)/.kvoffload-dev
+# Without a GPU: this CPU build of torch, from this index (the PyTorch CPU wheel index; empty:
+# the default index). Where the index cannot be reached the same version comes from the
+# default index, which on Linux x86_64 is the CUDA build (several GB with its nvidia-* wheels).
 CPU_TORCH ?= torch==2.13.0
-# Optional extra index for torch (e.g. the PyTorch CPU wheel index on machines
-# whose default index serves CUDA wheels only).
-TORCH_INDEX_URL ?=
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 
 .PHONY: setup run test lint format bench clean
 
-setup: $(STAMP)
+setup: $(DEV_STAMP)
 
-$(STAMP): pyproject.toml
+# torch alone: from the CPU index it is fetched without its dependencies, which the next step
+# takes from the default index under the constraints like every other package. A short timeout
+# and no retries, so an unreachable index costs seconds, not minutes.
+$(TORCH_STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		echo "setup: GPU found, installing CUDA torch"; \
 		$(PIP) install -q 'torch>=2.4'; \
 	else \
-		echo "setup: no GPU, installing CPU torch ($(CPU_TORCH))"; \
-		$(PIP) install -q $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) '$(CPU_TORCH)'; \
+		echo "setup: no GPU, installing CPU torch ($(CPU_TORCH)) from $(or $(TORCH_INDEX_URL),the default index)"; \
+		$(PIP) install -q --no-deps --retries 0 --timeout 15 \
+			$(if $(TORCH_INDEX_URL),--index-url '$(TORCH_INDEX_URL)') '$(CPU_TORCH)' \
+		|| { echo "setup: FALLBACK: $(CPU_TORCH) from the default index instead" \
+			"(on Linux x86_64 that is the CUDA build: several GB)"; \
+			$(PIP) install -q -c $(CONSTRAINTS) '$(CPU_TORCH)'; }; \
 	fi
-	$(PIP) install -q -e '.[dev]'
-	touch $(STAMP)
+	touch $@
 
-run: setup
+$(SERVE_STAMP): pyproject.toml $(CONSTRAINTS) $(TORCH_STAMP)
+	$(PIP) install -q -c $(CONSTRAINTS) -e .
+	touch $@
+
+$(DEV_STAMP): pyproject.toml $(CONSTRAINTS) $(TORCH_STAMP)
+	$(PIP) install -q -c $(CONSTRAINTS) -e '.[dev]'
+	touch $@ $(SERVE_STAMP)
+
+run: $(SERVE_STAMP)
 	$(VENV)/bin/kvoffload serve
 
 test: setup
