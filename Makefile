@@ -3,13 +3,13 @@
 #   make test   set up, then run the test suite
 #   make lint   ruff check, ruff format --check, mypy
 #   make bench  run every benchmark (tables on stdout, JSON under bench/results/)
-# `make setup` installs the package with its dev extra (tests, lint, plots); `make run` needs
-# only the service's own dependencies. Both hold every package to requirements/constraints.txt.
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
+# `make setup` (and test, lint, bench) installs the package with its dev extra; `make run` only
+# what serving needs. Every install is held to the versions in this file (the image's too).
 CONSTRAINTS := requirements/constraints.txt
 # One stamp per install, so a venv made by `make run` gains the dev tools on `make test`, and
 # one made by `make test` serves at once (the dev install holds the service's).
