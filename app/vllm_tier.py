@@ -159,12 +159,20 @@ class MappedPool:
 
     @classmethod
     def from_fd(
-        cls, fd: int, pool_id: str, num_blocks: int, block_bytes: int, path: str | None = None
+        cls,
+        fd: int,
+        pool_id: str,
+        num_blocks: int,
+        block_bytes: int,
+        path: str | None = None,
+        offset: int = 0,
     ) -> MappedPool:
-        """Map ``num_blocks x block_bytes`` of ``fd`` shared and writable (``fd`` stays open)."""
-        region = mmap.mmap(fd, num_blocks * block_bytes, mmap.MAP_SHARED)
-        blocks = np.frombuffer(region, dtype=np.uint8).reshape(num_blocks, block_bytes)
-        return cls(pool_id, num_blocks, block_bytes, blocks, path)
+        """Map the blocks of ``fd`` (from byte ``offset``) shared and writable; the caller
+        keeps ``fd`` (the mapping outlives it)."""
+        total = num_blocks * block_bytes
+        region = mmap.mmap(fd, offset + total, mmap.MAP_SHARED)
+        flat = np.frombuffer(region, dtype=np.uint8, count=total, offset=offset)
+        return cls(pool_id, num_blocks, block_bytes, flat.reshape(num_blocks, block_bytes), path)
 
     def still_current(self, announced: str | None) -> bool:
         """Whether an answer with pool header ``announced`` came from the service of this
@@ -190,17 +198,22 @@ def map_pool(client: KVOffloadClient, pool_socket: str | None, timeout_s: float)
     Through the pool socket (``app.pool_share.receive_pool``: the descriptor passed over a Unix
     socket, works across containers) when that module and socket exist, else through the
     ``/proc/<pid>/fd/<n>`` path ``GET /v1/pool`` answers (same user and PID namespace).
-    Raises ``OSError``, ``httpx.HTTPError`` or ``KVOffloadError`` when neither works.
+    Raises (``OSError``, ``httpx.HTTPError``, ``KVOffloadError``, the pool socket's
+    ``PoolShareError``, ...) when neither works.
     """
     try:
-        from app.pool_share import receive_pool  # type: ignore[import-not-found,unused-ignore]
+        from app import pool_share  # type: ignore[attr-defined,unused-ignore]
     except ImportError:
-        receive_pool = None
-    if receive_pool is not None and pool_socket is not None and os.path.exists(pool_socket):
-        shared = receive_pool(pool_socket, timeout_s=timeout_s)
+        pool_share = None
+    if pool_share is not None and pool_socket is not None and os.path.exists(pool_socket):
+        shared = pool_share.receive_pool(pool_socket, timeout_s=timeout_s)
         try:
             return MappedPool.from_fd(
-                shared.fd, str(shared.pool_id), shared.num_blocks, shared.block_bytes
+                shared.fd,
+                str(shared.pool_id),
+                shared.num_blocks,
+                shared.block_bytes,
+                offset=shared.offset,
             )
         finally:
             os.close(shared.fd)
@@ -439,7 +452,11 @@ class KVOffloadTier(SecondaryTierManager):  # type: ignore[misc,unused-ignore]
         self._inbox: queue.SimpleQueue[_Step | None] = queue.SimpleQueue()
         self._copies: queue.SimpleQueue[_Copy | None] = queue.SimpleQueue()
         self._link = _Link(self)
-        self._link.connect(refuse_mismatch=True)
+        try:
+            self._link.connect(refuse_mismatch=True)
+        except BaseException:
+            self._client.close()
+            raise
         self._link_thread = threading.Thread(
             target=self._link.run, name="kvoffload-tier-link", daemon=True
         )
@@ -815,7 +832,7 @@ class _Link:
             return False
         try:
             pool = map_pool(self.client, tier._pool_socket, timeout_s=5.0)
-        except (OSError, httpx.HTTPError, KVOffloadError, ValueError) as exc:
+        except Exception as exc:  # whatever the way to the pool failed with: a fault
             self.fault("unreachable", f"cannot map the pool ({type(exc).__name__}: {exc})")
             return False
         finally:

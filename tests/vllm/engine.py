@@ -115,8 +115,7 @@ def chunk_bytes(key: bytes, model: str = "") -> bytes:
 def keys_of(hash_ids: Sequence[int], salt: bytes = b"") -> list[OffloadKey]:
     """vLLM offload keys (32-byte block hash + group 0) of a prefix of hash ids."""
     return [
-        make_offload_key(hashlib.sha256(salt + h.to_bytes(8, "big")).digest(), 0)
-        for h in hash_ids
+        make_offload_key(hashlib.sha256(salt + h.to_bytes(8, "big")).digest(), 0) for h in hash_ids
     ]
 
 
