@@ -811,6 +811,7 @@ class _Link:
         self.aborts: set[str] = set()  # outcome unknown: abort once none of its copies runs
         self.finishes: list[str] = []  # finishes not delivered yet
         self.backoff = tier._retry_interval_s
+        self.busy = False  # a call is being built or is in flight
         self.events_after = 0
         self.events_instance: str | None = None
         self.events_due = 0.0
@@ -819,7 +820,11 @@ class _Link:
         """Work the engine should keep stepping for (while the service answers)."""
         if self.tier._incident.active:
             return False
-        return bool(self.done or self.finishes or self.aborts)
+        return (
+            self.busy
+            or not self.tier._inbox.empty()
+            or bool(self.done or self.finishes or self.aborts)
+        )
 
     def connect(self, refuse_mismatch: bool = False) -> bool:
         """Map the pool if not mapped; False when it cannot be. A pool whose block size is not
@@ -868,6 +873,7 @@ class _Link:
                 items: list[_Step | None] = [tier._inbox.get(timeout=0.2)]
             except queue.Empty:
                 items = [_Step()]  # idle: deliver ended copies' completions and finishes
+            self.busy = True
             while not tier._inbox.empty():
                 items.append(tier._inbox.get_nowait())
             step = _Step()
@@ -882,6 +888,8 @@ class _Link:
             except Exception:
                 log.exception("kvoffload tier: link step failed")
                 self.fault("internal", "internal error in the tier's link thread")
+            finally:
+                self.busy = False
 
     def exchange(self, step: _Step, final: bool = False) -> None:
         """Send one batch for ``step`` and the carried ops; act on each op's result."""
