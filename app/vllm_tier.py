@@ -858,12 +858,13 @@ class _Link:
         return True
 
     def fault(self, reason: str, message: str) -> None:
-        """Count a fault, log it once per incident, and back off (doubling, at most 8 s)."""
+        """Count a fault, log it once per incident, and back off (doubling, up to 16 times
+        ``retry_interval_s``)."""
         tier = self.tier
         tier.counters.add(M_FAULTS, reason)
         tier._incident.fail(message)
         tier._down_until = time.monotonic() + self.backoff
-        self.backoff = min(self.backoff * 2, 8.0)
+        self.backoff = min(self.backoff * 2, 16 * tier._retry_interval_s)
 
     def run(self) -> None:
         tier = self.tier
