@@ -77,8 +77,10 @@ def main() -> None:
         e.close()
 
     with tempfile.TemporaryDirectory() as tmp:
-        flags = ("--block-bytes", "4096", "--num-blocks", str(args.pool_blocks))
-        flags += ("--log-level", "warning", "--shadow-enabled", "false")
+        flags = (
+            *("--block-bytes", "4096", "--num-blocks", str(args.pool_blocks)),
+            *("--log-level", "warning", "--shadow-enabled", "false"),
+        )
         with ServerProcess(Path(tmp), *flags).serving() as srv:
             cfg = kv_transfer_config(f"unix://{srv.uds}", cpu_chunks=args.primary_chunks)
             started = time.monotonic()
