@@ -324,13 +324,19 @@ class _Done:
 
 @dataclass
 class _Counters:
-    """Cumulative counts, written by the tier's threads (single writer each), read by
-    ``get_stats`` as deltas."""
+    """Cumulative counts by (metric, label), added to by all three threads; ``get_stats``
+    reports them as deltas."""
 
-    values: dict[tuple[str, str], int] = field(default_factory=lambda: collections.Counter())
+    values: dict[tuple[str, str], int] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, metric: str, label: str = "", n: int = 1) -> None:
-        self.values[metric, label] = self.values.get((metric, label), 0) + n
+        with self.lock:
+            self.values[metric, label] = self.values.get((metric, label), 0) + n
+
+    def snapshot(self) -> dict[tuple[str, str], int]:
+        with self.lock:
+            return dict(self.values)
 
 
 class _Incident:
@@ -627,7 +633,9 @@ class KVOffloadTier(SecondaryTierManager):  # type: ignore[misc,unused-ignore]
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         step = self._step
-        if not step.empty():
+        # A step with no tier work still carries the completions of copies that ended (they
+        # release pins and make stores loadable for the other engines).
+        if not step.empty() or self._link.done:
             self._step = _Step()
             self._inbox.put(step)
 
@@ -663,7 +671,7 @@ class KVOffloadTier(SecondaryTierManager):  # type: ignore[misc,unused-ignore]
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         stats = OffloadingConnectorStats()
-        current = dict(self.counters.values)
+        current = self.counters.snapshot()
         for (metric, label), value in current.items():
             delta = value - self._reported.get((metric, label), 0)
             if delta:

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from vllm.v1.kv_offload.base import ReqContext
 
-from app.vllm_tier import M_CALLS
+from app.vllm_tier import M_CALLS, KVOffloadTier
 from tests.e2e.conftest import ServerProcess
 from tests.vllm.conftest import leases, serve, tracked
 from tests.vllm.engine import SimEngine, chunk_bytes, keys_of, kv_transfer_config
@@ -136,3 +136,33 @@ def test_request_id_reaches_the_service_exemplars(srv):
         f"{srv.url}/metrics", headers={"accept": "application/openmetrics-text"}, timeout=10
     ).text
     assert 'req_id="cmpl-trace-7f3a-0"' in metrics
+
+
+def test_kv_events_and_stats_reach_vllm(srv):
+    """The service's stored events of this namespace come out of vLLM's ``take_events`` as
+    kvoffload-owned events, and the tier's counters out of vLLM's ``get_stats``."""
+    keys = keys_of(range(600, 604))
+    engine = SimEngine("t-events", config(srv, events_interval_s=0.05))
+    try:
+        engine.run_request("events-1", keys)
+        engine.settle()
+        stored: set[bytes] = set()
+        for _ in range(200):
+            engine.step()
+            with engine.manager.lock:
+                for event in engine.manager.take_events():
+                    if event.ownership == "kvoffload" and not event.removed:
+                        stored.update(event.keys)
+            if stored >= set(keys):
+                break
+            time.sleep(0.02)
+        assert stored >= set(keys)
+        with engine.manager.lock:
+            stats = engine.manager.get_stats()
+        reported = stats.data["data"]
+        assert reported[M_CALLS][("batch",)] >= 1
+        assert set(KVOffloadTier.build_metric_definitions({})) >= set(reported) & {
+            name for name in reported if "kvoffload" in name
+        }
+    finally:
+        engine.close()
