@@ -98,6 +98,7 @@ M_FAULTS = "vllm:kv_offload_kvoffload_faults"
 M_STORES_DROPPED = "vllm:kv_offload_kvoffload_stores_dropped_blocks"
 M_LOADS_FAILED = "vllm:kv_offload_kvoffload_loads_failed_blocks"
 M_AVAILABLE = "vllm:kv_offload_kvoffload_available"
+PENDING_WAIT_S = 0.5  # a key another engine is storing is asked again this long, then MISS
 
 
 # --------------------------------------------------------------------------- keys
@@ -231,13 +232,15 @@ def map_pool(client: KVOffloadClient, pool_socket: str | None, timeout_s: float)
 
 
 class _Probe:
-    """One key's lookup: ``result`` None while asked, then True (hit) or False (miss)."""
+    """One key's lookup: ``result`` None while asked, then True (hit) or False (miss);
+    ``pending_since`` is when the service first answered "pending" (a store in flight)."""
 
-    __slots__ = ("reqs", "result")
+    __slots__ = ("pending_since", "reqs", "result")
 
     def __init__(self) -> None:
         self.result: bool | None = None
         self.reqs: set[str] = set()
+        self.pending_since = 0.0
 
 
 class _Job:
@@ -635,7 +638,7 @@ class KVOffloadTier(SecondaryTierManager):  # type: ignore[misc,unused-ignore]
         step = self._step
         # A step with no tier work still carries the completions of copies that ended (they
         # release pins and make stores loadable for the other engines).
-        if not step.empty() or self._link.done:
+        if not step.empty() or self._link.done or self._link.reask:
             self._step = _Step()
             self._inbox.put(step)
 
@@ -818,6 +821,8 @@ class _Link:
         self.copying: collections.Counter[str] = collections.Counter()  # copies per request
         self.aborts: set[str] = set()  # outcome unknown: abort once none of its copies runs
         self.finishes: list[str] = []  # finishes not delivered yet
+        # Keys answered "pending" (another engine's store in flight), asked again next call.
+        self.reask: dict[str, list[_ProbeRef]] = {}
         self.backoff = tier._retry_interval_s
         self.busy = False  # a call is being built or is in flight
         self.events_after = 0
@@ -831,7 +836,7 @@ class _Link:
         return (
             self.busy
             or not self.tier._inbox.empty()
-            or bool(self.done or self.finishes or self.aborts)
+            or bool(self.done or self.finishes or self.aborts or self.reask)
         )
 
     def connect(self, refuse_mismatch: bool = False) -> bool:
@@ -906,6 +911,15 @@ class _Link:
         for req_id, params in step.starts.items():
             self.params.setdefault(req_id, params)
         self.finishes.extend(step.finishes)
+        if self.reask:
+            finishing = set(self.finishes)
+            for req_id, refs in self.reask.items():
+                if req_id in self.started and req_id not in finishing:
+                    step.lookups.setdefault(req_id, []).extend(refs)
+                else:
+                    for _, probe in refs:
+                        probe.result = False
+            self.reask = {}
         backing_off = tier._incident.active and time.monotonic() < tier._down_until
         if (backing_off and not final) or (
             (step.lookups or step.stores or step.loads) and not self.connect()
@@ -1042,12 +1056,24 @@ class _Link:
             hits = res.result["results"] if res.ok and res.result is not None else None
             if hits is None:
                 tier.counters.add(M_FAULTS, f"lookup_{res.status}")
-            for i, (_, probe) in enumerate(p.probes):
-                probe.result = hits is not None and hits[i] == "hit"
+            for i, ref in enumerate(p.probes):
+                probe = ref[1]
+                state = None if hits is None else hits[i]
+                if state == "pending" and self._still_waiting(probe):
+                    self.reask.setdefault(p.req_id, []).append(ref)
+                else:
+                    probe.result = state == "hit"
         elif p.holder is not None:
             self.on_transfer(res, p, p.holder, stale_pool)
         elif not res.ok and not (p.kind in ("finish", "abort") and res.status == 404):
             tier.counters.add(M_FAULTS, f"{p.kind}_{res.status}")
+
+    @staticmethod
+    def _still_waiting(probe: _Probe) -> bool:
+        now = time.monotonic()
+        if not probe.pending_since:
+            probe.pending_since = now
+        return now - probe.pending_since < PENDING_WAIT_S
 
     def on_transfer(self, res: OpResult, p: _Pending, holder: _Holder, stale_pool: bool) -> None:
         tier = self.tier

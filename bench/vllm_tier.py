@@ -37,8 +37,10 @@ RESULTS = ROOT / "bench" / "results" / "vllm_tier.json"
 
 
 def load_trace(limit: int) -> list[list[int]]:
+    """Block hash ids of the trace's first ``limit`` requests (all of them for 0)."""
     with TRACE.open() as f:
-        return [json.loads(line)["hash_ids"] for _, line in zip(range(limit), f, strict=False)]
+        requests = [json.loads(line)["hash_ids"] for line in f]
+    return requests[:limit] if limit else requests
 
 
 def replay(
@@ -64,7 +66,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--requests", type=int, default=0, help="first N requests (0: all)")
     parser.add_argument("--primary-chunks", type=int, default=2000)
     parser.add_argument("--pool-blocks", type=int, default=20000)
     args = parser.parse_args()

@@ -12,13 +12,21 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from vllm.v1.kv_offload.base import ReqContext
 
-from app.vllm_tier import M_CALLS, KVOffloadTier
+from app.client import KVOffloadClient
+from app.vllm_tier import M_CALLS, KVOffloadTier, map_pool, namespace_digest, service_key
 from tests.e2e.conftest import ServerProcess
 from tests.vllm.conftest import leases, serve, tracked
-from tests.vllm.engine import SimEngine, chunk_bytes, keys_of, kv_transfer_config
+from tests.vllm.engine import (
+    BYTES_PER_BLOCK,
+    SimEngine,
+    chunk_bytes,
+    keys_of,
+    kv_transfer_config,
+)
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +174,42 @@ def test_kv_events_and_stats_reach_vllm(srv):
         }
     finally:
         engine.close()
+
+
+def test_key_another_writer_is_storing_is_retried_then_hit(srv):
+    """A key whose store is in flight in the service answers RETRY, then HIT once stored."""
+    keys = keys_of(range(700, 703))
+    reader = SimEngine("t-pending", config(srv))
+    writer = KVOffloadClient(uds=str(srv.uds))
+    try:
+        prefix = namespace_digest(None, reader.spec.config, BYTES_PER_BLOCK)
+        skeys = [service_key(prefix, k) for k in keys]
+        writer.start_request("pending-writer")
+        slots = writer.prepare_store("pending-writer", skeys).slots
+        ctx = ReqContext(req_id="pending-reader")
+        reader.start(ctx)
+        assert reader.prefix_lookup(keys, ctx) is None
+        reader.step()
+        time.sleep(0.1)
+        reader.step()
+        assert reader.prefix_lookup(keys, ctx) is None  # still asked: the store is pending
+        pool = map_pool(writer, None, timeout_s=5.0)
+        for key, slot in zip(keys, slots, strict=True):
+            pool.blocks[slot] = np.frombuffer(chunk_bytes(key, reader.model), dtype=np.uint8)
+        writer.complete_store("pending-writer", skeys)
+        writer.finish_request("pending-writer")
+        hits = None
+        for _ in range(300):
+            reader.step()
+            hits = reader.prefix_lookup(keys, ctx)
+            if hits is not None:
+                break
+            time.sleep(0.005)
+        assert hits == len(keys)
+        assert reader.load(keys, ctx) == {k: chunk_bytes(k, reader.model) for k in keys}
+        reader.finish(ctx)
+        reader.step()
+        reader.settle()
+    finally:
+        writer.close()
+        reader.close()
