@@ -9,8 +9,9 @@ of ``_maximal_prefix_lookup`` (RETRY keeps scanning, MISS stops), ``prepare_stor
 the primary tier's memory itself: a "computed" chunk is written straight into its primary
 slot, a "loaded" chunk is read from it.
 
-Shared by ``tests/vllm`` and ``bench/vllm_tier.py``. ``tier_time_ns`` accumulates the time
-spent inside the kvoffload tier's methods on the calling (scheduler) thread, per step.
+Shared by ``tests/vllm`` and ``bench/vllm_tier.py``. ``step_tier_ns`` is the time spent inside
+the kvoffload tier's methods on the calling (scheduler) thread in each step, ``step_calls`` the
+tiers' batch calls made so far at the end of each step.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ from vllm.v1.kv_offload.config import (
 )
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
+from app.vllm_tier import M_CALLS
+
+CALLS = (M_CALLS, "batch")
 BYTES_PER_BLOCK = 4096  # one GPU block of the simulated model: the chunk row stride
 TIER_METHODS = (
     "lookup",
@@ -142,6 +146,7 @@ class SimEngine:
         self.tiers = list(self.manager.secondary_tiers)
         self.tier_time_ns = 0
         self.step_tier_ns: list[int] = []
+        self.step_calls: list[int] = []  # the tiers' batch calls so far, at each step's end
         self._new_req_ids: list[str] = []
         for tier in self.tiers:
             self._time_methods(tier)
@@ -174,6 +179,8 @@ class SimEngine:
         self._new_req_ids = []
         self.step_tier_ns.append(self.tier_time_ns)
         self.tier_time_ns = 0
+        if self.tiers:
+            self.step_calls.append(sum(t.counters.snapshot().get(CALLS, 0) for t in self.tiers))
 
     def start(self, ctx: ReqContext) -> None:
         with self.manager.lock:
