@@ -4,15 +4,20 @@ nothing raises), never loads wrong bytes, and leaves no lease in the service."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from vllm.v1.kv_offload.base import OffloadKey
 
 from app.client import KVOffloadClient
 from app.vllm_tier import M_FAULTS
+from tests.e2e.conftest import ServerProcess
 from tests.vllm.conftest import leases, serve, tracked
 from tests.vllm.engine import RequestOutcome, SimEngine, chunk_bytes, keys_of, kv_transfer_config
 from tests.vllm.proxy import FaultProxy
@@ -22,8 +27,21 @@ from tests.vllm.proxy import FaultProxy
 # attempt leaves one to the garbage collector, which reports it as unraisable. Not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
+
+@pytest.fixture(autouse=True)
+def _collect_leaked_sockets() -> Iterator[None]:
+    # Collected here, under this module's filter, not in whichever test runs next.
+    yield
+    gc.collect()
+
+
 SHORT_LEASES = ("--lease-ttl-s", "2", "--lease-check-interval-s", "0.2", "--job-deadline-s", "1")
-FAST = {"timeout_s": 0.4, "connect_timeout_s": 0.2, "retry_interval_s": 0.05, "job_deadline_s": 2.0}
+FAST: dict[str, Any] = {
+    "timeout_s": 0.4,
+    "connect_timeout_s": 0.2,
+    "retry_interval_s": 0.05,
+    "job_deadline_s": 2.0,
+}
 
 
 def engines(url: str, tag: str) -> tuple[SimEngine, SimEngine]:
@@ -43,7 +61,7 @@ class Traffic:
     def __init__(self, a: SimEngine, b: SimEngine, tag: str) -> None:
         self.a, self.b, self.tag, self.n = a, b, tag, 0
 
-    def both(self, keys: list) -> tuple[RequestOutcome, RequestOutcome]:
+    def both(self, keys: list[OffloadKey]) -> tuple[RequestOutcome, RequestOutcome]:
         self.n += 1
         first = exact(self.a, self.a.run_request(f"{self.tag}-a-{self.n}", keys))
         self.a.settle()
@@ -51,7 +69,7 @@ class Traffic:
         self.b.settle()
         return first, second
 
-    def until_shared(self, keys: list, timeout_s: float = 30.0) -> None:
+    def until_shared(self, keys: list[OffloadKey], timeout_s: float = 30.0) -> None:
         """Run A then B over ``keys`` until B gets all of them from the service."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -60,6 +78,11 @@ class Traffic:
                 return
             time.sleep(0.05)
         raise AssertionError("the engines did not share blocks again after the fault")
+
+
+def pid(srv: ServerProcess) -> int:
+    assert srv.proc is not None
+    return srv.proc.pid
 
 
 def wait_no_leases(srv, timeout_s: float = 20.0) -> None:
@@ -82,7 +105,7 @@ def test_service_killed_mid_job_then_restarted(tmp_path: Path):
         traffic.until_shared(keys_of(range(10, 16)))
         # A store job in flight when the service dies: its call fails or its copy completes
         # against a service that is gone.
-        os.kill(srv.proc.pid, signal.SIGSTOP)
+        os.kill(pid(srv), signal.SIGSTOP)
         exact(a, a.run_request("kill-mid", keys_of(range(20, 26))))
         srv.kill()
         a.settle()
@@ -109,7 +132,7 @@ def test_service_slow_past_the_deadline(tmp_path: Path):
         traffic = Traffic(a, b, "slow")
         try:
             traffic.until_shared(keys_of(range(50, 54)))
-            os.kill(srv.proc.pid, signal.SIGSTOP)
+            os.kill(pid(srv), signal.SIGSTOP)
             try:
                 started = time.monotonic()
                 first, second = traffic.both(keys_of(range(60, 66)))
@@ -117,7 +140,7 @@ def test_service_slow_past_the_deadline(tmp_path: Path):
                 assert time.monotonic() - started < 20  # bounded by timeouts, not the service
                 assert "timeout" in faults(a)
             finally:
-                os.kill(srv.proc.pid, signal.SIGCONT)
+                os.kill(pid(srv), signal.SIGCONT)
             traffic.until_shared(keys_of(range(70, 76)))
         finally:
             a.close()
