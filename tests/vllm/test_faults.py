@@ -116,6 +116,9 @@ def test_service_killed_mid_job_then_restarted(tmp_path: Path):
         assert faults(b)
         with serve(tmp_path).serving() as again:  # same socket, new process, new pool
             traffic.until_shared(keys_of(range(40, 48)))
+            # Each engine saw the new pool in an answer and mapped it before copying again.
+            assert faults(a).get("restarted")
+            assert faults(b).get("restarted")
             a.close()
             b.close()
             wait_no_leases(again)
