@@ -725,17 +725,18 @@ class KVOffloadTier(SecondaryTierManager):  # type: ignore[misc,unused-ignore]
     def _finish_job(
         self, job: _Job, success: bool, seconds: float | None = None, nbytes: int | None = None
     ) -> None:
-        """Report a job's end once (link or copy thread)."""
+        """Report a job's end once (link or copy thread). The result is queued under the job
+        lock, so once ``drain_jobs`` sees a job ended its result is there to collect."""
+        result = JobResult(
+            job_id=job.job_id, success=success, transfer_time=seconds, transfer_bytes=nbytes
+        )
         with self._job_lock:
             if job.ended:
                 return
             job.ended = True
+            self._results.put((result, job.keys if job.load and not success else None))
         if not success:
             self.counters.add(M_LOADS_FAILED if job.load else M_STORES_DROPPED, "", len(job.keys))
-        result = JobResult(
-            job_id=job.job_id, success=success, transfer_time=seconds, transfer_bytes=nbytes
-        )
-        self._results.put((result, job.keys if job.load and not success else None))
 
 
 def _parse_url(url: str) -> tuple[str | None, str | None]:

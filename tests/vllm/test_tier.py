@@ -213,3 +213,19 @@ def test_key_another_writer_is_storing_is_retried_then_hit(srv):
     finally:
         writer.close()
         reader.close()
+
+
+def test_reset_cache_drains_jobs_in_flight(srv):
+    """vLLM's ``reset_cache`` (sleep, weight update) drains the tier: every job it submitted is
+    reported before the primary tier is reset, whatever state the job was in."""
+    engine = SimEngine("t-reset", config(srv))
+    try:
+        for n in range(5):
+            engine.run_request(f"reset-{n}", keys_of(range(800 + 10 * n, 806 + 10 * n)))
+            with engine.manager.lock:
+                engine.manager.reset_cache()  # raises if a job were left unreported
+                engine.manager.on_reset_flushed()
+        engine.settle()
+    finally:
+        engine.close()
+    assert leases(srv) == []
