@@ -3,6 +3,7 @@
 #   make test   set up, then run the test suite
 #   make lint   ruff check, ruff format --check, mypy
 #   make bench  run every benchmark (tables on stdout, JSON under bench/results/)
+#   make test-vllm  the tier's tests inside vLLM 0.33.0's real code (own venv: .venv-vllm)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -23,7 +24,13 @@ CPU_TORCH ?= torch==2.13.0
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 
-.PHONY: setup run test lint format bench clean
+.PHONY: setup run test test-vllm lint format bench clean
+
+# vLLM test environment: vLLM without its dependencies (its CUDA stack is not needed on CPU),
+# then only what its kv_offload modules import (requirements/vllm-test.txt), then this package.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.kvoffload-installed
 
 setup: $(DEV_STAMP)
 
@@ -37,13 +44,17 @@ $(TORCH_STAMP):
 		$(PIP) install -q 'torch>=2.4'; \
 	else \
 		echo "setup: no GPU, installing CPU torch ($(CPU_TORCH)) from $(or $(TORCH_INDEX_URL),the default index)"; \
-		$(PIP) install -q --no-deps --retries 0 --timeout 15 \
-			$(if $(TORCH_INDEX_URL),--index-url '$(TORCH_INDEX_URL)') '$(CPU_TORCH)' \
-		|| { echo "setup: FALLBACK: $(CPU_TORCH) from the default index instead" \
-			"(on Linux x86_64 that is the CUDA build: several GB)"; \
-			$(PIP) install -q -c $(CONSTRAINTS) '$(CPU_TORCH)'; }; \
+		$(call cpu_torch,$(PIP)); \
 	fi
 	touch $@
+
+# $(call cpu_torch,PIP): the CPU build of torch, from TORCH_INDEX_URL when it answers, else the
+# plain pin from the default index (said on the output).
+cpu_torch = $(1) install -q --no-deps --retries 0 --timeout 15 \
+	$(if $(TORCH_INDEX_URL),--index-url '$(TORCH_INDEX_URL)') '$(CPU_TORCH)' \
+	|| { echo "setup: FALLBACK: $(CPU_TORCH) from the default index instead" \
+		"(on Linux x86_64 that is the CUDA build: several GB)"; \
+		$(1) install -q -c $(CONSTRAINTS) '$(CPU_TORCH)'; }
 
 $(SERVE_STAMP): pyproject.toml $(CONSTRAINTS) $(TORCH_STAMP)
 	$(PIP) install -q -c $(CONSTRAINTS) -e .
@@ -58,6 +69,19 @@ run: $(SERVE_STAMP)
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+$(VLLM_STAMP): pyproject.toml requirements/vllm-test.txt
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	@echo "setup-vllm: installing CPU torch ($(CPU_TORCH)) from $(or $(TORCH_INDEX_URL),the default index)"; \
+		$(call cpu_torch,$(VLLM_PY) -m pip)
+	$(VLLM_PY) -m pip install -q --no-deps $$(grep -E '^vllm==' requirements/vllm-test.txt)
+	$(VLLM_PY) -m pip install -q $$(grep -vE '^(#|vllm==|$$)' requirements/vllm-test.txt)
+	$(VLLM_PY) -m pip install -q -e '.[dev]'
+	touch $(VLLM_STAMP)
+
+# KVOFFLOAD_REQUIRE_VLLM=1: a missing vLLM fails the run instead of skipping the directory.
+test-vllm: $(VLLM_STAMP)
+	KVOFFLOAD_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest tests/vllm $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -76,4 +100,4 @@ bench: setup
 	$(PY) bench/body_limits.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis bench/results
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis bench/results

@@ -23,6 +23,8 @@ from urllib.parse import quote
 
 import httpx
 
+from app.pool_share import POOL_HEADER
+
 T = TypeVar("T")
 JobState = Literal["running", "done", "failed"]
 _UDS_BASE = "http://kvoffload"
@@ -482,21 +484,27 @@ class _SyncClient:
 
 
 class KVOffloadClient(_SyncClient):
-    """Synchronous engine API client. Use as a context manager, or ``close()`` it."""
+    """Synchronous engine API client. Use as a context manager, or ``close()`` it.
+
+    ``last_pool_id`` is the ``X-KVOffload-Pool`` header of the last answer (None when the
+    answer had none), so a caller that maps the pool can tell the service restarted.
+    """
 
     def __init__(
         self,
         base_url: str | None = None,
         *,
         uds: str | None = None,
-        timeout: float = 30.0,
+        timeout: float | httpx.Timeout = 30.0,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         url, transport = _transport_args(base_url, uds, transport)
         self._http = httpx.Client(base_url=url, timeout=timeout, transport=transport)
+        self.last_pool_id: str | None = None
 
     def _call(self, call: _Call[T], ok_statuses: tuple[int, ...] = ()) -> T:
         response = self._http.request(call.method, call.path, **_request_kwargs(call))
+        self.last_pool_id = response.headers.get(POOL_HEADER)
         return _read(call, response, ok_statuses)
 
     def start_request(
