@@ -102,7 +102,16 @@ class LogLevelSwitchAnswer(s.Answer):
     changed: bool
 
 
-_NOT_COUNTERS = {"num_blocks", "free", "pending", "ready", "pinned", "live_requests", "policy"}
+_NOT_COUNTERS = {
+    "num_blocks",
+    "free",
+    "pending",
+    "ready",
+    "pinned",
+    "reserved",
+    "live_requests",
+    "policy",
+}
 
 
 def etag(generation: int) -> str:
@@ -346,6 +355,8 @@ async def list_requests(
                     "pins": {k.hex(): n for k, n in r.pins.items()},
                     "pending_stores": [k.hex() for k in r.pending_stores],
                     "idle_seconds": r.idle_seconds,
+                    "orphaned_reservations": [k.hex() for k in r.reserved_stores],
+                    "orphaned_seconds": r.reserved_seconds,
                 }
                 for r in tracked[:limit]
             ],
