@@ -192,7 +192,8 @@ class _StateCollector(Collector):
             )
         projected = GaugeMetricFamily(
             f"{PREFIX}_policy_projected_hit_ratio",
-            "Prefix hit ratio each policy reaches in the shadow simulation (recent window).",
+            "Prefix hit ratio each policy, the active one included, reaches in the shadow "
+            "simulation (recent window; absent until it has enough sampled requests).",
             labels=["policy"],
         )
         for name, ratio in sorted(snap.projected_hit_ratio.items()):
