@@ -131,6 +131,11 @@ class Settings(BaseSettings):
         description="forget requests holding nothing silent this long (default: 4 x lease TTL)",
     )
     job_deadline_s: float = Field(default=30.0, gt=0, description="a transfer past this fails")
+    abort_writer_deadline_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="free an aborted store's slot if the engine has not reported it this long",
+    )
     job_wait_max_s: float = Field(default=30.0, gt=0, description="longest POST /v1/jobs/wait")
     max_keys_per_call: int = Field(default=8192, gt=0, description="more keys in one op: 413")
     max_batch_ops: int = Field(default=1024, gt=0, description="more ops in one batch: 413")

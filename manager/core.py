@@ -13,11 +13,14 @@ Primitives (all batch-native, all carrying a ``ReqContext``):
 - ``on_new_request`` / ``on_request_finished``: the request lifecycle. Pins and pending stores are
   *leases* owned by the request. A normal finish keeps them until their ``complete_*`` call
   arrives (a store may finish after its request). An abort releases every pin at once and drops
-  every pending store from the index; the slot of a dropped store stays reserved until the
-  writer reports (``complete_store``) or its lease expires, because a copy may still be writing
-  into it and the slot must not be handed to another block under that copy.
-- ``expire_requests(lease_ttl)``: force-release the leases of requests silent for longer than the
-  TTL (a crashed engine cannot leak the pool). Time comes only from the injected clock.
+  every pending store from the index; the slot of a dropped store stays reserved (an *orphaned
+  reservation*) until the writer reports (``complete_store``) or a writer deadline passes,
+  because a copy may still be writing into it and the slot must not be handed to another block
+  under that copy.
+- ``expire_requests(lease_ttl, writer_deadline=...)``: force-release the leases of requests
+  silent for longer than the TTL (a crashed engine cannot leak the pool), and end orphaned
+  reservations whose writer has not reported within the deadline (an engine that aborts and
+  never reports cannot hold the pool either). Time comes only from the injected clock.
 - ``take_events()``: KV events since the last call, drained once, in order.
 - ``switch_policy(name, params)``: rebuild a new policy from the resident blocks, coldest first;
   block state is untouched and no block is lost. ``reset()``: drop every unpinned ready block.
@@ -125,6 +128,7 @@ class _Request:
         "renewed_at",
         "req_id",
         "reserved",
+        "reserved_at",
     )
 
     def __init__(self, ctx: ReqContext, now: float) -> None:
@@ -133,8 +137,10 @@ class _Request:
         self.pins: dict[BlockKey, int] = {}
         # Keys whose store this request has in flight (the block is in the index, pending).
         self.pending: set[BlockKey] = set()
-        # Slots of stores dropped by an abort while their copy may still be running.
+        # Slots of stores dropped by an abort while their copy may still be running, and when
+        # the latest of them was dropped (the writer deadline runs from there).
         self.reserved: dict[BlockKey, int] = {}
+        self.reserved_at = now
         # The request's chain, head to tail in order of first use (keys it loaded, offered for
         # store or touched), for tail-before-head reordering when the record is dropped. Only
         # the keys and their order matter; values are whatever the cheapest update carried.
@@ -189,7 +195,9 @@ class OffloadManager:
         self._slot: dict[BlockKey, int] = {}
         self._pending: set[BlockKey] = set()
         self._refs: dict[BlockKey, int] = {}
-        # Free slots as a stack; popping from the end hands out 0, 1, 2, ... first.
+        # Free slots as a stack whose top is the end of the list, read top-down when handing
+        # out: stored descending, a fresh pool hands out 0, 1, 2, ... so a batch gets one
+        # ascending run, which the transfer backends copy as one piece (``_push_free``).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._num_reserved = 0
         self._requests: dict[str, _Request] = {}
@@ -212,6 +220,7 @@ class OffloadManager:
         self._evictions = 0
         self._evictions_by_policy: dict[str, int] = {}
         self._forced_lease_releases = 0
+        self._reservations_expired = 0
         self._policy_switches = 0
         self._events_dropped = 0
 
@@ -265,25 +274,46 @@ class OffloadManager:
         idle_ttl: float | None = None,
         *,
         writing: Container[str] = (),
+        writer_deadline: float | None = None,
     ) -> list[ReleasedLeases]:
-        """Force-release requests that have been silent too long.
+        """Force-release requests that have been silent too long, and end overdue reservations.
 
         A request holding leases (pins, pending stores, reserved slots) and silent for more than
         ``lease_ttl`` seconds loses them: its engine is presumed gone, so its slots are freed at
         once and it is forgotten, unless its id is in ``writing`` (a copy the caller runs may
         still be writing its stores): then, as after an abort, those slots stay reserved until
-        the copy reports through ``complete_store``. With ``idle_ttl``, requests holding nothing
-        and silent for longer are forgotten too. Every call a request makes renews it. Returns
-        what was released, one entry per request that held leases.
+        the copy reports through ``complete_store``.
+
+        With ``writer_deadline``, the reserved slots of a request's dropped stores (after an
+        abort, a release or an expiry with writers alive) are freed once ``writer_deadline``
+        seconds have passed since the drop, unless its id is in ``writing``: a writer that
+        has not reported by then is presumed gone (counted in ``reservations_expired``). The
+        request is forgotten with them, so a late ``complete_store`` from it raises
+        ``UnknownRequestError`` and changes nothing, whatever became of those slots.
+
+        With ``idle_ttl``, requests holding nothing and silent for longer are forgotten too.
+        Every call a request makes renews it. Returns what was released, one entry per request
+        that held leases or reserved slots.
         """
         now = self._clock()
         out: list[ReleasedLeases] = []
         for req in list(self._requests.values()):
+            alive = req.req_id in writing
+            if (
+                req.reserved
+                and writer_deadline is not None
+                and now - req.reserved_at > writer_deadline
+                and not alive
+            ):
+                # A drop released the request's pins and pending stores; only these remain.
+                out.append(ReleasedLeases(req.req_id, 0, 0, self._end_reservations(req)))
+                if not req.holds_leases():
+                    self._forget(req)
+                continue
             idle = now - req.renewed_at
             if req.holds_leases():
                 if idle <= lease_ttl:
                     continue
-                alive = req.req_id in writing
                 if alive and not req.pins and not req.pending:
                     continue  # only reserved slots under a running copy: wait for its report
                 req.finished = True
@@ -340,24 +370,41 @@ class OffloadManager:
             else:
                 del refs[key]
         req.pins.clear()
-        dropped = len(req.pending)
-        slot_of = self._slot
-        self._pending.difference_update(req.pending)
-        for key in req.pending:
-            slot = slot_of.pop(key)
-            if writers_alive:
-                req.reserved[key] = slot
-            else:
-                self._free.append(slot)
-        if writers_alive:
-            self._num_reserved += dropped
+        dropped = list(req.pending)
+        self._pending.difference_update(dropped)
+        slots = list(map(self._slot.pop, dropped))
         req.pending.clear()
-        self._stores_failed += dropped
-        if not writers_alive and req.reserved:
-            self._free.extend(req.reserved.values())
-            self._num_reserved -= len(req.reserved)
-            req.reserved.clear()
-        return ReleasedLeases(req.req_id, pins, dropped)
+        self._stores_failed += len(dropped)
+        ended = 0
+        if writers_alive:
+            if dropped:
+                req.reserved.update(zip(dropped, slots, strict=True))
+                self._num_reserved += len(dropped)
+                # The writer deadline runs from the latest drop: later slots get their full time.
+                req.reserved_at = self._clock()
+        else:
+            self._push_free(slots)
+            if req.reserved:
+                ended = self._end_reservations(req)
+        return ReleasedLeases(req.req_id, pins, len(dropped), ended)
+
+    def _end_reservations(self, req: _Request) -> int:
+        """Free the reserved slots of ``req``'s dropped stores without their writer's report
+        (counted in ``reservations_expired``); how many there were."""
+        ended = len(req.reserved)
+        self._push_free(list(req.reserved.values()))
+        self._num_reserved -= ended
+        self._reservations_expired += ended
+        req.reserved.clear()
+        return ended
+
+    def _push_free(self, slots: list[int]) -> None:
+        """Return ``slots`` (consumed) to the free stack so that they come off it again in
+        ascending order: a run freed in any order (victims come in policy order, often tail
+        first) is handed out again as one ascending run. The sort costs one linear pass when
+        the slots already form runs, the usual case."""
+        slots.sort(reverse=True)
+        self._free.extend(slots)
 
     def _forget(self, req: _Request) -> None:
         """Drop a request record; reorder its blocks tail-before-head if it used several calls."""
@@ -627,7 +674,7 @@ class OffloadManager:
         victims = self._policy.evict(shortfall, can_evict)
         if victims is None:  # the count above is exact; this guards a policy bug
             return None
-        self._free.extend(map(slot_of.pop, victims))  # frees the slots in one C-level pass
+        self._push_free(list(map(slot_of.pop, victims)))  # one C-level pass
         self._evictions += len(victims)
         name = self._policy.name
         self._evictions_by_policy[name] = self._evictions_by_policy.get(name, 0) + len(victims)
@@ -645,9 +692,10 @@ class OffloadManager:
         count = len(admitted)
         slots: list[int] = []
         if count:
-            # Slots come off the end of the free stack as one slice, not one pop per key.
+            # Slots come off the top of the free stack as one reversed slice (top first), not
+            # one pop per key.
             free = self._free
-            slots = free[-count:]
+            slots = free[: -count - 1 : -1]
             del free[-count:]
             self._slot.update(zip(admitted, slots, strict=True))
             self._pending.update(admitted)
@@ -706,7 +754,7 @@ class OffloadManager:
                 req.orderings += 1
         elif mine:
             self._pending.difference_update(mine)
-            self._free.extend(map(self._slot.pop, mine))
+            self._push_free(list(map(self._slot.pop, mine)))
             self._stores_failed += len(mine)
             dropped = mine + dropped
         if req.finished and not req.holds_leases():
@@ -781,7 +829,7 @@ class OffloadManager:
         in_flight = self._pending
         slot_of = self._slot
         victims = [k for k in slot_of if k not in refs and k not in in_flight]
-        self._free.extend(map(slot_of.pop, victims))
+        self._push_free(list(map(slot_of.pop, victims)))
         self._policy.remove(victims)
         if len(slot_of) == len(in_flight):  # no ready block left
             self._emit(AllBlocksCleared(self._next_seq()))
@@ -804,6 +852,7 @@ class OffloadManager:
             pending=len(self._pending) + self._num_reserved,
             ready=ready,
             pinned=len(self._refs),
+            reserved=self._num_reserved,
             live_requests=len(self._requests),
             policy=self._policy.name,
             lookup_hit=self._lookup_hit,
@@ -819,6 +868,7 @@ class OffloadManager:
             evictions=self._evictions,
             evictions_by_policy=dict(self._evictions_by_policy),
             forced_lease_releases=self._forced_lease_releases,
+            reservations_expired=self._reservations_expired,
             policy_switches=self._policy_switches,
             events_dropped=self._events_dropped,
         )
@@ -832,6 +882,8 @@ class OffloadManager:
                 pins=dict(r.pins),
                 pending_stores=sorted(r.pending) + sorted(r.reserved),
                 idle_seconds=max(0.0, now - r.renewed_at),
+                reserved_stores=sorted(r.reserved),
+                reserved_seconds=max(0.0, now - r.reserved_at) if r.reserved else None,
             )
             for r in self._requests.values()
         ]

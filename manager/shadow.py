@@ -13,6 +13,14 @@ in or out together and prefix sharing inside the sample is preserved; each shado
 sample touches about that fraction of the blocks. Ratios are reported cumulatively and over a
 sliding window of the last ``window`` sampled requests (what an operator acts on).
 
+**Not enough data.** Until the window holds ``min_requests`` sampled requests (or the whole
+window, when it is smaller), a projection is no number at all (``None``), not a 0.0 read as a
+verdict: a few sampled requests mostly meet cold simulated pools and say little. The default,
+``MIN_SAMPLED_REQUESTS`` = 400, takes the sampled request as the unit (a request's blocks hit or
+miss together, as a prefix) and asks for the sample size at which a proportion is known to
+within +-0.05 at 95% confidence whatever its value (1.96**2 x 0.25 / 0.05**2 = 385, rounded
+up). Requests that share a root are correlated too, so this is a floor, not a guarantee.
+
 Chains are queued by ``observe`` (cheap, on the request path) and replayed by ``drain``, which
 the service calls off the request path with a budget; the queue is bounded and overflow is
 counted, never silent.
@@ -31,17 +39,24 @@ from manager.errors import InvalidArgumentError
 from manager.spec import BlockKey, ReqContext
 
 _HASH_SPACE = 1 << 64
+MIN_SAMPLED_REQUESTS = 400
 
 
 @dataclass(frozen=True, slots=True)
 class ShadowRatio:
-    """Projected prefix hit ratio of one policy over the sampled requests."""
+    """Projected prefix hit ratio of one policy over the sampled requests.
+
+    ``cumulative`` (since the evaluation began) and ``window`` (the recent window) are None
+    until the window holds the report's ``min_requests`` sampled requests (not enough data);
+    ``window_requests`` is how many it holds.
+    """
 
     policy: str
-    cumulative: float
-    window: float
+    cumulative: float | None
+    window: float | None
     requests: int
     blocks: int
+    window_requests: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +65,7 @@ class ShadowReport:
 
     sample_rate: float
     shadow_capacity: int
+    min_requests: int
     observed: int
     sampled: int
     queued: int
@@ -105,13 +121,16 @@ class _Shadow:
         self.recent_hits += hit
         self.recent_blocks += len(chain)
 
-    def ratio(self) -> ShadowRatio:
+    def ratio(self, min_requests: int) -> ShadowRatio:
+        """The projection; no ratio before ``min_requests`` (at least 1) are in the window."""
+        enough = len(self.recent) >= min_requests
         return ShadowRatio(
             policy=self.policy,
-            cumulative=self.hits / self.blocks if self.blocks else 0.0,
-            window=self.recent_hits / self.recent_blocks if self.recent_blocks else 0.0,
+            cumulative=self.hits / self.blocks if enough and self.blocks else None,
+            window=self.recent_hits / self.recent_blocks if enough and self.recent_blocks else None,
             requests=self.requests,
             blocks=self.blocks,
+            window_requests=len(self.recent),
         )
 
 
@@ -129,16 +148,20 @@ class ShadowEvaluator:
         window: int = 2000,
         max_queue: int = 10_000,
         min_capacity: int = 64,
+        min_requests: int = MIN_SAMPLED_REQUESTS,
     ) -> None:
+        """``min_requests``: sampled requests the window must hold before a projection is a
+        number (capped at ``window``, which can hold no more); see the module docstring."""
         if not 0 < sample_rate <= 1:
             raise InvalidArgumentError(f"sample_rate must be in (0, 1], got {sample_rate}")
-        if window <= 0 or max_queue <= 0:
-            raise InvalidArgumentError("window and max_queue must be positive")
+        if window <= 0 or max_queue <= 0 or min_requests <= 0:
+            raise InvalidArgumentError("window, max_queue and min_requests must be positive")
         names = list(dict.fromkeys(policies))
         if not names:
             raise InvalidArgumentError("shadow evaluation needs at least one policy")
         self.sample_rate = sample_rate
         self.capacity = max(min_capacity, round(capacity * sample_rate))
+        self.min_requests = min(min_requests, window)
         self._cutoff = int(sample_rate * _HASH_SPACE)
         params = params or {}
         self._shadows = [
@@ -193,9 +216,10 @@ class ShadowEvaluator:
         return ShadowReport(
             sample_rate=self.sample_rate,
             shadow_capacity=self.capacity,
+            min_requests=self.min_requests,
             observed=self.observed,
             sampled=self.sampled,
             queued=len(self._queue),
             dropped=self.dropped,
-            ratios=[s.ratio() for s in self._shadows],
+            ratios=[s.ratio(self.min_requests) for s in self._shadows],
         )

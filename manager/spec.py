@@ -124,11 +124,13 @@ class ResetCounts:
 
 @dataclass(slots=True)
 class ReleasedLeases:
-    """Pins and pending stores released from one request (abort or lease expiry)."""
+    """Pins and pending stores released from one request (abort or lease expiry), and the
+    reserved slots of its earlier dropped stores freed without their writer's report."""
 
     req_id: str
     pins_released: int
     stores_dropped: int
+    reservations_ended: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,12 +154,20 @@ class PolicySwitch:
 
 @dataclass(frozen=True, slots=True)
 class RequestLeases:
-    """What one live request holds: pin counts per key, keys whose store it has in flight."""
+    """What one live request holds: pin counts per key, keys whose store it has in flight.
+
+    ``reserved_stores`` (a subset of ``pending_stores``): stores dropped by an abort or a
+    release whose slot stays reserved until the writer reports or its deadline passes
+    (orphaned reservations); ``reserved_seconds``: time since they were dropped (None when
+    there are none).
+    """
 
     req_id: str
     pins: dict[BlockKey, int]
     pending_stores: list[BlockKey]
     idle_seconds: float
+    reserved_stores: list[BlockKey] = field(default_factory=list)
+    reserved_seconds: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,9 +175,11 @@ class ManagerStats:
     """Gauges and counters the service exports.
 
     Blocks: ``free + pending + ready == num_blocks``; ``pinned`` counts ready blocks with a
-    ref count above zero (a subset of ``ready``). Counters are totals since creation; key
-    counters count keys, not calls. ``evictions_by_policy`` splits ``evictions`` by the policy
-    that chose the victims.
+    ref count above zero (a subset of ``ready``); ``reserved`` counts the slots of dropped
+    stores still reserved for a writer that has not reported (a subset of ``pending``).
+    Counters are totals since creation; key counters count keys, not calls.
+    ``evictions_by_policy`` splits ``evictions`` by the policy that chose the victims;
+    ``reservations_expired`` counts reserved slots freed without their writer's report.
     """
 
     num_blocks: int
@@ -175,6 +187,7 @@ class ManagerStats:
     pending: int
     ready: int
     pinned: int
+    reserved: int
     live_requests: int
     policy: str
     lookup_hit: int
@@ -190,5 +203,6 @@ class ManagerStats:
     evictions: int
     evictions_by_policy: dict[str, int]
     forced_lease_releases: int
+    reservations_expired: int
     policy_switches: int
     events_dropped: int

@@ -291,25 +291,34 @@ class Service:
 
     def expire_leases(self) -> list[ReleasedLeases]:
         """Release the leases of requests silent for longer than ``lease_ttl_s`` (the slots of
-        a store job still running here stay reserved until it ends), and forget requests that
-        hold nothing and have been silent for the request idle TTL."""
+        a store job still running here stay reserved until it ends), end the orphaned
+        reservations of aborted stores whose engine has not reported them within
+        ``abort_writer_deadline_s`` (a store job running here reports at its end, which its
+        ``job_deadline_s`` bounds), and forget requests that hold nothing and have been silent
+        for the request idle TTL."""
+        s = self.settings
         released = self.manager.manager.expire_requests(
-            self.settings.lease_ttl_s,
-            self.settings.effective_request_idle_ttl_s,
+            s.lease_ttl_s,
+            s.effective_request_idle_ttl_s,
             writing=set() if self._transfers is None else self._transfers.writing(),
+            writer_deadline=s.abort_writer_deadline_s,
         )
         for r in released:
-            log.warning(
-                "request leases expired",
-                extra={
-                    "fields": {
-                        "req_id": safe_req_id(r.req_id),
-                        "pins_released": r.pins_released,
-                        "stores_dropped": r.stores_dropped,
-                        "lease_ttl_s": self.settings.lease_ttl_s,
-                    }
-                },
-            )
+            fields: dict[str, object] = {
+                "req_id": safe_req_id(r.req_id),
+                "pins_released": r.pins_released,
+                "stores_dropped": r.stores_dropped,
+                "reservations_ended": r.reservations_ended,
+            }
+            if r.pins_released or r.stores_dropped:
+                message = "request leases expired"
+                fields["lease_ttl_s"] = s.lease_ttl_s
+            else:
+                # The engine aborted and never reported these stores: if it still writes into
+                # those slots, it overwrites the blocks they are given to next.
+                message = "aborted stores not reported within the writer deadline; slots freed"
+                fields["abort_writer_deadline_s"] = s.abort_writer_deadline_s
+            log.warning(message, extra={"fields": fields})
         if released:
             self.drain_events()
         return released

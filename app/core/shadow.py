@@ -11,7 +11,9 @@ control: all projections come from the same sampled requests, so the control's p
 to the live ratio shows how far the simulation is from reality. When the operator switches to a
 policy (name and parameters) that is not simulated already, the evaluation restarts with it
 added (``follow``), so the control always is the active policy; ``since_generation`` says when
-the current evaluation began.
+the current evaluation began. Every policy's projection, the control's included, is exported
+(``projections``) once it has enough data (``manager.shadow``: a few hundred sampled requests),
+never before: a restart empties it again.
 
 **Overload.** A sample the budget cannot replay piles up in the evaluator's bounded queue, and
 past it chains are dropped. Dropping chains at random would break the root sampling (requests
@@ -175,5 +177,5 @@ class ShadowRunner:
         return ShadowState(self.evaluator.report(), self._since, self.restarts)
 
     def projections(self) -> Mapping[str, float]:
-        """Window projection per policy that has seen a sampled request."""
-        return {r.policy: r.window for r in self.evaluator.report().ratios if r.requests}
+        """Window projection per policy (the active one included) that has enough data."""
+        return {r.policy: r.window for r in self.evaluator.report().ratios if r.window is not None}

@@ -532,6 +532,14 @@ class RequestLeasesAnswer(Answer):
     pins: dict[str, int]
     pending_stores: list[KeyHex]
     idle_seconds: float
+    orphaned_reservations: list[KeyHex] = Field(
+        default_factory=list,
+        description="stores dropped by an abort (among pending_stores) whose slot stays "
+        "reserved until the writer reports or abort_writer_deadline_s passes",
+    )
+    orphaned_seconds: float | None = Field(
+        default=None, description="seconds since those stores were dropped (null: none)"
+    )
 
 
 class RequestsAnswer(Answer):

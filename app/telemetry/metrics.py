@@ -148,6 +148,18 @@ class _StateCollector(Collector):
             "Requests whose pins and pending stores were force-released (TTL or operator).",
             value=st.forced_lease_releases,
         )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_orphaned_reserved_blocks",
+            "Slots of stores dropped by an abort, reserved until the writer reports or its "
+            'deadline passes (part of kvoffload_blocks{state="pending"}).',
+            value=st.reserved,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_orphaned_reservations_expired",
+            "Reserved slots of dropped stores freed without the writer's report (writer "
+            "deadline or lease expiry).",
+            value=st.reservations_expired,
+        )
         yield CounterMetricFamily(
             f"{PREFIX}_events_dropped", "KV events lost to a full event buffer.",
             value=snap.events_dropped + st.events_dropped,
@@ -180,7 +192,8 @@ class _StateCollector(Collector):
             )
         projected = GaugeMetricFamily(
             f"{PREFIX}_policy_projected_hit_ratio",
-            "Prefix hit ratio each policy reaches in the shadow simulation (recent window).",
+            "Prefix hit ratio each policy, the active one included, reaches in the shadow "
+            "simulation (recent window; absent until it has enough sampled requests).",
             labels=["policy"],
         )
         for name, ratio in sorted(snap.projected_hit_ratio.items()):

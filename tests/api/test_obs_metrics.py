@@ -287,6 +287,7 @@ async def test_live_metrics_match_the_catalogue() -> None:
         num_blocks=8,
         metrics_live_requests=True,
         shadow_sample_rate=1.0,
+        shadow_window=1,  # one sampled request is enough data for a projection
         fault_fail_rate=0.5,
         fault_seed=7,
     )

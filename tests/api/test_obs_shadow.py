@@ -36,7 +36,8 @@ async def shadow(h: Harness) -> dict[str, Any]:
 
 
 async def test_projections_in_the_admin_api_and_metrics_after_traffic() -> None:
-    async with running(make_settings(shadow_sample_rate=1.0)) as h:
+    # A window of 6 sampled requests: 6 are enough data (tests/api/test_shadow_enough_data.py).
+    async with running(make_settings(shadow_sample_rate=1.0, shadow_window=6)) as h:
         await lives(h, 6)
         assert h.service.shadow is not None
         before = await shadow(h)

@@ -53,6 +53,7 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Session:
         *("--log-level", "debug", "--num-blocks", "8", "--metrics-live-requests", "true"),
         *("--fault-fail-rate", "0.5", "--fault-seed", "7"),
         *("--shadow-sample-rate", "1.0", "--shadow-drain-interval-s", "0.05"),
+        *("--shadow-window", "1"),  # one sampled request is enough data for a projection
     ).start()
     dev = ShmDevice(8, BLOCK)
     admin_headers = {"authorization": f"Bearer {TOKEN}"}

@@ -483,9 +483,9 @@ def test_expire_frees_the_reserved_slots_of_an_aborted_request() -> None:
     pool.m.on_request_finished(writer, abort=True)
     assert pool.m.stats().free == 0
     pool.clock.advance(31)
-    assert pool.m.expire_requests(lease_ttl=30) == [ReleasedLeases(writer.req_id, 0, 0)]
+    assert pool.m.expire_requests(lease_ttl=30) == [ReleasedLeases(writer.req_id, 0, 0, 2)]
     s = pool.m.stats()
-    assert (s.free, s.pending, s.live_requests) == (2, 0, 0)
+    assert (s.free, s.pending, s.live_requests, s.reservations_expired) == (2, 0, 0, 2)
 
 
 def test_release_request_frees_every_lease_at_once() -> None:
@@ -509,7 +509,7 @@ def test_release_request_frees_every_lease_at_once() -> None:
     assert pool.m.prepare_store([key(3)], aborted) is not None
     pool.m.on_request_finished(aborted, abort=True)
     assert pool.m.stats().free == 1
-    assert pool.m.release_request(aborted.req_id) == ReleasedLeases(aborted.req_id, 0, 0)
+    assert pool.m.release_request(aborted.req_id) == ReleasedLeases(aborted.req_id, 0, 0, 1)
     assert pool.m.stats().free == 2
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from manager import InvalidArgumentError, ReqContext, available_policies, create_manager
 from manager.replay import block_key, parse_trace, replay
-from manager.shadow import ShadowEvaluator
+from manager.shadow import MIN_SAMPLED_REQUESTS, ShadowEvaluator
 
 TRACE = Path(__file__).resolve().parents[2] / "bench" / "data" / "mooncake_synthetic_trace.jsonl"
 
@@ -104,3 +104,41 @@ def test_the_manager_feeds_every_finished_request_chain_to_its_listeners() -> No
     m.complete_load(head, ctx)
     m.complete_store(tail, ctx)
     assert chains == [head + tail]
+
+
+def _repeated(ev: ShadowEvaluator, n: int) -> None:
+    """``n`` sampled requests of one 2-block chain: every one after the first hits both."""
+    for _ in range(n):
+        ev.observe([block_key(1), block_key(2)])
+    ev.drain()
+
+
+def test_no_ratio_until_the_window_holds_enough_sampled_requests() -> None:
+    ev = ShadowEvaluator(["lru", "arc"], 100, sample_rate=1.0, window=50, min_requests=10)
+    assert ev.report().min_requests == 10
+    _repeated(ev, 9)
+    for ratio in ev.report().ratios:
+        assert (ratio.window, ratio.cumulative) == (None, None)
+        assert (ratio.requests, ratio.blocks, ratio.window_requests) == (9, 18, 9)
+    _repeated(ev, 1)
+    for ratio in ev.report().ratios:
+        assert ratio.window == pytest.approx(18 / 20)
+        assert ratio.cumulative == pytest.approx(18 / 20)
+        assert ratio.window_requests == 10
+
+
+def test_the_default_minimum_is_a_few_hundred_requests_capped_by_the_window() -> None:
+    assert MIN_SAMPLED_REQUESTS == 400
+    assert ShadowEvaluator(["lru"], 100).report().min_requests == MIN_SAMPLED_REQUESTS
+    small = ShadowEvaluator(["lru"], 100, sample_rate=1.0, window=3)
+    assert small.report().min_requests == 3  # the window can hold no more
+    _repeated(small, 2)
+    assert small.report().ratios[0].window is None
+    _repeated(small, 1)
+    assert small.report().ratios[0].window == pytest.approx(4 / 6)
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_a_minimum_below_one_is_refused(bad: int) -> None:
+    with pytest.raises(InvalidArgumentError):
+        ShadowEvaluator(["lru"], 100, min_requests=bad)

@@ -71,6 +71,7 @@ class ModelRequest:
     pins: Counter[bytes] = field(default_factory=Counter)
     pending: set[bytes] = field(default_factory=set)
     reserved: dict[bytes, int] = field(default_factory=dict)
+    reserved_at: float = 0.0
     chain: dict[bytes, None] = field(default_factory=dict)
     orderings: int = 0
 
@@ -185,11 +186,20 @@ class Model:
             del self.owner[key]
             if writers_alive:
                 req.reserved[key] = slot
+        if writers_alive and dropped:
+            req.reserved_at = self.clock.now
         req.pending.clear()
         self.counters["stores_failed"] += dropped
+        ended = 0
         if not writers_alive:
-            req.reserved.clear()
-        return ReleasedLeases(rid, pins, dropped)
+            ended = self._end_reservations(req)
+        return ReleasedLeases(rid, pins, dropped, ended)
+
+    def _end_reservations(self, req: ModelRequest) -> int:
+        ended = len(req.reserved)
+        req.reserved.clear()
+        self.counters["reservations_expired"] += ended
+        return ended
 
     def _forget(self, rid: str, req: ModelRequest) -> None:
         del self.requests[rid]
@@ -217,27 +227,46 @@ class Model:
             self._forget(rid, req)
         return released
 
-    def expire(self, lease_ttl: float, idle_ttl: float | None) -> list[ReleasedLeases]:
+    def expire(
+        self,
+        lease_ttl: float,
+        idle_ttl: float | None,
+        writing: set[str],
+        writer_deadline: float | None,
+    ) -> list[ReleasedLeases]:
         now = self.clock.now
         out = []
         for rid, req in list(self.requests.items()):
+            alive = rid in writing
+            overdue = writer_deadline is not None and now - req.reserved_at > writer_deadline
+            if req.reserved and overdue and not alive:
+                assert not req.pins, "a drop released them"
+                assert not req.pending, "a drop released them"
+                out.append(ReleasedLeases(rid, 0, 0, self._end_reservations(req)))
+                self._forget(rid, req)
+                continue
             idle = now - req.renewed_at
             if req.holds_leases():
-                if idle > lease_ttl:
-                    out.append(self._release(rid, req, writers_alive=False))
-                    self.counters["forced_lease_releases"] += 1
+                if idle <= lease_ttl or (alive and not req.pins and not req.pending):
+                    continue
+                req.finished = True
+                out.append(self._release(rid, req, writers_alive=alive))
+                self.counters["forced_lease_releases"] += 1
+                if not req.holds_leases():
                     self._forget(rid, req)
             elif idle_ttl is not None and idle > idle_ttl:
                 self._forget(rid, req)
         return out
 
-    def release_request(self, rid: str) -> ReleasedLeases:
+    def release_request(self, rid: str, writers_alive: bool) -> ReleasedLeases:
         req = self.requests.get(rid)
         if req is None:
             raise UnknownRequestError(rid)
-        released = self._release(rid, req, writers_alive=False)
+        req.finished = True
+        released = self._release(rid, req, writers_alive=writers_alive)
         self.counters["forced_lease_releases"] += 1
-        self._forget(rid, req)
+        if not req.holds_leases():
+            self._forget(rid, req)
         return released
 
     # ------------------------------------------------------------ loads
@@ -490,11 +519,20 @@ class ManagerMachine(RuleBasedStateMachine):
     def advance_clock(self, seconds: int) -> None:
         self.clock.advance(seconds)
 
-    @rule(lease_ttl=st.integers(0, 12), idle_ttl=st.none() | st.integers(0, 12))
-    def expire(self, lease_ttl: int, idle_ttl: int | None) -> None:
+    @rule(
+        lease_ttl=st.integers(0, 12),
+        idle_ttl=st.none() | st.integers(0, 12),
+        writing=st.sets(req_ids),
+        writer_deadline=st.none() | st.integers(0, 12),
+    )
+    def expire(
+        self, lease_ttl: int, idle_ttl: int | None, writing: set[str], writer_deadline: int | None
+    ) -> None:
         self.both(
-            lambda: self.model.expire(lease_ttl, idle_ttl),
-            lambda: self.m.expire_requests(lease_ttl, idle_ttl),
+            lambda: self.model.expire(lease_ttl, idle_ttl, writing, writer_deadline),
+            lambda: self.m.expire_requests(
+                lease_ttl, idle_ttl, writing=writing, writer_deadline=writer_deadline
+            ),
         )
 
     # ------------------------------------------------------------ loads
@@ -633,7 +671,11 @@ class ManagerMachine(RuleBasedStateMachine):
             self.both(self.model.reset, self.m.reset)
         else:
             rid = data.draw(st.sampled_from(REQ_IDS), label="req_id")
-            self.both(lambda: self.model.release_request(rid), lambda: self.m.release_request(rid))
+            alive = data.draw(st.booleans(), label="writers alive?")
+            self.both(
+                lambda: self.model.release_request(rid, alive),
+                lambda: self.m.release_request(rid, writers_alive=alive),
+            )
 
     def switch_policy(self, data: st.DataObject) -> None:
         names = ["lru"] if self.exact_lru else available_policies()
@@ -714,6 +756,7 @@ class ManagerMachine(RuleBasedStateMachine):
         assert s.free + s.pending + s.ready == s.num_blocks == model.capacity
         assert min(s.free, s.pending, s.ready, s.pinned) >= 0
         assert s.pinned <= s.ready
+        assert s.reserved == len(model.reserved_slots()) <= s.pending
         refs = model.refs()
         assert (s.free, s.pending, s.ready, s.pinned) == (
             model.free_count(),
@@ -733,6 +776,7 @@ class ManagerMachine(RuleBasedStateMachine):
             "stores_refused",
             "evictions",
             "forced_lease_releases",
+            "reservations_expired",
             "policy_switches",
         ):
             assert getattr(s, name) == model.counters[name], name
@@ -755,6 +799,8 @@ class ManagerMachine(RuleBasedStateMachine):
                 dict(req.pins),
                 sorted(req.pending) + sorted(req.reserved),
                 self.clock.now - req.renewed_at,
+                sorted(req.reserved),
+                self.clock.now - req.reserved_at if req.reserved else None,
             )
             for rid, req in model.requests.items()
         ]

@@ -11,9 +11,9 @@ PUT of the active policy with the same parameters changes nothing (``changed: fa
 change writes one audit line (``app.telemetry.logging.audit``).
 
 ``GET /admin/v1/policy/shadow`` lists each simulated policy's projected prefix hit ratio (over
-the recent window of sampled requests, and since the evaluation started) beside the live ratio,
-with the sampler's accounting. ``GET``/``PUT /admin/v1/log-level`` read and set the process's
-log level live (audited).
+the recent window of sampled requests, and since the evaluation started; null, with the reason,
+until enough requests were sampled) beside the live ratio, with the sampler's accounting.
+``GET``/``PUT /admin/v1/log-level`` read and set the process's log level live (audited).
 
 The wire models of these two additions live here, next to their routes.
 """
@@ -54,11 +54,17 @@ class ShadowPolicyAnswer(s.Answer):
     policy: str
     active: bool = Field(description="the active policy (the control of the simulation)")
     projected_hit_ratio: float | None = Field(
-        description="over the recent window of sampled requests (None before the first)"
+        description="over the recent window of sampled requests (null: not enough data, see reason)"
     )
-    cumulative_hit_ratio: float | None = Field(description="since the evaluation started")
+    cumulative_hit_ratio: float | None = Field(
+        description="since the evaluation started (null: not enough data)"
+    )
     sampled_requests: int
     sampled_blocks: int
+    window_requests: int = Field(description="sampled requests in the recent window")
+    reason: str | None = Field(
+        description="why the ratios are null: not enough data yet, and how much is needed"
+    )
 
 
 class ShadowAnswer(s.Answer):
@@ -73,6 +79,9 @@ class ShadowAnswer(s.Answer):
     restarts: int = Field(description="restarts: policy switches, sample rate halvings")
     sample_rate: float | None = Field(description="share of prefix trees simulated, now")
     shadow_capacity: int | None = Field(description="blocks of each simulated pool")
+    min_sampled_requests: int | None = Field(
+        description="sampled requests the window must hold before a ratio is projected"
+    )
     observed: int = Field(description="finished requests offered to the sampler")
     sampled: int = Field(description="sampled requests simulated")
     queued: int = Field(description="sampled requests waiting to be simulated")
@@ -102,7 +111,16 @@ class LogLevelSwitchAnswer(s.Answer):
     changed: bool
 
 
-_NOT_COUNTERS = {"num_blocks", "free", "pending", "ready", "pinned", "live_requests", "policy"}
+_NOT_COUNTERS = {
+    "num_blocks",
+    "free",
+    "pending",
+    "ready",
+    "pinned",
+    "reserved",
+    "live_requests",
+    "policy",
+}
 
 
 def etag(generation: int) -> str:
@@ -242,6 +260,7 @@ async def get_shadow(request: Request, actor: Actor, service: ServiceDep) -> Res
                 "restarts": 0,
                 "sample_rate": None,
                 "shadow_capacity": None,
+                "min_sampled_requests": None,
                 "observed": 0,
                 "sampled": 0,
                 "queued": 0,
@@ -259,6 +278,7 @@ async def get_shadow(request: Request, actor: Actor, service: ServiceDep) -> Res
             "restarts": state.restarts,
             "sample_rate": report.sample_rate,
             "shadow_capacity": report.shadow_capacity,
+            "min_sampled_requests": report.min_requests,
             "observed": report.observed,
             "sampled": report.sampled,
             "queued": report.queued,
@@ -267,10 +287,15 @@ async def get_shadow(request: Request, actor: Actor, service: ServiceDep) -> Res
                 {
                     "policy": r.policy,
                     "active": r.policy == active.name,
-                    "projected_hit_ratio": r.window if r.requests else None,
-                    "cumulative_hit_ratio": r.cumulative if r.requests else None,
+                    "projected_hit_ratio": r.window,
+                    "cumulative_hit_ratio": r.cumulative,
                     "sampled_requests": r.requests,
                     "sampled_blocks": r.blocks,
+                    "window_requests": r.window_requests,
+                    "reason": None
+                    if r.window is not None
+                    else f"not enough data: {r.window_requests} of {report.min_requests} "
+                    "sampled requests",
                 }
                 for r in report.ratios
             ],
@@ -346,6 +371,8 @@ async def list_requests(
                     "pins": {k.hex(): n for k, n in r.pins.items()},
                     "pending_stores": [k.hex() for k in r.pending_stores],
                     "idle_seconds": r.idle_seconds,
+                    "orphaned_reservations": [k.hex() for k in r.reserved_stores],
+                    "orphaned_seconds": r.reserved_seconds,
                 }
                 for r in tracked[:limit]
             ],
