@@ -76,7 +76,7 @@ def test_bad_config_files_are_refused(tmp_path: Path, name: str, text: str, matc
 
 
 def test_missing_config_file_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="--config / KVOFFLOAD_CONFIG .*cannot read it"):
+    with pytest.raises(ValueError, match=r"--config / KVOFFLOAD_CONFIG .*cannot read it"):
         Settings(config=tmp_path / "absent.toml")
 
 
