@@ -39,7 +39,7 @@ from app.settings import (
     ConfigError,
     Settings,
     flag_name,
-    load,
+    load_or_refuse,
     load_settings,
     policy_params_accepted,
 )
@@ -131,6 +131,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--token-file",
         dest="token_file",
         type=Path,
+        metavar="PATH",
         help="file holding the admin token (wins over KVOFFLOAD_ADMIN_TOKEN[_FILE])",
     )
     admin.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
@@ -215,7 +216,7 @@ def _admin_token(args: argparse.Namespace) -> str | None:
     overrides: dict[str, Any] = {}
     if args.token_file is not None:
         overrides = {"admin_token_file": args.token_file, "admin_token": None}
-    return load(AdminAuth, **overrides).admin_token_value()
+    return load_or_refuse(AdminAuth, **overrides).admin_token_value()
 
 
 def _admin(args: argparse.Namespace) -> int:

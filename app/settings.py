@@ -131,10 +131,10 @@ def _error_line(err: ErrorDetails) -> str:
 def load_settings(**overrides: Any) -> Settings:
     """``Settings(**overrides)`` (flags, then env, config file, defaults); any refusal is one
     ``ConfigError`` (several invalid settings: one line, joined with ``; ``)."""
-    return load(Settings, **overrides)
+    return load_or_refuse(Settings, **overrides)
 
 
-def load(cls: type[_S], **overrides: Any) -> _S:
+def load_or_refuse(cls: type[_S], **overrides: Any) -> _S:
     """``cls(**overrides)`` (``Settings`` or ``AdminAuth``), refusals as one ``ConfigError``."""
     try:
         return cls(**overrides)
