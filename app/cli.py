@@ -5,17 +5,22 @@
 flags win over the environment, which wins over ``--config FILE``, which wins over defaults.
 The admin token is never a flag (it would show in ``ps``): use ``KVOFFLOAD_ADMIN_TOKEN`` or
 ``--admin-token-file``. Policy parameters: ``--policy-param NAME=VALUE`` (repeatable; VALUE is
-JSON when it parses as JSON, else a string).
+JSON when it parses as JSON, else a string). A setting the service cannot start with (an
+invalid value, an unknown policy, a busy port, a device the machine lacks) is one line on
+stderr naming its flag and variable, the value and what is accepted (``ConfigError``), and
+exit status 2.
 
 ``kvoffload replay TRACE ...``: replay a request trace against the manager (``app.replay``).
 
 ``kvoffload admin ...``: talk to a running service's admin API (``--url``, default
-``KVOFFLOAD_ADMIN_URL`` or ``http://127.0.0.1:8001``; token from ``KVOFFLOAD_ADMIN_TOKEN`` or
-``--token-file``): ``policy get``, ``policy set NAME [--param k=v ...] [--if-match GEN]``,
-``stats``, ``requests``, ``release REQ_ID``, ``clear``. Answers are printed as JSON.
+``KVOFFLOAD_ADMIN_URL`` or ``http://127.0.0.1:8001``; the token from the sources the service
+reads it from, ``app.settings.AdminAuth``: ``--admin-token-file``, ``KVOFFLOAD_ADMIN_TOKEN``,
+``KVOFFLOAD_ADMIN_TOKEN_FILE``, the config file): ``policy get``, ``policy set NAME
+[--param k=v ...] [--if-match GEN]``, ``stats``, ``requests``, ``release REQ_ID``, ``clear``.
+Answers are a table on a terminal and JSON otherwise (``--json``, ``--table`` choose).
 
 Exit status: 0 success, 1 runtime failure (the service or the call failed), 2 usage or
-invalid settings.
+invalid settings; 141 (as a process killed by SIGPIPE) when the reader of stdout went away.
 """
 
 from __future__ import annotations
@@ -24,17 +29,25 @@ import argparse
 import json
 import os
 import sys
-import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from app import package_version, replay
+from app.settings import (
+    AdminAuth,
+    ConfigError,
+    Settings,
+    flag_name,
+    load_or_refuse,
+    load_settings,
+    policy_params_accepted,
+)
+from manager import available_policies
 
-from app import replay
-from app.settings import Settings
-
-_NOT_FLAGS = {"admin_token", "policy_params"}
+# Exit status of a command whose reader closed stdout early (128 + SIGPIPE, as the shell
+# reports a process SIGPIPE killed).
+EXIT_BROKEN_PIPE = 141
 
 
 def parse_param(text: str) -> tuple[str, Any]:
@@ -60,10 +73,11 @@ def _flag_help(name: str) -> str:
 
 def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
     for name in Settings.model_fields:
-        if name in _NOT_FLAGS:
+        flag = flag_name(name)
+        if flag is None or name == "policy_params":
             continue
         parser.add_argument(
-            f"--{name.replace('_', '-')}",
+            flag,
             dest=name,
             default=argparse.SUPPRESS,
             metavar=name.upper(),
@@ -86,6 +100,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="KV-cache offloading service for LLM inference engines.",
         allow_abbrev=False,
     )
+    parser.add_argument("--version", action="version", version=f"kvoffload {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     # No abbreviations: "--admin-token" must not silently mean "--admin-token-file".
@@ -97,15 +112,36 @@ def _build_parser() -> argparse.ArgumentParser:
     replay.add_parser(sub)
 
     admin = sub.add_parser(
-        "admin", help="talk to a running service's admin API", allow_abbrev=False
+        "admin",
+        help="talk to a running service's admin API",
+        description="Talk to a running service's admin API. The token comes from where the "
+        "service reads it: --admin-token-file, else KVOFFLOAD_ADMIN_TOKEN or "
+        "KVOFFLOAD_ADMIN_TOKEN_FILE, else the admin_token or admin_token_file key of the "
+        "KVOFFLOAD_CONFIG file. Answers are printed as a table when stdout is a terminal and "
+        "as JSON otherwise (pipes, files); --json and --table choose.",
+        allow_abbrev=False,
     )
     admin.add_argument(
         "--url",
         default=os.environ.get("KVOFFLOAD_ADMIN_URL", "http://127.0.0.1:8001"),
         help="admin API base URL (env KVOFFLOAD_ADMIN_URL)",
     )
-    admin.add_argument("--token-file", type=Path, help="file holding the admin token")
+    admin.add_argument(
+        "--admin-token-file",
+        "--token-file",
+        dest="token_file",
+        type=Path,
+        metavar="PATH",
+        help="file holding the admin token (wins over KVOFFLOAD_ADMIN_TOKEN[_FILE])",
+    )
     admin.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
+    output = admin.add_mutually_exclusive_group()
+    output.add_argument(
+        "--json", dest="output", action="store_const", const="json", help="print JSON"
+    )
+    output.add_argument(
+        "--table", dest="output", action="store_const", const="table", help="print a table"
+    )
     what = admin.add_subparsers(dest="admin_command", required=True)
     policy = what.add_parser("policy", help="get or set the eviction policy")
     policy_cmd = policy.add_subparsers(dest="policy_command", required=True)
@@ -113,7 +149,12 @@ def _build_parser() -> argparse.ArgumentParser:
     set_policy = policy_cmd.add_parser("set", help="switch the policy live")
     set_policy.add_argument("name", help="policy name (e.g. lru, arc)")
     set_policy.add_argument(
-        "--param", action="append", type=parse_param, default=[], metavar="NAME=VALUE"
+        "--param",
+        action="append",
+        type=parse_param,
+        default=[],
+        metavar="NAME=VALUE",
+        help="policy parameter (repeatable; VALUE is JSON when it parses, else a string)",
     )
     set_policy.add_argument("--if-match", help="only if the generation is still this one")
     policy_cmd.add_parser("shadow", help="projected hit ratio of every policy (shadow runs)")
@@ -131,24 +172,24 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    """``Settings`` from the parsed ``serve`` flags (then env, config file, defaults)."""
+    """``Settings`` from the parsed ``serve`` flags (then env, config file, defaults);
+    ``ConfigError`` when the service cannot start with them."""
     overrides = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
     if "policy_params" in overrides:
         overrides["policy_params"] = dict(overrides["policy_params"])
-    return Settings(**overrides)
+    return load_settings(**overrides)
+
+
+def _refuse(exc: ConfigError) -> int:
+    print(f"kvoffload: {exc}", file=sys.stderr)
+    return 2
 
 
 def _serve(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
-    except ValidationError as exc:
-        for err in exc.errors(include_url=False, include_input=False):
-            loc = ".".join(str(p) for p in err["loc"])
-            print(f"kvoffload: {loc + ': ' if loc else ''}{err['msg']}", file=sys.stderr)
-        return 2
-    except ValueError as exc:
-        print(f"kvoffload: {exc}", file=sys.stderr)
-        return 2
+    except ConfigError as exc:
+        return _refuse(exc)
 
     from app.server import run
     from app.telemetry.logging import configure_logging, flush_logs, get_logger
@@ -156,6 +197,9 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level, fmt=settings.log_format)
     try:
         run(settings)
+    except ConfigError as exc:
+        flush_logs()
+        return _refuse(exc)
     except OSError as exc:
         get_logger("cli").error("cannot start", extra={"fields": {"error": str(exc)}})
         return 1
@@ -168,9 +212,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _admin_token(args: argparse.Namespace) -> str | None:
+    """The token from the service's own sources; ``--admin-token-file`` wins over them all."""
+    overrides: dict[str, Any] = {}
     if args.token_file is not None:
-        return typing.cast(Path, args.token_file).read_text(encoding="utf-8").strip()
-    return os.environ.get("KVOFFLOAD_ADMIN_TOKEN") or None
+        overrides = {"admin_token_file": args.token_file, "admin_token": None}
+    return load_or_refuse(AdminAuth, **overrides).admin_token_value()
 
 
 def _admin(args: argparse.Namespace) -> int:
@@ -180,9 +226,8 @@ def _admin(args: argparse.Namespace) -> int:
 
     try:
         token = _admin_token(args)
-    except OSError as exc:
-        print(f"kvoffload: cannot read token file: {exc.strerror}", file=sys.stderr)
-        return 2
+    except ConfigError as exc:
+        return _refuse(exc)
     calls: dict[str, Callable[[KVOffloadAdminClient], Any]] = {
         "stats": lambda c: c.stats(),
         "requests": lambda c: c.requests(),
@@ -210,25 +255,118 @@ def _admin(args: argparse.Namespace) -> int:
         with KVOffloadAdminClient(args.url, token=token, timeout=args.timeout) as client:
             answer = call(client)
     except KVOffloadError as exc:
-        print(f"kvoffload: {exc.status} {exc.code}: {exc.message}", file=sys.stderr)
+        message = exc.message
+        if exc.code == "invalid_policy_params" and args.name in available_policies():
+            message += f"; accepted for {args.name}: {policy_params_accepted(args.name)}"
+        print(f"kvoffload: {exc.status} {exc.code}: {message}", file=sys.stderr)
         return 1
     except (OSError, httpx.HTTPError) as exc:
         print(f"kvoffload: cannot reach {args.url}: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps(answer, indent=2, default=str))
+    output = args.output or ("table" if sys.stdout.isatty() else "json")
+    if output == "json":
+        print(json.dumps(answer, indent=2, default=str))
+    else:
+        print(render_table(answer))
     return 0
 
 
+# --------------------------------------------------------------------------- tables
+
+
+def render_table(answer: Any) -> str:
+    """An admin answer for a terminal: its scalar fields as aligned ``name  value`` rows (nested
+    objects flattened to ``a.b``), each list of objects below as a table of its own."""
+    if isinstance(answer, list):
+        return _grid(answer)
+    if not isinstance(answer, dict):
+        return _cell(answer)
+    rows: list[tuple[str, str]] = []
+    tables: list[tuple[str, list[Any]]] = []
+    _flatten("", answer, rows, tables)
+    parts = []
+    if rows:
+        width = max(len(name) for name, _ in rows)
+        parts.append("\n".join(f"{name.ljust(width)}  {value}" for name, value in rows))
+    for name, items in tables:
+        parts.append(f"{name}:\n{_grid(items)}" if items else f"{name}: (none)")
+    return "\n\n".join(parts)
+
+
+def _flatten(
+    prefix: str,
+    obj: dict[str, Any],
+    rows: list[tuple[str, str]],
+    tables: list[tuple[str, list[Any]]],
+) -> None:
+    for key, value in obj.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            _flatten(f"{name}.", value, rows, tables)
+        elif isinstance(value, list) and any(isinstance(v, dict) for v in value):
+            tables.append((name, value))
+        else:
+            rows.append((name, _cell(value)))
+
+
+def _grid(items: list[Any]) -> str:
+    if not items:
+        return "(none)"
+    columns: list[str] = []
+    for item in items:
+        for key in item if isinstance(item, dict) else ("value",):
+            if key not in columns:
+                columns.append(key)
+    cells = [
+        [_cell(item.get(c) if isinstance(item, dict) else item) for c in columns] for item in items
+    ]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]
+    lines += [
+        "  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells
+    ]
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e6 else f"{value:.0f}"
+    if isinstance(value, dict | list):
+        if isinstance(value, list) and all(not isinstance(v, dict | list) for v in value):
+            return ", ".join(_cell(v) for v in value) or "-"
+        return json.dumps(value, separators=(", ", ": "), default=str)
+    return str(value)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``kvoffload`` console script; returns the exit status."""
+    """Entry point of the ``kvoffload`` console script; returns the exit status.
+
+    A reader that closes stdout early (``kvoffload admin requests | head``) ends the command
+    quietly with ``EXIT_BROKEN_PIPE``, as it ends a Unix tool, instead of a traceback.
+    """
     args = _build_parser().parse_args(argv)
-    if args.command == "serve":
-        return _serve(args)
-    if args.command == "admin":
-        return _admin(args)
-    if args.command == "replay":
-        return replay.run(args)
-    return 2
+    try:
+        if args.command == "serve":
+            status = _serve(args)
+        elif args.command == "admin":
+            status = _admin(args)
+        elif args.command == "replay":
+            status = replay.run(args)
+        else:
+            status = 2
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python would flush stdout again at exit, fail again and print a warning: point it
+        # at /dev/null first.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
+    return status
 
 
 if __name__ == "__main__":

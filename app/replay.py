@@ -32,13 +32,30 @@ from manager.replay import (
     replay,
 )
 
+# What ``kvoffload replay --help`` says (the module docstring, in plain text for a terminal).
+HELP = """\
+Replay a request trace against the real manager, per policy and capacity.
+
+Reads a Mooncake-format trace (JSON lines with hash_ids), replays it for every requested policy
+and capacity plus Belady's MIN (the ceiling: the best any policy can do) at each capacity, and
+prints a table of prefix hit ratios. A cell reads "0.412 (0.87x B)": prefix hit ratio 0.412,
+87% of Belady's at that capacity (B). --json prints the rows as JSON instead; --plot FILE.png
+saves hit ratio against capacity per policy (needs matplotlib).
+
+--policy oracle-NAME --param horizon=H replays the oracle-admission bound over policy NAME: a
+new block is stored only if it is used again within H pool sizes of block references (H may be
+inf: ever used again).
+"""
+
+TABLE_LEGEND = "hit ratio (N.NNx B): prefix hit ratio, and its fraction of Belady's MIN (B)"
+
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Register the ``replay`` subcommand on an argparse subparsers object."""
     parser: argparse.ArgumentParser = sub.add_parser(
         "replay",
         help="replay a request trace against the manager (hit ratio per policy and capacity)",
-        description=__doc__,
+        description=HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("trace", type=Path, help="Mooncake-format JSON-lines trace")
@@ -60,7 +77,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         required=True,
         help="pool capacity in blocks, or comma-separated capacities (e.g. 5000,10000,20000)",
     )
-    parser.add_argument("--store-threshold", type=int, default=0)
+    parser.add_argument(
+        "--store-threshold",
+        type=int,
+        default=0,
+        metavar="N",
+        help="admit a new block on its N-th store offer (0: at once)",
+    )
     parser.add_argument("--no-belady", action="store_true", help="skip the Belady ceiling")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument(
@@ -146,7 +169,8 @@ def sweep(
 
 
 def format_table(rows: Sequence[dict[str, Any]], capacities: Sequence[int]) -> str:
-    """One line per policy: hit ratio (and fraction of Belady) per capacity."""
+    """One line per policy: hit ratio (and fraction of Belady) per capacity; below, when a
+    fraction of Belady is shown, the legend that says what ``B`` is."""
     by_policy: dict[str, dict[int, dict[str, Any]]] = {}
     for row in rows:
         by_policy.setdefault(row["policy"], {})[row["capacity"]] = row
@@ -164,6 +188,8 @@ def format_table(rows: Sequence[dict[str, Any]], capacities: Sequence[int]) -> s
             text = f"{cell['hit_ratio']:.3f}" + (f" ({frac:.2f}x B)" if frac is not None else "")
             parts.append(f"{text:>22}")
         lines.append(f"{policy:<{width}}" + "".join(parts))
+    if any("fraction_of_belady" in row for row in rows):
+        lines += ["", TABLE_LEGEND]
     return "\n".join(lines)
 
 

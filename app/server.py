@@ -7,7 +7,11 @@ uvicorn gets no log configuration and no level of its own: its records go throug
 handler ``app.telemetry.logging.configure_logging`` installed, at the level set there (and
 changed live).
 The sockets are bound here, before anything starts, so a busy port fails fast and port 0 works
-(the ``listening`` log line names the real ports).
+(the ``listening`` log line names the real ports). What the machine lacks (checked first) and
+an address that cannot be listened on are refused as a ``ConfigError`` naming the setting
+(``--port / KVOFFLOAD_PORT = 8000: 127.0.0.1:8000 is already in use (engine listener) ...``).
+Each listener's task binds its name for logging (``bind_listener``), so uvicorn's lines, written
+once per listener, say which listener they are about.
 
 The pool socket (``Settings.effective_pool_socket``: ``pool_socket``, by default the engine
 socket's path plus ``.pool``) hands engines the pool's descriptor (``app.pool_share``) while the
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import os
 import signal
@@ -36,10 +41,11 @@ from typing import Any
 import uvicorn
 
 from app.core.service import Service
+from app.core.transfers import check_machine
 from app.http.apps import create_admin_app, create_app
 from app.pool_share import PoolShareServer, SharedPool
-from app.settings import Settings
-from app.telemetry.logging import get_logger
+from app.settings import Settings, config_error
+from app.telemetry.logging import bind_listener, get_logger
 from transfer import HostPool
 
 log = get_logger("server")
@@ -95,6 +101,46 @@ def bind_unix(path: Path) -> socket.socket:
     return sock
 
 
+def listen_tcp(settings: Settings, listener: str) -> socket.socket:
+    """``bind_tcp`` on the ``engine`` or ``admin`` listener's address; ``ConfigError`` naming
+    the host or port setting when it cannot be bound."""
+    prefix = "admin_" if listener == "admin" else ""
+    host: str = getattr(settings, f"{prefix}host")
+    port: int = getattr(settings, f"{prefix}port")
+    try:
+        return bind_tcp(host, port)
+    except OSError as exc:
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if exc.errno == errno.EADDRINUSE:
+            reason = f"{where} is already in use ({listener} listener); accepted: a free port, "
+            raise config_error(f"{prefix}port", port, reason + "or 0 for any") from None
+        if exc.errno == errno.EACCES:
+            reason = f"not allowed to listen on {where} ({listener} listener); accepted: a port "
+            raise config_error(f"{prefix}port", port, reason + "above 1023, or 0 for any") from None
+        why = exc.strerror or str(exc)
+        raise config_error(
+            f"{prefix}host",
+            host,
+            f"cannot listen on {where} ({listener} listener: {why}); accepted: an address of "
+            "this machine (127.0.0.1, ::1, 0.0.0.0, ...)",
+        ) from None
+
+
+def listen_unix(path: Path, field: str, listener: str) -> socket.socket:
+    """``bind_unix`` for the setting ``field`` (``uds``, ``pool_socket``); ``ConfigError``
+    naming it when the path cannot be bound."""
+    try:
+        return bind_unix(path)
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        raise config_error(
+            field,
+            path,
+            f"cannot listen there ({listener}: {why}); accepted: a path no process listens on, "
+            "in a writable directory, under 108 bytes",
+        ) from None
+
+
 def uvicorn_config(app: Any, *, graceful_shutdown_s: float = 1.0) -> uvicorn.Config:
     """The uvicorn configuration of every listener (also the benchmarks' floor servers).
 
@@ -134,20 +180,32 @@ def _address(sock: socket.socket) -> str:
 async def serve(
     settings: Settings, *, on_ready: Callable[[dict[str, list[str]]], None] | None = None
 ) -> None:
-    """Run both listeners until a signal (or a listener failing) stops them."""
-    public_socks = [bind_tcp(settings.host, settings.port)]
+    """Run both listeners until a signal (or a listener failing) stops them.
+
+    ``ConfigError`` before anything starts when the settings ask for what the machine lacks
+    (a device, room for the pool: ``check_machine``) or name an address that cannot be
+    listened on (and when the pool cannot be made after all, as the service starts).
+    """
+    check_machine(settings)
+    public_socks = [listen_tcp(settings, "engine")]
     admin_socks: list[socket.socket] = []
     pool_path = settings.effective_pool_socket
     pool_socks: list[socket.socket] = []
+    bound: list[Path] = []
     try:
         if settings.uds is not None:
-            public_socks.append(bind_unix(settings.uds))
+            public_socks.append(listen_unix(settings.uds, "uds", "engine listener"))
+            bound.append(settings.uds)
         if pool_path is not None:
-            pool_socks.append(bind_unix(pool_path))
-        admin_socks.append(bind_tcp(settings.admin_host, settings.admin_port))
+            pool_socks.append(listen_unix(pool_path, "pool_socket", "pool socket"))
+            bound.append(pool_path)
+        admin_socks.append(listen_tcp(settings, "admin"))
     except BaseException:
         for sock in (*public_socks, *pool_socks):
             sock.close()
+        for made in bound:  # ours: made a moment ago
+            with contextlib.suppress(FileNotFoundError):
+                made.unlink()
         raise
 
     if settings.admin_token_value() is None:
@@ -194,8 +252,10 @@ async def serve(
             if pool_share is not None:
                 pool_share.start()
             tasks = [
-                asyncio.create_task(public.serve(sockets=public_socks), name="kvoffload-engine"),
-                asyncio.create_task(admin.serve(sockets=admin_socks), name="kvoffload-admin"),
+                asyncio.create_task(
+                    _listen("engine", public, public_socks), name="kvoffload-engine"
+                ),
+                asyncio.create_task(_listen("admin", admin, admin_socks), name="kvoffload-admin"),
             ]
             while not all(srv.started for srv in servers) and not any(t.done() for t in tasks):
                 await asyncio.sleep(0.01)
@@ -236,8 +296,14 @@ async def serve(
         log.info("stopped")
 
 
+async def _listen(name: str, server: Listener, socks: list[socket.socket]) -> None:
+    bind_listener(name)  # in this task's own context: uvicorn's lines about it say its name
+    await server.serve(sockets=socks)
+
+
 def run(settings: Settings) -> None:
-    """Run ``serve`` on a fresh uvloop event loop until it returns."""
+    """Run ``serve`` on a fresh uvloop event loop until it returns (``ConfigError``: refused
+    before serving, see ``serve``)."""
     import uvloop
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:

@@ -5,33 +5,149 @@ fields (``--num-blocks`` for ``num_blocks``), the environment is read with the `
 prefix (``KVOFFLOAD_NUM_BLOCKS``, ``KVOFFLOAD_ADMIN_TOKEN``), and ``config`` (flag ``--config``,
 env ``KVOFFLOAD_CONFIG``) names a TOML or JSON file whose top-level keys are field names.
 
-Validation happens at construction; an invalid combination (an admin listener on a non-loopback
-address without a token, a lease TTL shorter than a transfer deadline) raises ``ValueError``
-(pydantic's ``ValidationError``) so the service refuses to start instead of running unsafely.
+Validation happens at construction; an invalid value or combination (an unknown policy or
+policy parameter, an admin listener on a non-loopback address without a token, a lease TTL
+shorter than a transfer deadline) raises ``ValueError`` (pydantic's ``ValidationError``) so the
+service refuses to start instead of running unsafely. ``load_settings`` turns every such
+refusal into a ``ConfigError``: one line naming the setting's flag and variable
+(``setting_names``), the value given and what is accepted; ``kvoffload serve`` prints it and
+exits 2. The rooms above raise ``ConfigError`` too for what only starting can find out (a busy
+port, a device the machine lacks).
+
+``AdminAuth`` holds the admin token's sources alone (``--admin-token-file``,
+``KVOFFLOAD_ADMIN_TOKEN``, ``KVOFFLOAD_ADMIN_TOKEN_FILE``, the config file); ``Settings``
+inherits it, and ``kvoffload admin`` reads its token through it, so both read the same sources
+the same way.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
+from pydantic_core import ErrorDetails
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
 )
 
 from app.pool_share import default_pool_socket
+from manager import PolicyError, available_policies
+from manager.policies import policy_class
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["auto", "json", "console"]
+ENV_PREFIX = "KVOFFLOAD_"
+# Settings set without a flag of their own (a token on the command line would show in ``ps``),
+# and flags not named after their field.
+_NO_FLAG = frozenset({"admin_token"})
+_FLAG_NAMES = {"policy_params": "--policy-param"}
+_HIDDEN = frozenset({"admin_token"})
+_S = TypeVar("_S", bound="AdminAuth")
+
+
+def flag_name(field: str) -> str | None:
+    """The ``kvoffload serve`` flag of a setting (``--num-blocks``); None: no flag."""
+    if field in _NO_FLAG:
+        return None
+    return _FLAG_NAMES.get(field, "--" + field.replace("_", "-"))
+
+
+def setting_names(field: str) -> str:
+    """How a user sets ``field``: ``--num-blocks / KVOFFLOAD_NUM_BLOCKS`` (the variable alone
+    for a setting without a flag)."""
+    env = ENV_PREFIX + field.upper()
+    flag = flag_name(field)
+    return env if flag is None else f"{flag} / {env}"
+
+
+class ConfigError(ValueError):
+    """A setting the service refuses to start with. ``str()`` is the one line told the user:
+    the setting's flag and variable, the value given, why not and what is accepted."""
+
+
+def config_error(field: str, value: object, reason: str) -> ConfigError:
+    """The ``ConfigError`` for ``field`` set to ``value`` (never shown for a secret)."""
+    return ConfigError(f"{setting_names(field)} = {_shown(field, value)}: {reason}")
+
+
+def _shown(field: str, value: object) -> str:
+    if field in _HIDDEN:
+        return "[hidden]"
+    if isinstance(value, Path):
+        return repr(str(value))
+    if isinstance(value, dict | list):
+        return json.dumps(value, default=str)
+    return repr(value)
+
+
+def policy_params_accepted(policy: str) -> str:
+    """The parameters ``policy`` takes, with their defaults (``protected_ratio (default 0.8)``),
+    or ``none``; the registry's own defaults name them."""
+    defaults = policy_class(policy).parse_params({})
+    if not defaults:
+        return "none"
+    return ", ".join(f"{name} (default {value!r})" for name, value in sorted(defaults.items()))
+
+
+# What pydantic's type errors accept, said the way a flag's value is written.
+_ACCEPTED_BY_TYPE = {
+    "int_parsing": "accepted: an integer",
+    "int_from_float": "accepted: an integer",
+    "float_parsing": "accepted: a number",
+    "bool_parsing": "accepted: true or false (also 1/0, yes/no, on/off)",
+    "dict_type": "accepted: a JSON object",
+}
+
+
+def _error_line(err: ErrorDetails) -> str:
+    cause = err.get("ctx", {}).get("error")
+    if isinstance(cause, ConfigError):
+        return str(cause)
+    loc = err["loc"]
+    field = str(loc[0]) if loc else None
+    msg = err["msg"].removeprefix("Value error, ")
+    if field is None:
+        return msg
+    if err["type"] == "extra_forbidden":
+        return (
+            f"--config / {ENV_PREFIX}CONFIG: unknown setting {field!r}; accepted: the settings "
+            "of kvoffload serve --help, written with _ (num_blocks for --num-blocks)"
+        )
+    reason = _ACCEPTED_BY_TYPE.get(err["type"], msg[:1].lower() + msg[1:])
+    return str(config_error(field, err.get("input"), reason))
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """``Settings(**overrides)`` (flags, then env, config file, defaults); any refusal is one
+    ``ConfigError`` (several invalid settings: one line, joined with ``; ``)."""
+    return load_or_refuse(Settings, **overrides)
+
+
+def load_or_refuse(cls: type[_S], **overrides: Any) -> _S:
+    """``cls(**overrides)`` (``Settings`` or ``AdminAuth``), refusals as one ``ConfigError``."""
+    try:
+        return cls(**overrides)
+    except ValidationError as exc:
+        lines = [_error_line(err) for err in exc.errors(include_url=False)]
+        raise ConfigError("; ".join(dict.fromkeys(lines))) from None
+    except SettingsError as exc:
+        # pydantic-settings could not parse a variable's value (JSON of a dict or list field).
+        field = next((f for f in cls.model_fields if f'"{f}"' in str(exc)), None)
+        if field is None:
+            raise ConfigError(str(exc)) from None
+        value = os.environ.get(ENV_PREFIX + field.upper(), "")
+        raise config_error(field, value, "not valid JSON; accepted: a JSON value") from None
 
 
 class ConfigFileSource(PydanticBaseSettingsSource):
@@ -59,18 +175,24 @@ def load_config_file(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise ValueError(f"cannot read config file {path}: {exc.strerror}") from None
+        raise config_error(
+            "config", path, f"cannot read it ({exc.strerror}); accepted: a readable file"
+        ) from None
     try:
         if suffix == ".toml":
             data: Any = tomllib.loads(text)
         elif suffix == ".json":
             data = json.loads(text)
         else:
-            raise ValueError(f"config file {path} must end in .toml or .json")
+            raise config_error("config", path, "accepted: a file ending in .toml or .json")
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"config file {path} is not valid {suffix[1:].upper()}: {exc}") from None
+        raise config_error(
+            "config", path, f"not valid {suffix[1:].upper()} ({exc}); accepted: a valid file"
+        ) from None
     if not isinstance(data, dict):
-        raise ValueError(f"config file {path} must hold a table of settings at the top level")
+        raise config_error(
+            "config", path, "accepted: a table (TOML) or object (JSON) of settings at the top"
+        )
     return data
 
 
@@ -84,18 +206,77 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-class Settings(BaseSettings):
-    """Every setting of the service; see the module docstring for where values come from."""
+class AdminAuth(BaseSettings):
+    """The admin token and its sources: ``admin_token`` (``KVOFFLOAD_ADMIN_TOKEN``),
+    ``admin_token_file`` (read once, here), from flags, env or the ``config`` file like every
+    setting. ``Settings`` inherits it; ``kvoffload admin`` builds it alone (other settings in
+    the environment or the file are ignored there)."""
 
     model_config = SettingsConfigDict(
-        env_prefix="KVOFFLOAD_",
-        extra="forbid",
+        env_prefix=ENV_PREFIX,
+        extra="ignore",
         validate_default=True,
         # Flags and env are strings; JSON-valued fields (policy_params) are parsed from JSON.
         env_parse_none_str="",
     )
 
     config: Path | None = Field(default=None, description="TOML or JSON settings file")
+    admin_token: SecretStr | None = Field(default=None, description="admin bearer token")
+    admin_token_file: Path | None = Field(default=None, description="file with the admin token")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Flags (init kwargs) > environment > config file > defaults; no dotenv, no secrets dir."""
+        return init_settings, env_settings, ConfigFileSource(settings_cls)
+
+    @model_validator(mode="after")
+    def _read_token(self) -> AdminAuth:
+        if self.admin_token is not None and self.admin_token_file is not None:
+            raise config_error(
+                "admin_token_file",
+                self.admin_token_file,
+                f"{ENV_PREFIX}ADMIN_TOKEN is set too; accepted: one of the two",
+            )
+        if self.admin_token_file is not None:
+            # Read once, at startup; from here on the token is held like one from the env.
+            self.admin_token = SecretStr(read_token_file(self.admin_token_file))
+            self.admin_token_file = None
+        if self.admin_token is not None and not self.admin_token.get_secret_value():
+            raise config_error("admin_token", "", "accepted: a token that is not empty")
+        return self
+
+    def admin_token_value(self) -> str | None:
+        """The admin token in clear (None: the admin API is open, loopback only)."""
+        return None if self.admin_token is None else self.admin_token.get_secret_value()
+
+
+def read_token_file(path: Path) -> str:
+    """The admin token held in ``path`` (surrounding whitespace dropped); ``ConfigError`` when
+    the file cannot be read or holds nothing."""
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise config_error(
+            "admin_token_file", path, f"cannot read it ({exc.strerror}); accepted: a readable file"
+        ) from None
+    if not token:
+        raise config_error(
+            "admin_token_file", path, "the file is empty; accepted: a file holding the token"
+        )
+    return token
+
+
+class Settings(AdminAuth):
+    """Every setting of the service; see the module docstring for where values come from."""
+
+    model_config = SettingsConfigDict(extra="forbid")
 
     # Listeners.
     host: str = Field(default="127.0.0.1", description="engine API address")
@@ -107,8 +288,6 @@ class Settings(BaseSettings):
     )
     admin_host: str = Field(default="127.0.0.1", description="admin API address")
     admin_port: int = Field(default=8001, ge=0, le=65535, description="admin port (0: any)")
-    admin_token: SecretStr | None = Field(default=None, description="admin bearer token")
-    admin_token_file: Path | None = Field(default=None, description="file with the token")
 
     # Pool and policy.
     num_blocks: int = Field(default=4096, gt=0, description="host pool size in blocks")
@@ -199,23 +378,20 @@ class Settings(BaseSettings):
         default=0.0, ge=0, description="on SIGTERM, stay up not-ready this long"
     )
 
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        """Flags (init kwargs) > environment > config file > defaults; no dotenv, no secrets dir."""
-        return init_settings, env_settings, ConfigFileSource(settings_cls)
-
     @field_validator("device")
     @classmethod
     def _check_device(cls, value: str) -> str:
         if not _DEVICE.fullmatch(value):
-            raise ValueError(f"device must be auto, cpu or cuda:N, got {value!r}")
+            raise config_error("device", value, "accepted: auto, cpu, cuda or cuda:N")
+        return value
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        if value not in available_policies():
+            raise config_error(
+                "policy", value, f"unknown policy; accepted: {', '.join(available_policies())}"
+            )
         return value
 
     @field_validator("log_level", mode="before")
@@ -230,7 +406,12 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             text = value.strip()
             if text.startswith("["):
-                return json.loads(text)
+                try:
+                    return json.loads(text)
+                except json.JSONDecodeError:
+                    raise config_error(
+                        "shadow_policies", value, "accepted: names separated by , or a JSON list"
+                    ) from None
             return [name.strip() for name in text.split(",") if name.strip()]
         return value
 
@@ -239,14 +420,20 @@ class Settings(BaseSettings):
     def _known_policies(cls, value: list[str] | None) -> list[str] | None:
         if value is None:
             return None
-        from manager import available_policies
-
         known = available_policies()
         unknown = [name for name in value if name not in known]
         if unknown:
-            raise ValueError(f"unknown shadow policies {unknown}; known: {', '.join(known)}")
+            raise config_error(
+                "shadow_policies",
+                ",".join(value),
+                f"unknown {', '.join(unknown)}; accepted: names among {', '.join(known)}",
+            )
         if not value:
-            raise ValueError("shadow_policies is empty (use shadow_enabled=false to turn off)")
+            raise config_error(
+                "shadow_policies",
+                "",
+                "empty; accepted: policy names (--shadow-enabled false turns shadows off)",
+            )
         return value
 
     @property
@@ -269,44 +456,41 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _check_combination(self) -> Settings:
         if self.uds is not None and self.effective_pool_socket == self.uds:
-            raise ValueError(f"pool_socket and uds are the same path: {self.uds}")
-        if self.admin_token is not None and self.admin_token_file is not None:
-            raise ValueError("set admin_token or admin_token_file, not both")
-        if self.admin_token_file is not None:
-            # Read once, at startup; from here on the token is held like one from the env.
-            self.admin_token = SecretStr(self._read_token_file(self.admin_token_file))
-            self.admin_token_file = None
-        if self.admin_token is not None and not self.admin_token.get_secret_value():
-            raise ValueError("admin token is empty")
+            raise config_error(
+                "pool_socket", self.uds, "the engine socket's path (--uds); accepted: another path"
+            )
         if self.admin_token is None and not is_loopback(self.admin_host):
-            raise ValueError(
-                f"refusing an admin listener on non-loopback {self.admin_host!r} without a token "
-                "(set KVOFFLOAD_ADMIN_TOKEN or --admin-token-file)"
+            raise config_error(
+                "admin_host",
+                self.admin_host,
+                "not a loopback address and no admin token; accepted: 127.0.0.1, ::1 or "
+                f"localhost, or any address with {ENV_PREFIX}ADMIN_TOKEN or "
+                f"{setting_names('admin_token_file')} set",
             )
         if self.lease_ttl_s <= self.job_deadline_s:
             # A lease that expires while its transfer may still run would free a slot that a
             # copy is writing into.
-            raise ValueError(
-                f"lease_ttl_s ({self.lease_ttl_s}) must exceed job_deadline_s "
-                f"({self.job_deadline_s})"
+            raise config_error(
+                "lease_ttl_s",
+                self.lease_ttl_s,
+                f"accepted: more than {setting_names('job_deadline_s')} ({self.job_deadline_s})",
             )
         if self.fault_fail_rate + self.fault_hang_rate > 1:
-            raise ValueError("fault_fail_rate + fault_hang_rate must be at most 1")
-        return self
-
-    @staticmethod
-    def _read_token_file(path: Path) -> str:
+            raise config_error(
+                "fault_hang_rate",
+                self.fault_hang_rate,
+                f"accepted: at most 1 - {setting_names('fault_fail_rate')} "
+                f"({1 - self.fault_fail_rate:g})",
+            )
         try:
-            token = path.read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise ValueError(f"cannot read admin token file {path}: {exc.strerror}") from None
-        if not token:
-            raise ValueError(f"admin token file {path} is empty")
-        return token
-
-    def admin_token_value(self) -> str | None:
-        """The admin token in clear (None: the admin API is open, loopback only)."""
-        return None if self.admin_token is None else self.admin_token.get_secret_value()
+            policy_class(self.policy).parse_params(dict(self.policy_params))
+        except PolicyError as exc:
+            raise config_error(
+                "policy_params",
+                self.policy_params,
+                f"{exc}; accepted for {self.policy}: {policy_params_accepted(self.policy)}",
+            ) from None
+        return self
 
     @property
     def transfer_backend(self) -> str:

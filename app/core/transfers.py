@@ -15,7 +15,9 @@ It runs the two composite engine operations and everything about jobs and KV cac
 
 Completions go to the observed manager (the tracker's sink), so jobs are observed like engine
 calls. Errors: ``UnknownJobError``, ``DeviceBlockError``, ``ServiceUnavailableError`` after
-``close``, and the transfer layer's own.
+``close``, and the transfer layer's own; at ``open``, ``ConfigError`` (``app.settings``) for a
+device the machine lacks or a pool that does not fit (``check_machine``, also called before the
+listeners bind) and a pool that cannot be made with the settings.
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from app.core.errors import DeviceBlockError, ServiceUnavailableError, UnknownJobError
 from app.core.observed import ObservedManager
-from app.settings import Settings
+from app.settings import Settings, config_error, setting_names
 from app.telemetry.logging import get_logger
 from manager import BlockKey, PrepareStoreOutput, ReqContext
 from transfer import (
@@ -39,6 +42,7 @@ from transfer import (
     JobTracker,
     KVCacheRegistry,
     KVCacheSpec,
+    PoolError,
     RegisteredCache,
     TransferWorker,
     create_worker,
@@ -75,6 +79,45 @@ def fault_spec(settings: Settings) -> FaultSpec | None:
     )
 
 
+def check_machine(settings: Settings) -> None:
+    """``ConfigError`` when this machine cannot run the settings: ``--device`` asks for a CUDA
+    device it lacks (``cuda`` is ``cuda:0``; ``auto`` falls back to the CPU), ``--shm-dir`` is
+    not a directory, or the pool (``--num-blocks`` x ``--block-bytes``) is larger than the free
+    space there. Cheap, so it runs before anything is made."""
+    _check_device(settings.device)
+    shm_dir = settings.shm_dir
+    if not os.path.isdir(shm_dir):
+        raise config_error("shm_dir", shm_dir, "not a directory; accepted: a directory")
+    st = os.statvfs(shm_dir)
+    free = st.f_bavail * st.f_frsize
+    total = settings.num_blocks * settings.block_bytes
+    if total > free:
+        raise config_error(
+            "num_blocks",
+            settings.num_blocks,
+            f"a pool of {total} bytes (x {setting_names('block_bytes')} = "
+            f"{settings.block_bytes}) does not fit in {shm_dir} ({free} bytes free); "
+            f"accepted: at most {free // settings.block_bytes} blocks",
+        )
+
+
+def _check_device(device: str) -> None:
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if int(device.partition(":")[2] or 0) < count:
+        return
+    if count == 0:
+        raise config_error("device", device, "no CUDA device on this machine; accepted: auto, cpu")
+    raise config_error(
+        "device",
+        device,
+        f"this machine has {count} CUDA device(s); accepted: auto, cpu, cuda:0 to cuda:{count - 1}",
+    )
+
+
 class Transfers:
     """Pool, KV caches, worker and jobs of a running service; see the module docstring."""
 
@@ -105,9 +148,23 @@ class Transfers:
         """Create the pool (off the loop: a large pinned pool takes a while), the registry and
         the worker; ``on_finished`` is called from the worker thread when a job ends."""
         s = settings
-        pool = await asyncio.to_thread(
-            HostPool.create, s.num_blocks, s.block_bytes, pin=s.pin_memory, shm_dir=str(s.shm_dir)
-        )
+        check_machine(s)
+        try:
+            pool = await asyncio.to_thread(
+                HostPool.create,
+                s.num_blocks,
+                s.block_bytes,
+                pin=s.pin_memory,
+                shm_dir=str(s.shm_dir),
+            )
+        except (PoolError, OSError) as exc:
+            raise config_error(
+                "num_blocks",
+                s.num_blocks,
+                f"cannot make the pool ({exc}); accepted: a pool that fits: fewer blocks, a "
+                f"smaller {setting_names('block_bytes')}, or {setting_names('shm_dir')} with "
+                "more room",
+            ) from None
         try:
             registry = KVCacheRegistry(pool)
             worker = create_worker(

@@ -13,6 +13,12 @@ variable) ``request_id`` (the call's id) and ``req_id``: on a request-scoped pat
 its safe form (``app.telemetry.request_ids``), else the call's id. So every log line written
 while serving the call carries them.
 
+The call's route is the template the router matched (``scope["route"]``). Calls the router
+does not mark (plain Starlette routes: ``/docs``, ``/openapi.json``; bodies the guard refused
+before routing; 404s) are matched against the app's route templates (``RouteTemplates``, built
+from ``scope["app"]`` on the first such call), so ``/docs`` counts as ``/docs`` and a 415 for a
+lookup as the lookup route; a path no route matches stays without one.
+
 When the call ends it hands the ``CallInfo`` to its hooks (``create_app(hooks=...)``), still
 inside the bound context (left bound when an exception escapes the app, for the error lines
 written outside this middleware): the observability layer (metrics, canonical log line) plugs
@@ -28,10 +34,13 @@ body is not ``application/json``. The limit is the cap of the route the call is 
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
+from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.http.errors import APIError, error_body
@@ -66,6 +75,41 @@ def path_req_id(path: str, prefix: str) -> str | None:
     return segment or None
 
 
+def error_code(body: bytes) -> str | None:
+    """The ``code`` of an error body ``{"error": {"code": ...}}``; None for any other body."""
+    try:
+        code = json.loads(body)["error"]["code"]
+    except (ValueError, TypeError, KeyError):
+        return None
+    return code if isinstance(code, str) else None
+
+
+class RouteTemplates:
+    """The route template a path belongs to, for calls the router did not mark: static paths
+    first (one dict look-up), then the templated ones in route order, each by its regex."""
+
+    def __init__(self, routes: Iterable[BaseRoute]) -> None:
+        self._static: dict[str, str] = {}
+        self._patterns: list[tuple[re.Pattern[str], str]] = []
+        for route in routes:
+            if not isinstance(route, Route):
+                continue
+            if "{" in route.path:
+                self._patterns.append((route.path_regex, route.path))
+            else:
+                self._static.setdefault(route.path, route.path)
+
+    def template(self, path: str) -> str | None:
+        """The template matching ``path`` (None: no route's)."""
+        found = self._static.get(path)
+        if found is not None:
+            return found
+        for regex, template in self._patterns:
+            if regex.match(path):
+                return template
+        return None
+
+
 class CallContextMiddleware:
     """Attach a ``CallInfo`` to each HTTP call, bind the ids for logging, echo ``X-Request-ID``
     (and add ``response_header()`` when given), run the hooks at the end."""
@@ -86,6 +130,14 @@ class CallContextMiddleware:
         # per request).
         self._id_prefix = os.urandom(6).hex()
         self._counter = itertools.count(1)
+        self._templates: RouteTemplates | None = None
+
+    def _template(self, scope: Scope) -> str | None:
+        # Off the hot path: only calls the router did not mark come here.
+        if self._templates is None:
+            app = scope.get("app")
+            self._templates = RouteTemplates(getattr(app, "routes", ()))
+        return self._templates.template(scope["path"])
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -102,6 +154,7 @@ class CallContextMiddleware:
             request_id = f"{self._id_prefix}{next(self._counter):08x}"
         path: str = scope["path"]
         info = CallInfo(request_id, scope["method"], path, time.perf_counter())
+        info.client = scope.get("client")
         engine_req = (
             path_req_id(path, self.request_prefix) if self.request_prefix is not None else None
         )
@@ -119,6 +172,8 @@ class CallContextMiddleware:
                 if extra is not None:
                     headers.append(extra)
                 message["headers"] = headers
+            elif info.status >= 400 and info.error_code is None:
+                info.error_code = error_code(message.get("body", b""))
             await send(message)
 
         escaped = True
@@ -130,7 +185,8 @@ class CallContextMiddleware:
             if not info.status:
                 info.status = 500
             route = scope.get("route")  # set by the router on the scope it was given
-            info.route = getattr(route, "path", None)
+            template = getattr(route, "path", None)
+            info.route = template if template is not None else self._template(scope)
             for hook in self.hooks:
                 try:
                     hook(info)

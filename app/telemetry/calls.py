@@ -34,6 +34,10 @@ class CallInfo:
     log_id: str = ""
     # Keys handled by the manager calls the call made (added up by the observed manager).
     keys: int = 0
+    # The caller: the ASGI scope's ``client`` (host, port); None on the Unix socket.
+    client: tuple[str, int] | None = None
+    # The ``code`` of the error body of an answer >= 400 (None: 2xx/3xx, or no such body).
+    error_code: str | None = None
 
 
 CallHook = Callable[[CallInfo], None]

@@ -16,7 +16,10 @@ Two entry points, one output:
 Every line carries ``ts``, ``level``, ``logger``, ``event``, its own fields, the values bound
 with ``structlog.contextvars``, and the ids of the HTTP call being served (``bind_call``: the
 call middleware binds ``request_id`` and ``req_id`` for the duration of each call, one
-``ContextVar`` set, cheaper than binding them one by one), in that order of precedence. JSON
+``ContextVar`` set, cheaper than binding them one by one), in that order of precedence. A
+record written while serving one listener (``bind_listener``: the server binds ``engine`` or
+``admin`` in each listener's task) carries ``listener``, so the lines uvicorn writes once per
+listener (startup, shutdown) say which one they are about. JSON
 (one object per line) unless the stream is a terminal (``fmt="auto"``), where structlog's
 console renderer is easier on the eyes. Values under keys that name credentials
 (token, authorization, password, secret, cookie) are replaced by ``[redacted]``.
@@ -67,6 +70,13 @@ _THIRD_PARTY = ("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi")
 _audit_log = logging.getLogger(AUDIT_LOGGER)
 _access_log = logging.getLogger(ACCESS_LOGGER)
 _call_ids: ContextVar[tuple[str, str] | None] = ContextVar("kvoffload_call_ids", default=None)
+_listener: ContextVar[str | None] = ContextVar("kvoffload_listener", default=None)
+
+
+def bind_listener(name: str) -> None:
+    """Name the listener (``engine``, ``admin``) served in this context (a listener's task,
+    and what it spawns) on every record logged there."""
+    _listener.set(name)
 
 
 def bind_call(request_id: str, req_id: str) -> Token[tuple[str, str] | None]:
@@ -135,11 +145,15 @@ def _record_fields(logger: WrappedLogger, name: str, event: EventDict) -> EventD
 
 
 def _merge_call_ids(logger: WrappedLogger, name: str, event: EventDict) -> EventDict:
-    """``request_id`` and ``req_id`` of the HTTP call being served (``bind_call``)."""
+    """``request_id`` and ``req_id`` of the HTTP call being served (``bind_call``), and the
+    listener serving it (``bind_listener``)."""
     ids = _call_ids.get()
     if ids is not None:
         event.setdefault("request_id", ids[0])
         event.setdefault("req_id", ids[1])
+    listener = _listener.get()
+    if listener is not None:
+        event.setdefault("listener", listener)
     return event
 
 

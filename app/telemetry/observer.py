@@ -11,7 +11,10 @@
   families with the job's ``req_id`` as exemplar, and one log line naming the job's request.
 - **HTTP calls** (``on_call``, the ``CallInfo`` hook of both apps): the HTTP families and the
   one canonical log line per call (route, method, status, duration_ms, op, keys, result,
-  req_id, request_id; a batch adds ops and ops_failed). Probe routes (``/livez``, ``/readyz``,
+  req_id, request_id, client; an answer >= 400 adds ``code``, the error code it sent; a batch
+  adds ops and ops_failed). ``client`` is the caller's ``host:port`` (``[host]:port`` for
+  IPv6), ``unix`` on the Unix socket: with ``code`` it ties a refused call (401, 403, 4xx) to
+  its caller. Probe routes (``/livez``, ``/readyz``,
   ``/metrics``) that succeed log at debug, so scrapes and health checks do not flood the log.
 
 Op results: ``ok``; ``refused`` (``prepare_store`` found no evictable room, HTTP 507);
@@ -44,6 +47,7 @@ from transfer import JobRecord
 
 log = get_logger("transfer")
 UNMATCHED_ROUTE = "unmatched"
+UNIX_CLIENT = "unix"  # the client of a call on the Unix socket (ASGI gives no address there)
 QUIET_ROUTES = frozenset({"/livez", "/readyz", "/metrics"})
 _HIT, _PENDING = LookupResult.HIT, LookupResult.PENDING
 
@@ -275,9 +279,17 @@ class Observer:
             "keys": info.keys,
             "result": result,
         }
+        if status >= 400:
+            fields["code"] = info.error_code
         if info.ops is not None:
             fields["ops"] = len(info.ops)
             fields["ops_failed"] = sum(1 for _, s in info.ops if s >= 400)
         fields["req_id"] = info.log_id
         fields["request_id"] = info.request_id
+        client = info.client
+        if client is None:
+            fields["client"] = UNIX_CLIENT
+        else:
+            host = client[0]
+            fields["client"] = f"[{host}]:{client[1]}" if ":" in host else f"{host}:{client[1]}"
         log_call(level, fields)

@@ -91,12 +91,12 @@ async def test_stop_fails_running_jobs_and_frees_everything() -> None:
 
 
 async def test_a_failed_start_leaves_nothing_half_running() -> None:
-    """A pool that cannot be created fails the start cleanly."""
+    """A pool that cannot be created fails the start cleanly (refused as a setting)."""
     from app.core.service import Service
-    from transfer import PoolError
+    from app.settings import ConfigError
 
     service = Service(make_settings(num_blocks=4, block_bytes=1 << 46))
-    with pytest.raises(PoolError):
+    with pytest.raises(ConfigError, match="--num-blocks / KVOFFLOAD_NUM_BLOCKS"):
         await service.start()
     assert service.state == "new"
     assert service.readiness() == "service is new"

@@ -79,12 +79,14 @@ async def test_one_canonical_line_per_call(h: Harness, lines: Lines) -> None:
         "result": "ok",
         "req_id": "r1",
         "request_id": lookup["request_id"],
+        "client": "127.0.0.1:123",  # httpx's ASGI transport's caller
     }
     assert lookup["duration_ms"] > 0
     assert list(lookup)[:4] == ["ts", "level", "logger", "event"]
     assert (start["op"], start["status"], start["keys"]) == ("start_request", 201, 0)
     assert (store["op"], store["keys"]) == ("prepare_store", 3)
     assert (ghost["status"], ghost["result"], ghost["req_id"]) == (404, "error", "ghost")
+    assert ghost["code"] == "unknown_request"
     assert (stats["route"], stats["op"]) == ("/admin/v1/stats", "admin_stats")
     assert stats["req_id"] == stats["request_id"]  # not request-scoped: the call's own id
     assert len({line["request_id"] for line in found}) == 5

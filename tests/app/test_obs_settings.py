@@ -35,7 +35,7 @@ def test_shadow_policies_from_a_flag_and_the_environment(monkeypatch: pytest.Mon
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("shadow_policies", "lru,nope", "unknown shadow policies"),
+        ("shadow_policies", "lru,nope", "unknown nope"),
         ("shadow_policies", ",", "empty"),
         ("shadow_sample_rate", 0, "greater than 0"),
         ("shadow_cpu_budget", 2, "less than or equal to 1"),
