@@ -369,5 +369,5 @@ def test_pool_socket_defaults_next_to_the_engine_socket(monkeypatch, tmp_path: P
 
 
 def test_pool_socket_cannot_be_the_engine_socket(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="the engine socket.s path"):
+    with pytest.raises(ValueError, match=r"the engine socket.s path"):
         Settings(uds=tmp_path / "a.sock", pool_socket=tmp_path / "a.sock")
