@@ -28,6 +28,8 @@ class CallInfo:
     status: int = 0
     # For a batch: (op, status) of each op, in order.
     ops: list[tuple[str, int]] | None = None
+    # For a batch: the engine request ids its ops named, each once, in order of first use.
+    batch_req_ids: list[str] | None = None
     duration_s: float = 0.0
     # What the log line and exemplars say ``req_id`` is: the safe form of the path's engine
     # request id on a request-scoped path, else ``request_id``.

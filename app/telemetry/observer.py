@@ -12,9 +12,10 @@
 - **HTTP calls** (``on_call``, the ``CallInfo`` hook of both apps): the HTTP families and the
   one canonical log line per call (route, method, status, duration_ms, op, keys, result,
   req_id, request_id, client; an answer >= 400 adds ``code``, the error code it sent; a batch
-  adds ops and ops_failed). ``client`` is the caller's ``host:port`` (``[host]:port`` for
-  IPv6), ``unix`` on the Unix socket: with ``code`` it ties a refused call (401, 403, 4xx) to
-  its caller. Probe routes (``/livez``, ``/readyz``,
+  adds ops, ops_failed and req_ids, the engine requests its ops named, up to
+  ``BATCH_REQ_IDS`` of them, with ``req_ids_more`` counting the rest). ``client`` is the
+  caller's ``host:port`` (``[host]:port`` for IPv6), ``unix`` on the Unix socket: with ``code``
+  it ties a refused call (401, 403, 4xx) to its caller. Probe routes (``/livez``, ``/readyz``,
   ``/metrics``) that succeed log at debug, so scrapes and health checks do not flood the log.
 
 Op results: ``ok``; ``refused`` (``prepare_store`` found no evictable room, HTTP 507);
@@ -49,6 +50,7 @@ log = get_logger("transfer")
 UNMATCHED_ROUTE = "unmatched"
 UNIX_CLIENT = "unix"  # the client of a call on the Unix socket (ASGI gives no address there)
 QUIET_ROUTES = frozenset({"/livez", "/readyz", "/metrics"})
+BATCH_REQ_IDS = 64
 _HIT, _PENDING = LookupResult.HIT, LookupResult.PENDING
 
 
@@ -284,6 +286,13 @@ class Observer:
         if info.ops is not None:
             fields["ops"] = len(info.ops)
             fields["ops_failed"] = sum(1 for _, s in info.ops if s >= 400)
+        if info.batch_req_ids:
+            # The engine requests a batch served (an engine's scheduler step), so each one can
+            # be followed in the log; safe forms, at most BATCH_REQ_IDS of them.
+            ids = info.batch_req_ids
+            fields["req_ids"] = [safe_req_id(r) for r in ids[:BATCH_REQ_IDS]]
+            if len(ids) > BATCH_REQ_IDS:
+                fields["req_ids_more"] = len(ids) - BATCH_REQ_IDS
         fields["req_id"] = info.log_id
         fields["request_id"] = info.request_id
         client = info.client

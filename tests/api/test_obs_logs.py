@@ -101,6 +101,20 @@ async def test_batch_line_counts_ops_and_failures(h: Harness, lines: Lines) -> N
     await h.post("/v1/batch", {"ops": ops})
     (batch,) = [c for c in calls(lines()) if c["op"] == "batch"]
     assert (batch["ops"], batch["ops_failed"], batch["keys"]) == (2, 1, 2)
+    assert batch["req_ids"] == ["a", "ghost"]
+    assert "req_ids_more" not in batch
+
+
+async def test_batch_line_names_its_requests_safely_and_bounded(h: Harness, lines: Lines) -> None:
+    from app.telemetry.observer import BATCH_REQ_IDS
+
+    ids = ["has space"] + [f"r{i}" for i in range(BATCH_REQ_IDS + 2)] + ["r0"]
+    ops = [{"op": "touch", "req_id": r, "keys": hexkeys(1)} for r in ids]
+    await h.post("/v1/batch", {"ops": ops})
+    (batch,) = [c for c in calls(lines()) if c["op"] == "batch"]
+    expected = [safe_req_id("has space")] + [f"r{i}" for i in range(BATCH_REQ_IDS - 1)]
+    assert batch["req_ids"] == expected
+    assert batch["req_ids_more"] == 3  # r63, r64 and r65; r0 is named once
 
 
 async def test_probes_log_at_debug(h: Harness, lines: Lines) -> None:

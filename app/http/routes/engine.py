@@ -159,6 +159,7 @@ class _BatchRunner:
             parts.append(f'{{"ok":true,"status":{status},"result":{text}}}')
         if info is not None:
             info.ops = outcomes
+            info.batch_req_ids = list(dict.fromkeys(op.req_id for op in ops))
         return json_response(f'{{"results":[{",".join(parts)}]}}')
 
 
