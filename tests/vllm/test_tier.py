@@ -7,6 +7,7 @@ Bytes are compared: a chunk's bytes are a function of its key and the engine's m
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +32,8 @@ from tests.vllm.engine import (
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with serve(tmp_path_factory.mktemp("tier")).serving() as s:
+    flags = ("--log-format", "json", "--log-level", "info")  # the call lines, as JSON
+    with serve(tmp_path_factory.mktemp("tier"), *flags).serving() as s:
         yield s
 
 
@@ -132,7 +134,7 @@ def test_one_step_one_call(srv):
         engine.close()
 
 
-def test_request_id_reaches_the_service_exemplars(srv):
+def test_request_id_reaches_the_service_exemplars_and_log(srv):
     keys = keys_of(range(400, 404))
     engine = SimEngine("t-reqid", config(srv))
     try:
@@ -144,6 +146,9 @@ def test_request_id_reaches_the_service_exemplars(srv):
         f"{srv.url}/metrics", headers={"accept": "application/openmetrics-text"}, timeout=10
     ).text
     assert 'req_id="cmpl-trace-7f3a-0"' in metrics
+    lines = [json.loads(line) for line in srv.log().splitlines() if line.startswith("{")]
+    steps = [ln for ln in lines if ln.get("route") == "/v1/batch"]
+    assert any("cmpl-trace-7f3a-0" in ln.get("req_ids", ()) for ln in steps)
 
 
 def test_kv_events_and_stats_reach_vllm(srv):
