@@ -11,8 +11,8 @@
   families with the job's ``req_id`` as exemplar, and one log line naming the job's request.
 - **HTTP calls** (``on_call``, the ``CallInfo`` hook of both apps): the HTTP families and the
   one canonical log line per call (route, method, status, duration_ms, op, keys, result,
-  req_id, request_id, client; an answer >= 400 adds ``code``, the error code it sent; a batch
-  adds ops, ops_failed and req_ids, the engine requests its ops named, up to
+  req_id, request_id; an answer >= 400 adds ``code``, the error code it sent, and ``client``;
+  a batch adds ops, ops_failed and req_ids, the engine requests its ops named, up to
   ``BATCH_REQ_IDS`` of them, with ``req_ids_more`` counting the rest). ``client`` is the
   caller's ``host:port`` (``[host]:port`` for IPv6), ``unix`` on the Unix socket: with ``code``
   it ties a refused call (401, 403, 4xx) to its caller. Probe routes (``/livez``, ``/readyz``,
@@ -282,7 +282,16 @@ class Observer:
             "result": result,
         }
         if status >= 400:
+            # A refused call (401, 403, any 4xx or 5xx) is traced to its caller: the code it
+            # was sent and the address it came from. Successful lines leave the address out:
+            # they name their engine request, and the hot path pays for every field.
             fields["code"] = info.error_code
+            client = info.client
+            if client is None:
+                fields["client"] = UNIX_CLIENT
+            else:
+                host = client[0]
+                fields["client"] = f"[{host}]:{client[1]}" if ":" in host else f"{host}:{client[1]}"
         if info.ops is not None:
             fields["ops"] = len(info.ops)
             fields["ops_failed"] = sum(1 for _, s in info.ops if s >= 400)
@@ -295,10 +304,4 @@ class Observer:
                 fields["req_ids_more"] = len(ids) - BATCH_REQ_IDS
         fields["req_id"] = info.log_id
         fields["request_id"] = info.request_id
-        client = info.client
-        if client is None:
-            fields["client"] = UNIX_CLIENT
-        else:
-            host = client[0]
-            fields["client"] = f"[{host}]:{client[1]}" if ":" in host else f"{host}:{client[1]}"
         log_call(level, fields)

@@ -1,6 +1,6 @@
 """The log of a real ``kvoffload serve``: uvicorn's lines say which listener they are about, and
-call lines name their caller (``host:port`` over TCP, ``unix`` on the Unix socket) and, when
-refused, the error code."""
+refused calls name their caller (``host:port`` over TCP, ``unix`` on the Unix socket) and the
+error code."""
 
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ def test_uvicorn_lines_name_their_listener_and_calls_their_caller(tmp_path: Path
     srv = ServerProcess(tmp_path, "--log-level", "info", "--log-format", "json")
     with srv.serving():
         with httpx.Client(transport=httpx.HTTPTransport(uds=str(srv.uds))) as unix:
-            assert unix.get("http://kvoffload/v1/pool").status_code == 200
+            assert unix.get("http://kvoffload/v1/jobs/999999").status_code == 404
         with httpx.Client(base_url=srv.url) as tcp:
+            assert tcp.get("/v1/jobs/999999").status_code == 404
             assert tcp.get("/v1/pool").status_code == 200
         wrong = httpx.get(
             f"{srv.admin_url}/admin/v1/stats", headers={"authorization": "Bearer wrong"}
@@ -40,11 +41,13 @@ def test_uvicorn_lines_name_their_listener_and_calls_their_caller(tmp_path: Path
     assert set(per_event.values()) == {1}  # each line once per listener
 
     calls = [line for line in lines if line["event"] == "http_call"]
-    pool_calls = [line for line in calls if line["route"] == "/v1/pool"]
-    assert next(line["client"] for line in pool_calls) == "unix"
-    host, port = pool_calls[1]["client"].rsplit(":", 1)
+    missing = [line for line in calls if line["route"] == "/v1/jobs/{job_id}"]
+    assert [line["code"] for line in missing] == ["unknown_job", "unknown_job"]
+    assert missing[0]["client"] == "unix"
+    host, port = missing[1]["client"].rsplit(":", 1)
     assert host == "127.0.0.1"
     assert int(port) > 0
+    assert all("client" not in line for line in calls if line["route"] == "/v1/pool")
     (refused,) = [line for line in calls if line["status"] == 403]
     assert refused["code"] == wrong.json()["error"]["code"]
     assert refused["client"].startswith("127.0.0.1:")
