@@ -29,11 +29,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from app.vllm_tier import M_CALLS  # noqa: E402
+from bench import harness  # noqa: E402
 from tests.e2e.server import ServerProcess  # noqa: E402
 from tests.vllm.engine import SimEngine, keys_of, kv_transfer_config  # noqa: E402
 
 TRACE = ROOT / "bench" / "data" / "mooncake_synthetic_trace.jsonl"
-RESULTS = ROOT / "bench" / "results" / "vllm_tier.json"
+RESULTS = harness.RESULTS_DIR / "vllm_tier.json"
 
 
 def load_trace(limit: int) -> list[list[int]]:
@@ -103,6 +104,7 @@ def main() -> None:
 
     p50, p99 = percentile(step_us, 0.50), percentile(step_us, 0.99)
     result = {
+        "machine": harness.machine(),
         "requests": len(requests),
         "primary_chunks_per_engine": args.primary_chunks,
         "kvoffload_pool_blocks": args.pool_blocks,
@@ -131,8 +133,7 @@ def main() -> None:
         f"| {tier_steps} steps | {p50:.1f} us | {p99:.1f} us | "
         f"{calls / tier_steps:.3f}, {max_calls} |"
     )
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    harness.write_results(RESULTS, result)
 
 
 if __name__ == "__main__":
