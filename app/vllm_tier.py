@@ -102,6 +102,29 @@ M_AVAILABLE = "vllm:kv_offload_kvoffload_available"
 PENDING_WAIT_S = 0.5  # a key another engine is storing is asked again this long, then MISS
 
 
+# What the tier reports through vLLM's stats (``build_metric_definitions``, ``get_stats``).
+_METRIC_DEFINITIONS: dict[str, OffloadingMetricMetadata] = {
+    M_CALLS: OffloadingCounterMetadata(
+        documentation="HTTP calls the kvoffload tier made, by kind (batch, events, pool).",
+        labelnames=("kind",),
+    ),
+    M_FAULTS: OffloadingCounterMetadata(
+        documentation="Failed kvoffload calls or ops, by reason.",
+        labelnames=("reason",),
+    ),
+    M_STORES_DROPPED: OffloadingCounterMetadata(
+        documentation="Blocks the kvoffload tier did not store because of a fault or "
+        "no room in the service.",
+    ),
+    M_LOADS_FAILED: OffloadingCounterMetadata(
+        documentation="Blocks whose load from kvoffload failed (recomputed instead).",
+    ),
+    M_AVAILABLE: OffloadingGaugeMetadata(
+        documentation="1 while the kvoffload service answers, 0 during a fault.",
+    ),
+}
+
+
 # --------------------------------------------------------------------------- keys
 
 
@@ -479,26 +502,7 @@ class KVOffloadTier(SecondaryTierManager):  # type: ignore[misc,unused-ignore]
         cls, extra_config: dict[str, Any]
     ) -> dict[str, OffloadingMetricMetadata]:
         """The tier's own metrics (vLLM adds ``tier`` to none of them)."""
-        return {
-            M_CALLS: OffloadingCounterMetadata(
-                documentation="HTTP calls the kvoffload tier made, by kind (batch, events, pool).",
-                labelnames=("kind",),
-            ),
-            M_FAULTS: OffloadingCounterMetadata(
-                documentation="Failed kvoffload calls or ops, by reason.",
-                labelnames=("reason",),
-            ),
-            M_STORES_DROPPED: OffloadingCounterMetadata(
-                documentation="Blocks the kvoffload tier did not store because of a fault or "
-                "no room in the service.",
-            ),
-            M_LOADS_FAILED: OffloadingCounterMetadata(
-                documentation="Blocks whose load from kvoffload failed (recomputed instead).",
-            ),
-            M_AVAILABLE: OffloadingGaugeMetadata(
-                documentation="1 while the kvoffload service answers, 0 during a fault.",
-            ),
-        }
+        return dict(_METRIC_DEFINITIONS)
 
     @classmethod
     def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
@@ -823,9 +827,7 @@ class _Link:
         self.reask: dict[str, list[_ProbeRef]] = {}
         self.backoff = tier._retry_interval_s
         self.busy = False  # a call is being built or is in flight
-        self.events_after = 0
-        self.events_instance: str | None = None
-        self.events_due = 0.0
+        self.events = _EventFollower(tier)
 
     def has_unsent(self) -> bool:
         """Work the engine should keep stepping for (while the service answers)."""
@@ -896,7 +898,7 @@ class _Link:
                     step.merge(item)
             try:
                 self.exchange(step, final=stop)
-                self.poll_events()
+                self.events.poll(self.client)
             except Exception:
                 log.exception("kvoffload tier: link step failed")
                 self.fault("internal", "internal error in the tier's link thread")
@@ -1138,30 +1140,38 @@ class _Link:
         if len(self.finishes) > 100_000:  # the service's lease TTL frees what was never said
             del self.finishes[:50_000]
 
-    # ------------------------------------------------------------------ KV events
 
-    def poll_events(self) -> None:
-        """Every ``events_interval_s`` while vLLM's KV events are on: the service's events of
-        this namespace, as vLLM ``OffloadingEvent``s (ownership ``kvoffload``)."""
+class _EventFollower:
+    """The service's KV events of this namespace, as vLLM ``OffloadingEvent``s (ownership
+    ``kvoffload``): polled by the link thread every ``events_interval_s`` while vLLM's KV events
+    are on and the service answers."""
+
+    def __init__(self, tier: KVOffloadTier) -> None:
+        self.tier = tier
+        self.after = 0
+        self.instance: str | None = None
+        self.due = 0.0
+
+    def poll(self, client: KVOffloadClient) -> None:
         tier = self.tier
         if not tier._events_enabled or tier._incident.active:
             return
         now = time.monotonic()
-        if now < self.events_due:
+        if now < self.due:
             return
-        self.events_due = now + tier._events_interval_s
+        self.due = now + tier._events_interval_s
         tier.counters.add(M_CALLS, "events")
         try:
-            page = self.client.events(self.events_after, 1000)
+            page = client.events(self.after, 1000)
         except (httpx.HTTPError, OSError, KVOffloadError, ValueError, KeyError):
             tier.counters.add(M_FAULTS, "events")
             return
-        if self.events_instance is not None and page.instance != self.events_instance:
-            self.events_after = 0  # a new service numbers its events from the start
-        self.events_instance = page.instance
+        if self.instance is not None and page.instance != self.instance:
+            self.after = 0  # a new service numbers its events from the start
+        self.instance = page.instance
         if page.fell_behind:
             tier.counters.add(M_FAULTS, "events_fell_behind")
-        self.events_after = page.next_after
+        self.after = page.next_after
         prefix = tier._prefix
         n = len(prefix)
         for event in page.events:
