@@ -25,6 +25,7 @@ and writes ``bench/results/transfer_bw.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import secrets
@@ -32,7 +33,8 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,7 @@ from transfer import (  # noqa: E402
     KVCacheRegistry,
     KVCacheSpec,
     TransferJob,
+    TransferWorker,
     create_worker,
 )
 from transfer.cpu_worker import default_copy_threads  # noqa: E402
@@ -70,17 +73,51 @@ def shm_tensor(path: str, nbytes: int) -> torch.Tensor:
     return t
 
 
-def run_size(block_bytes: int, total: int, threads: int, reps: int, prefix: str) -> dict[str, Any]:
-    n = max(8, total // block_bytes)
-    total = n * block_bytes
-    per_tensor = block_bytes // TENSORS
-    paths = [f"/dev/shm/{prefix}-t{i}" for i in range(TENSORS)]
+@dataclass
+class Bench:
+    """A host pool of ``n`` blocks, a registered shm cache of ``tensors`` tensors over ``n``
+    device blocks, the plain contiguous tensor of the same bytes (the baseline) and a CPU
+    worker with ``threads`` copy threads."""
+
+    pool: HostPool
+    cache_id: str
+    worker: TransferWorker
+    contiguous: torch.Tensor
+
+    def job(self, direction: str, blocks: list[int], slots: list[int]) -> Callable[[], None]:
+        """A function that runs one ``direction`` job of ``blocks`` <-> ``slots`` to its end."""
+
+        def go() -> None:
+            job = TransferJob(direction, self.cache_id, blocks, slots, 600.0)  # type: ignore[arg-type]
+            [result] = self.worker.wait([self.worker.submit(job)], timeout=600)
+            if not result.ok:
+                raise RuntimeError(f"{direction} failed: {result.reason}")
+
+        return go
+
+    def baselines(self) -> list[tuple[str, Callable[[], object]]]:
+        """The plain contiguous copies into and out of the pool: ``bstore`` and ``bload``."""
+        flat = self.pool.tensor.view(-1)
+        contiguous = self.contiguous
+        return [
+            ("bstore", lambda: flat.copy_(contiguous)),
+            ("bload", lambda: contiguous.copy_(flat)),
+        ]
+
+
+@contextlib.contextmanager
+def bench_setup(
+    prefix: str, n: int, block_bytes: int, tensors: int, threads: int
+) -> Iterator[Bench]:
+    """The ``Bench`` for one size; every file and the pool are gone after it."""
+    per_tensor = block_bytes // tensors
+    paths = [f"/dev/shm/{prefix}-t{i}" for i in range(tensors)]
     base_path = f"/dev/shm/{prefix}-baseline"
     pool = HostPool.create(n, block_bytes, pin=False)
     try:
         for p in paths:
             shm_tensor(p, n * per_tensor)
-        contiguous = shm_tensor(base_path, total)
+        contiguous = shm_tensor(base_path, n * block_bytes)
         spec = {
             "name": prefix,
             "device": "cpu",
@@ -97,67 +134,69 @@ def run_size(block_bytes: int, total: int, threads: int, reps: int, prefix: str)
         registry = KVCacheRegistry(pool)
         cache = registry.register(KVCacheSpec.from_dict(spec))
         worker = create_worker(pool, registry, "cpu", copy_threads=threads)
-        rng = random.Random(block_bytes)
-        blocks = rng.sample(range(n), n)
-        slots = rng.sample(range(n), n)
-
-        def job(direction: str) -> Callable[[], None]:
-            def go() -> None:
-                jid = worker.submit(TransferJob(direction, cache.cache_id, blocks, slots, 600.0))  # type: ignore[arg-type]
-                [result] = worker.wait([jid], timeout=600)
-                if not result.ok:
-                    raise RuntimeError(f"{direction} failed: {result.reason}")
-
-            return go
-
-        flat = pool.tensor.view(-1)
-        # Each repetition times the job and the baseline back to back (paired), so load from
-        # elsewhere on the machine hits both alike; ratios are medians of the paired ratios.
-        timed: dict[str, list[float]] = {k: [] for k in ("store", "load", "bstore", "bload")}
-        previous = torch.get_num_threads()
-        torch.set_num_threads(threads)
         try:
-            steps: list[tuple[str, Callable[[], object]]] = [
-                ("store", job("store")),
-                ("bstore", lambda: flat.copy_(contiguous)),
-                ("load", job("load")),
-                ("bload", lambda: contiguous.copy_(flat)),
-            ]
-            for _name, fn in steps:
-                fn()  # warm-up
-            for _ in range(reps):
-                for name, fn in steps:
-                    start = time.perf_counter()
-                    fn()
-                    timed[name].append(time.perf_counter() - start)
+            yield Bench(pool, cache.cache_id, worker, contiguous)
         finally:
-            torch.set_num_threads(previous)
             worker.shutdown()
             registry.close()
-        gbs = total / 1e9
-        return {
-            "block_bytes": block_bytes,
-            "copy_threads": threads,
-            "default_threads": threads == default_copy_threads(),
-            "blocks": n,
-            "total_bytes": total,
-            "pieces_per_block": TENSORS,
-            "store_gbps": gbs / statistics.median(timed["store"]),
-            "load_gbps": gbs / statistics.median(timed["load"]),
-            "baseline_store_gbps": gbs / statistics.median(timed["bstore"]),
-            "baseline_load_gbps": gbs / statistics.median(timed["bload"]),
-            "store_ratio": statistics.median(
-                b / t for b, t in zip(timed["bstore"], timed["store"], strict=True)
-            ),
-            "load_ratio": statistics.median(
-                b / t for b, t in zip(timed["bload"], timed["load"], strict=True)
-            ),
-        }
     finally:
         pool.close()
         for p in [*paths, base_path]:
             if os.path.exists(p):
                 os.unlink(p)
+
+
+def time_paired(
+    steps: list[tuple[str, Callable[[], object]]], reps: int, threads: int
+) -> dict[str, list[float]]:
+    """Seconds of each step per repetition. Each repetition runs every step back to back
+    (paired), so load from elsewhere on the machine hits them alike; one warm-up first."""
+    timed: dict[str, list[float]] = {name: [] for name, _ in steps}
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _name, fn in steps:
+            fn()
+        for _ in range(reps):
+            for name, fn in steps:
+                start = time.perf_counter()
+                fn()
+                timed[name].append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(previous)
+    return timed
+
+
+def paired_ratio(timed: dict[str, list[float]], base: str, name: str) -> float:
+    """Median of the paired ratios baseline time / step time (1.0: as fast as the baseline)."""
+    return statistics.median(b / t for b, t in zip(timed[base], timed[name], strict=True))
+
+
+def run_size(block_bytes: int, total: int, threads: int, reps: int, prefix: str) -> dict[str, Any]:
+    n = max(8, total // block_bytes)
+    total = n * block_bytes
+    with bench_setup(prefix, n, block_bytes, TENSORS, threads) as bench:
+        rng = random.Random(block_bytes)
+        blocks = rng.sample(range(n), n)
+        slots = rng.sample(range(n), n)
+        store, load = bench.job("store", blocks, slots), bench.job("load", blocks, slots)
+        bstore, bload = bench.baselines()
+        timed = time_paired([("store", store), bstore, ("load", load), bload], reps, threads)
+    gbs = total / 1e9
+    return {
+        "block_bytes": block_bytes,
+        "copy_threads": threads,
+        "default_threads": threads == default_copy_threads(),
+        "blocks": n,
+        "total_bytes": total,
+        "pieces_per_block": TENSORS,
+        "store_gbps": gbs / statistics.median(timed["store"]),
+        "load_gbps": gbs / statistics.median(timed["load"]),
+        "baseline_store_gbps": gbs / statistics.median(timed["bstore"]),
+        "baseline_load_gbps": gbs / statistics.median(timed["bload"]),
+        "store_ratio": paired_ratio(timed, "bstore", "store"),
+        "load_ratio": paired_ratio(timed, "bload", "load"),
+    }
 
 
 def fresh_slots(n: int) -> list[int]:
@@ -177,94 +216,37 @@ def run_contiguous(
     contiguous copy of the same bytes, for a one-tensor cache."""
     n = max(8, total // block_bytes)
     total = n * block_bytes
-    path = f"/dev/shm/{prefix}-t0"
-    base_path = f"/dev/shm/{prefix}-baseline"
-    pool = HostPool.create(n, block_bytes, pin=False)
-    try:
-        shm_tensor(path, total)
-        contiguous = shm_tensor(base_path, total)
-        spec = {
-            "name": prefix,
-            "device": "cpu",
-            "tensors": [
-                {
-                    "shape": [n, block_bytes // 2],
-                    "dtype": "float16",
-                    "block_dim": 0,
-                    "handle": {"kind": "shm", "path": path},
-                }
-            ],
-        }
-        registry = KVCacheRegistry(pool)
-        cache = registry.register(KVCacheSpec.from_dict(spec))
-        worker = create_worker(pool, registry, "cpu", copy_threads=threads)
-        slots = fresh_slots(n)
-        rng = random.Random(block_bytes)
-        layouts = {
-            "contiguous": (list(range(n)), slots),
-            "descending": (list(range(n)), slots[::-1]),
-            "scattered": (rng.sample(range(n), n), rng.sample(range(n), n)),
-        }
-
-        def job(direction: str, blocks: list[int], to: list[int]) -> Callable[[], None]:
-            def go() -> None:
-                jid = worker.submit(TransferJob(direction, cache.cache_id, blocks, to, 600.0))  # type: ignore[arg-type]
-                [result] = worker.wait([jid], timeout=600)
-                if not result.ok:
-                    raise RuntimeError(f"{direction} failed: {result.reason}")
-
-            return go
-
-        flat = pool.tensor.view(-1)
-        steps: list[tuple[str, Callable[[], object]]] = [
-            ("bstore", lambda: flat.copy_(contiguous)),
-            ("bload", lambda: contiguous.copy_(flat)),
-        ]
+    slots = fresh_slots(n)
+    rng = random.Random(block_bytes)
+    layouts = {
+        "contiguous": (list(range(n)), slots),
+        "descending": (list(range(n)), slots[::-1]),
+        "scattered": (rng.sample(range(n), n), rng.sample(range(n), n)),
+    }
+    with bench_setup(prefix, n, block_bytes, 1, threads) as bench:
+        steps = bench.baselines()
         for order, (blocks, to) in layouts.items():
-            steps += [(f"store-{order}", job("store", blocks, to))]
-            steps += [(f"load-{order}", job("load", blocks, to))]
-        timed: dict[str, list[float]] = {name: [] for name, _ in steps}
-        previous = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            for _name, fn in steps:
-                fn()  # warm-up
-            for _ in range(reps):  # every order and the baseline back to back, paired
-                for name, fn in steps:
-                    start = time.perf_counter()
-                    fn()
-                    timed[name].append(time.perf_counter() - start)
-        finally:
-            torch.set_num_threads(previous)
-            worker.shutdown()
-            registry.close()
-        gbs = total / 1e9
-
-        def ratio(base: str, name: str) -> float:
-            return statistics.median(b / t for b, t in zip(timed[base], timed[name], strict=True))
-
-        return [
-            {
-                "block_bytes": block_bytes,
-                "copy_threads": threads,
-                "blocks": n,
-                "total_bytes": total,
-                "order": order,
-                "fresh_slots_ascending": slots == list(range(n)),
-                "store_gbps": gbs / statistics.median(timed[f"store-{order}"]),
-                "load_gbps": gbs / statistics.median(timed[f"load-{order}"]),
-                "baseline_store_gbps": gbs / statistics.median(timed["bstore"]),
-                "baseline_load_gbps": gbs / statistics.median(timed["bload"]),
-                "store_ratio": ratio("bstore", f"store-{order}"),
-                "load_ratio": ratio("bload", f"load-{order}"),
-            }
-            for order in ORDERS
-        ]
-    finally:
-        pool.close()
-        for p in (path, base_path):
-            if os.path.exists(p):
-                os.unlink(p)
+            steps.append((f"store-{order}", bench.job("store", blocks, to)))
+            steps.append((f"load-{order}", bench.job("load", blocks, to)))
+        timed = time_paired(steps, reps, threads)
+    gbs = total / 1e9
+    return [
+        {
+            "block_bytes": block_bytes,
+            "copy_threads": threads,
+            "blocks": n,
+            "total_bytes": total,
+            "order": order,
+            "fresh_slots_ascending": slots == list(range(n)),
+            "store_gbps": gbs / statistics.median(timed[f"store-{order}"]),
+            "load_gbps": gbs / statistics.median(timed[f"load-{order}"]),
+            "baseline_store_gbps": gbs / statistics.median(timed["bstore"]),
+            "baseline_load_gbps": gbs / statistics.median(timed["bload"]),
+            "store_ratio": paired_ratio(timed, "bstore", f"store-{order}"),
+            "load_ratio": paired_ratio(timed, "bload", f"load-{order}"),
+        }
+        for order in ORDERS
+    ]
 
 
 def print_contiguous(rows: list[dict[str, Any]], total: int, reps: int) -> None:
