@@ -18,9 +18,11 @@ staging buffer per GPU and copies of each GPU's share of a host block.
 Stores and loads have their own stream on each device, loads at the higher priority, and are
 issued by one thread, loads first. Every job records one event per device it touches; the
 thread polls each in-flight job's events independently, so a slow job never hides later ones.
-A job not yet issued fails at its deadline without running; an issued job that passes its
-deadline is reported failed (``"deadline"``) at once while its copies, which cannot be
-cancelled, are still tracked until they end so their buffers are not reused early. Tensors of
+A job not yet issued fails at its deadline without running. An issued job that passes its
+deadline has failed (``"deadline"``), but its copies cannot be cancelled: it is reported when
+they end, so no host slot, pin or device block is released while a DMA may still write into it
+(meanwhile the service's tracker still lists it as running, and ``/readyz`` reports a transfer
+past its deadline). Tensors of
 a cache on the CPU are copied with ``memmove`` on the issuing thread (``transfer.cpu_copy``).
 
 The engine must have finished writing blocks (synchronised its streams) before asking to store
@@ -31,7 +33,6 @@ Importable without CUDA; constructing the worker needs it.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
 import os
@@ -359,7 +360,6 @@ class CudaTransferWorker(QueueingWorker):
         self._split_every = pool.pin_chunk_blocks
         self._lanes: dict[int, _Lane] = {}
         self._issued: dict[int, _Issued] = {}  # touched only by the issuing thread
-        self._zombies: list[_Issued] = []
         self._abandon = False
         self._thread = threading.Thread(
             target=self._run, name="kvoffload-cuda-transfer", daemon=True
@@ -393,7 +393,7 @@ class CudaTransferWorker(QueueingWorker):
                 now = time.monotonic()
                 picked = self._pop_locked(now, expired)
                 if picked is None and not expired:
-                    if self._issued or self._zombies:
+                    if self._issued:
                         self._cond.wait(self._poll_interval)
                     else:
                         nxt = self._next_deadline_locked(self._queued())
@@ -473,12 +473,12 @@ class CudaTransferWorker(QueueingWorker):
             if done:
                 del self._issued[job_id]
                 outcomes.append((job_id, issued.error is None, issued.error))
-            elif issued.entry.deadline <= now:
-                del self._issued[job_id]
-                self._zombies.append(issued)
-                outcomes.append((job_id, False, "deadline"))
-        if self._zombies:
-            self._zombies = [z for z in self._zombies if not _quiet_done(z)]
+            elif issued.entry.deadline <= now and issued.error is None:
+                # Copies on a stream cannot be cancelled: the job has failed, but it is
+                # reported only when they end. Reporting it now would let the service free
+                # its host slots (a store) or unpin them (a load), and let the engine reuse
+                # its device blocks, while a DMA still writes into one of them.
+                issued.error = "deadline"
         if outcomes:
             self._finish(outcomes)
 
@@ -496,11 +496,4 @@ class CudaTransferWorker(QueueingWorker):
                 self._cond.notify_all()
             self._thread.join()
         self._issued.clear()
-        self._zombies.clear()
         self._lanes.clear()
-
-
-def _quiet_done(issued: _Issued) -> bool:
-    with contextlib.suppress(Exception):
-        return issued.done()
-    return True

@@ -19,9 +19,13 @@ Primitives (every backend, one contract, one test suite):
   ``"shutdown"``, and release threads, streams and buffers. Results stay pollable. Idempotent.
 
 Deadlines: every job carries ``deadline_s`` (relative to submission). A job that raises or
-passes its deadline finishes with ``ok=False`` and a reason (``"deadline"``, the error text);
-nothing hangs forever. Failed loads leave the destination device blocks in an undefined state;
-failed stores leave the host slots undefined (the manager drops those blocks).
+passes its deadline finishes with ``ok=False`` and a reason (``"deadline"``, the error text).
+A job is reported only once nothing of it runs any more: the CPU backend stops a copy between
+chunks at its deadline; the CUDA backend cannot cancel copies it has queued on a stream, so such
+a job is reported when they end (failed, if past its deadline). So nothing hangs forever short
+of a GPU that never completes its work, and no slot or device block is given back under a copy.
+Failed loads leave the destination device blocks in an undefined state; failed stores leave the
+host slots undefined (the manager drops those blocks).
 
 ``JobResult.seconds`` is the wall time from ``submit`` to the job's end (queueing included);
 ``bytes`` is what the job moves when it succeeds (``len(blocks) * block_bytes``), else 0.
