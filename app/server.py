@@ -45,6 +45,7 @@ from app.core.transfers import check_machine
 from app.http.apps import create_admin_app, create_app
 from app.pool_share import PoolShareServer, SharedPool
 from app.settings import Settings, config_error
+from app.telemetry.calls import host_port
 from app.telemetry.logging import bind_listener, get_logger
 from transfer import HostPool
 
@@ -110,7 +111,7 @@ def listen_tcp(settings: Settings, listener: str) -> socket.socket:
     try:
         return bind_tcp(host, port)
     except OSError as exc:
-        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        where = host_port(host, port)
         if exc.errno == errno.EADDRINUSE:
             reason = f"{where} is already in use ({listener} listener); accepted: a free port, "
             raise config_error(f"{prefix}port", port, reason + "or 0 for any") from None
@@ -173,8 +174,7 @@ def _address(sock: socket.socket) -> str:
     name = sock.getsockname()
     if sock.family == socket.AF_UNIX:
         return f"unix:{name}"
-    host, port = name[0], name[1]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return f"http://{host_port(name[0], name[1])}"
 
 
 async def serve(
@@ -186,6 +186,7 @@ async def serve(
     (a device, room for the pool: ``check_machine``) or name an address that cannot be
     listened on (and when the pool cannot be made after all, as the service starts).
     """
+    # Before the Service exists: it builds the manager's tables for num_blocks at once.
     check_machine(settings)
     public_socks = [listen_tcp(settings, "engine")]
     admin_socks: list[socket.socket] = []

@@ -78,7 +78,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from app.client import Batch, KVOffloadClient, KVOffloadError, OpResult
-from app.pool_share import receive_pool
+from app.pool_share import default_pool_socket, receive_pool
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -451,7 +451,7 @@ class KVOffloadTier(SecondaryTierManager):  # type: ignore[misc,unused-ignore]
 
         base_url, uds = _parse_url(url)
         if pool_socket is None and uds is not None:
-            pool_socket = uds + ".pool"
+            pool_socket = default_pool_socket(uds)
         self._pool_socket = pool_socket
         self._client = KVOffloadClient(
             base_url,

@@ -44,6 +44,12 @@ class CallInfo:
 
 CallHook = Callable[[CallInfo], None]
 
+
+def host_port(host: str, port: int) -> str:
+    """``host:port``, an IPv6 host in brackets (``[::1]:8000``)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 _current: ContextVar[CallInfo | None] = ContextVar("kvoffload_call", default=None)
 
 

@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from app.telemetry.calls import CallInfo, add_keys
+from app.telemetry.calls import CallInfo, add_keys, host_port
 from app.telemetry.logging import CallLevel, get_logger, log_call
 from app.telemetry.metrics import LiveRequestRow, Metrics
 from app.telemetry.request_ids import safe_req_id
@@ -287,11 +287,7 @@ class Observer:
             # they name their engine request, and the hot path pays for every field.
             fields["code"] = info.error_code
             client = info.client
-            if client is None:
-                fields["client"] = UNIX_CLIENT
-            else:
-                host = client[0]
-                fields["client"] = f"[{host}]:{client[1]}" if ":" in host else f"{host}:{client[1]}"
+            fields["client"] = UNIX_CLIENT if client is None else host_port(*client)
         if info.ops is not None:
             fields["ops"] = len(info.ops)
             fields["ops_failed"] = sum(1 for _, s in info.ops if s >= 400)
