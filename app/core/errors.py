@@ -6,7 +6,10 @@ Hierarchy::
     ├── ServiceUnavailableError   not running (starting, stopping, stopped): try again later
     ├── NoSpaceError              prepare_store found no evictable room; nothing changed
     ├── UnknownJobError           no transfer job by that id (never, or long forgotten)
-    └── DeviceBlockError          a device block index outside the registered KV cache
+    ├── DeviceBlockError          a device block index outside the registered KV cache
+    ├── AuthenticationError       no, malformed, unknown or revoked engine token (who are you?)
+    ├── PermissionDeniedError     a known tenant asked for a namespace that is not its own
+    └── QuotaExceededError        a tenant's quota (blocks, pins, requests) would be exceeded
 
 The core raises these and the library errors (``manager.errors``, ``transfer.errors``); the
 HTTP layer maps every one of them to a status in one table (``app.http.errors``).
@@ -54,3 +57,41 @@ class DeviceBlockError(ServiceError):
         self.cache_id = cache_id
         self.num_blocks = num_blocks
         self.bad = bad
+
+
+class AuthenticationError(ServiceError):
+    """The caller could not be identified; nothing was done.
+
+    ``reason`` is a stable code for logs and answers: ``missing_token``,
+    ``malformed_authorization``, ``unknown_token`` or ``revoked_token``. Never carries the token.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"engine credentials refused: {reason}")
+        self.reason = reason
+
+
+class PermissionDeniedError(ServiceError):
+    """A known tenant asked for something outside its namespaces; nothing was done.
+
+    ``reason``: ``namespace_denied`` (not one of the tenant's), ``namespace_required`` (the
+    tenant has several and the call named none), ``unknown_namespace``.
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class QuotaExceededError(ServiceError):
+    """The call would take tenant ``tenant`` past its ``quota`` (``blocks``, ``pins`` or
+    ``requests``) of ``limit``; nothing was done."""
+
+    def __init__(self, tenant: str, quota: str, limit: int, wanted: int) -> None:
+        super().__init__(
+            f"tenant {tenant!r} quota {quota!r} exceeded: {wanted} wanted, limit {limit}"
+        )
+        self.tenant = tenant
+        self.quota = quota
+        self.limit = limit
+        self.wanted = wanted
