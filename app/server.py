@@ -34,13 +34,14 @@ import os
 import signal
 import socket
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import uvicorn
 
-from app.core.service import Service
+from app.core.tenancy import Tenancy
+from app.core.tenants import Credentials
 from app.core.transfers import check_machine
 from app.http.apps import create_admin_app, create_app
 from app.pool_share import PoolShareServer, SharedPool
@@ -170,6 +171,23 @@ def shared_pool(pool: HostPool) -> SharedPool:
     )
 
 
+def pool_of(tenancy: Tenancy, ask: Mapping[str, Any] | None) -> SharedPool:
+    """The pool the pool socket hands to a caller: without tenants, the one pool (``ask`` is
+    None); with them, the pool of the namespace the caller's token and ``namespace`` lead to
+    (``Tenancy.resolve``; its refusals carry a ``reason``). With ``--uds-auth file-mode`` the
+    socket's file mode is the credential here too, as on the engine socket beside it."""
+    if ask is None:
+        assert tenancy.single is not None
+        return shared_pool(tenancy.single.transfers().pool)
+    token, namespace = ask.get("token"), ask.get("namespace")
+    authorization = f"Bearer {token}" if isinstance(token, str) else None
+    trusted = tenancy.settings.uds_auth == "file-mode"
+    space = tenancy.resolve(
+        authorization, namespace if isinstance(namespace, str) else None, trusted=trusted
+    )
+    return shared_pool(space.service.transfers().pool)
+
+
 def _address(sock: socket.socket) -> str:
     name = sock.getsockname()
     if sock.family == socket.AF_UNIX:
@@ -186,8 +204,10 @@ async def serve(
     (a device, room for the pool: ``check_machine``) or name an address that cannot be
     listened on (and when the pool cannot be made after all, as the service starts).
     """
-    # Before the Service exists: it builds the manager's tables for num_blocks at once.
-    check_machine(settings)
+    credentials = None if settings.tenants is None else Credentials(settings.tenants)
+    # Before any Service exists: each builds its manager's tables for its blocks at once.
+    table = None if credentials is None else credentials.table
+    check_machine(settings.model_copy(update={"num_blocks": Tenancy.total_blocks(settings, table)}))
     public_socks = [listen_tcp(settings, "engine")]
     admin_socks: list[socket.socket] = []
     pool_path = settings.effective_pool_socket
@@ -214,12 +234,14 @@ async def serve(
             "admin API has no token: open to local callers only",
             extra={"fields": {"admin_host": settings.admin_host}},
         )
-    service = Service(settings)
+    tenancy = Tenancy(settings, credentials=credentials)
     grace = settings.shutdown_grace_s
     public = Listener(
-        uvicorn_config(create_app(settings, service=service), graceful_shutdown_s=grace)
+        uvicorn_config(create_app(settings, tenancy=tenancy), graceful_shutdown_s=grace)
     )
-    admin = Listener(uvicorn_config(create_admin_app(settings, service), graceful_shutdown_s=grace))
+    admin = Listener(
+        uvicorn_config(create_admin_app(settings, tenancy=tenancy), graceful_shutdown_s=grace)
+    )
     servers = (public, admin)
     loop = asyncio.get_running_loop()
     stopping = False
@@ -238,18 +260,22 @@ async def serve(
             return
         stopping = True
         log.info("shutdown requested", extra={"fields": {"signal": sig.name}})
-        service.begin_drain()
+        tenancy.begin_drain()
         loop.call_later(settings.shutdown_delay_s, stop_servers)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
-    pool_share = (
-        PoolShareServer(pool_socks[0], lambda: shared_pool(service.transfers().pool))
-        if pool_socks
-        else None
-    )
+    loop.add_signal_handler(signal.SIGHUP, tenancy.request_reload)
+    pool_share = None
+    if pool_socks:
+        if tenancy.enabled:
+            pool_share = PoolShareServer(
+                pool_socks[0], lambda ask: pool_of(tenancy, ask), read_request=True
+            )
+        else:
+            pool_share = PoolShareServer(pool_socks[0], lambda: pool_of(tenancy, None))
     try:
-        async with service.running():
+        async with tenancy.running():
             if pool_share is not None:
                 pool_share.start()
             tasks = [
@@ -284,7 +310,7 @@ async def serve(
                 if isinstance(result, BaseException):
                     raise result
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
         if pool_share is not None:
             await pool_share.stop()

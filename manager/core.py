@@ -888,6 +888,22 @@ class OffloadManager:
             for r in self._requests.values()
         ]
 
+    @property
+    def num_pinned(self) -> int:
+        """How many distinct blocks some request has pinned (``stats().pinned``, without
+        building the stats)."""
+        return len(self._refs)
+
+    @property
+    def request_ids(self) -> Collection[str]:
+        """The ids of the tracked requests (a live view: do not keep it across calls)."""
+        return self._requests.keys()
+
+    @property
+    def num_requests(self) -> int:
+        """How many requests are tracked: live, or finished and still holding leases."""
+        return len(self._requests)
+
     def slot_of(self, key: BlockKey) -> int | None:
         """Host slot of a resident (ready or pending) key, or None."""
         return self._slot.get(key)

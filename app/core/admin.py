@@ -39,9 +39,12 @@ class Admin:
         *,
         transfers: Callable[[], Transfers | None],
         drain_events: Callable[[], None],
+        namespace: str,
     ) -> None:
         """``transfers``: the running data path, None when the service is not running;
-        ``drain_events``: moves the manager's new KV events to the routers' buffer."""
+        ``drain_events``: moves the manager's new KV events to the routers' buffer;
+        ``namespace``: the service's, named in its audit lines."""
+        self.namespace = namespace
         self._manager = manager
         self._observer = observer
         self._shadow = shadow
@@ -62,6 +65,7 @@ class Admin:
             audit(
                 "policy.switch",
                 actor,
+                namespace=self.namespace,
                 from_policy=switch.previous.name,
                 from_params=switch.previous.params,
                 to_policy=switch.current.name,
@@ -109,6 +113,7 @@ class Admin:
         audit(
             "request.release",
             actor,
+            namespace=self.namespace,
             req_id=safe_req_id(req_id),
             pins_released=released.pins_released,
             stores_dropped=released.stores_dropped,
@@ -122,6 +127,7 @@ class Admin:
         audit(
             "cache.clear",
             actor,
+            namespace=self.namespace,
             dropped=counts.dropped,
             kept_pinned=counts.kept_pinned,
             kept_pending=counts.kept_pending,

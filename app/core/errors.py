@@ -85,13 +85,10 @@ class PermissionDeniedError(ServiceError):
 
 class QuotaExceededError(ServiceError):
     """The call would take tenant ``tenant`` past its ``quota`` (``blocks``, ``pins`` or
-    ``requests``) of ``limit``; nothing was done."""
+    ``requests``) of ``limit``; nothing was done. ``detail`` says by how much, for people."""
 
-    def __init__(self, tenant: str, quota: str, limit: int, wanted: int) -> None:
-        super().__init__(
-            f"tenant {tenant!r} quota {quota!r} exceeded: {wanted} wanted, limit {limit}"
-        )
+    def __init__(self, tenant: str, quota: str, limit: int, detail: str) -> None:
+        super().__init__(f"tenant {tenant!r} is at its {quota!r} quota of {limit}: {detail}")
         self.tenant = tenant
         self.quota = quota
         self.limit = limit
-        self.wanted = wanted

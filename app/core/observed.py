@@ -12,7 +12,9 @@ its keys as loaded (a job's keys are counted when the job is reported), and a jo
 binds the job's ``req_id`` for logging (an engine call has it bound by the HTTP layer already).
 
 ``prepare_store`` that finds no room raises ``NoSpaceError`` (after the observer has counted the
-refusal), so every caller sees one error type for it.
+refusal), so every caller sees one error type for it. In a tenant's namespace (``quota`` given)
+that refusal is the tenant's ``blocks`` quota (``QuotaExceededError``), and a new request or a
+load past its ``requests`` or ``pins`` quota is refused before the manager sees it.
 
 Adding a request-scoped manager op: one method here (call, observe), one observer method.
 """
@@ -24,7 +26,8 @@ from typing import Any, TypeVar
 
 from structlog.contextvars import bind_contextvars
 
-from app.core.errors import NoSpaceError
+from app.core.errors import NoSpaceError, QuotaExceededError
+from app.core.quota import TenantQuota
 from app.telemetry.observer import Observer
 from app.telemetry.request_ids import safe_req_id
 from manager import (
@@ -43,9 +46,12 @@ T = TypeVar("T")
 class ObservedManager:
     """Request-scoped manager calls with their telemetry; see the module docstring."""
 
-    def __init__(self, manager: OffloadManager, observer: Observer) -> None:
+    def __init__(
+        self, manager: OffloadManager, observer: Observer, quota: TenantQuota | None = None
+    ) -> None:
         self.manager = manager
         self.observer = observer
+        self.quota = quota
 
     def _call(self, op: str, req_id: str, call: Callable[..., T], *args: Any) -> T:
         """``call(*args)``; a raise is counted as ``op``'s error and re-raised."""
@@ -58,6 +64,9 @@ class ObservedManager:
     def start_request(self, req_id: str, kv_transfer_params: Mapping[str, Any] | None) -> bool:
         """Start or renew a request; True if it is new."""
         ctx = ReqContext(req_id, kv_transfer_params)
+        quota = self.quota
+        if quota is not None and req_id not in self.manager.request_ids:
+            self._call("request_start", req_id, quota.check_new_request)
         created = self._call("request_start", req_id, self.manager.on_new_request, ctx)
         self.observer.op("request_start", req_id)
         return created
@@ -77,6 +86,8 @@ class ObservedManager:
 
     def prepare_load(self, keys: Sequence[BlockKey], ctx: ReqContext) -> list[int]:
         """Pin ready keys; their host slots."""
+        if self.quota is not None:
+            self._call("prepare_load", ctx.req_id, self.quota.check_pins, len(keys))
         slots = self._call("prepare_load", ctx.req_id, self.manager.prepare_load, keys, ctx)
         self.observer.prepare_load(ctx.req_id, len(slots))
         return slots
@@ -100,6 +111,10 @@ class ObservedManager:
         out = self._call("prepare_store", ctx.req_id, self.manager.prepare_store, keys, ctx)
         self.observer.prepare_store(ctx.req_id, len(keys), out)
         if out is None:
+            if self.quota is not None:
+                limit = self.manager.num_blocks
+                detail = f"no evictable room for {len(keys)} block(s) in this namespace"
+                raise QuotaExceededError(self.quota.tenant, "blocks", limit, detail)
             raise NoSpaceError(len(keys))
         return out
 

@@ -41,6 +41,7 @@ from app.core.admin import Admin
 from app.core.errors import ServiceUnavailableError
 from app.core.events import EventBuffer
 from app.core.observed import ObservedManager
+from app.core.quota import TenantQuota
 from app.core.shadow import ShadowRunner
 from app.core.transfers import Transfers
 from app.settings import Settings
@@ -51,6 +52,8 @@ from app.telemetry.request_ids import safe_req_id
 from manager import OffloadManager, ReleasedLeases, create_manager
 
 log = get_logger("service")
+#: The namespace of a service without tenants (the only one it has).
+DEFAULT_NAMESPACE = "default"
 Clock = Callable[[], float]
 State = Literal["new", "running", "stopping", "stopped"]
 # The request-count table may hold this many more entries than the live table shows.
@@ -67,9 +70,17 @@ class Service:
         manager: OffloadManager | None = None,
         clock: Clock = time.monotonic,
         registry: CollectorRegistry | None = None,
+        namespace: str = DEFAULT_NAMESPACE,
+        quota: TenantQuota | None = None,
     ) -> None:
-        """``registry``: where the metrics go (a new one by default); unused with metrics off."""
+        """``registry``: where the metrics go (a new one by default); unused with metrics off.
+
+        ``namespace``: the name this service's blocks live under (one service per namespace;
+        ``app.core.tenancy``). ``quota``: the quotas of the tenant that owns it (None: none).
+        """
         self.settings = settings
+        self.namespace = namespace
+        self.quota = quota
         if manager is None:
             manager = create_manager(
                 settings.num_blocks,
@@ -114,7 +125,7 @@ class Service:
             hit_window=settings.metrics_hit_window,
             request_counts=self.request_counts,
         )
-        self.manager = ObservedManager(manager, self.observer)
+        self.manager = ObservedManager(manager, self.observer, quota)
         self.shadow: ShadowRunner | None = None
         if settings.shadow_enabled:
             self.shadow = ShadowRunner(
@@ -135,6 +146,7 @@ class Service:
             self.shadow,
             transfers=self.running_transfers,
             drain_events=self.drain_events,
+            namespace=namespace,
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -175,6 +187,8 @@ class Service:
                 "service started",
                 extra={
                     "fields": {
+                        "namespace": self.namespace,
+                        "tenant": None if self.quota is None else self.quota.tenant,
                         "pool": transfers.pool.path,
                         "pool_id": transfers.pool.pool_id,
                         "num_blocks": s.num_blocks,
@@ -210,7 +224,7 @@ class Service:
                 self.observer.transfer_done(record)
             self.drain_events()
             self.state = "stopped"
-            log.info("service stopped")
+            log.info("service stopped", extra={"fields": {"namespace": self.namespace}})
 
     def begin_drain(self) -> None:
         """Report not-ready from now on (a shutdown is coming); long-polls answer now."""

@@ -7,11 +7,12 @@ both share one pool, manager and worker under ``kvoffload serve``.
 
 Middleware (pure ASGI, outermost first): ``CallContextMiddleware`` (request id, the per-call
 ``CallInfo``, the ids bound for logging, the hooks, and on the engine app the
-``X-KVOffload-Pool`` header), then ``BodyGuardMiddleware`` (413/415 before a body is parsed;
+``X-KVOffload-Pool`` header), on the engine app ``SpaceMiddleware`` (the caller's credentials
+and namespace, ``app.http.auth``), then ``BodyGuardMiddleware`` (413/415 before a body is parsed;
 each route held to its own byte cap, ``app.http.limits.body_caps``, in a table built from the app's
-routes once they are all registered). The service's
-``observer.on_call`` is always the first hook of both apps (HTTP metrics, the canonical log
-line); ``hooks`` given by the caller run after it.
+routes once they are all registered). The tenancy's ``on_call`` (the call's namespace's
+observer) is always the first hook of both apps (HTTP metrics, the canonical log line);
+``hooks`` given by the caller run after it.
 
 Metrics: one ``Metrics`` per service, in the registry given to ``create_app`` (a fresh
 ``CollectorRegistry`` by default); ``GET /metrics`` on the engine app serves it unless
@@ -28,6 +29,8 @@ from prometheus_client import CollectorRegistry
 
 from app import package_version
 from app.core.service import Service
+from app.core.tenancy import Tenancy
+from app.http.auth import SpaceMiddleware
 from app.http.errors import install_error_handlers
 from app.http.limits import BodyLimits, body_caps
 from app.http.middleware import (
@@ -47,7 +50,8 @@ from app.http.routes.health import register_health_routes
 from app.http.routes.metrics import register_metrics_route
 from app.pool_share import POOL_HEADER
 from app.settings import Settings
-from app.telemetry.calls import CallHook
+from app.telemetry.calls import CallHook, CallInfo
+from app.telemetry.merged import LabelledRegistries
 
 _ENGINE_DESCRIPTION = """\
 KV-cache offloading for LLM inference engines. Keys are block hashes written as hex
@@ -61,30 +65,35 @@ restarts).
 def _install_middleware(
     app: FastAPI,
     settings: Settings,
-    service: Service,
+    tenancy: Tenancy,
     hooks: Sequence[CallHook],
     request_prefix: str,
-    response_header: Callable[[], tuple[bytes, bytes] | None] | None = None,
+    *,
+    engine: bool,
 ) -> None:
     # Called after every route is registered: the table must know them all.
     limits = BodyLimits.for_routes(app.routes, body_caps(settings), settings.max_body_bytes)
     # add_middleware wraps: the last added runs first.
     app.add_middleware(BodyGuardMiddleware, limits=limits)
+    if engine:  # credentials before any other check
+        app.add_middleware(SpaceMiddleware, tenancy=tenancy)
     app.add_middleware(
         CallContextMiddleware,
-        hooks=(service.observer.on_call, *hooks),
+        hooks=(tenancy.on_call, *hooks),
         request_prefix=request_prefix,
-        response_header=response_header,
+        response_header=pool_header(tenancy) if engine else None,
     )
 
 
-def pool_header(service: Service) -> Callable[[], tuple[bytes, bytes] | None]:
-    """``X-KVOffload-Pool: <pool_id>`` for every engine answer once the service has a pool, so
-    an engine that mapped a pool sees in any answer that the service behind it restarted."""
+def pool_header(tenancy: Tenancy) -> Callable[[CallInfo], tuple[bytes, bytes] | None]:
+    """``X-KVOffload-Pool: <pool_id>`` for every engine answer once the call's namespace has a
+    pool, so an engine that mapped a pool sees in any answer that the service behind it
+    restarted. With tenants, only answers to calls that reached a namespace carry it."""
     name = POOL_HEADER.lower().encode()
+    single = tenancy.single
 
-    def header() -> tuple[bytes, bytes] | None:
-        pool_id = service.pool_id
+    def header(info: CallInfo) -> tuple[bytes, bytes] | None:
+        pool_id = single.pool_id if single is not None else tenancy.pool_id(info.namespace)
         return None if pool_id is None else (name, pool_id.encode())
 
     return header
@@ -94,23 +103,29 @@ def create_app(
     settings: Settings | None = None,
     *,
     service: Service | None = None,
+    tenancy: Tenancy | None = None,
     hooks: Sequence[CallHook] = (),
     registry: CollectorRegistry | None = None,
 ) -> KVOffloadAPI:
-    """The engine API app. ``service`` defaults to a new ``Service(settings, registry=...)``.
+    """The engine API app on ``tenancy`` (default: one without tenants around ``service``,
+    itself a new ``Service(settings, registry=...)`` by default).
 
-    ``hooks`` are called with each call's ``CallInfo`` when it ends, after the service's own
+    ``hooks`` are called with each call's ``CallInfo`` when it ends, after the tenancy's own
     observer. ``registry`` is where a new service puts its metrics (a fresh one by default);
-    with ``service`` given, its registry is used and ``registry`` must be None.
+    with ``service`` or ``tenancy`` given, theirs is used and ``registry`` must be None.
     """
     settings = settings if settings is not None else Settings()
-    if service is not None and registry is not None:
-        raise ValueError("pass registry to the Service, not beside it")
-    svc = service if service is not None else Service(settings, registry=registry)
+    if (service is not None or tenancy is not None) and registry is not None:
+        raise ValueError("pass registry to the Service or Tenancy, not beside it")
+    if tenancy is None:
+        tenancy = Tenancy(settings, service=service, registry=registry)
+    elif service is not None:
+        raise ValueError("pass service or tenancy, not both")
+    spaces = tenancy
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with svc.running():
+        async with spaces.running():
             yield
 
     app = KVOffloadAPI(
@@ -119,29 +134,64 @@ def create_app(
         description=_ENGINE_DESCRIPTION,
         lifespan=lifespan,
     )
-    app.state.service = svc
+    app.state.tenancy = tenancy
+    app.state.service = tenancy.single  # without tenants, the one service (tests read it)
     app.state.settings = settings
     install_error_handlers(app)
-    register_engine_routes(app, svc)
+    register_engine_routes(app, settings)
     register_health_routes(app)
-    if svc.registry is not None:
-        register_metrics_route(app, svc.registry)
+    exposition = metrics_registry(tenancy)
+    if exposition is not None:
+        register_metrics_route(app, exposition)
     add_docs_routes(app)
-    _install_middleware(app, settings, svc, hooks, ENGINE_REQUEST_PREFIX, pool_header(svc))
+    _install_middleware(app, settings, tenancy, hooks, ENGINE_REQUEST_PREFIX, engine=True)
     return app
+
+
+def metrics_registry(tenancy: Tenancy) -> CollectorRegistry | None:
+    """What ``GET /metrics`` serves: the one service's registry without tenants; with them,
+    every namespace's metrics labelled ``tenant`` and ``namespace``, beside the front metrics
+    (calls that reached no namespace). None with metrics off."""
+    if tenancy.single is not None:
+        return tenancy.single.registry
+    if tenancy.front_registry is None:
+        return None
+    front = tenancy.front_registry
+
+    def sources() -> list[tuple[dict[str, str], CollectorRegistry]]:
+        found: list[tuple[dict[str, str], CollectorRegistry]] = [({}, front)]
+        for space in list(tenancy.spaces.values()):
+            registry = space.service.registry
+            if registry is not None:
+                labels = {"tenant": space.tenant or "", "namespace": space.namespace}
+                found.append((labels, registry))
+        return found
+
+    merged = CollectorRegistry()
+    merged.register(LabelledRegistries(sources))
+    return merged
 
 
 def create_admin_app(
     settings: Settings,
-    service: Service,
+    service: Service | None = None,
     *,
+    tenancy: Tenancy | None = None,
     hooks: Sequence[CallHook] = (),
 ) -> KVOffloadAPI:
-    """The admin API app on ``service`` (bearer token from ``settings``)."""
+    """The admin API app on ``tenancy`` (or one without tenants around ``service``); bearer
+    token from ``settings``."""
+    if tenancy is None:
+        if service is None:
+            raise ValueError("pass service or tenancy")
+        tenancy = Tenancy(settings, service=service)
+    elif service is not None:
+        raise ValueError("pass service or tenancy, not both")
+    spaces = tenancy
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with service.running():
+        async with spaces.running():
             yield
 
     app = KVOffloadAPI(
@@ -154,11 +204,12 @@ def create_admin_app(
         lifespan=lifespan,
         dependencies=[Depends(admin_guard)],
     )
-    app.state.service = service
+    app.state.tenancy = tenancy
+    app.state.service = tenancy.single
     app.state.settings = settings
     install_error_handlers(app)
     register_admin_routes(app, settings.admin_token_value())
     register_admin_health(app)
     add_docs_routes(app)
-    _install_middleware(app, settings, service, hooks, ADMIN_REQUEST_PREFIX)
+    _install_middleware(app, settings, tenancy, hooks, ADMIN_REQUEST_PREFIX, engine=False)
     return app

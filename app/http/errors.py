@@ -12,6 +12,11 @@ raised                        status  code
 malformed JSON / body         400     malformed_body
 client hung up mid-body       400     client_disconnected
 no / wrong admin token        401/403 unauthorized / forbidden
+AuthenticationError           401     its reason: missing_token, malformed_authorization,
+                                      unknown_token, revoked_token
+PermissionDeniedError         403     its reason: namespace_denied, namespace_required,
+                                      unknown_namespace
+QuotaExceededError            429/507 quota_exceeded (507 for blocks, 429 pins / requests)
 UnknownRequestError           404     unknown_request
 UnknownJobError               404     unknown_job
 UnknownCacheError             404     unknown_cache
@@ -53,8 +58,11 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from app.core.errors import (
+    AuthenticationError,
     DeviceBlockError,
     NoSpaceError,
+    PermissionDeniedError,
+    QuotaExceededError,
     ServiceUnavailableError,
     UnknownJobError,
 )
@@ -171,6 +179,14 @@ def error_for(exc: BaseException) -> APIError:
     for exc_type, status, code in _MAPPED:
         if isinstance(exc, exc_type):
             return APIError(status, code, str(exc))
+    if isinstance(exc, AuthenticationError):
+        return APIError(401, exc.reason, str(exc), {"WWW-Authenticate": "Bearer"})
+    if isinstance(exc, PermissionDeniedError):
+        return APIError(403, exc.reason, str(exc))
+    if isinstance(exc, QuotaExceededError):
+        if exc.quota == "blocks":
+            return APIError(507, "quota_exceeded", str(exc))
+        return APIError(429, "quota_exceeded", str(exc), {"Retry-After": "1"})
     return APIError(500, "internal", "internal error")
 
 
@@ -218,7 +234,13 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 def install_error_handlers(app: FastAPI) -> None:
     """Answer every error of ``app`` in the JSON error shape."""
     app.add_exception_handler(APIError, _api_error)
-    handled: list[type[Exception]] = [ValidationError, *(t for t, _, _ in _MAPPED)]
+    handled: list[type[Exception]] = [
+        ValidationError,
+        *(t for t, _, _ in _MAPPED),
+        AuthenticationError,
+        PermissionDeniedError,
+        QuotaExceededError,
+    ]
     for exc_type in handled:
         app.add_exception_handler(exc_type, _api_error)
     app.add_exception_handler(RequestValidationError, _request_validation)
@@ -231,17 +253,18 @@ def install_error_handlers(app: FastAPI) -> None:
 
 _DESCRIPTIONS = {
     400: "Malformed body (not JSON, or not the expected shape of JSON)",
-    401: "No bearer token",
-    403: "Wrong bearer token",
-    404: "Unknown request, job or KV cache",
+    401: "No bearer token, or one that is malformed, unknown or revoked (code says which)",
+    403: "Wrong admin token, or a namespace that is not the caller's (code says which)",
+    404: "Unknown request, job, KV cache or namespace",
     409: "The blocks are not in the state this call needs",
     412: "If-Match does not name the current generation",
     413: "Too many keys or ops in one call, body too large for the route, or "
     "kv_transfer_params too large",
     415: "Body is not application/json",
     422: "A field or parameter is invalid",
+    429: "A tenant quota (pins, requests) is reached: nothing was done (retry later)",
     503: "The service is starting or shutting down",
-    507: "No evictable space: nothing was stored",
+    507: "No evictable space (with tenants: the namespace's blocks quota): nothing was stored",
 }
 
 BODY_ERRORS = (400, 413, 415, 422)

@@ -38,7 +38,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -112,14 +112,14 @@ class RouteTemplates:
 
 class CallContextMiddleware:
     """Attach a ``CallInfo`` to each HTTP call, bind the ids for logging, echo ``X-Request-ID``
-    (and add ``response_header()`` when given), run the hooks at the end."""
+    (and add ``response_header(info)`` when given), run the hooks at the end."""
 
     def __init__(
         self,
         app: ASGIApp,
         hooks: Sequence[CallHook] = (),
         request_prefix: str | None = ENGINE_REQUEST_PREFIX,
-        response_header: Callable[[], tuple[bytes, bytes] | None] | None = None,
+        response_header: Callable[[CallInfo], tuple[bytes, bytes] | None] | None = None,
     ) -> None:
         self.app = app
         self.hooks = tuple(hooks)
@@ -168,7 +168,7 @@ class CallContextMiddleware:
             if message["type"] == "http.response.start":
                 info.status = message["status"]
                 headers = [*message.get("headers", ()), echoed]
-                extra = self.response_header() if self.response_header is not None else None
+                extra = self.response_header(info) if self.response_header is not None else None
                 if extra is not None:
                     headers.append(extra)
                 message["headers"] = headers
@@ -239,14 +239,14 @@ class BodyGuardMiddleware:
         limit, route = self.limits.limit_for(scope["method"], scope["path"])
         if length is not None:
             if not length.isdigit():
-                await _refuse(send, 400, "malformed_body", "invalid Content-Length")
+                await refuse(send, 400, "malformed_body", "invalid Content-Length")
                 return
             size = int(length)
             if size > limit:
-                await _refuse(send, 413, "body_too_large", too_large_message(limit, route))
+                await refuse(send, 413, "body_too_large", too_large_message(limit, route))
                 return
             if size and not _is_json(ctype):
-                await _refuse(
+                await refuse(
                     send, 415, "unsupported_media_type", "request body must be application/json"
                 )
                 return
@@ -295,8 +295,12 @@ def _is_json(ctype: bytes) -> bool:
     return media in _JSON_TYPES
 
 
-async def _refuse(send: Send, status: int, code: str, message: str) -> None:
+async def refuse(
+    send: Send, status: int, code: str, message: str, headers: Mapping[str, str] | None = None
+) -> None:
+    """Answer an error before the app has read the call's body, and close the connection."""
     body = error_body(code, message)
+    extra = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     await send(
         {
             "type": "http.response.start",
@@ -306,6 +310,7 @@ async def _refuse(send: Send, status: int, code: str, message: str) -> None:
                 (b"content-length", str(len(body)).encode()),
                 # The unread body would be taken for the next request on this connection.
                 (b"connection", b"close"),
+                *extra,
             ],
         }
     )

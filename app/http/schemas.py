@@ -563,3 +563,39 @@ class ClearAnswer(Answer):
     dropped: int
     kept_pinned: int
     kept_pending: int
+
+
+class NamespaceUse(Answer):
+    """One namespace (its own pool): blocks by state, requests, hit ratio, refusals."""
+
+    namespace: str
+    num_blocks: int
+    free: int
+    ready: int
+    pending: int
+    pinned: int
+    live_requests: int
+    hit_ratio: float | None
+    stores_refused: int = Field(description="stores refused: no evictable room (blocks quota)")
+    evictions: int
+
+
+class TenantUse(Answer):
+    """One tenant: its quotas (null: none), what it holds now, and its namespaces."""
+
+    tenant: str | None = Field(description="null: the service has no tenants")
+    max_pins: int | None
+    max_requests: int | None
+    pins: int = Field(description="blocks pinned now, over its namespaces")
+    requests: int = Field(description="requests tracked now, over its namespaces")
+    blocks: int = Field(description="its namespaces' pool blocks: its block quota")
+    namespaces: list[NamespaceUse]
+
+
+class TenantsAnswer(Answer):
+    """Every tenant and namespace; ``reloads`` / ``reload_failures`` of the tenants file."""
+
+    enabled: bool = Field(description="engine calls need credentials (a tenants file is loaded)")
+    reloads: int
+    reload_failures: int
+    tenants: list[TenantUse]

@@ -40,6 +40,10 @@ class CallInfo:
     client: tuple[str, int] | None = None
     # The ``code`` of the error body of an answer >= 400 (None: 2xx/3xx, or no such body).
     error_code: str | None = None
+    # With tenants: whose call it was and the namespace it ran in (None: without tenants, or
+    # refused before either was known).
+    tenant: str | None = None
+    namespace: str | None = None
 
 
 CallHook = Callable[[CallInfo], None]

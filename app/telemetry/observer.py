@@ -288,6 +288,9 @@ class Observer:
             fields["code"] = info.error_code
             client = info.client
             fields["client"] = UNIX_CLIENT if client is None else host_port(*client)
+        if info.namespace is not None:
+            fields["tenant"] = info.tenant
+            fields["namespace"] = info.namespace
         if info.ops is not None:
             fields["ops"] = len(info.ops)
             fields["ops_failed"] = sum(1 for _, s in info.ops if s >= 400)

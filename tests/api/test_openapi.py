@@ -43,6 +43,7 @@ ADMIN_ROUTES = {
     ("get", "/admin/v1/policy"),
     ("put", "/admin/v1/policy"),
     ("get", "/admin/v1/stats"),
+    ("get", "/admin/v1/tenants"),
     ("get", "/admin/v1/requests"),
     ("post", "/admin/v1/requests/{req_id}/release"),
     ("post", "/admin/v1/cache/clear"),

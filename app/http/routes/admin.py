@@ -16,6 +16,12 @@ until enough requests were sampled) beside the live ratio, with the sampler's ac
 ``GET``/``PUT /admin/v1/log-level`` read and set the process's log level live (audited).
 
 The wire models of these two additions live here, next to their routes.
+
+Namespaces: every route that reads or changes a service's state (policy, shadow, stats,
+requests, release, clear) acts on one namespace, named by the ``namespace`` query parameter:
+required when the service has tenants (422 without it, 404 for one it lacks), optional without
+(the one namespace, ``default``). ``GET /admin/v1/tenants`` breaks the pool down by tenant and
+namespace (quotas, pins, requests, blocks, hit ratio). The log level is the process's.
 """
 
 from __future__ import annotations
@@ -32,8 +38,9 @@ from fastapi.responses import Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.core.admin import Admin
 from app.http import schemas as s
-from app.http.deps import ServiceDep
+from app.http.deps import ServiceDep, tenancy_of
 from app.http.errors import BODY_ERRORS, APIError, responses
 from app.http.middleware import call_info
 from app.http.openapi import KVOffloadAPI
@@ -45,6 +52,9 @@ from manager import PolicyInfo, UnknownPolicyError
 JSON = "application/json"
 ADMIN_REQUEST_PREFIX = "/admin/v1/requests/"
 _AUTH_ERRORS = (401, 403)
+# A route acting on one namespace: 422 when the service has tenants and the call names none,
+# 404 when it names one the service lacks.
+_NAMESPACE_ERRORS = (404, 422)
 Level = Literal["debug", "info", "warning", "error"]
 
 
@@ -303,15 +313,21 @@ async def get_shadow(request: Request, actor: Actor, service: ServiceDep) -> Res
     )
 
 
-async def get_log_level(request: Request, actor: Actor, service: ServiceDep) -> Response:
+def _any_admin(request: Request) -> Admin:
+    """An ``Admin`` for process-wide operations (the log level): any namespace's will do."""
+    return next(tenancy_of(request).services()).admin
+
+
+async def get_log_level(request: Request, actor: Actor) -> Response:
     _note(request, "admin_log_level_get")
-    return _answer({"level": service.admin.log_level(), "available": list(app_logging.LEVELS)})
+    level = _any_admin(request).log_level()
+    return _answer({"level": level, "available": list(app_logging.LEVELS)})
 
 
-async def put_log_level(request: Request, actor: Actor, service: ServiceDep) -> Response:
+async def put_log_level(request: Request, actor: Actor) -> Response:
     _note(request, "admin_log_level_set")
     body: LogLevelBody = _parse_level(await request.body())
-    previous, level = service.admin.set_log_level(body.level, actor)
+    previous, level = _any_admin(request).set_log_level(body.level, actor)
     return _answer({"level": level, "previous": previous, "changed": previous != level})
 
 
@@ -404,6 +420,51 @@ async def clear(request: Request, actor: Actor, service: ServiceDep) -> Response
     return _answer(dataclasses.asdict(counts))
 
 
+async def tenants(request: Request, actor: Actor) -> Response:
+    _note(request, "admin_tenants")
+    tenancy = tenancy_of(request)
+    by_tenant: dict[str | None, list[dict[str, Any]]] = {}
+    for space in sorted(tenancy.spaces.values(), key=lambda sp: sp.namespace):
+        st = space.service.admin.stats()
+        looked = st.lookup_hit + st.lookup_pending + st.lookup_miss
+        by_tenant.setdefault(space.tenant, []).append(
+            {
+                "namespace": space.namespace,
+                "num_blocks": st.num_blocks,
+                "free": st.free,
+                "ready": st.ready,
+                "pending": st.pending,
+                "pinned": st.pinned,
+                "live_requests": st.live_requests,
+                "hit_ratio": st.lookup_hit / looked if looked else None,
+                "stores_refused": st.stores_refused,
+                "evictions": st.evictions,
+            }
+        )
+    rows = []
+    for name, spaces in sorted(by_tenant.items(), key=lambda kv: kv[0] or ""):
+        quota = tenancy.quotas.get(name) if name is not None else None
+        rows.append(
+            {
+                "tenant": name,
+                "max_pins": None if quota is None else quota.max_pins,
+                "max_requests": None if quota is None else quota.max_requests,
+                "pins": sum(sp["pinned"] for sp in spaces),
+                "requests": sum(sp["live_requests"] for sp in spaces),
+                "blocks": sum(sp["num_blocks"] for sp in spaces),
+                "namespaces": spaces,
+            }
+        )
+    return _answer(
+        {
+            "enabled": tenancy.enabled,
+            "reloads": tenancy.reloads,
+            "reload_failures": tenancy.reload_failures,
+            "tenants": rows,
+        }
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class AdminRoute:
     """One admin route: its handler, answer model, summary and the errors it documents."""
@@ -425,6 +486,7 @@ ROUTES: tuple[AdminRoute, ...] = (
         get_policy,
         s.PolicyAnswer,
         "The active eviction policy; ETag = generation",
+        _NAMESPACE_ERRORS,
         tagged=True,
     ),
     AdminRoute(
@@ -433,7 +495,7 @@ ROUTES: tuple[AdminRoute, ...] = (
         put_policy,
         s.PolicySwitchAnswer,
         "Switch the eviction policy live (If-Match optional, idempotent)",
-        (BODY_ERRORS, 412),
+        (BODY_ERRORS, 412, *_NAMESPACE_ERRORS),
         tagged=True,
         body=s.PolicyBody,
     ),
@@ -443,6 +505,7 @@ ROUTES: tuple[AdminRoute, ...] = (
         get_shadow,
         ShadowAnswer,
         "Each policy's projected prefix hit ratio (shadow evaluation) beside the live one",
+        _NAMESPACE_ERRORS,
     ),
     AdminRoute(
         "GET", "/admin/v1/log-level", get_log_level, LogLevelAnswer, "The process's log level"
@@ -462,6 +525,14 @@ ROUTES: tuple[AdminRoute, ...] = (
         stats,
         s.StatsAnswer,
         "Pool blocks by state, hit ratio, requests, counters, jobs",
+        _NAMESPACE_ERRORS,
+    ),
+    AdminRoute(
+        "GET",
+        "/admin/v1/tenants",
+        tenants,
+        s.TenantsAnswer,
+        "Every tenant: its quotas and use, and each namespace's blocks and hit ratio",
     ),
     AdminRoute(
         "GET",
@@ -469,7 +540,7 @@ ROUTES: tuple[AdminRoute, ...] = (
         list_requests,
         s.RequestsAnswer,
         "Tracked requests and the leases each holds",
-        (422,),
+        _NAMESPACE_ERRORS,
     ),
     AdminRoute(
         "POST",
@@ -477,10 +548,15 @@ ROUTES: tuple[AdminRoute, ...] = (
         release,
         s.ReleaseAnswer,
         "Force-release a request's leases",
-        (404, 422),
+        _NAMESPACE_ERRORS,
     ),
     AdminRoute(
-        "POST", "/admin/v1/cache/clear", clear, s.ClearAnswer, "Drop every unpinned block; counts"
+        "POST",
+        "/admin/v1/cache/clear",
+        clear,
+        s.ClearAnswer,
+        "Drop every unpinned block; counts",
+        _NAMESPACE_ERRORS,
     ),
 )
 

@@ -17,7 +17,6 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 
 from app.core.events import event_json
-from app.core.service import Service
 from app.http import schemas as s
 from app.http.deps import service_of
 from app.http.errors import BODY_ERRORS, APIError, error_for, responses, too_many
@@ -26,6 +25,7 @@ from app.http.middleware import call_info
 from app.http.openapi import KVOffloadAPI
 from app.http.operations import BY_NAME, OPERATIONS, Operation, job_json
 from app.http.routes.raw import RawRoute, body_parser, check_path_param, read_body
+from app.settings import Settings
 from app.telemetry.logging import get_logger
 from transfer import RegisteredCache
 
@@ -33,6 +33,8 @@ log = get_logger("engine")
 JSON = "application/json"
 ReqIdPath = Annotated[str, Path(min_length=1, max_length=256, description="engine request id")]
 Endpoint = Callable[..., Awaitable[Response]]
+# Every engine route: the caller's credentials and namespace (``app.http.deps.space_of``).
+ENGINE_AUTH_ERRORS = (401, 403)
 
 
 def json_response(text: str | bytes, status: int = 200) -> Response:
@@ -40,7 +42,7 @@ def json_response(text: str | bytes, status: int = 200) -> Response:
     return Response(text, status, media_type=JSON)
 
 
-def _op_endpoint(op: Operation, service: Service) -> Endpoint:
+def _op_endpoint(op: Operation) -> Endpoint:
     parse = body_parser(op.body)
     run = op.run
     name = op.name
@@ -51,13 +53,14 @@ def _op_endpoint(op: Operation, service: Service) -> Endpoint:
             info.op = name
             info.req_id = req_id
         check_path_param("req_id", req_id)
+        service = service_of(request)
         status, text = run(service, req_id, parse(await read_body(request)))
         return json_response(text, status)
 
     return endpoint
 
 
-def _finish_endpoint(op: Operation, service: Service) -> Endpoint:
+def _finish_endpoint(op: Operation) -> Endpoint:
     async def endpoint(
         req_id: ReqIdPath,
         request: Request,
@@ -67,24 +70,24 @@ def _finish_endpoint(op: Operation, service: Service) -> Endpoint:
         if info is not None:
             info.op = op.name
             info.req_id = req_id
-        status, text = op.run(service, req_id, s.FinishRequestBody(abort=abort))
+        status, text = op.run(service_of(request), req_id, s.FinishRequestBody(abort=abort))
         return json_response(text, status)
 
     return endpoint
 
 
-def _add_op_route(app: KVOffloadAPI, op: Operation, service: Service) -> None:
+def _add_op_route(app: KVOffloadAPI, op: Operation) -> None:
     extra: dict[str, Any] | None = None
     errors: tuple[int, ...] = (422,)
     route_class: type[APIRoute] = APIRoute
     if op.name == "finish_request":
-        endpoint = _finish_endpoint(op, service)
+        endpoint = _finish_endpoint(op)
     else:
         required = op.name != "start_request"
-        endpoint = _op_endpoint(op, service)
+        endpoint = _op_endpoint(op)
         extra, errors = app.json_body(op.body, required=required), BODY_ERRORS
         route_class = RawRoute
-    documented = responses(errors, op.errors)
+    documented = responses(errors, op.errors, ENGINE_AUTH_ERRORS)
     for status, meaning in op.other_ok:
         documented[status] = {"model": op.answer, "description": meaning}
     app.router.add_api_route(
@@ -106,8 +109,8 @@ def _add_op_route(app: KVOffloadAPI, op: Operation, service: Service) -> None:
 class _BatchRunner:
     """``POST /v1/batch``: validate every op first (all or nothing), then run each on its own."""
 
-    def __init__(self, service: Service) -> None:
-        self.service = service
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
         self.parse = body_parser(s.BatchBody)
 
     def validated(self, raw: bytes) -> list[Any]:
@@ -118,7 +121,7 @@ class _BatchRunner:
         runs. Too many ops is found before the body is parsed when the count can tell
         (``batch_exceeds_ops``), so a body of a million ops costs a scan of its first ones.
         """
-        settings = self.service.settings
+        settings = self.settings
         if batch_exceeds_ops(raw, settings.max_batch_ops):
             raise too_many("ops", None, settings.max_batch_ops)
         ops = list(self.parse(raw).ops)
@@ -141,10 +144,10 @@ class _BatchRunner:
         info = call_info(request.scope)
         if info is not None:
             info.op = "batch"
+        service = service_of(request)  # credentials first: a stranger learns nothing
         ops = self.validated(await read_body(request))
         outcomes: list[tuple[str, int]] = []
         parts: list[str] = []
-        service = self.service
         for op in ops:
             try:
                 status, text = BY_NAME[op.op].run(service, op.req_id, op)
@@ -168,12 +171,12 @@ def _op_error(err: APIError) -> str:
     return f'{{"ok":false,"status":{err.status},"error":{detail}}}'
 
 
-def register_engine_routes(app: KVOffloadAPI, service: Service) -> None:
+def register_engine_routes(app: KVOffloadAPI, settings: Settings) -> None:
     """Add every engine route to ``app``; the hot ones (lookup, batch) first."""
     ops = list(OPERATIONS)
-    _add_op_route(app, ops[0], service)  # lookup: matched first
+    _add_op_route(app, ops[0])  # lookup: matched first
 
-    batch = _BatchRunner(service)
+    batch = _BatchRunner(settings)
     app.router.add_api_route(
         "/v1/batch",
         batch.__call__,
@@ -193,12 +196,12 @@ def register_engine_routes(app: KVOffloadAPI, service: Service) -> None:
         ),
         tags=["requests"],
         response_model=s.BatchAnswer,
-        responses=responses(BODY_ERRORS),
+        responses=responses(BODY_ERRORS, ENGINE_AUTH_ERRORS),
         openapi_extra=app.json_body(s.BatchBody),
         route_class_override=RawRoute,
     )
     for op in ops[1:]:
-        _add_op_route(app, op, service)
+        _add_op_route(app, op)
     _add_resource_routes(app)
 
 
@@ -296,7 +299,7 @@ def _add_resource_routes(app: KVOffloadAPI) -> None:
         summary="A transfer job: running, done or failed, with bytes and seconds",
         tags=["jobs"],
         response_model=s.JobAnswer,
-        responses=responses(404, 422, 503),
+        responses=responses(404, 422, 503, ENGINE_AUTH_ERRORS),
     )
     app.router.add_api_route(
         "/v1/jobs/wait",
@@ -311,7 +314,7 @@ def _add_resource_routes(app: KVOffloadAPI) -> None:
         ),
         tags=["jobs"],
         response_model=s.WaitJobsAnswer,
-        responses=responses(BODY_ERRORS, 404, 503),
+        responses=responses(BODY_ERRORS, 404, 503, ENGINE_AUTH_ERRORS),
         openapi_extra=app.json_body(s.WaitJobsBody),
         route_class_override=RawRoute,
     )
@@ -324,7 +327,7 @@ def _add_resource_routes(app: KVOffloadAPI) -> None:
         summary="KV events after a sequence number, for routers",
         tags=["events"],
         response_model=s.EventsAnswer,
-        responses=responses(422),
+        responses=responses(422, ENGINE_AUTH_ERRORS),
     )
     app.router.add_api_route(
         "/v1/kv-caches",
@@ -336,7 +339,7 @@ def _add_resource_routes(app: KVOffloadAPI) -> None:
         tags=["kv-caches"],
         status_code=201,
         response_model=s.KVCacheAnswer,
-        responses=responses(BODY_ERRORS, 503),
+        responses=responses(BODY_ERRORS, 503, ENGINE_AUTH_ERRORS),
         openapi_extra=app.json_body(s.KVCacheBody),
         route_class_override=RawRoute,
     )
@@ -349,7 +352,7 @@ def _add_resource_routes(app: KVOffloadAPI) -> None:
         summary="Registered device KV caches",
         tags=["kv-caches"],
         response_model=s.KVCacheListAnswer,
-        responses=responses(503),
+        responses=responses(503, ENGINE_AUTH_ERRORS),
     )
     app.add_api_route(
         "/v1/kv-caches/{cache_id}",
@@ -361,7 +364,7 @@ def _add_resource_routes(app: KVOffloadAPI) -> None:
         tags=["kv-caches"],
         status_code=204,
         response_class=Response,
-        responses=responses(404, 422, 503),
+        responses=responses(404, 422, 503, ENGINE_AUTH_ERRORS),
     )
     app.add_api_route(
         "/v1/pool",
@@ -372,5 +375,5 @@ def _add_resource_routes(app: KVOffloadAPI) -> None:
         summary="Host pool layout, to map the pool from an engine",
         tags=["pool"],
         response_model=s.PoolAnswer,
-        responses=responses(503),
+        responses=responses(503, ENGINE_AUTH_ERRORS),
     )

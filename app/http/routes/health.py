@@ -2,7 +2,9 @@
 
 ``/livez`` answers 200 while the process serves HTTP at all. ``/readyz`` answers 503 while the
 service is starting, draining for a shutdown, or when the oldest transfer in flight has run past
-its deadline (a stuck copy: stop sending work here); 200 otherwise.
+its deadline (a stuck copy: stop sending work here); 200 otherwise. With tenants, it speaks for
+every namespace (the first one not ready is named) and needs no credentials: it says nothing
+but ready or not.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from app.http import schemas as s
-from app.http.deps import service_of
+from app.http.deps import tenancy_of
 
 JSON = "application/json"
 _LIVE = json.dumps({"status": "ok"}).encode()
@@ -24,7 +26,7 @@ async def livez() -> Response:
 
 
 async def readyz(request: Request) -> Response:
-    reason = service_of(request).readiness()
+    reason = tenancy_of(request).readiness()
     if reason is None:
         return Response(json.dumps({"status": "ready"}), media_type=JSON)
     body = json.dumps({"status": "not_ready", "reason": reason})

@@ -1,0 +1,347 @@
+"""Namespaces and tenants: which space an engine call runs in, and who may call.
+
+A *namespace* is a space of its own: one ``Service`` (manager, host pool, worker, jobs, KV-cache
+registrations, events, shadow) per namespace. Keys, slots, pool memory, requests and events are
+therefore disjoint between namespaces by construction: the same block hash in two namespaces is
+two blocks, no slot ever passes from one namespace to another (nothing to scrub), and the pool
+handed to an engine is its namespace's pool only.
+
+Without a tenants file there is one namespace, ``default``, and no credentials (the engine
+listener is then loopback-only: ``app.settings``). With one (``--tenants``: ``app.core.tenants``),
+each tenant owns one or more namespaces (a namespace belongs to exactly one tenant), every engine
+call carries a bearer token, and a call names its namespace in the ``X-KVOffload-Namespace``
+header (absent: the tenant's only namespace). A tenant's blocks are its namespaces' pools; its
+pins and requests are held to its ``TenantQuota`` (``app.core.quota``) across them.
+
+``resolve`` answers a call's space or raises ``AuthenticationError`` (401) or
+``PermissionDeniedError`` (403); it never says whether a namespace it denies exists. The
+tenants file is reloaded when it changes (polled) or on ``request_reload`` (SIGHUP), with no
+restart: tokens and quotas apply from the next call; a new namespace gets a new space (started
+before any call can reach it); a namespace removed, or moved to another tenant, is taken out of
+resolution first and then stopped (its blocks are dropped); a namespace whose ``blocks`` changed
+keeps its pool until a restart (logged). A file that fails to load changes nothing (logged,
+counted in ``reload_failures``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+
+from app.core.errors import PermissionDeniedError
+from app.core.quota import TenantQuota
+from app.core.service import DEFAULT_NAMESPACE, Service
+from app.core.tenants import Credentials, NamespaceConfig, TenantsConfigError, TenantTable
+from app.settings import Settings
+from app.telemetry.calls import CallInfo
+from app.telemetry.logging import get_logger
+from app.telemetry.metrics import Metrics
+from app.telemetry.observer import Observer
+
+log = get_logger("tenancy")
+
+#: How often the tenants file is checked for changes (a stat call or a few).
+RELOAD_POLL_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Space:
+    """One namespace: its owner (None without tenants) and its service."""
+
+    tenant: str | None
+    namespace: str
+    service: Service
+
+
+class Tenancy:
+    """Every namespace's space, and the credentials that lead to them; see the module docstring.
+
+    ``service``: without tenants, the one service to serve (a new one from ``settings`` by
+    default; ``registry`` is where a new one puts its metrics). With ``credentials``, each
+    namespace's service is made here with a registry of its own, and ``registry`` (a fresh one
+    by default) holds the front metrics: the HTTP calls that reached no namespace (refused,
+    health, metrics) and the admin API's calls.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        credentials: Credentials | None = None,
+        service: Service | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.settings = settings
+        self.credentials = credentials
+        self.spaces: dict[str, Space] = {}
+        self.quotas: dict[str, TenantQuota] = {}
+        self.reloads = 0
+        self.reload_failures = 0
+        self._reload_wanted = asyncio.Event()
+        self._reload_lock = asyncio.Lock()
+        self._users = 0
+        self._watcher: asyncio.Task[None] | None = None
+        if credentials is None:
+            svc = service if service is not None else Service(settings, registry=registry)
+            self.single: Service | None = svc
+            self.spaces[DEFAULT_NAMESPACE] = Space(None, DEFAULT_NAMESPACE, svc)
+            self.front = svc.observer
+            self.front_registry = svc.registry
+            return
+        if service is not None:
+            raise ValueError("a tenancy with credentials makes one service per namespace")
+        self.single = None
+        self.front_registry = None
+        metrics = None
+        if settings.metrics_enabled:
+            self.front_registry = registry if registry is not None else CollectorRegistry()
+            metrics = Metrics(self.front_registry)
+        self.front = Observer(metrics)
+        table = credentials.table
+        for name, tenant in table.tenants.items():
+            self.quotas[name] = TenantQuota(name, tenant.max_pins, tenant.max_requests)
+        for name, ns in table.namespaces().items():
+            owner = table.owner(name)
+            assert owner is not None
+            self.spaces[name] = self._make_space(owner, ns)
+
+    # ------------------------------------------------------------------ building
+
+    def _make_space(self, tenant: str, ns: NamespaceConfig) -> Space:
+        blocks = ns.blocks if ns.blocks is not None else self.settings.num_blocks
+        settings = self.settings.model_copy(update={"num_blocks": blocks})
+        quota = self.quotas[tenant]
+        service = Service(settings, registry=CollectorRegistry(), namespace=ns.name, quota=quota)
+        quota.members.append(service.manager.manager)
+        return Space(tenant, ns.name, service)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether engine calls need credentials (a tenants file is loaded)."""
+        return self.credentials is not None
+
+    def services(self) -> Iterator[Service]:
+        """Every namespace's service (a snapshot: safe while spaces come and go)."""
+        return iter([space.service for space in self.spaces.values()])
+
+    @staticmethod
+    def total_blocks(settings: Settings, table: TenantTable | None) -> int:
+        """Blocks over every namespace's pool: what the machine must hold."""
+        if table is None:
+            return settings.num_blocks
+        return sum(
+            ns.blocks if ns.blocks is not None else settings.num_blocks
+            for ns in table.namespaces().values()
+        )
+
+    # ------------------------------------------------------------------ calls
+
+    def resolve(
+        self, authorization: str | None, namespace: str | None, *, trusted: bool = False
+    ) -> Space:
+        """The space an engine call runs in.
+
+        ``authorization``: the ``Authorization`` header; ``namespace``: the
+        ``X-KVOffload-Namespace`` header (None: absent); ``trusted``: the caller came through a
+        Unix socket whose file mode is its credential (``--uds-auth file-mode``), and may name
+        any namespace. Raises ``AuthenticationError`` (who is this?) before anything about
+        namespaces is said, then ``PermissionDeniedError``.
+        """
+        single = self.single
+        if single is not None:
+            if namespace is None or namespace == DEFAULT_NAMESPACE:
+                return self.spaces[DEFAULT_NAMESPACE]
+            raise PermissionDeniedError(
+                "unknown_namespace",
+                f"this service has no tenants and one namespace, {DEFAULT_NAMESPACE!r}",
+            )
+        credentials = self.credentials
+        assert credentials is not None
+        if trusted:
+            if namespace is None:
+                if len(self.spaces) == 1:
+                    return next(iter(self.spaces.values()))
+                raise PermissionDeniedError(
+                    "namespace_required", "name the namespace (X-KVOffload-Namespace)"
+                )
+            space = self.spaces.get(namespace)
+            if space is None:
+                raise PermissionDeniedError("unknown_namespace", "no such namespace")
+            return space
+        tenant = credentials.authenticate(authorization)
+        if namespace is None:
+            if len(tenant.namespaces) != 1:
+                raise PermissionDeniedError(
+                    "namespace_required",
+                    "this tenant has several namespaces: name one (X-KVOffload-Namespace)",
+                )
+            namespace = tenant.namespaces[0].name
+        space = self.spaces.get(namespace)
+        if space is None or space.tenant != tenant.name:
+            # Same answer whether the namespace is another tenant's or nobody's.
+            raise PermissionDeniedError("namespace_denied", "not a namespace of this tenant")
+        return space
+
+    def space(self, namespace: str) -> Space:
+        """The space of ``namespace`` (the admin API names it); ``PermissionDeniedError``."""
+        space = self.spaces.get(namespace)
+        if space is None:
+            raise PermissionDeniedError("unknown_namespace", f"no namespace {namespace!r}")
+        return space
+
+    def on_call(self, info: CallInfo) -> None:
+        """The ``CallInfo`` hook: the call's namespace's observer, else the front one."""
+        space = self.spaces.get(info.namespace) if info.namespace is not None else None
+        observer = space.service.observer if space is not None else self.front
+        observer.on_call(info)
+
+    def pool_id(self, namespace: str | None) -> str | None:
+        """The pool id of ``namespace`` (None: unknown, or not started)."""
+        space = self.spaces.get(namespace) if namespace is not None else None
+        return None if space is None else space.service.pool_id
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[Tenancy]:
+        """Hold every space running for the block, and watch the tenants file meanwhile.
+
+        Reference counted like ``Service.running`` (each listener's lifespan holds it): the
+        first hold starts every space, the last one out stops them.
+        """
+        async with self._reload_lock:
+            if self._users == 0:
+                started: list[Service] = []
+                try:
+                    for service in self.services():
+                        await service.start()
+                        started.append(service)
+                except BaseException:
+                    for service in reversed(started):
+                        await service.stop()
+                    raise
+                if self.credentials is not None:
+                    self._watcher = asyncio.create_task(
+                        self._watch(), name="kvoffload-tenants-watch"
+                    )
+            self._users += 1
+        try:
+            yield self
+        finally:
+            async with self._reload_lock:
+                self._users -= 1
+                if self._users == 0:
+                    watcher, self._watcher = self._watcher, None
+                    if watcher is not None:
+                        watcher.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await watcher
+                    for service in reversed(list(self.services())):
+                        await service.stop()
+
+    def begin_drain(self) -> None:
+        """Every space reports not-ready from now on."""
+        for service in self.services():
+            service.begin_drain()
+
+    def readiness(self) -> str | None:
+        """None when every space is ready, else why the first one is not."""
+        for space in list(self.spaces.values()):
+            reason = space.service.readiness()
+            if reason is not None:
+                if self.single is not None:
+                    return reason
+                return f"namespace {space.namespace!r}: {reason}"
+        return None
+
+    # ------------------------------------------------------------------ reloads
+
+    def request_reload(self) -> None:
+        """Reload the tenants file soon (SIGHUP's handler; safe from the loop only)."""
+        self._reload_wanted.set()
+
+    async def _watch(self) -> None:
+        credentials = self.credentials
+        assert credentials is not None
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(RELOAD_POLL_S):
+                    await self._reload_wanted.wait()
+            asked = self._reload_wanted.is_set()
+            self._reload_wanted.clear()
+            try:
+                if asked or credentials.changed():
+                    await self.reload()
+            except Exception:
+                log.exception("tenants reload failed; the previous tenants stay in force")
+
+    async def reload(self) -> bool:
+        """Load the tenants file again and apply it; False (and nothing changed) when it does
+        not load. See the module docstring for what a reload changes."""
+        credentials = self.credentials
+        if credentials is None:
+            return False
+        async with self._reload_lock:
+            before = credentials.table
+            try:
+                report = credentials.reload()
+            except TenantsConfigError as exc:
+                self.reload_failures += 1
+                log.error(
+                    "tenants file not reloaded; the previous tenants stay in force",
+                    extra={"fields": {"error": str(exc)}},
+                )
+                return False
+            self.reloads += 1
+            await self._apply(before, credentials.table)
+            log.warning(
+                "tenants reloaded",
+                extra={"fields": {**dataclasses.asdict(report), "namespaces": len(self.spaces)}},
+            )
+            return True
+
+    async def _apply(self, before: TenantTable, after: TenantTable) -> None:
+        for name, tenant in after.tenants.items():
+            quota = self.quotas.get(name)
+            if quota is None:
+                self.quotas[name] = TenantQuota(name, tenant.max_pins, tenant.max_requests)
+            else:
+                quota.max_pins, quota.max_requests = tenant.max_pins, tenant.max_requests
+        old, new = before.namespaces(), after.namespaces()
+        gone = [n for n in old if n not in new or before.owner(n) != after.owner(n)]
+        for name in gone:
+            space = self.spaces.pop(name, None)
+            if space is None:
+                continue
+            quota = self.quotas.get(space.tenant or "")
+            if quota is not None:
+                with contextlib.suppress(ValueError):
+                    quota.members.remove(space.service.manager.manager)
+            log.warning(
+                "namespace removed; its blocks are dropped",
+                extra={"fields": {"namespace": name, "tenant": space.tenant}},
+            )
+            if self._users:
+                space.service.begin_drain()
+                await space.service.stop()
+        for name, ns in new.items():
+            if name in self.spaces:
+                if ns.blocks != old[name].blocks:
+                    log.warning(
+                        "namespace size changed; it keeps its pool until a restart",
+                        extra={"fields": {"namespace": name, "blocks": ns.blocks}},
+                    )
+                continue
+            owner = after.owner(name)
+            assert owner is not None
+            space = self._make_space(owner, ns)
+            if self._users:
+                await space.service.start()
+            self.spaces[name] = space  # reachable only once it runs
+        for name in [t for t in self.quotas if t not in after.tenants]:
+            del self.quotas[name]
