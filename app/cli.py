@@ -35,6 +35,7 @@ from typing import Any
 
 from app import package_version, replay
 from app.settings import (
+    OCTAL_SETTINGS,
     AdminAuth,
     ConfigError,
     Settings,
@@ -66,7 +67,9 @@ def _flag_help(name: str) -> str:
     field = Settings.model_fields[name]
     help_text = field.description or name
     default = field.default
-    if default is not None and not isinstance(default, dict) and not callable(default):
+    if name in OCTAL_SETTINGS:
+        help_text += f" (default: {default:04o})"
+    elif default is not None and not isinstance(default, dict) and not callable(default):
         help_text += f" (default: {default})"
     return f"{help_text}; env KVOFFLOAD_{name.upper()}"
 

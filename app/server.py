@@ -16,7 +16,8 @@ once per listener, say which listener they are about.
 The pool socket (``Settings.effective_pool_socket``: ``pool_socket``, by default the engine
 socket's path plus ``.pool``) hands engines the pool's descriptor (``app.pool_share``) while the
 service runs, on the same loop; it stops before the service frees the pool, and its file is
-removed at exit like the engine socket's.
+removed at exit like the engine socket's. Both Unix sockets get the file mode ``uds_mode``
+(owner only by default) and, with ``uds_group``, that group: who may connect to them.
 
 Shutdown: the first SIGTERM/SIGINT marks the service not ready (``/readyz`` 503), waits
 ``shutdown_delay_s`` (time for a load balancer to notice), then stops both listeners, which let
@@ -30,6 +31,7 @@ import asyncio
 import contextlib
 import errno
 import gc
+import grp
 import os
 import signal
 import socket
@@ -51,7 +53,6 @@ from app.telemetry.logging import bind_listener, get_logger
 from transfer import HostPool
 
 log = get_logger("server")
-UDS_MODE = 0o660
 
 
 class Listener(uvicorn.Server):
@@ -76,10 +77,12 @@ def bind_tcp(host: str, port: int) -> socket.socket:
     return sock
 
 
-def bind_unix(path: Path) -> socket.socket:
-    """A Unix stream socket at ``path``; a stale socket file left by a dead process is replaced.
+def bind_unix(path: Path, mode: int = 0o600) -> socket.socket:
+    """A Unix stream socket at ``path`` with file ``mode``; a stale socket file left by a dead
+    process is replaced.
 
-    A path that exists and is not a socket is never removed.
+    A path that exists and is not a socket is never removed. Nobody can connect before the
+    socket listens, so its mode (and group: ``listen_unix``) are in place before anyone can.
     """
     if path.exists():
         if not stat.S_ISSOCK(path.stat().st_mode):
@@ -96,7 +99,7 @@ def bind_unix(path: Path) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind(str(path))
-        os.chmod(path, UDS_MODE)
+        os.chmod(path, mode)
     except BaseException:
         sock.close()
         raise
@@ -128,11 +131,28 @@ def listen_tcp(settings: Settings, listener: str) -> socket.socket:
         ) from None
 
 
-def listen_unix(path: Path, field: str, listener: str) -> socket.socket:
-    """``bind_unix`` for the setting ``field`` (``uds``, ``pool_socket``); ``ConfigError``
-    naming it when the path cannot be bound."""
+def socket_group(settings: Settings) -> int | None:
+    """The gid of ``uds_group`` (a group name or a number); ``ConfigError`` naming the setting
+    when this machine has no such group."""
+    name = settings.uds_group
+    if name is None:
+        return None
+    if name.isdigit():
+        return int(name)
     try:
-        return bind_unix(path)
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise config_error(
+            "uds_group", name, "no such group on this machine; accepted: a group name or a gid"
+        ) from None
+
+
+def listen_unix(settings: Settings, path: Path, field: str, listener: str) -> socket.socket:
+    """``bind_unix`` for the setting ``field`` (``uds``, ``pool_socket``) with ``uds_mode`` and
+    ``uds_group``; ``ConfigError`` naming the setting that does not work out."""
+    gid = socket_group(settings)
+    try:
+        sock = bind_unix(path, settings.uds_mode)
     except OSError as exc:
         why = exc.strerror or str(exc)
         raise config_error(
@@ -141,6 +161,19 @@ def listen_unix(path: Path, field: str, listener: str) -> socket.socket:
             f"cannot listen there ({listener}: {why}); accepted: a path no process listens on, "
             "in a writable directory, under 108 bytes",
         ) from None
+    if gid is not None:
+        try:
+            os.chown(path, -1, gid)
+        except OSError as exc:
+            sock.close()
+            path.unlink()  # ours: bound a moment ago
+            raise config_error(
+                "uds_group",
+                settings.uds_group,
+                f"cannot give {path} to it ({exc.strerror}); accepted: a group of the "
+                "service's user (or any, as root)",
+            ) from None
+    return sock
 
 
 def uvicorn_config(app: Any, *, graceful_shutdown_s: float = 1.0) -> uvicorn.Config:
@@ -215,10 +248,10 @@ async def serve(
     bound: list[Path] = []
     try:
         if settings.uds is not None:
-            public_socks.append(listen_unix(settings.uds, "uds", "engine listener"))
+            public_socks.append(listen_unix(settings, settings.uds, "uds", "engine listener"))
             bound.append(settings.uds)
         if pool_path is not None:
-            pool_socks.append(listen_unix(pool_path, "pool_socket", "pool socket"))
+            pool_socks.append(listen_unix(settings, pool_path, "pool_socket", "pool socket"))
             bound.append(pool_path)
         admin_socks.append(listen_tcp(settings, "admin"))
     except BaseException:

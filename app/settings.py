@@ -6,13 +6,14 @@ prefix (``KVOFFLOAD_NUM_BLOCKS``, ``KVOFFLOAD_ADMIN_TOKEN``), and ``config`` (fl
 env ``KVOFFLOAD_CONFIG``) names a TOML or JSON file whose top-level keys are field names.
 
 Validation happens at construction; an invalid value or combination (an unknown policy or
-policy parameter, an admin listener on a non-loopback address without a token, a lease TTL
-shorter than a transfer deadline) raises ``ValueError`` (pydantic's ``ValidationError``) so the
-service refuses to start instead of running unsafely. ``load_settings`` turns every such
-refusal into a ``ConfigError``: one line naming the setting's flag and variable
-(``setting_names``), the value given and what is accepted; ``kvoffload serve`` prints it and
-exits 2. The rooms above raise ``ConfigError`` too for what only starting can find out (a busy
-port, a device the machine lacks).
+policy parameter, an admin listener on a non-loopback address without a token, an engine
+listener on one without a tenants file, a lease TTL shorter than a transfer deadline) raises
+``ValueError`` (pydantic's ``ValidationError``) so the service refuses to start instead of
+running unsafely. ``load_settings`` turns every such refusal into a ``ConfigError``: one line
+naming the setting's flag and variable (``setting_names``), the value given and what is
+accepted; ``kvoffload serve`` prints it and exits 2. The rooms above raise ``ConfigError`` too
+for what only starting can find out (a busy port, a device the machine lacks, an unusable
+tenants file).
 
 ``AdminAuth`` holds the admin token's sources alone (``--admin-token-file``,
 ``KVOFFLOAD_ADMIN_TOKEN``, ``KVOFFLOAD_ADMIN_TOKEN_FILE``, the config file); ``Settings``
@@ -53,6 +54,14 @@ ENV_PREFIX = "KVOFFLOAD_"
 _NO_FLAG = frozenset({"admin_token"})
 _FLAG_NAMES = {"policy_params": "--policy-param"}
 _HIDDEN = frozenset({"admin_token"})
+# File modes: written and shown in octal (0600), as chmod takes them.
+OCTAL_SETTINGS = frozenset({"uds_mode"})
+_OCTAL_MODE = re.compile(r"(0o)?([0-7]{1,4})")
+# Unix socket modes: read and write for the owner, maybe for the group, nothing else (connecting
+# needs write; execute means nothing on a socket).
+_UDS_MODE_ALLOWED = 0o660
+_UDS_MODE_REQUIRED = 0o600
+UdsAuth = Literal["token", "file-mode"]
 _S = TypeVar("_S", bound="AdminAuth")
 
 
@@ -84,6 +93,8 @@ def config_error(field: str, value: object, reason: str) -> ConfigError:
 def _shown(field: str, value: object) -> str:
     if field in _HIDDEN:
         return "[hidden]"
+    if field in OCTAL_SETTINGS and isinstance(value, int) and not isinstance(value, bool):
+        return repr(f"{value:04o}")
     if isinstance(value, Path):
         return repr(str(value))
     if isinstance(value, dict | list):
@@ -286,6 +297,23 @@ class Settings(AdminAuth):
         default=None,
         description="hand the pool to engines on this Unix socket (default with uds: UDS.pool)",
     )
+    uds_mode: int = Field(
+        default=0o600,
+        description="file mode of the Unix sockets, octal: 0600 (owner only) or 0660 (and group)",
+    )
+    uds_group: str | None = Field(
+        default=None, description="group (name or gid) given the Unix sockets (with uds_mode 0660)"
+    )
+    uds_auth: UdsAuth = Field(
+        default="token",
+        description="with tenants: token (Unix socket callers need a token too) or file-mode "
+        "(the socket's file mode and group are the credentials)",
+    )
+    tenants: Path | None = Field(
+        default=None,
+        description="the engine API's tenants, their namespaces and tokens: a TOML file or a "
+        "directory of NAME.toml files (re-read on SIGHUP or change); required off loopback",
+    )
     admin_host: str = Field(default="127.0.0.1", description="admin API address")
     admin_port: int = Field(default=8001, ge=0, le=65535, description="admin port (0: any)")
 
@@ -385,6 +413,44 @@ class Settings(AdminAuth):
             raise config_error("device", value, "accepted: auto, cpu, cuda or cuda:N")
         return value
 
+    @field_validator("uds_mode", mode="before")
+    @classmethod
+    def _octal_mode(cls, value: Any) -> Any:
+        # Flags, env and JSON give "0600" or "0o660"; TOML has octal integers (0o600).
+        if isinstance(value, str):
+            match = _OCTAL_MODE.fullmatch(value.strip().lower())
+            if match is None:
+                raise config_error(
+                    "uds_mode", value, "accepted: an octal mode such as 0600 or 0660"
+                )
+            return int(match[2], 8)
+        return value
+
+    @field_validator("uds_mode")
+    @classmethod
+    def _check_uds_mode(cls, value: int) -> int:
+        if value & ~_UDS_MODE_ALLOWED or value & _UDS_MODE_REQUIRED != _UDS_MODE_REQUIRED:
+            raise config_error(
+                "uds_mode",
+                value,
+                "accepted: 0600 (owner only) or 0660 (owner and group); read and write for the "
+                "owner, nothing for others, no execute bits",
+            )
+        return value
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenants_exist(cls, value: Path | None) -> Path | None:
+        # Read when the service starts (app.core.tenants); a path that is not there is a typo.
+        if value is not None and not value.exists():
+            raise config_error(
+                "tenants",
+                value,
+                "no such file or directory; accepted: a TOML file of [tenants.NAME] tables or a "
+                "directory of NAME.toml files",
+            )
+        return value
+
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, value: str) -> str:
@@ -466,6 +532,14 @@ class Settings(AdminAuth):
                 "not a loopback address and no admin token; accepted: 127.0.0.1, ::1 or "
                 f"localhost, or any address with {ENV_PREFIX}ADMIN_TOKEN or "
                 f"{setting_names('admin_token_file')} set",
+            )
+        if self.tenants is None and not is_loopback(self.host):
+            # Off loopback, anyone who reaches the port could use the pool: tokens are needed.
+            raise config_error(
+                "host",
+                self.host,
+                "not a loopback address and no tenants file; accepted: 127.0.0.1, ::1 or "
+                f"localhost, or any address with {setting_names('tenants')} set",
             )
         if self.lease_ttl_s <= self.job_deadline_s:
             # A lease that expires while its transfer may still run would free a slot that a
