@@ -5,6 +5,19 @@
 refuses raises ``KVOffloadError`` with the HTTP ``status`` and the error's ``code`` and
 ``message``; transport failures raise ``httpx.TransportError``.
 
+Credentials: a service with tenants wants a bearer token on every engine call (``token=`` or,
+better, ``token_file=``: a token never belongs on a command line) and serves the namespace named
+by ``namespace=`` (header ``NAMESPACE_HEADER``; without it, the tenant's only namespace). The
+token is sent as ``Authorization: Bearer`` and never shows in a ``repr``, a log line or an
+error message.
+
+Errors, by status (the ``code`` strings may change, the classes do not)::
+
+    KVOffloadError                any refusal: status, code, message
+    ├── KVOffloadAuthError        401: no, malformed, unknown or revoked token
+    ├── KVOffloadPermissionError  403: not allowed (a namespace that is not the tenant's)
+    └── KVOffloadQuotaError       429 / 507: a quota or the pool's room is exhausted (``quota``)
+
 Each call is described once (``_Call``: method, path, JSON body, how to read the answer) and both
 clients execute the same descriptions, so they cannot drift apart.
 
@@ -17,6 +30,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Generic, Literal, Self, TypeVar
 from urllib.parse import quote
@@ -29,6 +43,8 @@ T = TypeVar("T")
 JobState = Literal["running", "done", "failed"]
 _UDS_BASE = "http://kvoffload"
 _JSON_HEADERS = {"content-type": "application/json"}
+NAMESPACE_HEADER = "X-KVOffload-Namespace"
+"""Request header naming the namespace an engine call works in (tenants only)."""
 
 
 class KVOffloadError(Exception):
@@ -39,6 +55,92 @@ class KVOffloadError(Exception):
         self.status = status
         self.code = code
         self.message = message
+
+
+class KVOffloadAuthError(KVOffloadError):
+    """401: the service did not accept the client's credentials (none, malformed, unknown or
+    revoked token; ``message`` says which)."""
+
+
+class KVOffloadPermissionError(KVOffloadError):
+    """403: the credentials are known but not allowed this call (e.g. a namespace that is not
+    the tenant's, or none named by a tenant of several)."""
+
+
+class KVOffloadQuotaError(KVOffloadError):
+    """429 (a tenant's pins or live requests) or 507 (no room among the namespace's blocks):
+    nothing was done. ``quota`` is the quota the answer names (``pins``, ``requests``,
+    ``blocks``), None when it names none."""
+
+    def __init__(self, status: int, code: str, message: str, quota: str | None = None) -> None:
+        super().__init__(status, code, message)
+        self.quota = quota
+
+
+def _error(status: int, body: Any, fallback: str) -> KVOffloadError:
+    """The typed error of an error answer (``body``: its ``error`` object, if readable)."""
+    code, message, quota = "http_error", fallback, None
+    if isinstance(body, Mapping):
+        code = str(body.get("code", code))
+        message = str(body.get("message", message))
+        quota = body.get("quota")
+    if status == 401:
+        return KVOffloadAuthError(status, code, message)
+    if status == 403:
+        return KVOffloadPermissionError(status, code, message)
+    if status in (429, 507):
+        return KVOffloadQuotaError(status, code, message, None if quota is None else str(quota))
+    return KVOffloadError(status, code, message)
+
+
+# --------------------------------------------------------------------------- credentials
+
+
+def read_token_file(path: Path | str) -> str:
+    """The token held in ``path``, surrounding whitespace (a trailing newline) dropped.
+
+    Raises ``ValueError`` naming the file (never its content) when it cannot be read, is empty,
+    or holds something that is not one token (whitespace or control characters inside).
+    """
+    try:
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise ValueError(f"token file {path}: cannot read it ({exc.strerror or exc})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"token file {path}: not UTF-8 text") from None
+    if not token:
+        raise ValueError(f"token file {path}: empty")
+    _check_token(token, f"token file {path}")
+    return token
+
+
+def _check_token(token: str, source: str) -> None:
+    # A bearer token is printable ASCII without spaces; anything else would be refused by the
+    # HTTP library with an error that may quote the header, token included.
+    if not token or not all("!" <= ch <= "~" for ch in token):
+        raise ValueError(
+            f"{source}: not a token (empty, or holding whitespace, control or non-ASCII characters)"
+        )
+
+
+def _credential_headers(
+    token: str | None, token_file: Path | str | None, namespace: str | None
+) -> dict[str, str]:
+    """The headers every engine call carries; the token file is read here, once."""
+    if token is not None and token_file is not None:
+        raise ValueError("give token or token_file, not both")
+    if token_file is not None:
+        token = read_token_file(token_file)
+    elif token is not None:
+        _check_token(token, "token")
+    headers = {}
+    if token is not None:
+        headers["authorization"] = f"Bearer {token}"
+    if namespace is not None:
+        if not namespace or not all("!" <= ch <= "~" for ch in namespace):
+            raise ValueError(f"namespace {namespace!r}: not a namespace name")
+        headers[NAMESPACE_HEADER] = namespace
+    return headers
 
 
 # --------------------------------------------------------------------------- answers
@@ -225,7 +327,7 @@ def _batch(d: Mapping[str, Any]) -> list[OpResult]:
     out = []
     for r in d["results"]:
         err = r.get("error")
-        error = None if err is None else KVOffloadError(r["status"], err["code"], err["message"])
+        error = None if err is None else _error(r["status"], err, "")
         out.append(OpResult(r["ok"], r["status"], r.get("result"), error))
     return out
 
@@ -442,13 +544,11 @@ def _read(call: _Call[T], response: httpx.Response, ok_statuses: tuple[int, ...]
     # A redirect is an error too: the service never redirects a call it serves, and following
     # one (or reading its empty body as an answer) would report on some other path.
     if status >= 300 and status not in ok_statuses:
-        code, message = "http_error", response.reason_phrase
         try:
             err = response.json()["error"]
-            code, message = str(err["code"]), str(err["message"])
         except (ValueError, KeyError, TypeError):
-            pass
-        raise KVOffloadError(status, code, message)
+            err = None
+        raise _error(status, err, response.reason_phrase)
     if status == 204 or not response.content:
         return call.read({})
     return call.read(response.json())
@@ -483,8 +583,21 @@ class _SyncClient:
         self.close()
 
 
+def _repr(client: KVOffloadClient | AsyncKVOffloadClient) -> str:
+    http = client._http
+    token = "set" if "authorization" in http.headers else None
+    return (
+        f"{type(client).__name__}(base_url={str(http.base_url)!r}, "
+        f"namespace={client.namespace!r}, token={token})"
+    )
+
+
 class KVOffloadClient(_SyncClient):
     """Synchronous engine API client. Use as a context manager, or ``close()`` it.
+
+    ``token`` / ``token_file`` (read once, here; not both) and ``namespace`` are sent with every
+    call (see the module docstring); a bad token file or token raises ``ValueError`` naming its
+    source, never its value.
 
     ``last_pool_id`` is the ``X-KVOffload-Pool`` header of the last answer (None when the
     answer had none), so a caller that maps the pool can tell the service restarted.
@@ -497,10 +610,25 @@ class KVOffloadClient(_SyncClient):
         uds: str | None = None,
         timeout: float | httpx.Timeout = 30.0,
         transport: httpx.BaseTransport | None = None,
+        token: str | None = None,
+        token_file: Path | str | None = None,
+        namespace: str | None = None,
     ) -> None:
+        headers = _credential_headers(token, token_file, namespace)
         url, transport = _transport_args(base_url, uds, transport)
-        self._http = httpx.Client(base_url=url, timeout=timeout, transport=transport)
+        self._http = httpx.Client(
+            base_url=url, timeout=timeout, transport=transport, headers=headers
+        )
+        self._namespace = namespace
         self.last_pool_id: str | None = None
+
+    @property
+    def namespace(self) -> str | None:
+        """The namespace every call names (None: the service picks the tenant's only one)."""
+        return self._namespace
+
+    def __repr__(self) -> str:
+        return _repr(self)
 
     def _call(self, call: _Call[T], ok_statuses: tuple[int, ...] = ()) -> T:
         response = self._http.request(call.method, call.path, **_request_kwargs(call))
@@ -593,7 +721,7 @@ class KVOffloadClient(_SyncClient):
 
 
 class AsyncKVOffloadClient:
-    """Asynchronous engine API client (same calls as ``KVOffloadClient``)."""
+    """Asynchronous engine API client (same calls and credentials as ``KVOffloadClient``)."""
 
     def __init__(
         self,
@@ -602,13 +730,28 @@ class AsyncKVOffloadClient:
         uds: str | None = None,
         timeout: float = 30.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        token: str | None = None,
+        token_file: Path | str | None = None,
+        namespace: str | None = None,
     ) -> None:
+        headers = _credential_headers(token, token_file, namespace)
         if uds is not None:
             url = base_url or _UDS_BASE
             transport = transport or httpx.AsyncHTTPTransport(uds=uds)
         else:
             url = base_url or "http://127.0.0.1:8000"
-        self._http = httpx.AsyncClient(base_url=url, timeout=timeout, transport=transport)
+        self._http = httpx.AsyncClient(
+            base_url=url, timeout=timeout, transport=transport, headers=headers
+        )
+        self._namespace = namespace
+
+    @property
+    def namespace(self) -> str | None:
+        """The namespace every call names (None: the service picks the tenant's only one)."""
+        return self._namespace
+
+    def __repr__(self) -> str:
+        return _repr(self)
 
     async def _call(self, call: _Call[T], ok_statuses: tuple[int, ...] = ()) -> T:
         response = await self._http.request(call.method, call.path, **_request_kwargs(call))

@@ -1,0 +1,343 @@
+"""The pool socket in tenant mode: the client speaks first with its token and namespace, and the
+service hands out that namespace's pool or one refusal line without a descriptor. A client
+that says nothing in time, too much, or something unreadable is refused and dropped, without
+ever holding up the others; refusals are logged with the peer and the reason, never the token.
+A client with credentials still gets the pool from a service in open mode."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.pool_share import (
+    MAX_REQUEST_BYTES,
+    MAX_WAITING_REQUESTS,
+    PoolShareError,
+    PoolShareServer,
+    SharedPool,
+    receive_pool,
+)
+
+BLOCKS, BLOCK_BYTES = 4, 4096
+TOKEN_A = "token-of-team-a-0001"
+TOKEN_B = "token-of-team-b-0002"
+TENANTS = {TOKEN_A: {"a"}, TOKEN_B: {"b", "b2"}}
+
+
+class Refused(Exception):
+    """What the service's resolver raises: a ``reason`` code, like app.core.errors'."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"refused: {reason}")
+        self.reason = reason
+
+
+@pytest.fixture(autouse=True)
+def no_descriptor_leaks() -> Iterator[None]:
+    before = set(os.listdir("/proc/self/fd"))
+    yield
+    assert set(os.listdir("/proc/self/fd")) <= before, "a descriptor leaked"
+
+
+@pytest.fixture
+def sock_path(tmp_path: Path) -> str:
+    return str(tmp_path / "engine.sock.pool")
+
+
+@pytest.fixture
+def pools() -> Iterator[dict[str, SharedPool]]:
+    """One pool-sized anonymous file per namespace, each its own pool."""
+    out = {}
+    for name in ("a", "b", "b2"):
+        fd = os.memfd_create(f"pool-{name}", os.MFD_CLOEXEC)
+        os.ftruncate(fd, BLOCKS * BLOCK_BYTES)
+        out[name] = SharedPool(fd, f"pool-{name}", BLOCKS, BLOCK_BYTES)
+    yield out
+    for pool in out.values():
+        os.close(pool.fd)
+
+
+def resolver(
+    pools: dict[str, SharedPool], seen: list[dict[str, Any]] | None = None
+) -> Callable[[dict[str, Any]], SharedPool]:
+    """The service's part: token -> tenant, namespace (or the tenant's only one) -> pool."""
+
+    def current(request: dict[str, Any]) -> SharedPool:
+        if seen is not None:
+            seen.append(request)
+        token, namespace = request["token"], request["namespace"]
+        if token is None:
+            raise Refused("missing_token")
+        owned = TENANTS.get(token)
+        if owned is None:
+            raise Refused("unknown_token")
+        if namespace is None:
+            if len(owned) != 1:
+                raise Refused("namespace_required")
+            (namespace,) = owned
+        if namespace not in owned:
+            raise Refused("namespace_denied")
+        return pools[namespace]
+
+    return current
+
+
+@contextlib.contextmanager
+def serving(path: str, current: Callable[..., SharedPool], **options: Any) -> Iterator[None]:
+    """A ``PoolShareServer`` on an event loop of its own thread (the test blocks in receive)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(path)
+    server = PoolShareServer(sock, current, **options)
+
+    async def start() -> None:
+        server.start()
+
+    asyncio.run_coroutine_threadsafe(start(), loop).result(5)
+    try:
+        yield
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(5)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+
+
+def tenant_server(path: str, pools: dict[str, SharedPool], **options: Any) -> Any:
+    return serving(path, resolver(pools), read_request=True, **options)
+
+
+def connect(path: str) -> socket.socket:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(10)
+    conn.connect(path)
+    return conn
+
+
+def answer_of(conn: socket.socket) -> tuple[bytes, int]:
+    """Everything the service sent until it closed, and how many descriptors came along (each
+    closed here)."""
+    data, fds = b"", 0
+    while True:
+        try:
+            chunk, got, _, _ = socket.recv_fds(conn, 8192, 4)
+        except ConnectionResetError:  # it closed with our unread bytes: the answer came first
+            break
+        for fd in got:
+            os.close(fd)
+        fds += len(got)
+        if not chunk:
+            break
+        data += chunk
+    return data, fds
+
+
+def refusal(conn: socket.socket) -> str:
+    data, fds = answer_of(conn)
+    assert fds == 0
+    line = data.decode()
+    assert line.endswith("\n")
+    assert line.count("\n") == 1
+    reason: str = json.loads(line)["error"]
+    return reason
+
+
+def written_through(got: SharedPool, pool: SharedPool) -> bool:
+    """Whether bytes written through the received descriptor land in ``pool``'s file."""
+    try:
+        with got.map() as mapped:
+            mapped[BLOCK_BYTES : BLOCK_BYTES + 4] = b"mine"
+        return os.pread(pool.fd, 4, BLOCK_BYTES) == b"mine"
+    finally:
+        os.close(got.fd)
+
+
+# --------------------------------------------------------------------------- credentials
+
+
+def test_a_good_token_gets_its_namespaces_pool(sock_path: str, pools) -> None:
+    seen: list[dict[str, Any]] = []
+    with serving(sock_path, resolver(pools, seen), read_request=True):
+        got_b2 = receive_pool(sock_path, token=TOKEN_B, namespace="b2")
+        got_a = receive_pool(sock_path, token=TOKEN_A)  # the tenant's only namespace
+    assert (got_b2.pool_id, got_a.pool_id) == ("pool-b2", "pool-a")
+    assert written_through(got_b2, pools["b2"])
+    assert os.pread(pools["b"].fd, 4, BLOCK_BYTES) == b"\0" * 4
+    assert written_through(got_a, pools["a"])
+    assert seen == [
+        {"token": TOKEN_B, "namespace": "b2"},
+        {"token": TOKEN_A, "namespace": None},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("token", "namespace", "reason"),
+    [
+        ("not-a-known-token-9999", "a", "unknown_token"),
+        (TOKEN_A, "b", "namespace_denied"),
+        (TOKEN_B, None, "namespace_required"),
+        (None, "a", "missing_token"),
+    ],
+)
+def test_a_refusal_is_one_line_without_a_descriptor(
+    sock_path: str, pools, caplog, token: str | None, namespace: str | None, reason: str
+) -> None:
+    caplog.set_level(logging.INFO, logger="kvoffload.pool_share")
+    with tenant_server(sock_path, pools):
+        with pytest.raises(PoolShareError, match=f"refused to hand out the pool: {reason}") as info:
+            receive_pool(sock_path, token=token, namespace=namespace)
+        assert info.value.reason == reason
+        assert "wants a token" not in str(info.value)  # it did send one
+        # The same refusal on the wire: one line, no descriptor, then the end.
+        with connect(sock_path) as conn:
+            conn.sendall(json.dumps({"token": token, "namespace": namespace}).encode() + b"\n")
+            assert refusal(conn) == reason
+    refusals = [r for r in caplog.records if r.getMessage() == f"pool request refused: {reason}"]
+    assert len(refusals) == 2
+    fields = refusals[0].fields
+    assert (fields["peer_pid"], fields["peer_uid"], fields["peer_gid"]) == (
+        os.getpid(),
+        os.getuid(),
+        os.getgid(),
+    )
+    assert fields["reason"] == reason
+    for record in caplog.records:
+        assert token is None or token not in f"{record.getMessage()} {record.__dict__}"
+
+
+def test_a_resolver_failure_without_a_reason_is_refused(sock_path: str, pools, caplog) -> None:
+    def current(request: dict[str, Any]) -> SharedPool:
+        raise KeyError(request["token"])  # its text holds the token: never logged
+
+    with serving(sock_path, current, read_request=True), pytest.raises(PoolShareError) as info:
+        receive_pool(sock_path, token=TOKEN_A)
+    assert info.value.reason == "refused"
+    assert "pool resolver failed: KeyError" in caplog.text
+    assert TOKEN_A not in caplog.text
+
+
+# --------------------------------------------------------------------------- bad clients
+
+
+def test_a_client_that_says_nothing_is_refused_at_the_deadline(sock_path: str, pools) -> None:
+    with tenant_server(sock_path, pools, request_timeout_s=0.2):
+        with connect(sock_path) as conn:
+            assert refusal(conn) == "request_timeout"
+        # A client of open mode (sends nothing) learns why.
+        with pytest.raises(PoolShareError, match="wants a token or namespace first") as info:
+            receive_pool(sock_path)
+        assert info.value.reason == "request_timeout"
+
+
+def test_a_client_that_dawdles_does_not_hold_up_the_others(sock_path: str, pools) -> None:
+    with tenant_server(sock_path, pools, request_timeout_s=30), connect(sock_path) as idle:
+        idle.sendall(b'{"token": ')  # and nothing more for now
+        got = receive_pool(sock_path, timeout_s=5, token=TOKEN_A)
+        os.close(got.fd)
+        # The split line, once whole, is read whole.
+        idle.sendall(json.dumps(TOKEN_A).encode() + b"}\n")
+        data, fds = answer_of(idle)
+    assert got.pool_id == "pool-a"
+    assert fds == 1
+    assert json.loads(data)["pool_id"] == "pool-a"
+
+
+def test_an_oversized_request_is_refused(sock_path: str, pools) -> None:
+    with tenant_server(sock_path, pools):
+        with connect(sock_path) as conn:
+            conn.sendall(b'{"token": "' + b"x" * MAX_REQUEST_BYTES)
+            assert refusal(conn) == "request_too_large"
+        # A line of exactly MAX_REQUEST_BYTES, newline included, is still read.
+        overhead = len(json.dumps({"token": "", "namespace": None}, separators=(",", ":"))) + 1
+        longest = "t" * (MAX_REQUEST_BYTES - overhead)
+        with pytest.raises(PoolShareError) as info:
+            receive_pool(sock_path, token=longest)
+        assert info.value.reason == "unknown_token"
+    with pytest.raises(ValueError, match="over 4096 bytes") as too_long:
+        receive_pool(sock_path, token=longest + "t")
+    assert longest not in str(too_long.value)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [b"[1, 2]\n", b"\xff\xfe\n", b'{"token": 5}\n', b'{"namespace": ["a"]}\n', b"\n"],
+)
+def test_an_unreadable_request_is_refused(sock_path: str, pools, line: bytes) -> None:
+    with tenant_server(sock_path, pools), connect(sock_path) as conn:
+        conn.sendall(line)
+        assert refusal(conn) == "bad_request"
+
+
+def test_waiting_connections_are_bounded(sock_path: str, pools) -> None:
+    with tenant_server(sock_path, pools, request_timeout_s=30):
+        idle = [connect(sock_path) for _ in range(MAX_WAITING_REQUESTS)]
+        try:
+            with connect(sock_path) as one_more:
+                assert answer_of(one_more) == (b"", 0)  # dropped unanswered
+        finally:
+            for conn in idle:
+                conn.close()
+        # Their slots free up as the service sees them go (a moment later): it serves again.
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                got = receive_pool(sock_path, timeout_s=5, token=TOKEN_A)
+                break
+            except PoolShareError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+        os.close(got.fd)
+
+
+def test_stop_drops_the_connections_still_waiting(sock_path: str, pools) -> None:
+    with connect_later(sock_path) as waiting:
+        with tenant_server(sock_path, pools, request_timeout_s=30):
+            conn = waiting()
+            got = receive_pool(sock_path, token=TOKEN_A)  # the server took conn before this
+            os.close(got.fd)
+        assert answer_of(conn) == (b"", 0)
+
+
+@contextlib.contextmanager
+def connect_later(path: str) -> Iterator[Callable[[], socket.socket]]:
+    made: list[socket.socket] = []
+
+    def make() -> socket.socket:
+        made.append(connect(path))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for conn in made:
+            conn.close()
+
+
+# --------------------------------------------------------------------------- open mode
+
+
+def test_a_client_with_credentials_gets_the_pool_from_an_open_service(
+    sock_path: str, pools
+) -> None:
+    # The open service answers at once and closes without reading the request: whichever of
+    # the two comes first, the client reads the answer.
+    with serving(sock_path, lambda: pools["a"]):
+        for _ in range(20):
+            got = receive_pool(sock_path, token=TOKEN_A, namespace="a")
+            assert got.pool_id == "pool-a"
+            os.close(got.fd)
+        assert written_through(receive_pool(sock_path, token=TOKEN_B), pools["a"])
