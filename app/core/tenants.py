@@ -191,8 +191,11 @@ def _counts(filename: str) -> bool:
 
 def _read_toml(root: Path, path: Path, label: str | None) -> dict[str, Any]:
     try:
-        with path.open("rb") as fh:
+        # Non-blocking: a FIFO given by mistake is refused below instead of hanging the start.
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as fh:
             mode = os.fstat(fh.fileno()).st_mode  # of what was opened, not of what the path is now
+            if not stat.S_ISREG(mode):
+                raise _refused(root, label, "not a regular file; accepted: a TOML file")
             if mode & stat.S_IROTH:
                 raise _refused(
                     root,
@@ -293,18 +296,22 @@ def stat_signature(path: Path) -> Signature:
     """What changes when the tenants file or directory does: (inode, mtime, size, mode) of the
     file, or of the directory and of each of its tenant files, links followed (a Kubernetes
     secret volume swaps its ``..data`` link; the files' own links stay as they are)."""
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        return ("unreadable", exc.errno)
-    own = (st.st_ino, st.st_mtime_ns, st.st_size, st.st_mode)
-    if not stat.S_ISDIR(st.st_mode):
+    own = _stat(os.fspath(path))
+    if not (len(own) == 4 and stat.S_ISDIR(own[3])):
         return own
     try:
         names = sorted(name for name in os.listdir(path) if _counts(name))
     except OSError as exc:
         return ("unlistable", exc.errno)
-    return (own, *((name, stat_signature(path / name)) for name in names))
+    return (own, *((name, _stat(os.path.join(path, name))) for name in names))
+
+
+def _stat(where: str) -> tuple[int, ...]:
+    try:
+        st = os.stat(where)
+    except OSError as exc:
+        return (-1, exc.errno or 0)
+    return (st.st_ino, st.st_mtime_ns, st.st_size, st.st_mode)
 
 
 @dataclass(frozen=True, slots=True)

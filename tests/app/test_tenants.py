@@ -94,7 +94,10 @@ def test_a_directory_of_tenant_files_skips_everything_else(tmp_path: Path) -> No
     write(tmp_path / "README.md", "not toml either [", mode=0o644)
     (tmp_path / "dir.toml").mkdir()
     (tmp_path / "..data").symlink_to(tmp_path / "dir.toml")
+    (tmp_path / "loop.toml").symlink_to(".")
+    (tmp_path / "dangling.toml").symlink_to("nowhere")
     table, names = load_tenants(tmp_path)
+    assert not Credentials(tmp_path).changed()
     assert sorted(table.tenants) == ["team-a", "team-b"]
     assert table.namespaces() == {"a": NamespaceConfig("a", None), "b": NamespaceConfig("b", 8)}
     assert sorted(names.values()) == ["team-a", "team-b"]
@@ -256,6 +259,12 @@ def test_directory_problems_name_the_file(tmp_path: Path) -> None:
     (tmp_path / "team-b.toml").unlink()
     write(tmp_path / "bad name.toml", f'tokens = ["{TOKEN_B}"]\nnamespaces = ["b"]\n')
     assert "bad name.toml: tenant name 'bad name'" in refusal(tmp_path)
+
+
+def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path: Path) -> None:
+    fifo = tmp_path / "tenants.toml"
+    os.mkfifo(fifo, 0o600)
+    assert "not a regular file" in refusal(fifo)
 
 
 def test_an_empty_directory_or_a_missing_path_is_refused(tmp_path: Path) -> None:
