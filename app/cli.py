@@ -138,6 +138,12 @@ def _build_parser() -> argparse.ArgumentParser:
         help="file holding the admin token (wins over KVOFFLOAD_ADMIN_TOKEN[_FILE])",
     )
     admin.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
+    admin.add_argument(
+        "--namespace",
+        help="the namespace to act on (required when the service has tenants; env "
+        "KVOFFLOAD_ADMIN_NAMESPACE)",
+        default=os.environ.get("KVOFFLOAD_ADMIN_NAMESPACE"),
+    )
     output = admin.add_mutually_exclusive_group()
     output.add_argument(
         "--json", dest="output", action="store_const", const="json", help="print JSON"
@@ -171,6 +177,7 @@ def _build_parser() -> argparse.ArgumentParser:
     release = what.add_parser("release", help="force-release a request's leases")
     release.add_argument("req_id")
     what.add_parser("clear", help="drop every unpinned block")
+    what.add_parser("tenants", help="every tenant: quotas, use, namespaces")
     return parser
 
 
@@ -236,6 +243,7 @@ def _admin(args: argparse.Namespace) -> int:
         "requests": lambda c: c.requests(),
         "release": lambda c: c.release(args.req_id),
         "clear": lambda c: c.clear_cache(),
+        "tenants": lambda c: c.tenants(),
     }
     call: Callable[[KVOffloadAdminClient], Any]
     if args.admin_command == "policy":
@@ -255,7 +263,9 @@ def _admin(args: argparse.Namespace) -> int:
     else:
         call = calls[args.admin_command]
     try:
-        with KVOffloadAdminClient(args.url, token=token, timeout=args.timeout) as client:
+        with KVOffloadAdminClient(
+            args.url, token=token, timeout=args.timeout, namespace=args.namespace
+        ) as client:
             answer = call(client)
     except KVOffloadError as exc:
         message = exc.message

@@ -867,14 +867,20 @@ class KVOffloadAdminClient(_SyncClient):
         token: str | None = None,
         timeout: float = 10.0,
         transport: httpx.BaseTransport | None = None,
+        namespace: str | None = None,
     ) -> None:
+        """``namespace``: the one the calls that act on a namespace's state name (required by
+        a service with tenants; ``tenants()`` and the log level are service-wide)."""
         headers = {} if token is None else {"authorization": f"Bearer {token}"}
         self._http = httpx.Client(
             base_url=base_url, timeout=timeout, headers=headers, transport=transport
         )
+        self._scope = {} if namespace is None else {"namespace": namespace}
 
     def _json(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         call: _Call[dict[str, Any]] = _Call(method, path, kwargs.pop("body", None), dict)
+        if kwargs.pop("scoped", True) and self._scope:
+            kwargs["params"] = {**kwargs.get("params", {}), **self._scope}
         merged = _request_kwargs(call)
         if "headers" in kwargs:
             merged["headers"] = {**merged.get("headers", {}), **kwargs.pop("headers")}
@@ -907,11 +913,15 @@ class KVOffloadAdminClient(_SyncClient):
 
     def log_level(self) -> dict[str, Any]:
         """The service's log level and the levels it accepts."""
-        return self._json("GET", "/admin/v1/log-level")
+        return self._json("GET", "/admin/v1/log-level", scoped=False)
 
     def set_log_level(self, level: str) -> dict[str, Any]:
         """Change the log level live (audited); answers the previous and the new level."""
-        return self._json("PUT", "/admin/v1/log-level", body={"level": level})
+        return self._json("PUT", "/admin/v1/log-level", body={"level": level}, scoped=False)
+
+    def tenants(self) -> dict[str, Any]:
+        """Every tenant: quotas, use, and each namespace's blocks and hit ratio."""
+        return self._json("GET", "/admin/v1/tenants", scoped=False)
 
     def stats(self) -> dict[str, Any]:
         """Pool, hit ratio, counters, jobs."""

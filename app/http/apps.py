@@ -134,6 +134,7 @@ def create_app(
         description=_ENGINE_DESCRIPTION,
         lifespan=lifespan,
     )
+    app.engine_auth = True
     app.state.tenancy = tenancy
     app.state.service = tenancy.single  # without tenants, the one service (tests read it)
     app.state.settings = settings

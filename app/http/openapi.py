@@ -25,6 +25,7 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from app.client import NAMESPACE_HEADER
 from app.http.errors import ErrorBody, responses
 from app.http.routes.query import strict_query
 
@@ -52,6 +53,8 @@ class KVOffloadAPI(FastAPI):
             kwargs.setdefault("telemetry", {"tracing": False, "metrics": False, "logs": False})
         super().__init__(**kwargs)
         self.body_models: list[type[BaseModel]] = []
+        # The engine API: its /v1 operations take the caller's credentials and namespace.
+        self.engine_auth = False
         self._patched: dict[str, Any] | None = None
 
     def json_body(self, model: type[BaseModel], *, required: bool = True) -> dict[str, Any]:
@@ -79,6 +82,8 @@ class KVOffloadAPI(FastAPI):
         if schema is self._patched:
             return schema
         _document_shared_errors(schema)
+        if self.engine_auth:
+            _document_engine_auth(schema)
         if self.body_models:
             _, defs = models_json_schema(
                 [(m, "validation") for m in self.body_models], ref_template=_REF
@@ -115,6 +120,33 @@ def _document_shared_errors(schema: dict[str, Any]) -> None:
     _, defs = models_json_schema([(ErrorBody, "validation")], ref_template=_REF)
     for name, definition in defs.get("$defs", {}).items():
         components.setdefault(name, definition)
+
+
+ENGINE_SECURITY = "EngineToken"
+
+
+def _document_engine_auth(schema: dict[str, Any]) -> None:
+    """Every ``/v1`` operation: the bearer token (needed when the service has tenants, so
+    optional in the spec) and the namespace header (``app.http.auth``)."""
+    schemes = schema.setdefault("components", {}).setdefault("securitySchemes", {})
+    schemes[ENGINE_SECURITY] = {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "a tenant's engine token (required when the service has a tenants file)",
+    }
+    header = {
+        "name": NAMESPACE_HEADER,
+        "in": "header",
+        "required": False,
+        "description": "the namespace the call runs in (default: the tenant's only one)",
+        "schema": {"type": "string", "minLength": 1, "maxLength": 63},
+    }
+    for path, item in schema.get("paths", {}).items():
+        if not path.startswith("/v1/"):
+            continue
+        for operation in item.values():
+            operation["security"] = [{ENGINE_SECURITY: []}, {}]
+            operation.setdefault("parameters", []).append(header)
 
 
 # Swagger UI's files, served under /docs/ with these content types.

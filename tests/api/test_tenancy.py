@@ -388,7 +388,8 @@ async def test_metrics_carry_tenant_and_namespace_labels(tmp_path: Path) -> None
         await t.store(ALPHA, "a1", "w", hexkeys(1))
         await t.call(None, "GET", "/v1/events")  # refused: counted in the front metrics
         text = (await t.engine.get("/metrics")).text
-        ops = [line for line in text.splitlines() if line.startswith("kvoffload_manager_ops_total{")]
+        lines = text.splitlines()
+        ops = [line for line in lines if line.startswith("kvoffload_manager_ops_total{")]
         assert any(
             'namespace="a1"' in line and 'tenant="alpha"' in line and 'op="prepare_store"' in line
             for line in ops

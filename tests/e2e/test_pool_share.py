@@ -174,7 +174,7 @@ def test_an_explicit_pool_socket_path(tmp_path: Path) -> None:
         assert not Path(pool_socket(srv)).exists()
         pool = receive_pool(path)
         os.close(pool.fd)
-        assert oct(path.stat().st_mode & 0o777) == oct(0o660)
+        assert oct(path.stat().st_mode & 0o777) == oct(0o600)  # --uds-mode default
         with uds_client(srv) as http:
             assert http.get("/v1/pool").json()["pool_id"] == pool.pool_id
     assert not path.exists()

@@ -16,7 +16,8 @@ import pytest
 
 from app.client import KVOffloadClient, KVOffloadError
 from app.pool_share import PoolShareError, default_pool_socket, receive_pool
-from tests.e2e.server import ServerProcess
+from tests.e2e.server import TOKEN, ServerProcess
+from tests.e2e.test_admin_cli import admin, clean_env
 
 ALPHA = "alpha-e2e-token-000000000001"
 ALPHA_NEXT = "alpha-e2e-token-000000000002"
@@ -183,3 +184,24 @@ def test_file_mode_lets_socket_callers_in_and_tcp_still_needs_a_token(
         pool = receive_pool(default_pool_socket(str(srv.uds)), namespace="b1")
         os.close(pool.fd)
         assert pool.num_blocks == 16
+
+
+def test_the_admin_cli_names_a_namespace_and_lists_tenants(server: ServerProcess) -> None:
+    with KVOffloadClient(server.url, token=BETA) as beta:
+        beta.start_request("r")
+    stats = admin(server, "--json", "stats")
+    assert stats.returncode == 1
+    assert "422 invalid_field" in stats.stderr
+    assert "namespace" in stats.stderr
+    stats = admin(server, "--json", "--namespace", "b1", "stats")
+    assert stats.returncode == 0, stats.stderr
+    assert json.loads(stats.stdout)["live_requests"] == 1
+    env = {**clean_env(KVOFFLOAD_ADMIN_TOKEN=TOKEN), "KVOFFLOAD_ADMIN_NAMESPACE": "a1"}
+    stats = admin(server, "--json", "stats", env=env)
+    assert json.loads(stats.stdout)["live_requests"] == 0
+    listed = admin(server, "--json", "tenants")
+    assert listed.returncode == 0, listed.stderr
+    rows = json.loads(listed.stdout)["tenants"]
+    assert [(r["tenant"], r["requests"]) for r in rows] == [("alpha", 0), ("beta", 1)]
+    assert ALPHA not in listed.stdout
+    assert BETA not in listed.stdout
