@@ -12,8 +12,9 @@ Protocol (one exchange per connection), in one of two modes the server is starte
   ``{"token": "..." | null, "namespace": "..." | null}`` ended by ``\n``, at most
   ``MAX_REQUEST_BYTES`` long; the service answers with the pool of the namespace the request
   resolves to, or with one refusal line ``{"error": "<reason code>"}`` and no descriptor. A
-  client that sends no whole line within ``REQUEST_TIMEOUT_S``, or a longer one, is refused
-  (``request_timeout``, ``request_too_large``) and dropped.
+  client that sends no whole line within ``REQUEST_TIMEOUT_S``, a longer one, or one that is
+  not such an object is refused (``request_timeout``, ``request_too_large``, ``bad_request``)
+  and dropped.
 
 The answer is one line of JSON, ``PROTOCOL`` plus the layout (``pool_id``, ``num_blocks``,
 ``block_bytes``, ``offset``: byte offset of block 0 in the file), ended by ``\n`` and at most

@@ -25,9 +25,11 @@ Threads and guarantees:
 Faults (service down, slow past ``timeout_s``, restarted, answering errors): the step's jobs
 fail (``success=False``: a failed load is never reported loaded, and its keys answer MISS from
 then on), lookups answer MISS and stores are dropped for ``retry_interval_s`` (doubling while
-the fault lasts), counted, and logged once per incident. A request whose prepare ops had an
-unknown outcome is aborted in the service once none of its copies is running; a dead engine's
-leases expire in the service by its lease TTL. A job not copied by ``job_deadline_s`` fails.
+the fault lasts), counted, and logged once per incident. A refusal of the engine's credentials
+(401, 403, or the pool socket's refusal) is such a fault, logged as an error naming the reason.
+A request whose prepare ops had an unknown outcome is aborted in the service once none of its
+copies is running; a dead engine's leases expire in the service by its lease TTL. A job not
+copied by ``job_deadline_s`` fails.
 
 A restarted service serves a new pool: each answer's ``X-KVOffload-Pool`` header (or, for
 services without it, the identity of the pool file) is compared with the mapped pool; on a
@@ -38,6 +40,11 @@ mapped again before the next call.
 Keys: the service key of a vLLM ``OffloadKey`` is an 8-byte namespace digest followed by the key
 (see ``namespace_digest``), so engines share blocks exactly when model, dtype, layout and chunk
 size agree.
+
+Tenants: with ``token_file`` (else ``$KVOFFLOAD_TOKEN_FILE``; read once, at start) every call
+and the pool socket's request carry the token, and with ``service_namespace`` the service-side
+namespace (a space of its own in the service: keys, pool, events); the ``namespace`` label above
+only separates key digests inside one service namespace.
 """
 
 from __future__ import annotations
@@ -77,8 +84,16 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from app.client import Batch, KVOffloadClient, KVOffloadError, OpResult
-from app.pool_share import default_pool_socket, receive_pool
+from app.client import (
+    Batch,
+    KVOffloadAuthError,
+    KVOffloadClient,
+    KVOffloadError,
+    KVOffloadPermissionError,
+    OpResult,
+    read_token_file,
+)
+from app.pool_share import PoolShareError, default_pool_socket, receive_pool
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -100,6 +115,7 @@ M_STORES_DROPPED = "vllm:kv_offload_kvoffload_stores_dropped_blocks"
 M_LOADS_FAILED = "vllm:kv_offload_kvoffload_loads_failed_blocks"
 M_AVAILABLE = "vllm:kv_offload_kvoffload_available"
 PENDING_WAIT_S = 0.5  # a key another engine is storing is asked again this long, then MISS
+TOKEN_FILE_ENV = "KVOFFLOAD_TOKEN_FILE"  # where token_file comes from when the config has none
 
 
 # What the tier reports through vLLM's stats (``build_metric_definitions``, ``get_stats``).
@@ -217,17 +233,25 @@ def _file_id(st: os.stat_result) -> str:
     return f"file:{st.st_dev}:{st.st_ino}"
 
 
-def map_pool(client: KVOffloadClient, pool_socket: str | None, timeout_s: float) -> MappedPool:
+def map_pool(
+    client: KVOffloadClient,
+    pool_socket: str | None,
+    timeout_s: float,
+    *,
+    token: str | None = None,
+    namespace: str | None = None,
+) -> MappedPool:
     """Map the service's host pool; the one place that knows how a pool is obtained.
 
-    Through the pool socket (``app.pool_share.receive_pool``: the descriptor passed over a Unix
-    socket, works across containers) when that module and socket exist, else through the
-    ``/proc/<pid>/fd/<n>`` path ``GET /v1/pool`` answers (same user and PID namespace).
+    Through the pool socket (``app.pool_share.receive_pool``, asking with ``token`` and
+    ``namespace`` when either is given: the descriptor passed over a Unix socket, works across
+    containers) when that module and socket exist, else through the ``/proc/<pid>/fd/<n>`` path
+    ``GET /v1/pool`` answers (same user and PID namespace; ``client`` carries the credentials).
     Raises (``OSError``, ``httpx.HTTPError``, ``KVOffloadError``, the pool socket's
     ``PoolShareError``, ...) when neither works.
     """
     if pool_socket is not None and os.path.exists(pool_socket):
-        shared = receive_pool(pool_socket, timeout_s=timeout_s)
+        shared = receive_pool(pool_socket, timeout_s=timeout_s, token=token, namespace=namespace)
         try:
             return MappedPool.from_fd(
                 shared.fd,
@@ -368,28 +392,37 @@ class _Incident:
     def __init__(self, name: str) -> None:
         self.name = name
         self.active = False
+        self.refused = False  # the service refused this engine's credentials in this incident
         self.failures = 0
         self.lock = threading.Lock()
 
-    def fail(self, reason: str) -> bool:
-        """Record a failure; True when it starts an incident."""
+    def fail(self, reason: str, refused: bool = False) -> None:
+        """Record a failure. Logged when it starts an incident, and as an error the first time
+        in an incident that the service refused the engine's credentials (``refused``)."""
         with self.lock:
             self.failures += 1
-            if self.active:
-                return False
-            self.active = True
-        log.warning(
-            "kvoffload tier %s: %s; answering MISS and dropping stores until it recovers",
-            self.name,
-            reason,
-        )
-        return True
+            starts, self.active = not self.active, True
+            shout = refused and not self.refused
+            self.refused = self.refused or refused
+        if shout:
+            log.error(
+                "kvoffload tier %s: %s; answering MISS and dropping stores until it accepts "
+                "them (check the tier's token_file and service_namespace)",
+                self.name,
+                reason,
+            )
+        elif starts:
+            log.warning(
+                "kvoffload tier %s: %s; answering MISS and dropping stores until it recovers",
+                self.name,
+                reason,
+            )
 
     def ok(self, dropped_blocks: int) -> None:
         with self.lock:
             if not self.active:
                 return
-            self.active = False
+            self.active = self.refused = False
             failures, self.failures = self.failures, 0
         log.warning(
             "kvoffload tier %s: service back after %d failed calls (%d store blocks dropped "
@@ -408,11 +441,17 @@ class KVOffloadTier(SecondaryTierManager):  # type: ignore[misc,unused-ignore]
 
     Config keys (beside vLLM's ``type`` and ``module_path``): ``url`` (``unix:///path`` or
     ``http://host:port``), ``namespace`` (label mixed into the key namespace; default: the
-    model name), ``pool_socket`` (default: the socket path + ``.pool``), ``timeout_s`` (read
-    timeout of one call, 2.0), ``connect_timeout_s`` (0.5), ``job_deadline_s`` (10.0),
-    ``retry_interval_s`` (first back-off after a fault, 0.5), ``events_interval_s`` (KV events
-    poll period when vLLM's KV events are on, 1.0), ``max_keys_per_op`` (8192),
-    ``max_transfer_params_bytes`` (16384), ``locality`` (``LOCAL``).
+    model name), ``pool_socket`` (default: the socket path + ``.pool``), ``token_file`` (file
+    holding the engine's token; default ``$KVOFFLOAD_TOKEN_FILE``, else none; never the token
+    itself: the config is on the engine's command line), ``service_namespace`` (the service's
+    namespace to work in; default: the tenant's only one), ``timeout_s`` (read timeout of one
+    call, 2.0), ``connect_timeout_s`` (0.5), ``job_deadline_s`` (10.0), ``retry_interval_s``
+    (first back-off after a fault, 0.5), ``events_interval_s`` (KV events poll period when
+    vLLM's KV events are on, 1.0), ``max_keys_per_op`` (8192), ``max_transfer_params_bytes``
+    (16384), ``locality`` (``LOCAL``).
+
+    A token file that cannot be read or holds no token refuses the engine's start
+    (``ValueError`` naming the file).
     """
 
     medium: ClassVar[Medium] = Medium.CPU
@@ -425,6 +464,8 @@ class KVOffloadTier(SecondaryTierManager):  # type: ignore[misc,unused-ignore]
         url: str = "unix:///run/kvoffload/engine.sock",
         namespace: str | None = None,
         pool_socket: str | None = None,
+        token_file: str | None = None,
+        service_namespace: str | None = None,
         timeout_s: float = 2.0,
         connect_timeout_s: float = 0.5,
         job_deadline_s: float = 10.0,
@@ -453,10 +494,15 @@ class KVOffloadTier(SecondaryTierManager):  # type: ignore[misc,unused-ignore]
         if pool_socket is None and uds is not None:
             pool_socket = default_pool_socket(uds)
         self._pool_socket = pool_socket
+        token_file = token_file or os.environ.get(TOKEN_FILE_ENV) or None
+        self._token = None if token_file is None else read_token_file(token_file)
+        self._service_namespace = service_namespace
         self._client = KVOffloadClient(
             base_url,
             uds=uds,
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            token=self._token,
+            namespace=service_namespace,
         )
 
         # Scheduler-thread state.
@@ -849,7 +895,22 @@ class _Link:
         if tier._disabled is not None:
             return False
         try:
-            pool = map_pool(self.client, tier._pool_socket, timeout_s=5.0)
+            pool = map_pool(
+                self.client,
+                tier._pool_socket,
+                timeout_s=5.0,
+                token=tier._token,
+                namespace=tier._service_namespace,
+            )
+        except (KVOffloadAuthError, KVOffloadPermissionError) as exc:
+            self.fault(*self.refusal(exc), refused=True)
+            return False
+        except PoolShareError as exc:
+            if exc.reason is None:
+                self.fault("unreachable", f"cannot map the pool ({exc})")
+            else:
+                self.fault("pool_refused", f"the pool socket refused: {exc.reason}", refused=True)
+            return False
         except Exception as exc:  # whatever the way to the pool failed with: a fault
             self.fault("unreachable", f"cannot map the pool ({type(exc).__name__}: {exc})")
             return False
@@ -870,12 +931,13 @@ class _Link:
         self.pool = pool
         return True
 
-    def fault(self, reason: str, message: str) -> None:
-        """Count a fault, log it once per incident, and back off (doubling, up to 16 times
+    def fault(self, reason: str, message: str, refused: bool = False) -> None:
+        """Count a fault, log it once per incident (``refused``: the service refused the
+        engine's credentials, an error), and back off (doubling, up to 16 times
         ``retry_interval_s``)."""
         tier = self.tier
         tier.counters.add(M_FAULTS, reason)
-        tier._incident.fail(message)
+        tier._incident.fail(message, refused)
         tier._down_until = time.monotonic() + self.backoff
         self.backoff = min(self.backoff * 2, 16 * tier._retry_interval_s)
 
@@ -1024,6 +1086,9 @@ class _Link:
         except (httpx.HTTPError, OSError) as exc:
             self.fail_batch(pending, "unreachable", f"unreachable ({type(exc).__name__}: {exc})")
             return
+        except (KVOffloadAuthError, KVOffloadPermissionError) as exc:
+            self.fail_batch(pending, *self.refusal(exc), refused=True)
+            return
         except KVOffloadError as exc:
             reason = "http_5xx" if exc.status >= 500 else f"http_{exc.status}"
             self.fail_batch(pending, reason, f"answered {exc.status} {exc.code}")
@@ -1119,10 +1184,18 @@ class _Link:
         for t in (*step.stores, *step.loads):
             tier._finish_job(t.job, False)
 
-    def fail_batch(self, pending: list[_Pending], reason: str, message: str) -> None:
+    @staticmethod
+    def refusal(exc: KVOffloadError) -> tuple[str, str]:
+        """The fault reason and message of a 401 / 403 answer."""
+        reason = "unauthenticated" if exc.status == 401 else "forbidden"
+        return reason, f"the service refused this engine's credentials ({exc})"
+
+    def fail_batch(
+        self, pending: list[_Pending], reason: str, message: str, refused: bool = False
+    ) -> None:
         """A call failed with an unknown outcome: lookups miss, jobs fail, requests whose
         reservations may exist are aborted later, undelivered finishes are carried."""
-        self.fault(reason, message)
+        self.fault(reason, message, refused)
         tier = self.tier
         for p in pending:
             if p.kind == "lookup":
