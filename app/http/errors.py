@@ -48,11 +48,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
@@ -96,25 +96,30 @@ class APIError(Exception):
         code: str,
         message: str,
         headers: Mapping[str, str] | None = None,
+        quota: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
         self.headers = dict(headers or {})
+        self.quota = quota
 
     def body(self) -> bytes:
         """The JSON error body."""
-        return error_body(self.code, self.message)
+        return error_body(self.code, self.message, self.quota)
 
     def response(self) -> Response:
         """A complete ``Response`` for this error."""
         return Response(self.body(), self.status, self.headers, media_type=JSON_TYPE)
 
 
-def error_body(code: str, message: str) -> bytes:
-    """``{"error": {"code", "message"}}`` as JSON bytes."""
-    return json.dumps({"error": {"code": code, "message": message}}).encode()
+def error_body(code: str, message: str, quota: str | None = None) -> bytes:
+    """``{"error": {"code", "message"}}`` (and ``quota`` when one is named) as JSON bytes."""
+    detail = {"code": code, "message": message}
+    if quota is not None:
+        detail["quota"] = quota
+    return json.dumps({"error": detail}).encode()
 
 
 class ErrorDetail(BaseModel):
@@ -123,6 +128,9 @@ class ErrorDetail(BaseModel):
     model_config = ConfigDict(extra="forbid")
     code: str
     message: str
+    quota: Literal["blocks", "pins", "requests"] | None = Field(
+        default=None, description="with quota_exceeded: the tenant quota that refused the call"
+    )
 
 
 class ErrorBody(BaseModel):
@@ -185,8 +193,8 @@ def error_for(exc: BaseException) -> APIError:
         return APIError(403, exc.reason, str(exc))
     if isinstance(exc, QuotaExceededError):
         if exc.quota == "blocks":
-            return APIError(507, "quota_exceeded", str(exc))
-        return APIError(429, "quota_exceeded", str(exc), {"Retry-After": "1"})
+            return APIError(507, "quota_exceeded", str(exc), quota=exc.quota)
+        return APIError(429, "quota_exceeded", str(exc), {"Retry-After": "1"}, exc.quota)
     return APIError(500, "internal", "internal error")
 
 

@@ -327,6 +327,9 @@ class OpError(Answer):
 
     code: str
     message: str
+    quota: Literal["blocks", "pins", "requests"] | None = Field(
+        default=None, description="with quota_exceeded: the tenant quota that refused the op"
+    )
 
 
 class OpResult(Answer):

@@ -252,7 +252,8 @@ async def test_request_quota_is_429_and_changes_nothing(tmp_path: Path) -> None:
         r = await t.call(ALPHA, "PUT", "/v1/requests/r9", {}, "a2")
         assert r.status_code == 429, r.text
         assert r.json()["error"]["code"] == "quota_exceeded"
-        assert "'requests'" in r.json()["error"]["message"]
+        assert r.json()["error"]["quota"] == "requests"
+        assert r.headers["retry-after"] == "1"
         # Renewing a live request is not a new one.
         assert (await t.call(ALPHA, "PUT", "/v1/requests/r0", {}, "a1")).status_code == 200
         # beta is not held to alpha's quota.
@@ -270,7 +271,7 @@ async def test_pin_quota_is_429_and_pins_nothing(tmp_path: Path) -> None:
         await t.call(ALPHA, "PUT", "/v1/requests/r", {}, "a1")
         r = await t.call(ALPHA, "POST", "/v1/requests/r/prepare-load", {"keys": keys}, "a1")
         assert r.status_code == 429, r.text
-        assert "'pins'" in r.json()["error"]["message"]
+        assert r.json()["error"]["quota"] == "pins"
         a1 = t.tenancy.spaces["a1"].service.manager.manager
         assert a1.num_pinned == 0
         r = await t.call(ALPHA, "POST", "/v1/requests/r/prepare-load", {"keys": keys[:3]}, "a1")
@@ -284,6 +285,7 @@ async def test_pin_quota_is_429_and_pins_nothing(tmp_path: Path) -> None:
             "a1",
         )
         assert r.json()["results"][0]["status"] == 429
+        assert r.json()["results"][0]["error"]["quota"] == "pins"
 
 
 async def test_block_quota_is_the_namespace_pool_and_507_names_it(tmp_path: Path) -> None:
@@ -300,7 +302,7 @@ async def test_block_quota_is_the_namespace_pool_and_507_names_it(tmp_path: Path
         )
         assert r.status_code == 507, r.text
         assert r.json()["error"]["code"] == "quota_exceeded"
-        assert "'blocks'" in r.json()["error"]["message"]
+        assert r.json()["error"]["quota"] == "blocks"
         # One fits: alpha's own cold block is evicted, nobody else's.
         r = await t.call(ALPHA, "POST", "/v1/requests/s/prepare-store", {"keys": hexkeys(8)}, "a2")
         assert r.status_code == 200

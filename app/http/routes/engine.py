@@ -167,8 +167,8 @@ class _BatchRunner:
 
 
 def _op_error(err: APIError) -> str:
-    detail = json.dumps({"code": err.code, "message": err.message})
-    return f'{{"ok":false,"status":{err.status},"error":{detail}}}'
+    detail = json.loads(err.body())["error"]  # the same object a single call answers
+    return f'{{"ok":false,"status":{err.status},"error":{json.dumps(detail)}}}'
 
 
 def register_engine_routes(app: KVOffloadAPI, settings: Settings) -> None:
