@@ -235,8 +235,10 @@ class MooncakeMaster:
             [
                 sys.executable,
                 "-c",
-                "import socket,sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), 1)",
+                "import socket, sys\n"
+                "for port in sys.argv[2:]: socket.create_connection((sys.argv[1], int(port)), 1)",
                 self.host.addr,
+                str(self.rpc_port),
                 str(self.http_port),
             ]
         )
