@@ -18,7 +18,8 @@ What it adds to the contract:
   full block size for it.
 
 Close the tier before the host pool: ``close()`` waits (up to ``timeout_s``) for calls still
-reading or writing the pool.
+reading or writing the pool, and the tier keeps the pool's memory mapped for as long as one
+might (a mapping outlives ``HostPool.close()`` while a reference to it is held).
 
 ``mooncake.store`` (PyPI: ``mooncake-transfer-engine-non-cuda`` on CPU hosts, the
 ``mooncake`` extra) is imported when a tier is built; without it ``RemoteTierError`` says so.
@@ -126,11 +127,16 @@ class MooncakeTier:
         self._pool = pool
         self._namespace = namespace
         self.config = config
+        # Held while Mooncake may still touch the pool: its mapping outlives HostPool.close(),
+        # so a call that ends late never writes into unmapped memory.
+        self._memory: Any = pool.tensor
         self._base = pool.tensor.data_ptr()
         self._block_bytes = pool.block_bytes
         self._replicate = self._module.ReplicateConfig()
         self._replicate.replica_num = config.replicas
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._inflight = 0
         self._counters = dict.fromkeys(COUNTERS, 0)
         self._held: collections.Counter[int] = collections.Counter()
         self._state: RemoteState = "degraded"
@@ -230,18 +236,25 @@ class MooncakeTier:
             return frozenset(self._held)
 
     def close(self) -> None:
-        """Stop probing, let calls in flight end (up to ``timeout_s``), close the client."""
+        """Stop probing, wait for calls in flight (up to ``timeout_s``), close the client.
+
+        A client that still has calls in flight, or cannot reach its master (Mooncake's
+        teardown would hold the interpreter lock while it retries), is left open rather than
+        torn down under them; the pool's memory then stays mapped until the process ends.
+        """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         self._wake.set()
         self._prober.join(self.config.timeout_s)
-        store, self._store = self._store, None
-        # Mooncake's teardown holds the interpreter lock while it talks to the master: a tier
-        # that cannot reach it abandons its client (the process is ending) rather than freeze.
-        if store is not None and self._state != "ok":
-            log.warning("remote tier (mooncake) closed while degraded: client not torn down")
+        with self._idle:
+            settled = self._idle.wait_for(lambda: self._inflight == 0, self.config.timeout_s)
+            store, self._store = self._store, None
+        if store is not None and not settled:
+            log.warning("remote tier (mooncake) closed with calls in flight: client left open")
+        elif store is not None and self._state != "ok":
+            log.warning("remote tier (mooncake) closed while degraded: client left open")
         elif store is not None:
             base = self._base
 
@@ -253,6 +266,8 @@ class MooncakeTier:
                 self._executor.submit(teardown).result(self.config.timeout_s)
             except Exception as exc:  # a hung or failing teardown must not stop shutdown
                 log.warning("mooncake client did not close cleanly: %r", exc)
+        if settled:
+            self._memory = None
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> MooncakeTier:
@@ -281,32 +296,38 @@ class MooncakeTier:
                 self._counters["skipped"] += 1
                 return None
             self._held.update(slots)
+            self._inflight += 1
 
         def task() -> T:
             try:
                 return fn(store)
             finally:
-                with self._lock:
-                    self._held.subtract(slots)
-                    self._held += collections.Counter()  # drop the zero counts
+                self._release(slots)
 
         try:
             future = self._executor.submit(task)
         except RuntimeError:  # shut down by close() in the meantime
-            with self._lock:
-                self._held.subtract(slots)
-                self._held += collections.Counter()
-                self._counters["skipped"] += 1
+            self._release(slots)
+            self._count(skipped=1)
             return None
         try:
             return future.result(self.config.timeout_s)
         except concurrent.futures.TimeoutError:
+            if future.cancel():  # still queued behind hung calls: it never touched the slots
+                self._release(slots)
             self._count(timeouts=1)
             self._fail(f"{what} did not finish within {self.config.timeout_s:g} s")
         except Exception as exc:
             self._count(errors=1)
             self._fail(f"{what} raised {type(exc).__name__}: {exc}")
         return None
+
+    def _release(self, slots: Sequence[int]) -> None:
+        with self._idle:
+            self._held.subtract(slots)
+            self._held += collections.Counter()  # drops the zero counts
+            self._inflight -= 1
+            self._idle.notify_all()
 
     def _judge(self, what: str, bad: int, total: int, codes: list[int]) -> None:
         """Count a call's per-key errors; every key failing with one degrades the tier."""
