@@ -4,6 +4,7 @@
 #   make lint   ruff check, ruff format --check, mypy
 #   make bench  run every benchmark (tables on stdout, JSON under bench/results/)
 #   make test-vllm  the tier's tests inside vLLM 0.33.0's real code (own venv: .venv-vllm)
+#   make test-remote  the remote tier against a real Mooncake Store (adds the mooncake extra)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -17,6 +18,7 @@ CONSTRAINTS := requirements/constraints.txt
 TORCH_STAMP := $(VENV)/.kvoffload-torch
 SERVE_STAMP := $(VENV)/.kvoffload-serve
 DEV_STAMP := $(VENV)/.kvoffload-dev
+MOONCAKE_STAMP := $(VENV)/.kvoffload-mooncake
 # Without a GPU: this CPU build of torch, from this index (the PyTorch CPU wheel index; empty:
 # the default index). Where the index cannot be reached the same version comes from the
 # default index, which on Linux x86_64 is the CUDA build (several GB with its nvidia-* wheels).
@@ -24,7 +26,7 @@ CPU_TORCH ?= torch==2.13.0
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-vllm lint format bench clean
+.PHONY: setup run test test-vllm test-remote lint format bench clean
 
 # vLLM test environment: vLLM without its dependencies (its CUDA stack is not needed on CPU),
 # then only what its kv_offload modules import (requirements/vllm-test.txt), then this package.
@@ -82,6 +84,18 @@ $(VLLM_STAMP): pyproject.toml requirements/vllm-test.txt
 # KVOFFLOAD_REQUIRE_VLLM=1: a missing vLLM fails the run instead of skipping the directory.
 test-vllm: $(VLLM_STAMP)
 	KVOFFLOAD_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest tests/vllm $(PYTEST_ARGS)
+
+# The mooncake extra goes into the main venv: its wheel brings its own libraries and pins
+# nothing the service uses (aiohttp, requests, msgpack besides), so `make test` can run there too.
+$(MOONCAKE_STAMP): pyproject.toml $(CONSTRAINTS) $(DEV_STAMP)
+	$(PIP) install -q -c $(CONSTRAINTS) -e '.[dev,mooncake]'
+	touch $@
+
+# KVOFFLOAD_REQUIRE_MOONCAKE=1: a missing Mooncake fails the run instead of skipping the
+# directory. Run as root, the test hosts are network namespaces on a bridge (CI); otherwise they
+# fall back to loopback and the link-cut test skips (pytest's header says which).
+test-remote: $(MOONCAKE_STAMP)
+	KVOFFLOAD_REQUIRE_MOONCAKE=1 $(PY) -m pytest tests/remote tests/transfer/test_remote.py $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -74,6 +74,26 @@ def test_a_venv_made_by_one_target_serves_the_other(tmp_path: Path) -> None:
 
 
 @needs_make
+def test_test_remote_adds_the_mooncake_extra_to_the_main_venv_and_requires_it(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "bin").mkdir()
+    for stamp in STAMPS:
+        (tmp_path / stamp).touch()
+    commands = make("-n", "test-remote", f"VENV={tmp_path}")
+    assert "-c requirements/constraints.txt -e '.[dev,mooncake]'" in commands
+    assert "torch" not in commands
+    assert f"KVOFFLOAD_REQUIRE_MOONCAKE=1 {tmp_path}/bin/python -m pytest tests/remote" in commands
+    # Once installed, only the tests run.
+    (tmp_path / ".kvoffload-mooncake").touch()
+    again = make("-n", "test-remote", f"VENV={tmp_path}").strip().splitlines()
+    assert again == [
+        f"KVOFFLOAD_REQUIRE_MOONCAKE=1 {tmp_path}/bin/python -m pytest tests/remote "
+        "tests/transfer/test_remote.py"
+    ]
+
+
+@needs_make
 def test_an_unreachable_cpu_index_falls_back_to_the_pin_and_says_so(tmp_path: Path) -> None:
     venv, tools = tmp_path / "venv", tmp_path / "tools"
     (venv / "bin").mkdir(parents=True)

@@ -10,6 +10,9 @@
   its ``FaultSpec`` (``transfer.faulty_worker``); ``create_worker`` picks one by name
   (``transfer.backends``).
 - ``JobTracker``: completes finished jobs against the manager (``transfer.jobs``).
+- ``RemoteTier``: the contract of a store shared by many nodes behind the pool, and its
+  ``RemoteHealth`` (``transfer.remote``); ``MooncakeTier`` implements it on Mooncake Store
+  (``transfer.mooncake``; the library itself is the optional ``mooncake`` extra).
 
 Knows ``manager.spec`` (and nothing else of ``manager``). Errors live in ``transfer.errors``.
 """
@@ -21,6 +24,7 @@ from transfer.errors import (
     InvalidJobError,
     PoolError,
     RegistrationError,
+    RemoteTierError,
     TransferError,
     UnknownCacheError,
     WorkerClosedError,
@@ -37,6 +41,8 @@ from transfer.kv_cache import (
     TensorSpec,
     export_cuda_ipc_handle,
 )
+from transfer.mooncake import MooncakeConfig, MooncakeTier
+from transfer.remote import RemoteHealth, RemoteTier, remote_name
 from transfer.worker import JobResult, TransferJob, TransferWorker
 
 __all__ = [
@@ -51,9 +57,14 @@ __all__ = [
     "JobTracker",
     "KVCacheRegistry",
     "KVCacheSpec",
+    "MooncakeConfig",
+    "MooncakeTier",
     "PoolError",
     "RegisteredCache",
     "RegistrationError",
+    "RemoteHealth",
+    "RemoteTier",
+    "RemoteTierError",
     "TensorLayout",
     "TensorSpec",
     "TransferError",
@@ -63,4 +74,5 @@ __all__ = [
     "WorkerClosedError",
     "create_worker",
     "export_cuda_ipc_handle",
+    "remote_name",
 ]

@@ -10,8 +10,10 @@ Hierarchy::
     ├── InvalidJobError           a transfer job is malformed: block or slot out of range,
     │                             lengths differ, duplicate destination, unknown direction
     │                             (also a ValueError)
-    └── WorkerClosedError         the worker was shut down and takes no more jobs (also a
-                                  RuntimeError)
+    ├── WorkerClosedError         the worker was shut down and takes no more jobs (also a
+    │                             RuntimeError)
+    └── RemoteTierError           a remote tier cannot be built: its client library is missing,
+                                  its configuration is invalid, its setup was refused
 
 Failures *during* a copy are not raised: the job finishes with ``ok=False`` and a reason (see
 ``transfer.worker``). ``app/`` maps these classes to HTTP statuses in one place (422, 404, 503).
@@ -46,3 +48,10 @@ class InvalidJobError(TransferError, ValueError):
 
 class WorkerClosedError(TransferError, RuntimeError):
     """The transfer worker has been shut down."""
+
+
+class RemoteTierError(TransferError):
+    """A remote tier cannot be built (library missing, invalid configuration, refused setup).
+
+    Its data calls never raise it: they answer False and report the failure in ``health()``.
+    """

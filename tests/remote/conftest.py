@@ -1,0 +1,68 @@
+"""Tests of the remote tier against a real Mooncake Store on several test hosts.
+
+They need Mooncake (the ``mooncake`` extra: ``make test-remote`` installs it). Without it this
+directory is not collected, unless ``KVOFFLOAD_REQUIRE_MOONCAKE=1`` (set by ``make
+test-remote``), where a missing Mooncake is an error, never a skip. The hosts are network
+namespaces on a bridge when this runs as root, else processes on loopback; the report header
+says which.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("mooncake") is None:
+    if os.environ.get("KVOFFLOAD_REQUIRE_MOONCAKE") == "1":
+        raise RuntimeError(
+            "KVOFFLOAD_REQUIRE_MOONCAKE=1 but mooncake is not importable: run `make "
+            "test-remote`, which installs the mooncake extra (and needs Debian's libibverbs1, "
+            "librdmacm1 and libnuma1)"
+        )
+    collect_ignore_glob = ["*"]
+else:
+    import mooncake.store  # noqa: F401  (a missing system library fails here, not in a test)
+
+    from tests.remote.hosts import MooncakeMaster, Node, TestNet, netns_unavailable
+
+    def pytest_report_header() -> str:
+        reason = netns_unavailable()
+        where = "network namespaces on a bridge" if reason is None else f"LOOPBACK ({reason})"
+        return f"remote tier test hosts: {where}"
+
+    class Cluster:
+        """A test net, a master on its first host, and the nodes a test starts."""
+
+        def __init__(self, net: TestNet, workdir: Path) -> None:
+            self.net = net
+            self.workdir = workdir
+            self.master = MooncakeMaster(net.hosts["master"], workdir)
+            self.nodes: list[Node] = []
+
+        def node(self, host: str, **kwargs: object) -> Node:
+            started = Node(self.net.hosts[host], self.master, self.workdir, **kwargs)  # type: ignore[arg-type]
+            self.nodes.append(started)
+            return started
+
+        def close(self) -> None:
+            for node in self.nodes:
+                node.close()
+            self.master.stop()
+
+    @pytest.fixture
+    def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cluster]:
+        """A master host and hosts a, b, c (the test starts the master and its nodes)."""
+        net = TestNet.create(["master", "a", "b", "c"])
+        print(f"test hosts: {net.describe()}")
+        made = Cluster(net, tmp_path)
+        try:
+            yield made
+        finally:
+            try:
+                made.close()
+            finally:
+                net.close()

@@ -1,0 +1,366 @@
+"""Test hosts for the remote tier: network namespaces on a bridge, or loopback as a fallback.
+
+``TestNet.create(names)`` makes, per name, a network namespace with a veth pair whose outer end
+is enslaved to a bridge in the root namespace, and gives the inner end an address in a private
+/24 chosen here (10.213.N.0/24, an N no interface of the root namespace uses). The bridge holds
+.1, the hosts .2, .3, ... Nothing outside these addresses (and loopback) is ever targeted.
+``close()`` deletes every namespace, link and the bridge it made, also after a failed test.
+
+Where namespaces cannot be made (not root, no ``ip``), ``TestNet.create`` returns a loopback
+net: every host is 127.0.0.1 in the root namespace, processes stay separate, and
+``link_down`` is unavailable (``can_cut_links`` is False). ``mode`` says which one a run got.
+
+``MooncakeMaster`` runs a real ``mooncake_master`` (with its HTTP metadata server) on one
+host; ``Node`` runs ``tests.remote.node`` (a host pool and a ``MooncakeTier``) on another and
+drives it over its stdin and stdout.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import itertools
+import json
+import os
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+_serial = itertools.count()
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=20)
+
+
+def netns_unavailable() -> str | None:
+    """Why network namespaces cannot be made here, or None when they can."""
+    if shutil.which("ip") is None:
+        return "iproute2's `ip` is not installed"
+    if os.geteuid() != 0:
+        return "not root (ip netns needs CAP_SYS_ADMIN and CAP_NET_ADMIN)"
+    probe = f"kvprobe{os.getpid()}"
+    made = _ip("netns", "add", probe, check=False)
+    if made.returncode != 0:
+        return f"ip netns add failed: {made.stderr.strip()}"
+    _ip("netns", "del", probe, check=False)
+    return None
+
+
+def _free_subnet() -> str:
+    """``10.213.N`` for an N that no address in the root namespace uses."""
+    used = _ip("-4", "-o", "addr").stdout
+    start = os.getpid() % 250
+    for i in range(250):
+        prefix = f"10.213.{(start + i) % 250 + 1}"
+        if f" {prefix}." not in used:
+            return prefix
+    raise RuntimeError("no free 10.213.N.0/24 subnet for the test hosts")
+
+
+@dataclass
+class Host:
+    """One test host: its address and, on a namespaced net, its namespace and outer link."""
+
+    name: str
+    addr: str
+    netns: str | None = None
+    link: str | None = None
+
+    def argv(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside this host (``ip netns exec``, which keeps the caller's pid)."""
+        if self.netns is None:
+            return list(argv)
+        return ["ip", "netns", "exec", self.netns, *argv]
+
+
+@dataclass
+class TestNet:
+    """Hosts on one bridge (or loopback). Build with ``TestNet.create``, end with ``close``."""
+
+    __test__ = False  # not a test class, whatever its name
+
+    mode: str
+    hosts: dict[str, Host]
+    bridge: str | None = None
+    reason: str | None = None
+    _made_netns: list[str] = field(default_factory=list)
+    _made_links: list[str] = field(default_factory=list)
+
+    @classmethod
+    def create(cls, names: Sequence[str]) -> TestNet:
+        reason = netns_unavailable()
+        if reason is not None:
+            return cls(
+                mode="loopback", hosts={n: Host(n, "127.0.0.1") for n in names}, reason=reason
+            )
+        tag = f"{os.getpid() % 100000}x{next(_serial)}"
+        bridge = f"kvb{tag}"
+        net = cls(mode="netns", hosts={}, bridge=bridge)
+        try:
+            prefix = _free_subnet()
+            _ip("link", "add", bridge, "type", "bridge")
+            net._made_links.append(bridge)
+            _ip("addr", "add", f"{prefix}.1/24", "dev", bridge)
+            _ip("link", "set", bridge, "up")
+            for i, name in enumerate(names):
+                ns, outer, inner = f"kvo{tag}-{name}", f"kv{tag}o{i}", f"kv{tag}i{i}"
+                _ip("netns", "add", ns)
+                net._made_netns.append(ns)
+                _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
+                net._made_links.append(outer)
+                _ip("link", "set", inner, "netns", ns)
+                _ip("link", "set", outer, "master", bridge)
+                _ip("link", "set", outer, "up")
+                addr = f"{prefix}.{i + 2}"
+                _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", inner)
+                _ip("-n", ns, "link", "set", inner, "up")
+                _ip("-n", ns, "link", "set", "lo", "up")
+                net.hosts[name] = Host(name, addr, netns=ns, link=outer)
+        except BaseException:
+            net.close()
+            raise
+        return net
+
+    @property
+    def can_cut_links(self) -> bool:
+        return self.mode == "netns"
+
+    def describe(self) -> str:
+        if self.mode == "netns":
+            hosts = ", ".join(f"{h.name}={h.addr}" for h in self.hosts.values())
+            return f"network namespaces on bridge {self.bridge}: {hosts}"
+        return f"LOOPBACK FALLBACK, every host 127.0.0.1 ({self.reason})"
+
+    def link_down(self, host: Host) -> None:
+        """Cut ``host`` off the bridge (its outer veth end down)."""
+        assert host.link is not None, "links can be cut only between namespaces"
+        _ip("link", "set", host.link, "down")
+
+    def link_up(self, host: Host) -> None:
+        assert host.link is not None, "links can be cut only between namespaces"
+        _ip("link", "set", host.link, "up")
+
+    def close(self) -> None:
+        """Delete what ``create`` made; each deletion is tried even if another fails."""
+        for ns in reversed(self._made_netns):
+            _ip("netns", "del", ns, check=False)
+        for link in reversed(self._made_links):
+            _ip("link", "del", link, check=False)
+        self._made_netns.clear()
+        self._made_links.clear()
+
+
+def _port(host: Host, default: int) -> int:
+    """``default`` inside a namespace of its own; a free loopback port otherwise."""
+    if host.netns is not None:
+        return default
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout_s: float, every_s: float = 0.2) -> None:
+    """Call ``check`` until it is true; AssertionError naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:g} s")
+        time.sleep(every_s)
+
+
+def _mooncake_master_binary() -> str:
+    found = shutil.which("mooncake_master", path=str(Path(sys.executable).parent))
+    found = found or shutil.which("mooncake_master")
+    if found is None:
+        raise RuntimeError("mooncake_master is not installed (the mooncake extra provides it)")
+    return found
+
+
+class MooncakeMaster:
+    """A real ``mooncake_master`` on ``host``: RPC and HTTP metadata server, restartable."""
+
+    def __init__(self, host: Host, workdir: Path, client_ttl_s: int = 3) -> None:
+        self.host = host
+        self.workdir = workdir
+        self.rpc_port = _port(host, 50051)
+        self.http_port = _port(host, 8080)
+        self.metrics_port = _port(host, 9003)
+        self.client_ttl_s = client_ttl_s
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    @property
+    def address(self) -> str:
+        return f"{self.host.addr}:{self.rpc_port}"
+
+    @property
+    def metadata_url(self) -> str:
+        return f"http://{self.host.addr}:{self.http_port}/metadata"
+
+    def start(self, timeout_s: float = 30.0) -> MooncakeMaster:
+        argv = [
+            _mooncake_master_binary(),
+            f"--rpc_port={self.rpc_port}",
+            f"--rpc_address={self.host.addr}",
+            "--enable_http_metadata_server=true",
+            f"--http_metadata_server_host={self.host.addr}",
+            f"--http_metadata_server_port={self.http_port}",
+            f"--metrics_port={self.metrics_port}",
+            f"--client_ttl={self.client_ttl_s}",
+        ]
+        self.starts += 1
+        log = (self.workdir / f"master-{self.starts}.log").open("wb")
+        self.proc = subprocess.Popen(self.host.argv(argv), stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        wait_for("mooncake_master listening", self._listening, timeout_s)
+        return self
+
+    def _listening(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            tail = (self.workdir / f"master-{self.starts}.log").read_text()[-2000:]
+            raise RuntimeError(f"mooncake_master exited ({self.proc.returncode}): {tail}")
+        probe = self.host.argv(
+            [
+                sys.executable,
+                "-c",
+                "import socket, sys\n"
+                "for port in sys.argv[2:]: socket.create_connection((sys.argv[1], int(port)), 1)",
+                self.host.addr,
+                str(self.rpc_port),
+                str(self.http_port),
+            ]
+        )
+        return subprocess.run(probe, capture_output=True, timeout=20).returncode == 0
+
+    def kill(self) -> None:
+        """SIGKILL, and wait for it to be gone."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(20)
+
+    def stop(self) -> None:
+        self.kill()
+
+
+class Node:
+    """A ``tests.remote.node`` process on ``host``, driven by one JSON line per command."""
+
+    def __init__(
+        self,
+        host: Host,
+        master: MooncakeMaster,
+        workdir: Path,
+        *,
+        namespace: str = "model-a",
+        num_blocks: int = 16,
+        block_bytes: int = 64 << 10,
+        segment_bytes: int = 32 << 20,
+        replicas: int = 1,
+        timeout_s: float = 3.0,
+    ) -> None:
+        self.host = host
+        self.block_bytes = block_bytes
+        self.log_path = workdir / f"node-{host.name}-{next(_serial)}.log"
+        argv = [
+            sys.executable,
+            "-m",
+            "tests.remote.node",
+            json.dumps(
+                {
+                    "master": master.address,
+                    "metadata_url": master.metadata_url,
+                    "local_hostname": host.addr,
+                    "namespace": namespace,
+                    "num_blocks": num_blocks,
+                    "block_bytes": block_bytes,
+                    "segment_bytes": segment_bytes,
+                    "replicas": replicas,
+                    "timeout_s": timeout_s,
+                }
+            ),
+        ]
+        log = self.log_path.open("wb")
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen(
+            host.argv(argv),
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+        )
+        log.close()
+        try:
+            self.ready = self._reply(timeout_s=60)
+        except BaseException:
+            self.kill()
+            self.close()
+            raise
+
+    def _reply(self, timeout_s: float = 60.0) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            if not sel.select(timeout_s):
+                raise AssertionError(f"node {self.host.name}: no answer within {timeout_s} s")
+        line = self.proc.stdout.readline()
+        if not line:
+            tail = self.log_path.read_text(errors="replace")[-3000:]
+            raise AssertionError(f"node {self.host.name} exited ({self.proc.poll()}): {tail}")
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def ask(self, op: str, timeout_s: float = 60.0, **args: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **args}).encode() + b"\n")
+        self.proc.stdin.flush()
+        return self._reply(timeout_s)
+
+    def put(
+        self, keys: Sequence[bytes], slots: Sequence[int], blocks: Sequence[bytes]
+    ) -> list[bool]:
+        """Write ``blocks`` into ``slots`` of this node's pool, then ``put_from`` them."""
+        data = [base64.b64encode(b).decode() for b in blocks]
+        reply = self.ask("put", keys=[k.hex() for k in keys], slots=list(slots), data=data)
+        return [bool(x) for x in reply["ok"]]
+
+    def get(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bytes | None]:
+        """``get_into`` the slots; per key its slot's bytes if reported read, else None."""
+        reply = self.ask("get", keys=[k.hex() for k in keys], slots=list(slots))
+        return [None if d is None else base64.b64decode(d) for d in reply["data"]]
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return [bool(x) for x in self.ask("exists", keys=[k.hex() for k in keys])["found"]]
+
+    def health(self) -> dict[str, Any]:
+        return self.ask("health")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(20)
+
+    def close(self) -> None:
+        """Ask the node to close its tier and exit; SIGKILL if it does not within 20 s."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(Exception):
+                self.ask("close", timeout_s=20)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()

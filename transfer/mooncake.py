@@ -1,0 +1,467 @@
+"""``MooncakeTier``: the remote tier (``transfer.remote``) on Mooncake Store.
+
+What it adds to the contract:
+
+- **Zero copy.** The whole host pool is registered with the Mooncake client as one buffer, so
+  ``get_into`` and ``put_from`` are single batch calls (``batch_get_into``,
+  ``batch_put_from``) that read into and write from the pool's slots directly.
+- **Off the caller's thread, bounded.** Every Mooncake call runs on the tier's own threads; the
+  caller waits at most ``timeout_s`` for it. A call that has not ended by then answers False
+  for its keys, and its slots stay in ``held_slots()`` until Mooncake lets go of them.
+- **Degraded, then back by itself.** A call that raises, times out, or fails for every key with
+  an error (not a plain absence, a full store or a key that already exists) moves the tier to
+  ``degraded``: counted, logged once per incident. While degraded, calls answer False at once
+  without touching Mooncake, and a probe every ``probe_interval_s`` (health check, then one
+  existence query; or the whole connection when the tier never connected) brings it back to
+  ``ok``. A tier whose master is unreachable at start begins degraded and connects later.
+- **No torn block is reported loaded.** A key counts as read only when Mooncake reports its
+  full block size for it.
+
+Close the tier before the host pool: ``close()`` waits (up to ``timeout_s``) for calls still
+reading or writing the pool, and the tier keeps the pool's memory mapped for as long as one
+might (a mapping outlives ``HostPool.close()`` while a reference to it is held).
+
+``mooncake.store`` (PyPI: ``mooncake-transfer-engine-non-cuda`` on CPU hosts, the
+``mooncake`` extra) is imported when a tier is built; without it ``RemoteTierError`` says so.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import socket
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from transfer.errors import RemoteTierError
+from transfer.host_pool import HostPool
+from transfer.remote import COUNTERS, RemoteHealth, RemoteState, check_slots, remote_name
+
+__all__ = ["MooncakeConfig", "MooncakeTier"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Mooncake's per-key result codes (``ErrorCode`` in mooncake-store's types.h) that are answers,
+# not failures of the store: a full store, an absent object, an object already stored.
+_NO_AVAILABLE_HANDLE = -200
+_OBJECT_NOT_FOUND = -704
+_OBJECT_ALREADY_EXISTS = -705
+_ANSWERS = frozenset({_NO_AVAILABLE_HANDLE, _OBJECT_NOT_FOUND, _OBJECT_ALREADY_EXISTS})
+# Name the probe asks about: it exists nowhere, the question only has to be answered.
+_PROBE_KEY = b"kvoffload-probe"
+
+
+@dataclass(frozen=True)
+class MooncakeConfig:
+    """How to reach a Mooncake Store and what this node gives it.
+
+    ``master``: the master's RPC ``host:port``. ``metadata_url``: its metadata service, e.g.
+    ``http://host:8080/metadata`` (``mooncake_master --enable_http_metadata_server=true``).
+    ``local_hostname``: the address other nodes reach this node's segment on. ``segment_bytes``:
+    memory this node contributes to the shared store (0: a client only). ``replicas``: copies
+    of each block, on distinct segments. ``timeout_s`` bounds every call the caller waits for.
+    """
+
+    master: str
+    metadata_url: str
+    local_hostname: str
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    segment_bytes: int = 1 << 30
+    local_buffer_bytes: int = 16 << 20
+    replicas: int = 1
+    rdma_devices: str = ""
+    timeout_s: float = 5.0
+    probe_interval_s: float = 1.0
+    threads: int = 4
+
+    def __post_init__(self) -> None:
+        if self.protocol not in ("tcp", "rdma"):
+            raise RemoteTierError(f"protocol must be tcp or rdma, got {self.protocol!r}")
+        host, sep, port = self.master.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise RemoteTierError(f"master must be HOST:PORT, got {self.master!r}")
+        if not self.metadata_url.startswith(("http://", "https://", "etcd://", "redis://")):
+            raise RemoteTierError(f"metadata_url must be a URL, got {self.metadata_url!r}")
+        if not self.local_hostname:
+            raise RemoteTierError("local_hostname must not be empty")
+        for what, value in (
+            ("segment_bytes", self.segment_bytes),
+            ("local_buffer_bytes", self.local_buffer_bytes),
+        ):
+            if value < 0:
+                raise RemoteTierError(f"{what} must be >= 0, got {value}")
+        if self.replicas < 1:
+            raise RemoteTierError(f"replicas must be >= 1, got {self.replicas}")
+        if self.threads < 1:
+            raise RemoteTierError(f"threads must be >= 1, got {self.threads}")
+        if not self.timeout_s > 0 or not self.probe_interval_s > 0:
+            raise RemoteTierError("timeout_s and probe_interval_s must be > 0")
+
+
+def _load_store_module() -> Any:
+    try:
+        import mooncake.store
+    except ImportError as exc:
+        raise RemoteTierError(
+            "Mooncake is not installed: pip install 'kvoffload[mooncake]' (the "
+            "mooncake-transfer-engine-non-cuda wheel; it needs Debian's libibverbs1, "
+            f"librdmacm1 and libnuma1): {exc}"
+        ) from exc
+    return mooncake.store
+
+
+class MooncakeTier:
+    """The remote tier on one Mooncake Store, over ``pool``'s slots, under ``namespace``."""
+
+    def __init__(self, pool: HostPool, namespace: str, config: MooncakeConfig) -> None:
+        if not namespace:
+            raise RemoteTierError("namespace must not be empty")
+        self._module = _load_store_module()
+        self._pool = pool
+        self._namespace = namespace
+        self.config = config
+        # Held while Mooncake may still touch the pool: its mapping outlives HostPool.close(),
+        # so a call that ends late never writes into unmapped memory.
+        self._memory: Any = pool.tensor
+        self._base = pool.tensor.data_ptr()
+        self._block_bytes = pool.block_bytes
+        self._replicate = self._module.ReplicateConfig()
+        self._replicate.replica_num = config.replicas
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._inflight = 0
+        self._counters = dict.fromkeys(COUNTERS, 0)
+        self._held: collections.Counter[int] = collections.Counter()
+        self._state: RemoteState = "degraded"
+        self._since = time.time()
+        self._last_error: str | None = "not connected yet"
+        self._closed = False
+        self._store: Any = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            config.threads, thread_name_prefix="mooncake"
+        )
+        self._wake = threading.Event()
+        self._probing: concurrent.futures.Future[None] | None = None
+        # The first connection is the first probe: a master that is down at start leaves the
+        # tier degraded, and the probe thread keeps trying.
+        if self._probe():
+            self._state, self._since, self._last_error = "ok", time.time(), None
+        else:
+            self._counters["incidents"] += 1
+            log.warning("remote tier (mooncake) starts degraded: %s", self._last_error)
+        self._prober = threading.Thread(target=self._probe_loop, name="mooncake-probe", daemon=True)
+        self._prober.start()
+
+    # -- the contract ------------------------------------------------------------------------
+
+    @property
+    def namespace(self) -> str:
+        return self._namespace
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """One ``batch_is_exist`` for ``keys``; False for each key when it fails or is skipped."""
+        if not keys:
+            return []
+        names = [remote_name(self._namespace, k) for k in keys]
+        codes = self._call("exists", lambda s: s.batch_is_exist(names), ())
+        if codes is None:
+            return [False] * len(keys)
+        found = [c == 1 for c in codes]
+        errors = sum(1 for c in codes if c not in (0, 1))
+        with self._lock:
+            self._counters["exists_calls"] += 1
+            self._counters["hits"] += sum(found)
+            self._counters["misses"] += codes.count(0)
+        self._judge("exists", errors, len(codes), [c for c in codes if c not in (0, 1)])
+        return found
+
+    def get_into(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
+        """One ``batch_get_into`` straight into the slots; True where the full block was read."""
+        check_slots(keys, slots, self._pool.num_blocks)
+        if not keys:
+            return []
+        names = [remote_name(self._namespace, k) for k in keys]
+        ptrs = [self._base + slot * self._block_bytes for slot in slots]
+        sizes = [self._block_bytes] * len(keys)
+        codes = self._call("get", lambda s: s.batch_get_into(names, ptrs, sizes), slots)
+        if codes is None:
+            self._count(get_failures=len(keys))
+            return [False] * len(keys)
+        read = [c == self._block_bytes for c in codes]
+        bad = [c for c, ok in zip(codes, read, strict=True) if not ok and c != _OBJECT_NOT_FOUND]
+        self._count(
+            gets=sum(read),
+            get_failures=len(read) - sum(read),
+            bytes_read=sum(read) * self._block_bytes,
+        )
+        self._judge("get", len(bad), len(codes), bad)
+        return read
+
+    def put_from(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
+        """One ``batch_put_from`` out of the slots, with the configured replica count."""
+        check_slots(keys, slots, self._pool.num_blocks)
+        if not keys:
+            return []
+        names = [remote_name(self._namespace, k) for k in keys]
+        ptrs = [self._base + slot * self._block_bytes for slot in slots]
+        sizes = [self._block_bytes] * len(keys)
+        cfg = self._replicate
+        codes = self._call("put", lambda s: s.batch_put_from(names, ptrs, sizes, cfg), slots)
+        if codes is None:
+            self._count(put_failures=len(keys))
+            return [False] * len(keys)
+        stored = [c in (0, _OBJECT_ALREADY_EXISTS) for c in codes]
+        bad = [c for c, ok in zip(codes, stored, strict=True) if not ok and c not in _ANSWERS]
+        self._count(
+            puts=sum(stored),
+            put_failures=len(stored) - sum(stored),
+            bytes_written=sum(stored) * self._block_bytes,
+        )
+        self._judge("put", len(bad), len(codes), bad)
+        return stored
+
+    def health(self) -> RemoteHealth:
+        with self._lock:
+            return RemoteHealth(self._state, self._since, self._last_error, dict(self._counters))
+
+    def held_slots(self) -> frozenset[int]:
+        with self._lock:
+            return frozenset(self._held)
+
+    def close(self) -> None:
+        """Stop probing, wait for calls in flight (up to ``timeout_s``), close the client.
+
+        A client that still has calls in flight, or cannot reach its master (Mooncake's
+        teardown would hold the interpreter lock while it retries), is left open rather than
+        torn down under them; the pool's memory then stays mapped until the process ends.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._wake.set()
+        self._prober.join(self.config.timeout_s)
+        with self._idle:
+            settled = self._idle.wait_for(lambda: self._inflight == 0, self.config.timeout_s)
+            store, self._store = self._store, None
+        if store is not None and not settled:
+            log.warning("remote tier (mooncake) closed with calls in flight: client left open")
+        elif store is not None and self._state != "ok":
+            log.warning("remote tier (mooncake) closed while degraded: client left open")
+        elif store is not None:
+            base = self._base
+
+            def teardown() -> None:
+                store.unregister_buffer(base)
+                store.close()
+
+            try:
+                self._executor.submit(teardown).result(self.config.timeout_s)
+            except Exception as exc:  # a hung or failing teardown must not stop shutdown
+                log.warning("mooncake client did not close cleanly: %r", exc)
+        if settled:
+            self._memory = None
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> MooncakeTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"MooncakeTier(namespace={self._namespace!r}, master={self.config.master}, "
+            f"state={self._state})"
+        )
+
+    # -- machinery ---------------------------------------------------------------------------
+
+    def _call(self, what: str, fn: Callable[[Any], T], slots: Sequence[int]) -> T | None:
+        """Run ``fn(store)`` on the tier's threads, waiting at most ``timeout_s``.
+
+        ``None`` when skipped (degraded, closed), failed or timed out; the slots stay held
+        until ``fn`` has returned, whenever that is.
+        """
+        with self._lock:
+            store = self._store
+            if self._closed or self._state != "ok" or store is None:
+                self._counters["skipped"] += 1
+                return None
+            self._held.update(slots)
+            self._inflight += 1
+
+        def task() -> T:
+            try:
+                return fn(store)
+            finally:
+                self._release(slots)
+
+        try:
+            future = self._executor.submit(task)
+        except RuntimeError:  # shut down by close() in the meantime
+            self._release(slots)
+            self._count(skipped=1)
+            return None
+        try:
+            return future.result(self.config.timeout_s)
+        except concurrent.futures.TimeoutError:
+            if future.cancel():  # still queued behind hung calls: it never touched the slots
+                self._release(slots)
+            self._count(timeouts=1)
+            self._fail(f"{what} did not finish within {self.config.timeout_s:g} s")
+        except Exception as exc:
+            self._count(errors=1)
+            self._fail(f"{what} raised {type(exc).__name__}: {exc}")
+        return None
+
+    def _release(self, slots: Sequence[int]) -> None:
+        with self._idle:
+            self._held.subtract(slots)
+            self._held += collections.Counter()  # drops the zero counts
+            self._inflight -= 1
+            self._idle.notify_all()
+
+    def _judge(self, what: str, bad: int, total: int, codes: list[int]) -> None:
+        """Count a call's per-key errors; every key failing with one degrades the tier."""
+        if not bad:
+            return
+        self._count(errors=1)
+        message = f"{what}: {bad} of {total} keys failed (codes {sorted(set(codes))})"
+        if bad == total:
+            self._fail(message)
+        else:
+            with self._lock:
+                self._last_error = message
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self._counters[name] += delta
+
+    def _fail(self, reason: str) -> None:
+        with self._lock:
+            self._last_error = reason
+            if self._state != "ok" or self._closed:
+                return
+            self._state = "degraded"
+            self._since = time.time()
+            self._counters["incidents"] += 1
+        log.warning("remote tier (mooncake) degraded: %s", reason)
+        self._wake.set()
+
+    def _set_ok(self) -> None:
+        with self._lock:
+            if self._state == "ok" or self._closed:
+                return
+            was = time.time() - self._since
+            self._state = "ok"
+            self._since = time.time()
+        log.info("remote tier (mooncake) ok again after %.1f s degraded", was)
+
+    def _probe_loop(self) -> None:
+        while True:
+            with self._lock:
+                closed, state = self._closed, self._state
+            if closed:
+                return
+            if state == "ok":
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            # Degraded: probe now and then until it answers.
+            if self._wake.wait(self.config.probe_interval_s):
+                self._wake.clear()
+                continue
+            if self._probe():
+                self._set_ok()
+
+    def _probe(self) -> bool:
+        """Connect if never connected, else ask the master for its health and one key."""
+
+        def probe() -> None:
+            if self._store is None:
+                store = self._connect()
+                with self._lock:
+                    self._store = store
+                return
+            rc = self._store.health_check()
+            if rc != 0:
+                raise RemoteTierError(f"health check answered {rc}")
+            codes = self._store.batch_is_exist([remote_name(self._namespace, _PROBE_KEY)])
+            if list(codes) != [0]:
+                raise RemoteTierError(f"existence query answered {list(codes)}")
+
+        # One probe at a time: a connection attempt still hanging must not be joined by a
+        # second one (two clients, one leaked).
+        if self._probing is not None and not self._probing.done():
+            self._note("the previous probe has not finished")
+            return False
+        try:
+            self._probing = self._executor.submit(probe)
+            self._probing.result(self.config.timeout_s)
+        except concurrent.futures.TimeoutError:
+            self._note(f"probe did not finish within {self.config.timeout_s:g} s")
+            return False
+        except Exception as exc:
+            self._note(f"probe: {exc}")
+            return False
+        return True
+
+    def _note(self, reason: str) -> None:
+        with self._lock:
+            self._last_error = reason
+
+    def _connect(self) -> Any:
+        """A set-up client with the pool registered; raises ``RemoteTierError`` otherwise."""
+        cfg = self.config
+        # Mooncake's setup holds the interpreter lock while it retries an absent master (about
+        # 20 tries over 90 s were seen), which no timeout on this side can interrupt: it is
+        # called only once the master and the metadata server accept connections.
+        for what, address in (("master", cfg.master), ("metadata server", _url_address(cfg))):
+            _check_reachable(what, address, min(cfg.timeout_s, 2.0))
+        store = self._module.MooncakeDistributedStore()
+        rc = store.setup(
+            cfg.local_hostname,
+            cfg.metadata_url,
+            cfg.segment_bytes,
+            cfg.local_buffer_bytes,
+            cfg.protocol,
+            cfg.rdma_devices,
+            cfg.master,
+        )
+        if rc != 0:
+            store.close()
+            raise RemoteTierError(f"setup with master {cfg.master} answered {rc}")
+        rc = store.register_buffer(self._base, self._pool.total_bytes)
+        if rc != 0:
+            store.close()
+            raise RemoteTierError(f"registering the host pool answered {rc}")
+        return store
+
+
+def _url_address(cfg: MooncakeConfig) -> str:
+    """``host:port`` of an HTTP(S) metadata URL (other schemes: the master's address)."""
+    parts = urllib.parse.urlsplit(cfg.metadata_url)
+    if parts.scheme not in ("http", "https") or parts.hostname is None:
+        return cfg.master
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"{host}:{port}"
+
+
+def _check_reachable(what: str, address: str, timeout_s: float) -> None:
+    """Raise ``RemoteTierError`` unless a TCP connection to ``address`` opens in time."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout_s):
+            pass
+    except OSError as exc:
+        raise RemoteTierError(f"{what} {address} is not reachable: {exc}") from exc

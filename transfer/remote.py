@@ -1,0 +1,125 @@
+"""The remote tier's contract: a store shared by many nodes, behind the host pool.
+
+Primitives (every backend, one contract). Keys are the manager's opaque block keys (``bytes``);
+a backend stores a key under its *remote name* ``<namespace>/<hex key>`` (``remote_name``), so
+engines with different namespaces (model, layout, block size) never see each other's blocks.
+Host pool slots are the only place bytes come from or go to: the tier never hands out bytes.
+
+- ``exists(keys) -> list[bool]``: one batch; per key, True iff the store holds it now.
+- ``get_into(keys, slots) -> list[bool]``: copy each key's bytes into host slot ``slots[i]``;
+  True only for a key whose full block was read into its slot. A False slot holds undefined
+  bytes and must not be loaded (the caller drops the block it was reserved for).
+- ``put_from(keys, slots) -> list[bool]``: store each slot's block under its key; True once the
+  store holds it. A key the store already holds counts as stored.
+- ``health() -> RemoteHealth``: state (``ok`` or ``degraded``), since when, the last error, and
+  counters; never blocks on the backend.
+- ``held_slots() -> frozenset[int]``: slots named by a call whose backend work has not ended
+  (a call that timed out may still read or write them). The caller must not reuse such a slot
+  for another block until it leaves this set.
+- ``close()``: stop the backend client; idempotent. Later calls answer as misses.
+
+Failures never raise out of the data calls: a failed, timed-out or skipped call answers False
+for its keys, and the backend's ``health()`` says why. Malformed calls (lengths differ, a slot
+out of range, one slot named twice) raise ``InvalidJobError`` before anything moves.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from transfer.errors import InvalidJobError
+
+__all__ = [
+    "COUNTERS",
+    "RemoteHealth",
+    "RemoteState",
+    "RemoteTier",
+    "check_slots",
+    "remote_name",
+]
+
+RemoteState = Literal["ok", "degraded"]
+
+# Every backend reports these counters (and may add its own).
+COUNTERS = (
+    "exists_calls",  # exists() batches that reached the backend
+    "hits",  # keys exists() found
+    "misses",  # keys exists() did not find
+    "gets",  # keys get_into() read in full
+    "get_failures",  # keys get_into() did not read (absent, failed, timed out, skipped)
+    "puts",  # keys put_from() stored
+    "put_failures",  # keys put_from() did not store
+    "bytes_read",
+    "bytes_written",
+    "errors",  # backend calls that failed or returned errors for some keys
+    "timeouts",  # backend calls not finished within the tier's timeout
+    "incidents",  # times the tier went from ok to degraded
+    "skipped",  # calls answered without the backend while degraded or closed
+)
+
+
+@dataclass(frozen=True)
+class RemoteHealth:
+    """A snapshot of a remote tier's state.
+
+    ``since`` is the ``time.time()`` at which ``state`` began; ``last_error`` is the most
+    recent failure's description (kept after recovery, for the operator), ``None`` if there
+    never was one; ``counters`` holds at least every name in ``COUNTERS``.
+    """
+
+    state: RemoteState
+    since: float
+    last_error: str | None = None
+    counters: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "ok"
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-ready form (for stats and readiness details)."""
+        return {
+            "state": self.state,
+            "since": self.since,
+            "seconds_in_state": max(0.0, time.time() - self.since),
+            "last_error": self.last_error,
+            "counters": dict(self.counters),
+        }
+
+
+class RemoteTier(Protocol):
+    """A shared store behind the host pool (see the module docstring for the contract)."""
+
+    @property
+    def namespace(self) -> str: ...
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]: ...
+
+    def get_into(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]: ...
+
+    def put_from(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]: ...
+
+    def health(self) -> RemoteHealth: ...
+
+    def held_slots(self) -> frozenset[int]: ...
+
+    def close(self) -> None: ...
+
+
+def remote_name(namespace: str, key: bytes) -> str:
+    """The name ``key`` is stored under remotely: ``<namespace>/<hex key>``."""
+    return f"{namespace}/{key.hex()}"
+
+
+def check_slots(keys: Sequence[bytes], slots: Sequence[int], num_blocks: int) -> None:
+    """Raise ``InvalidJobError`` unless ``slots`` pairs one distinct, in-range slot per key."""
+    if len(keys) != len(slots):
+        raise InvalidJobError(f"{len(keys)} keys but {len(slots)} slots")
+    for slot in slots:
+        if type(slot) is not int or not 0 <= slot < num_blocks:
+            raise InvalidJobError(f"slot {slot!r} is outside the pool (0..{num_blocks - 1})")
+    if len(set(slots)) != len(slots):
+        raise InvalidJobError("a slot is named twice in one call")
