@@ -112,6 +112,7 @@ bench: setup
 	$(PY) bench/policy_sweep.py
 	$(PY) bench/http_bench.py
 	$(PY) bench/body_limits.py
+	$(PY) bench/tenant_isolation.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis bench/results
