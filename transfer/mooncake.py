@@ -36,7 +36,7 @@ import time
 import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 from transfer.errors import RemoteTierError
 from transfer.host_pool import HostPool
@@ -46,14 +46,15 @@ __all__ = ["MooncakeConfig", "MooncakeTier"]
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
 # Mooncake's per-key result codes (``ErrorCode`` in mooncake-store's types.h) that are answers,
-# not failures of the store: a full store, an absent object, an object already stored.
+# not failures of the store: a full store, an object still being written, an absent object,
+# an object already stored.
 _NO_AVAILABLE_HANDLE = -200
+_REPLICA_IS_NOT_READY = -703
 _OBJECT_NOT_FOUND = -704
 _OBJECT_ALREADY_EXISTS = -705
-_ANSWERS = frozenset({_NO_AVAILABLE_HANDLE, _OBJECT_NOT_FOUND, _OBJECT_ALREADY_EXISTS})
+_GET_ANSWERS = frozenset({_REPLICA_IS_NOT_READY, _OBJECT_NOT_FOUND})
+_PUT_ANSWERS = frozenset({_NO_AVAILABLE_HANDLE, _OBJECT_ALREADY_EXISTS})
 # Name the probe asks about: it exists nowhere, the question only has to be answered.
 _PROBE_KEY = b"kvoffload-probe"
 
@@ -170,7 +171,7 @@ class MooncakeTier:
         if not keys:
             return []
         names = [remote_name(self._namespace, k) for k in keys]
-        codes = self._call("exists", lambda s: s.batch_is_exist(names), ())
+        codes = self._call("exists", lambda s: s.batch_is_exist(names), (), len(keys))
         if codes is None:
             return [False] * len(keys)
         found = [c == 1 for c in codes]
@@ -190,12 +191,16 @@ class MooncakeTier:
         names = [remote_name(self._namespace, k) for k in keys]
         ptrs = [self._base + slot * self._block_bytes for slot in slots]
         sizes = [self._block_bytes] * len(keys)
-        codes = self._call("get", lambda s: s.batch_get_into(names, ptrs, sizes), slots)
+
+        def get(store: Any) -> list[int]:
+            return list(store.batch_get_into(names, ptrs, sizes))
+
+        codes = self._call("get", get, slots, len(keys))
         if codes is None:
             self._count(get_failures=len(keys))
             return [False] * len(keys)
         read = [c == self._block_bytes for c in codes]
-        bad = [c for c, ok in zip(codes, read, strict=True) if not ok and c != _OBJECT_NOT_FOUND]
+        bad = [c for c, ok in zip(codes, read, strict=True) if not ok and c not in _GET_ANSWERS]
         self._count(
             gets=sum(read),
             get_failures=len(read) - sum(read),
@@ -213,16 +218,20 @@ class MooncakeTier:
         ptrs = [self._base + slot * self._block_bytes for slot in slots]
         sizes = [self._block_bytes] * len(keys)
         cfg = self._replicate
-        codes = self._call("put", lambda s: s.batch_put_from(names, ptrs, sizes, cfg), slots)
+
+        def put(store: Any) -> list[int]:
+            return list(store.batch_put_from(names, ptrs, sizes, cfg))
+
+        codes = self._call("put", put, slots, len(keys))
         if codes is None:
             self._count(put_failures=len(keys))
             return [False] * len(keys)
         stored = [c in (0, _OBJECT_ALREADY_EXISTS) for c in codes]
-        bad = [c for c, ok in zip(codes, stored, strict=True) if not ok and c not in _ANSWERS]
+        bad = [c for c, ok in zip(codes, stored, strict=True) if not ok and c not in _PUT_ANSWERS]
         self._count(
             puts=sum(stored),
             put_failures=len(stored) - sum(stored),
-            bytes_written=sum(stored) * self._block_bytes,
+            bytes_written=codes.count(0) * self._block_bytes,
         )
         self._judge("put", len(bad), len(codes), bad)
         return stored
@@ -284,11 +293,15 @@ class MooncakeTier:
 
     # -- machinery ---------------------------------------------------------------------------
 
-    def _call(self, what: str, fn: Callable[[Any], T], slots: Sequence[int]) -> T | None:
-        """Run ``fn(store)`` on the tier's threads, waiting at most ``timeout_s``.
+    def _call(
+        self, what: str, fn: Callable[[Any], list[int]], slots: Sequence[int], n: int
+    ) -> list[int] | None:
+        """Run ``fn(store)`` on the tier's threads, waiting at most ``timeout_s``: its ``n``
+        per-key result codes.
 
-        ``None`` when skipped (degraded, closed), failed or timed out; the slots stay held
-        until ``fn`` has returned, whenever that is.
+        ``None`` when skipped (degraded, closed), failed, timed out, or answered with a number
+        of results other than ``n``; the slots stay held until ``fn`` has returned, whenever
+        that is.
         """
         with self._lock:
             store = self._store
@@ -298,7 +311,7 @@ class MooncakeTier:
             self._held.update(slots)
             self._inflight += 1
 
-        def task() -> T:
+        def task() -> list[int]:
             try:
                 return fn(store)
             finally:
@@ -311,7 +324,11 @@ class MooncakeTier:
             self._count(skipped=1)
             return None
         try:
-            return future.result(self.config.timeout_s)
+            codes = list(future.result(self.config.timeout_s))
+            if len(codes) == n:
+                return codes
+            self._count(errors=1)
+            self._fail(f"{what}: {len(codes)} results for {n} keys")
         except concurrent.futures.TimeoutError:
             if future.cancel():  # still queued behind hung calls: it never touched the slots
                 self._release(slots)

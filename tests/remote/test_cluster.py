@@ -100,6 +100,8 @@ def test_master_killed_and_restarted_degrades_then_recovers(cluster) -> None:
     assert health["counters"]["skipped"] == skipped + 2
     assert health["counters"]["incidents"] == incidents + 1
     assert health["last_error"]
+    # One warning per incident, not one per failed call.
+    assert a.log_path.read_text(errors="replace").count("degraded:") == incidents + 1
 
     cluster.master.start()
     for node in (a, b):
