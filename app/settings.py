@@ -62,6 +62,7 @@ _OCTAL_MODE = re.compile(r"(0o)?([0-7]{1,4})")
 _UDS_MODE_ALLOWED = 0o660
 _UDS_MODE_REQUIRED = 0o600
 UdsAuth = Literal["token", "file-mode"]
+RemoteTierName = Literal["none", "mooncake"]
 _S = TypeVar("_S", bound="AdminAuth")
 
 
@@ -360,6 +361,41 @@ class Settings(AdminAuth):
     event_buffer_size: int = Field(default=65536, gt=0, description="KV events kept")
     max_finished_jobs: int = Field(default=10000, gt=0, description="finished jobs kept")
 
+    # Remote tier: a store shared by nodes, behind the host pool (off by default).
+    remote_tier: RemoteTierName = Field(
+        default="none", description="remote tier behind the pool: none or mooncake"
+    )
+    mooncake_master: str | None = Field(
+        default=None, description="Mooncake master's RPC address, host:port"
+    )
+    mooncake_metadata: str | None = Field(
+        default=None, description="Mooncake metadata URL, e.g. http://host:8080/metadata"
+    )
+    mooncake_protocol: Literal["tcp", "rdma"] = Field(
+        default="tcp", description="Mooncake transfer protocol: tcp or rdma"
+    )
+    mooncake_segment_bytes: int = Field(
+        default=1 << 30, ge=0, description="memory this node gives the shared store (0: none)"
+    )
+    mooncake_replicas: int = Field(default=1, ge=1, le=16, description="copies of each block")
+    mooncake_local_hostname: str | None = Field(
+        default=None,
+        description="address other nodes reach this node's segment on (default: this host's name)",
+    )
+    mooncake_rdma_devices: str = Field(default="", description="RDMA devices (protocol rdma)")
+    remote_timeout_s: float = Field(
+        default=5.0, gt=0, description="bound on each remote get and put"
+    )
+    remote_lookup_timeout_s: float = Field(
+        default=0.05,
+        gt=0,
+        description="how long a lookup waits for the remote tier before answering miss",
+    )
+    remote_queue_blocks: int = Field(
+        default=8192, gt=0, description="write-behind queue bound, in blocks (more: dropped)"
+    )
+    remote_batch_blocks: int = Field(default=64, gt=0, description="blocks per remote put batch")
+
     # Fault injection (rehearse failures): any non-zero value wraps the worker.
     fault_fail_rate: float = Field(default=0.0, ge=0, le=1, description="jobs that fail")
     fault_delay_s: float = Field(default=0.0, ge=0, description="delay added to every job")
@@ -541,6 +577,15 @@ class Settings(AdminAuth):
                 "not a loopback address and no tenants file; accepted: 127.0.0.1, ::1 or "
                 f"localhost, or any address with {setting_names('tenants')} set",
             )
+        if self.remote_tier == "mooncake":
+            for field in ("mooncake_master", "mooncake_metadata"):
+                if not getattr(self, field):
+                    raise config_error(
+                        field,
+                        None,
+                        f"required with {setting_names('remote_tier')} mooncake; accepted: "
+                        + ("host:port" if field == "mooncake_master" else "a URL"),
+                    )
         if self.lease_ttl_s <= self.job_deadline_s:
             # A lease that expires while its transfer may still run would free a slot that a
             # copy is writing into.

@@ -24,6 +24,7 @@ from manager.reuse import ReuseFilter
 from manager.spec import (
     MAX_KEY_BYTES,
     MEDIUM,
+    REMOTE_MEDIUM,
     AllBlocksCleared,
     BlockKey,
     BlockRemoved,
@@ -45,6 +46,7 @@ from manager.spec import (
 __all__ = [
     "MAX_KEY_BYTES",
     "MEDIUM",
+    "REMOTE_MEDIUM",
     "AllBlocksCleared",
     "BlockKey",
     "BlockRemoved",

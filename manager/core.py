@@ -195,6 +195,8 @@ class OffloadManager:
         self._slot: dict[BlockKey, int] = {}
         self._pending: set[BlockKey] = set()
         self._refs: dict[BlockKey, int] = {}
+        # Holds taken outside requests (``hold``), also counted in ``_refs``.
+        self._held: Counter[BlockKey] = Counter()
         # Free slots as a stack whose top is the end of the list, read top-down when handing
         # out: stored descending, a fresh pool hands out 0, 1, 2, ... so a batch gets one
         # ascending run, which the transfer backends copy as one piece (``_push_free``).
@@ -887,6 +889,60 @@ class OffloadManager:
             )
             for r in self._requests.values()
         ]
+
+    # ------------------------------------------------------------------ holds
+
+    def hold(self, keys: Sequence[BlockKey]) -> list[int | None]:
+        """Pin the ready keys among ``keys`` for the caller itself, outside any request; their
+        slots (``None`` for a key not ready, which is not held), in order.
+
+        For a reader of the pool that is not an engine request (the remote tier's
+        write-behind): a held block is not evicted, cleared or expired, its slot not reused,
+        until ``release_hold``. Holds count in ``pinned`` but not in ``loads``, never touch the
+        policy's order and belong to no request (nothing expires them: the caller must release
+        every hold it takes).
+        """
+        _check_keys(keys)
+        slot_of, in_flight, refs, held = self._slot, self._pending, self._refs, self._held
+        out: list[int | None] = []
+        for key in keys:
+            slot = slot_of.get(key)
+            if slot is None or key in in_flight:
+                out.append(None)
+                continue
+            refs[key] = refs.get(key, 0) + 1
+            held[key] += 1
+            out.append(slot)
+        return out
+
+    def release_hold(self, keys: Sequence[BlockKey]) -> None:
+        """Undo one ``hold`` of each key (keys not held are ignored)."""
+        refs, held = self._refs, self._held
+        for key in keys:
+            if held.get(key, 0) <= 0:
+                continue
+            held[key] -= 1
+            if not held[key]:
+                del held[key]
+            left = refs[key] - 1
+            if left:
+                refs[key] = left
+            else:
+                del refs[key]
+
+    def is_ready(self, key: BlockKey) -> bool:
+        """Whether ``key`` is stored and ready (no statistics counted)."""
+        return key in self._slot and key not in self._pending
+
+    def record_event(self, kind: str, keys: list[BlockKey], medium: str) -> None:
+        """Add a KV event about another medium (``kind``: ``stored`` or ``removed``) to the
+        manager's numbered stream, so routers read every tier's events in one order."""
+        if kind == "stored":
+            self._emit(BlockStored(self._next_seq(), keys, medium))
+        elif kind == "removed":
+            self._emit(BlockRemoved(self._next_seq(), keys, medium))
+        else:
+            raise InvalidArgumentError(f"event kind must be stored or removed, got {kind!r}")
 
     @property
     def num_pinned(self) -> int:

@@ -21,6 +21,8 @@ from typing import Any
 BlockKey = bytes
 MAX_KEY_BYTES = 64
 MEDIUM = "CPU"
+#: The medium of KV events about the remote tier (a block stored there, or gone from it).
+REMOTE_MEDIUM = "REMOTE"
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +43,9 @@ class LookupResult(enum.Enum):
     HIT = "hit"  # stored and ready: loadable now
     PENDING = "pending"  # a store is in flight
     MISS = "miss"  # not stored
+    # Not in the pool but in the service's remote tier (the service says so, never the
+    # manager): a prepare-load brings it in, PENDING until it is ready.
+    REMOTE = "remote"
 
     # Members are singletons compared by identity, so the identity hash agrees with equality;
     # Enum's own __hash__ is Python code, and callers map every key's result through dicts.

@@ -52,6 +52,8 @@ class ObservedManager:
         self.manager = manager
         self.observer = observer
         self.quota = quota
+        # Told of every block that became ready here (the remote tier's write-behind).
+        self.on_stored: Callable[[list[BlockKey]], None] | None = None
 
     def _call(self, op: str, req_id: str, call: Callable[..., T], *args: Any) -> T:
         """``call(*args)``; a raise is counted as ``op``'s error and re-raised."""
@@ -132,4 +134,6 @@ class ObservedManager:
         complete = self.manager.complete_store
         out = self._call("complete_store", ctx.req_id, complete, keys, ctx, success)
         self.observer.complete_store(ctx.req_id, out)
+        if out.completed and self.on_stored is not None:
+            self.on_stored(out.completed)
         return out

@@ -42,6 +42,7 @@ from app.core.errors import ServiceUnavailableError
 from app.core.events import EventBuffer
 from app.core.observed import ObservedManager
 from app.core.quota import TenantQuota
+from app.core.remote import RemoteLink, build_tier
 from app.core.shadow import ShadowRunner
 from app.core.transfers import Transfers
 from app.settings import Settings
@@ -100,6 +101,8 @@ class Service:
         self.draining = False
         self._users = 0
         self._transfers: Transfers | None = None
+        # The remote tier behind the pool, while running with one (``--remote-tier``).
+        self.remote: RemoteLink | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._pump_wakeup = asyncio.Event()
@@ -114,6 +117,7 @@ class Service:
                 snapshot=self.snapshot,
                 live_request_series=settings.metrics_live_requests,
                 max_live_series=settings.metrics_live_requests_max,
+                remote_tier=settings.remote_tier != "none",
             )
         self.request_counts = (
             RequestCounts(_REQUEST_COUNTS_SLACK * settings.metrics_live_requests_max)
@@ -173,6 +177,14 @@ class Service:
             self._loop = asyncio.get_running_loop()
             transfers = await Transfers.open(s, self.manager, self._wake_pump)
             self._transfers = transfers
+            if s.remote_tier != "none":
+                try:
+                    await self._open_remote(transfers)
+                except BaseException:
+                    for record in await transfers.close():
+                        self.observer.transfer_done(record)
+                    self._transfers = None
+                    raise
             self._tasks = [
                 asyncio.create_task(self._pump_loop(), name="kvoffload-completion-pump"),
                 asyncio.create_task(self._lease_loop(), name="kvoffload-lease-sweeper"),
@@ -220,6 +232,10 @@ class Service:
                     await task
             self._tasks = []
             assert self._transfers is not None
+            if self.remote is not None:
+                # Before the pool goes: the tier waits for its calls still touching it.
+                self.manager.on_stored = None
+                await self.remote.close()
             for record in await self._transfers.close():
                 self.observer.transfer_done(record)
             self.drain_events()
@@ -245,6 +261,34 @@ class Service:
             deadline = self.settings.job_deadline_s
             return f"a transfer has been running {age:.1f}s, past its {deadline}s deadline"
         return None
+
+    async def _open_remote(self, transfers: Transfers) -> None:
+        s = self.settings
+        tier = await asyncio.to_thread(build_tier, s, transfers.pool, self.namespace)
+        remote = RemoteLink(
+            tier,
+            self.manager.manager,
+            lookup_timeout_s=s.remote_lookup_timeout_s,
+            queue_blocks=s.remote_queue_blocks,
+            batch_blocks=s.remote_batch_blocks,
+            on_event=self.drain_events,
+            on_call=self.observer.remote_call,
+        )
+        remote.start()
+        self.remote = remote
+        self.manager.on_stored = remote.offer
+        transfers.also_writing = remote.writing
+
+    def details(self) -> dict[str, str]:
+        """What a ready service still wants known (``/readyz`` details): a degraded remote
+        tier serves from the pool alone."""
+        remote = self.remote
+        if remote is None:
+            return {}
+        health = remote.health()
+        if health.ok:
+            return {}
+        return {"remote_tier": f"degraded: {health.last_error or 'unreachable'}"}
 
     def transfers(self) -> Transfers:
         """The running data path; ``ServiceUnavailableError`` when the service is not running."""
@@ -373,4 +417,5 @@ class Service:
             prefix_hit_ratio=self.observer.hit_window.ratio(),
             projected_hit_ratio=projected,
             live_requests=rows,
+            remote=None if self.remote is None else self.remote.state(),
         )

@@ -259,6 +259,15 @@ class Tenancy:
                 return f"namespace {space.namespace!r}: {reason}"
         return None
 
+    def details(self) -> dict[str, str]:
+        """What a ready tenancy still wants known, from every space (``Service.details``)."""
+        out: dict[str, str] = {}
+        for space in list(self.spaces.values()):
+            for name, text in space.service.details().items():
+                key = name if self.single is not None else f"{space.namespace}.{name}"
+                out[key] = text
+        return out
+
     # ------------------------------------------------------------------ reloads
 
     def request_reload(self) -> None:

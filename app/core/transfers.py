@@ -137,6 +137,8 @@ class Transfers:
         self.tracker = JobTracker(worker, manager, max_finished=settings.max_finished_jobs)
         self.draining = False
         self.closed = False
+        # Other writers into the pool's reserved slots (the remote tier's promotions).
+        self.also_writing: Callable[[], set[str]] | None = None
         # Replaced on every batch of finished jobs; waiters hold the one current when they
         # started waiting.
         self._changed = asyncio.Event()
@@ -240,8 +242,10 @@ class Transfers:
         return len(running), (self.tracker.oldest_running_age() if running else None)
 
     def writing(self) -> set[str]:
-        """Requests whose store jobs run here: the slots they reserved are being written."""
-        return {r.req_id for r in self.tracker.running() if r.direction == "store"}
+        """Requests whose store jobs run here (or whose blocks the remote tier is reading into
+        the pool): the slots they reserved are being written."""
+        jobs = {r.req_id for r in self.tracker.running() if r.direction == "store"}
+        return jobs if self.also_writing is None else jobs | self.also_writing()
 
     # ------------------------------------------------------------------ engine operations
 

@@ -12,7 +12,7 @@ Answers are encoded here, by hand for the hot ones (``lookup``), with ``json.dum
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,10 +20,11 @@ from app.core.service import Service
 from app.http import schemas as s
 from app.http.errors import too_many
 from app.http.limits import transfer_params_error
-from manager import BlockKey, LookupResult, ReqContext
+from manager import BlockKey, KeyNotReadyError, LookupOutput, LookupResult, ReqContext
 from transfer import JobRecord
 
 Run = Callable[[Service, str, Any], tuple[int, str]]
+RunAsync = Callable[[Service, str, Any], Awaitable[tuple[int, str]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +42,8 @@ class Operation:
     run: Run
     # Other success statuses, with what they mean (documented next to ``status``).
     other_ok: tuple[tuple[int, str], ...] = ()
+    # Run in place of ``run`` when the service has a remote tier (it awaits the tier).
+    run_remote: RunAsync | None = None
 
 
 def hex_list(keys: Sequence[BlockKey]) -> str:
@@ -73,8 +76,9 @@ _RESULT_JSON = {
     LookupResult.HIT: '"hit"',
     LookupResult.PENDING: '"pending"',
     LookupResult.MISS: '"miss"',
+    LookupResult.REMOTE: '"remote"',
 }
-_HIT, _MISS = LookupResult.HIT, LookupResult.MISS
+_HIT, _MISS, _REMOTE = LookupResult.HIT, LookupResult.MISS, LookupResult.REMOTE
 
 
 def _run_start(service: Service, req_id: str, body: s.StartRequestBody) -> tuple[int, str]:
@@ -101,7 +105,27 @@ def _run_finish(service: Service, req_id: str, body: s.FinishRequestBody) -> tup
 def _run_lookup(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str]:
     keys = body.keys
     _limit_keys(service, keys)
+    return 200, _lookup_json(service.manager.lookup(keys, ReqContext(req_id)))
+
+
+async def _run_lookup_remote(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str]:
+    """``lookup`` with a remote tier: the keys the pool lacks are asked about in one batch
+    (never the keys it holds: an all-hit lookup does not wait on the tier)."""
+    keys = body.keys
+    _limit_keys(service, keys)
     out = service.manager.lookup(keys, ReqContext(req_id))
+    results = out.results
+    if out.hit_prefix < len(results) and service.remote is not None:
+        misses = [i for i, r in enumerate(results) if r is _MISS]
+        if misses:
+            found = await service.remote.found([keys[i] for i in misses], req_id)
+            for i, there in zip(misses, found, strict=True):
+                if there:
+                    results[i] = _REMOTE
+    return 200, _lookup_json(out)
+
+
+def _lookup_json(out: LookupOutput) -> str:
     results = out.results
     n = len(results)
     # The common answers (all hits, all misses) are built without a per-key loop.
@@ -111,12 +135,23 @@ def _run_lookup(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, s
         text = ",".join(['"miss"'] * n)
     else:
         text = ",".join(map(_RESULT_JSON.__getitem__, results))
-    return 200, f'{{"results":[{text}],"hit_prefix":{out.hit_prefix}}}'
+    return f'{{"results":[{text}],"hit_prefix":{out.hit_prefix}}}'
+
+
+def _promoting(service: Service, req_id: str, exc: KeyNotReadyError) -> KeyNotReadyError:
+    """``exc`` for a load of keys the pool lacks; with a remote tier, those keys are first
+    sent for (``RemoteLink.promote``): the engine sees them pending, then hit."""
+    if service.remote is not None and exc.missing:
+        service.remote.promote(exc.missing, req_id)
+    return exc
 
 
 def _run_prepare_load(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str]:
     _limit_keys(service, body.keys)
-    slots = service.manager.prepare_load(body.keys, ReqContext(req_id))
+    try:
+        slots = service.manager.prepare_load(body.keys, ReqContext(req_id))
+    except KeyNotReadyError as exc:
+        raise _promoting(service, req_id, exc) from None
     return 200, f'{{"slots":{json.dumps(slots)}}}'
 
 
@@ -172,7 +207,10 @@ def _run_offload(service: Service, req_id: str, body: s.TransferBody) -> tuple[i
 
 def _run_onload(service: Service, req_id: str, body: s.TransferBody) -> tuple[int, str]:
     _limit_keys(service, body.keys)
-    started = service.transfers().onload(req_id, body.cache_id, body.keys, body.device_blocks)
+    try:
+        started = service.transfers().onload(req_id, body.cache_id, body.keys, body.device_blocks)
+    except KeyNotReadyError as exc:
+        raise _promoting(service, req_id, exc) from None
     job = started.job
     return 202, json.dumps(
         {
@@ -194,8 +232,10 @@ OPERATIONS: tuple[Operation, ...] = (
         s.LookupAnswer,
         200,
         _KEYS_ERRORS,
-        "Per-key state (hit, pending, miss) and the count of leading hits",
+        "Per-key state (hit, pending, miss; remote with a remote tier) and the count of "
+        "leading hits",
         _run_lookup,
+        run_remote=_run_lookup_remote,
     ),
     Operation(
         "start_request",

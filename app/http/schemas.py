@@ -243,9 +243,10 @@ class FinishRequestAnswer(Answer):
 
 
 class LookupAnswer(Answer):
-    """Per-key state and the count of leading hits."""
+    """Per-key state and the count of leading hits. ``remote``: not in the pool but in the
+    service's remote tier (a prepare-load or onload brings it in: pending, then hit)."""
 
-    results: list[Literal["hit", "pending", "miss"]]
+    results: list[Literal["hit", "pending", "miss", "remote"]]
     hit_prefix: int
 
 
@@ -440,6 +441,11 @@ class HealthAnswer(Answer):
 
     status: Literal["ok", "ready", "not_ready"]
     reason: str | None = None
+    details: dict[str, str] | None = Field(
+        default=None,
+        description="what a ready service still wants known (a degraded remote tier: serving "
+        "from the pool alone)",
+    )
 
 
 # --------------------------------------------------------------------------- admin
@@ -526,6 +532,11 @@ class StatsAnswer(Answer):
     jobs: JobsStats
     events: EventsStats
     kv_caches: int
+    remote: dict[str, Any] | None = Field(
+        default=None,
+        description="the remote tier (null: none): state ok or degraded, since, last error, "
+        "counters, write-behind queue, promotions",
+    )
 
 
 class RequestLeasesAnswer(Answer):

@@ -92,6 +92,8 @@ class ServiceSnapshot:
     prefix_hit_ratio: float | None = None
     projected_hit_ratio: dict[str, float] = field(default_factory=dict)
     live_requests: list[LiveRequestRow] = field(default_factory=list)
+    # The remote tier's state (``RemoteLink.state()``), None without one.
+    remote: dict[str, Any] | None = None
 
 
 class _StateCollector(Collector):
@@ -199,6 +201,8 @@ class _StateCollector(Collector):
         for name, ratio in sorted(snap.projected_hit_ratio.items()):
             projected.add_metric([name], ratio)
         yield projected
+        if snap.remote is not None:
+            yield from _remote_families(snap.remote)
         if self._live_series:
             table = GaugeMetricFamily(
                 f"{PREFIX}_request_blocks",
@@ -212,6 +216,50 @@ class _StateCollector(Collector):
                 ):  # fmt: skip
                     table.add_metric([row.req_id, kind], value)
             yield table
+
+
+# The remote tier's counters (``transfer.remote.COUNTERS``) exported as counters, by name.
+_REMOTE_COUNTERS = {
+    "hits": "Keys the remote tier found when asked by a lookup.",
+    "misses": "Keys the remote tier did not hold when asked by a lookup.",
+    "gets": "Blocks read in full from the remote tier into the pool.",
+    "get_failures": "Blocks not read from the remote tier (absent, failed, timed out, skipped).",
+    "puts": "Blocks written to the remote tier.",
+    "put_failures": "Blocks not written to the remote tier.",
+    "bytes_read": "Bytes read from the remote tier into the pool.",
+    "bytes_written": "Bytes written from the pool to the remote tier.",
+    "errors": "Remote tier calls that failed or answered errors.",
+    "timeouts": "Remote tier calls not finished within their timeout.",
+    "incidents": "Times the remote tier went from ok to degraded.",
+    "skipped": "Remote tier calls answered without the store while degraded.",
+}
+
+
+def _remote_families(state: dict[str, Any]) -> Iterator[Metric]:
+    yield GaugeMetricFamily(
+        f"{PREFIX}_remote_tier_up",
+        "1 while the remote tier answers (ok), 0 while degraded (local pool only).",
+        value=1 if state["state"] == "ok" else 0,
+    )
+    counters = state.get("counters", {})
+    for name, doc in _REMOTE_COUNTERS.items():
+        yield CounterMetricFamily(f"{PREFIX}_remote_{name}", doc, value=counters.get(name, 0))
+    queue = state["queue"]
+    yield GaugeMetricFamily(
+        f"{PREFIX}_remote_queue_depth", "Blocks waiting to be written behind.",
+        value=queue["depth"],
+    )  # fmt: skip
+    yield CounterMetricFamily(
+        f"{PREFIX}_remote_queue_dropped",
+        "Blocks not written behind: the queue was full or the tier degraded.",
+        value=queue["dropped"],
+    )
+    promotions = state["promotions"]
+    yield CounterMetricFamily(
+        f"{PREFIX}_remote_promoted_blocks",
+        "Blocks brought from the remote tier into the pool for a load.",
+        value=promotions["loaded"],
+    )
 
 
 class _CounterSeries:
@@ -350,6 +398,7 @@ class Metrics:
         live_request_series: bool = False,
         max_live_series: int = 500,
         clock: Callable[[], float] = time.time,
+        remote_tier: bool = False,
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._clock = clock
@@ -388,6 +437,16 @@ class Metrics:
         self.policy_switches = _Counter(
             f"{PREFIX}_policy_switches", "Live policy switches.", ("from_policy", "to_policy")
         )
+        # Only with a remote tier (its families would otherwise be exported empty).
+        self.remote_duration = _Histogram(
+            f"{PREFIX}_remote_call_duration_seconds",
+            "Remote tier calls by op (exists: a lookup's question, get: a promotion, put: "
+            "write-behind); the exemplar names the engine request that caused it.",
+            ("op",), TRANSFER_BUCKETS,
+        )  # fmt: skip
+        self.remote_keys = _Counter(
+            f"{PREFIX}_remote_call_keys", "Keys named by remote tier calls, by op.", ("op",)
+        )
         self.registry.register(
             _CallCollector(
                 [
@@ -400,6 +459,7 @@ class Metrics:
                     self.transfer_duration,
                     self.transfer_failures,
                     self.policy_switches,
+                    *((self.remote_duration, self.remote_keys) if remote_tier else ()),
                 ]
             )
         )
@@ -461,3 +521,10 @@ class Metrics:
     def policy_switched(self, from_policy: str, to_policy: str) -> None:
         """One effective live policy switch."""
         self.policy_switches.inc((from_policy, to_policy), 1, None, self._clock())
+
+    def remote_call(self, op: str, seconds: float, keys: int, req_id: str | None) -> None:
+        """One remote tier call: its latency and keys, the engine request as exemplar."""
+        ex = exemplar_id(req_id)
+        now = self._clock()
+        self.remote_duration.observe((op,), seconds, ex, now)
+        self.remote_keys.inc((op,), keys, ex, now)

@@ -254,6 +254,11 @@ class Observer:
         if self.metrics is not None:
             self.metrics.policy_switched(from_policy, to_policy)
 
+    def remote_call(self, op: str, seconds: float, keys: int, req_id: str | None) -> None:
+        """One remote tier call (``app.core.remote``)."""
+        if self.metrics is not None:
+            self.metrics.remote_call(op, seconds, keys, safe_req_id(req_id) if req_id else None)
+
     # ------------------------------------------------------------------ HTTP calls
 
     def on_call(self, info: CallInfo) -> None:

@@ -96,7 +96,11 @@ def catalogue_mismatches(exposition: Exposition) -> list[str]:
         for s in samples:
             if s.exemplar is not None and set(s.exemplar.labels) != {"req_id"}:
                 problems.append(f"{name}: exemplar labels {sorted(s.exemplar.labels)}")
-    problems += [f"{name}: in the catalogue, not exported" for name in set(entries) - seen]
+    problems += [
+        f"{name}: in the catalogue, not exported"
+        for name in set(entries) - seen
+        if not entries[name].get("opt_in")  # exported only when a setting turns it on
+    ]
     return problems
 
 

@@ -18,8 +18,19 @@ def manager():
     return create_manager(num_blocks=8)
 
 
-def snapshot_of(m, live: list[LiveRequestRow] | None = None) -> ServiceSnapshot:
+REMOTE_STATE = {
+    "state": "degraded",
+    "counters": {"hits": 3, "bytes_written": 4096},
+    "queue": {"depth": 2, "capacity": 8, "dropped": 1},
+    "promotions": {"running": 0, "started": 2, "loaded": 1, "failed": 1},
+}
+
+
+def snapshot_of(
+    m, live: list[LiveRequestRow] | None = None, remote: dict | None = None
+) -> ServiceSnapshot:
     return ServiceSnapshot(
+        remote=remote,
         stats=m.stats(),
         policy=m.policy,
         block_bytes=4096,
@@ -199,8 +210,11 @@ def test_exported_families_match_the_deploy_catalogue_exactly(manager) -> None:
     reg = CollectorRegistry()
     met = Metrics(
         reg,
-        snapshot=lambda: snapshot_of(manager, [LiveRequestRow("r", 1, 1, 1, 1)]),
+        snapshot=lambda: snapshot_of(
+            manager, [LiveRequestRow("r", 1, 1, 1, 1)], remote=REMOTE_STATE
+        ),
         live_request_series=True,
+        remote_tier=True,
     )
     ctx = ReqContext("r")
     manager.on_new_request(ctx)
@@ -212,6 +226,7 @@ def test_exported_families_match_the_deploy_catalogue_exactly(manager) -> None:
     met.transfer_done("store", True, 1, 0.1, None, "r")
     met.transfer_done("load", False, 0, 0.1, "deadline", "r")
     met.policy_switched("lru", "arc")
+    met.remote_call("exists", 0.001, 4, "r")
     exported = {}
     for family in reg.collect():
         name = family.name + ("_total" if family.type == "counter" else "")
@@ -224,3 +239,21 @@ def test_exported_families_match_the_deploy_catalogue_exactly(manager) -> None:
         assert kind == entry["type"], name
         assert labels == set(entry.get("labels", [])), name
         assert with_exemplar == ("req_id" in entry.get("exemplar_labels", [])), name
+
+
+def test_remote_tier_families_follow_its_state() -> None:
+    from manager import create_manager
+
+    manager = create_manager(8)
+    reg = CollectorRegistry()
+    Metrics(reg, snapshot=lambda: snapshot_of(manager, remote=REMOTE_STATE), remote_tier=True)
+    assert reg.get_sample_value("kvoffload_remote_tier_up") == 0
+    assert reg.get_sample_value("kvoffload_remote_hits_total") == 3
+    assert reg.get_sample_value("kvoffload_remote_misses_total") == 0
+    assert reg.get_sample_value("kvoffload_remote_bytes_written_total") == 4096
+    assert reg.get_sample_value("kvoffload_remote_queue_depth") == 2
+    assert reg.get_sample_value("kvoffload_remote_queue_dropped_total") == 1
+    assert reg.get_sample_value("kvoffload_remote_promoted_blocks_total") == 1
+    plain = CollectorRegistry()
+    Metrics(plain, snapshot=lambda: snapshot_of(manager))
+    assert not [f for f in plain.collect() if f.name.startswith("kvoffload_remote")]

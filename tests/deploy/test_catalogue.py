@@ -97,6 +97,8 @@ def test_req_id_is_an_exemplar_label_except_on_the_opt_in_live_request_gauge() -
         "kvoffload_transfer_bytes_total",
         "kvoffload_transfer_duration_seconds",
         "kvoffload_transfer_failures_total",
+        "kvoffload_remote_call_duration_seconds",
+        "kvoffload_remote_call_keys_total",
     }
 
 

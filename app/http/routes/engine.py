@@ -44,7 +44,7 @@ def json_response(text: str | bytes, status: int = 200) -> Response:
 
 def _op_endpoint(op: Operation) -> Endpoint:
     parse = body_parser(op.body)
-    run = op.run
+    run, run_remote = op.run, op.run_remote
     name = op.name
 
     async def endpoint(request: Request, req_id: ReqIdPath) -> Response:
@@ -54,7 +54,11 @@ def _op_endpoint(op: Operation) -> Endpoint:
             info.req_id = req_id
         check_path_param("req_id", req_id)
         service = service_of(request)
-        status, text = run(service, req_id, parse(await read_body(request)))
+        body = parse(await read_body(request))
+        if run_remote is not None and service.remote is not None:
+            status, text = await run_remote(service, req_id, body)
+        else:
+            status, text = run(service, req_id, body)
         return json_response(text, status)
 
     return endpoint
@@ -148,9 +152,14 @@ class _BatchRunner:
         ops = self.validated(await read_body(request))
         outcomes: list[tuple[str, int]] = []
         parts: list[str] = []
+        remote = service.remote is not None
         for op in ops:
             try:
-                status, text = BY_NAME[op.op].run(service, op.req_id, op)
+                operation = BY_NAME[op.op]
+                if remote and operation.run_remote is not None:
+                    status, text = await operation.run_remote(service, op.req_id, op)
+                else:
+                    status, text = operation.run(service, op.req_id, op)
             except Exception as exc:  # one op's failure must not abort the others
                 err = error_for(exc)
                 if err.status >= 500:

@@ -4,7 +4,8 @@
 service is starting, draining for a shutdown, or when the oldest transfer in flight has run past
 its deadline (a stuck copy: stop sending work here); 200 otherwise. With tenants, it speaks for
 every namespace (the first one not ready is named) and needs no credentials: it says nothing
-but ready or not.
+but ready or not. A ready answer may carry ``details``: what still deserves a look (a degraded
+remote tier: the node serves from its pool alone, so it stays ready).
 """
 
 from __future__ import annotations
@@ -26,9 +27,14 @@ async def livez() -> Response:
 
 
 async def readyz(request: Request) -> Response:
-    reason = tenancy_of(request).readiness()
+    tenancy = tenancy_of(request)
+    reason = tenancy.readiness()
     if reason is None:
-        return Response(json.dumps({"status": "ready"}), media_type=JSON)
+        details = tenancy.details()
+        ready: dict[str, object] = {"status": "ready"}
+        if details:
+            ready["details"] = details
+        return Response(json.dumps(ready), media_type=JSON)
     body = json.dumps({"status": "not_ready", "reason": reason})
     return Response(body, 503, media_type=JSON)
 

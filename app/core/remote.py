@@ -1,0 +1,328 @@
+"""One namespace's remote tier, as the service uses it: lookups, promotion, write-behind.
+
+The tier itself (``transfer.remote``: ``MooncakeTier`` and any other backend with the same
+contract) moves bytes between host pool slots and a store shared by nodes, each call bounded and
+run on its own threads. ``RemoteLink`` decides *when*, and keeps the manager right while it does:
+
+- **Lookups** (``found``): only the keys the pool lacks are asked about, in one batch per call,
+  off the event loop (``asyncio.to_thread``) and for at most ``remote_lookup_timeout_s``; a
+  late or failed answer is "not found". Keys the pool holds never wait on the remote tier.
+- **Promotion** (``promote``, from ``prepare-load`` / ``onload`` of keys the pool lacks): slots
+  are reserved for the keys as stores pending for the engine's request (``PENDING`` to every
+  lookup, held against eviction), one ``get_into`` reads them into the slots, and each key read
+  in full becomes ready (then ``HIT``) and is pinned for that request; a key not read is
+  dropped (``MISS``). Bytes not read in full are never made loadable. While a read may still
+  write into its slots (it outlived its timeout), their stores stay pending; the request's id
+  is in ``writing()`` so no lease expiry frees them under it.
+- **Write-behind** (``offer``): a block that becomes ready in the pool (an engine's or a job's
+  completed store) is queued; a background task puts batches of up to ``remote_batch_blocks``
+  with ``put_from``, each block *held* in the pool (``OffloadManager.hold``: not evicted, its
+  slot not reused) until the put has let go of its slot. The queue is bounded: what does not fit
+  is dropped and counted, never waited for. A stored batch is one ``BlockStored`` event with
+  medium ``REMOTE``.
+- **Faults**: the tier degrades by itself (``health()``) and recovers with its probe; while it
+  is degraded, lookups answer "not found" without asking it, promotion starts nothing and
+  write-behind drops what it would have put (counted).
+
+All of this runs on the event loop except the tier's calls, which run on threads; manager calls
+happen on the loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from app.settings import Settings
+from app.telemetry.logging import get_logger
+from manager import REMOTE_MEDIUM, BlockKey, OffloadManager, ReqContext
+from manager.errors import ManagerError
+from transfer import HostPool
+from transfer.remote import RemoteHealth, RemoteTier
+
+log = get_logger("remote")
+
+#: How often a put or get that outlived its timeout is checked for having let go of its slots.
+HELD_POLL_S = 0.05
+
+
+class RemoteLink:
+    """The remote tier of one namespace's service; see the module docstring."""
+
+    def __init__(
+        self,
+        tier: RemoteTier,
+        manager: OffloadManager,
+        *,
+        lookup_timeout_s: float,
+        queue_blocks: int,
+        batch_blocks: int,
+        on_event: Callable[[], None] = lambda: None,
+        on_call: Callable[[str, float, int, str | None], None] | None = None,
+    ) -> None:
+        """``on_event``: called after the manager got a remote KV event (drain it).
+        ``on_call(op, seconds, keys, req_id)``: each remote call's latency (metrics)."""
+        self.tier = tier
+        self.manager = manager
+        self.lookup_timeout_s = lookup_timeout_s
+        self.queue_blocks = queue_blocks
+        self.batch_blocks = batch_blocks
+        self._on_event = on_event
+        self._on_call = on_call
+        self._queue: collections.deque[BlockKey] = collections.deque()
+        self._queued: set[BlockKey] = set()
+        self._wakeup = asyncio.Event()
+        self._promoting: collections.Counter[str] = collections.Counter()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._drain: asyncio.Task[None] | None = None
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Start the write-behind task on the running loop."""
+        self._drain = asyncio.get_running_loop().create_task(
+            self._drain_loop(), name="kvoffload-remote-write-behind"
+        )
+
+    async def close(self) -> None:
+        """Stop writing behind, wait for promotions in flight, close the tier (it waits for
+        its calls still touching the pool)."""
+        drain, self._drain = self._drain, None
+        if drain is not None:
+            drain.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await drain
+        for task in list(self._tasks):
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await task
+        self.counts["queue_dropped"] += len(self._queue)
+        self._queue.clear()
+        self._queued.clear()
+        await asyncio.to_thread(self.tier.close)
+
+    def health(self) -> RemoteHealth:
+        """The tier's state and counters (never blocks)."""
+        return self.tier.health()
+
+    def state(self) -> dict[str, Any]:
+        """What ``/admin/v1/stats`` and ``/readyz`` say about the tier."""
+        health = self.tier.health().as_dict()
+        health["namespace"] = self.tier.namespace
+        health["queue"] = {
+            "depth": len(self._queue),
+            "capacity": self.queue_blocks,
+            "dropped": self.counts["queue_dropped"],
+        }
+        health["promotions"] = {
+            "running": sum(self._promoting.values()),
+            "started": self.counts["promoted_keys"],
+            "loaded": self.counts["promoted_ready"],
+            "failed": self.counts["promoted_failed"],
+        }
+        health["written"] = self.counts["written"]
+        return health
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    def writing(self) -> set[str]:
+        """Requests with a promotion in flight: their pending stores are being written."""
+        return {req_id for req_id, n in self._promoting.items() if n > 0}
+
+    # ------------------------------------------------------------------ lookups
+
+    async def found(self, keys: Sequence[BlockKey], req_id: str | None = None) -> list[bool]:
+        """Per key, whether the remote tier holds it; False for all when it is degraded, slow
+        (past ``lookup_timeout_s``) or failing."""
+        if not keys:
+            return []
+        if not self.tier.health().ok:
+            self.counts["lookups_skipped"] += 1
+            return [False] * len(keys)
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.lookup_timeout_s):
+                answer = await asyncio.to_thread(self.tier.exists, list(keys))
+        except TimeoutError:
+            self.counts["lookup_timeouts"] += 1
+            answer = [False] * len(keys)
+        self._observe("exists", started, len(keys), req_id)
+        return answer
+
+    # ------------------------------------------------------------------ promotion
+
+    def promote(self, keys: Sequence[BlockKey], req_id: str) -> int:
+        """Start bringing the keys the pool lacks into it for request ``req_id``; how many.
+
+        Changes nothing when the tier is degraded or the pool has no room (the call that asked
+        then answers as it would have: the keys are not ready).
+        """
+        manager = self.manager
+        wanted = [k for k in dict.fromkeys(keys) if manager.slot_of(k) is None]
+        if not wanted or not self.tier.health().ok:
+            return 0
+        ctx = ReqContext(req_id)
+        try:
+            out = manager.prepare_store(wanted, ctx)
+        except ManagerError:
+            return 0
+        if out is None or not out.keys_to_store:
+            return 0
+        if out.evicted_keys:
+            self._on_event()
+        self._promoting[req_id] += 1
+        self.counts["promoted_keys"] += len(out.keys_to_store)
+        task = asyncio.get_running_loop().create_task(
+            self._fetch(ctx, out.keys_to_store, out.slots), name="kvoffload-remote-promote"
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return len(out.keys_to_store)
+
+    async def _fetch(self, ctx: ReqContext, keys: list[BlockKey], slots: list[int]) -> None:
+        started = time.perf_counter()
+        try:
+            ok = await asyncio.to_thread(self.tier.get_into, keys, slots)
+            self._observe("get", started, len(keys), ctx.req_id)
+            failed = [s for s, good in zip(slots, ok, strict=True) if not good]
+            await self._until_released(failed)
+            good = [k for k, g in zip(keys, ok, strict=True) if g]
+            bad = [k for k, g in zip(keys, ok, strict=True) if not g]
+            self._complete(ctx, good, bad)
+        except Exception:
+            log.exception("remote promotion failed; its blocks are dropped")
+            self._complete(ctx, [], keys)
+        finally:
+            self._promoting[ctx.req_id] -= 1
+            if self._promoting[ctx.req_id] <= 0:
+                del self._promoting[ctx.req_id]
+
+    def _complete(self, ctx: ReqContext, good: list[BlockKey], bad: list[BlockKey]) -> None:
+        manager = self.manager
+        with contextlib.suppress(ManagerError):  # the request was forgotten meanwhile
+            if bad:
+                manager.complete_store(bad, ctx, success=False)
+                self.counts["promoted_failed"] += len(bad)
+            if good:
+                done = manager.complete_store(good, ctx, success=True).completed
+                self.counts["promoted_ready"] += len(done)
+                if done:
+                    # Pinned for the request that asked, so it is still there when it loads.
+                    with contextlib.suppress(ManagerError):
+                        manager.prepare_load(done, ctx)
+        self._on_event()
+
+    # ------------------------------------------------------------------ write-behind
+
+    def offer(self, keys: Sequence[BlockKey]) -> None:
+        """Queue blocks that became ready for the remote tier; what does not fit is dropped."""
+        if not keys:
+            return
+        room = self.queue_blocks - len(self._queue)
+        queued = self._queued
+        taken = 0
+        for key in keys:
+            if key in queued:
+                continue
+            if taken >= room:
+                self.counts["queue_dropped"] += 1
+                continue
+            self._queue.append(key)
+            queued.add(key)
+            taken += 1
+        if taken:
+            self._wakeup.set()
+
+    async def _drain_loop(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._queue:
+                try:
+                    await self._put_batch()
+                except Exception:
+                    log.exception("remote write-behind batch failed; its blocks are dropped")
+
+    async def _put_batch(self) -> None:
+        batch: list[BlockKey] = []
+        while self._queue and len(batch) < self.batch_blocks:
+            key = self._queue.popleft()
+            self._queued.discard(key)
+            batch.append(key)
+        if not self.tier.health().ok:
+            self.counts["queue_dropped"] += len(batch)
+            return
+        manager = self.manager
+        held = manager.hold(batch)
+        keys = [k for k, s in zip(batch, held, strict=True) if s is not None]
+        slots = [s for s in held if s is not None]
+        self.counts["gone_before_put"] += len(batch) - len(keys)
+        if not keys:
+            return
+        started = time.perf_counter()
+        try:
+            ok = await asyncio.to_thread(self.tier.put_from, keys, slots)
+            self._observe("put", started, len(keys), None)
+            await self._until_released(slots)
+        finally:
+            manager.release_hold(keys)
+        stored = [k for k, good in zip(keys, ok, strict=True) if good]
+        self.counts["written"] += len(stored)
+        self.counts["put_failed"] += len(keys) - len(stored)
+        if stored:
+            manager.record_event("stored", stored, REMOTE_MEDIUM)
+            self._on_event()
+
+    # ------------------------------------------------------------------ helpers
+
+    async def _until_released(self, slots: Sequence[int]) -> None:
+        """Wait until the tier no longer touches any of ``slots`` (a call past its timeout may
+        still read or write them)."""
+        if not slots:
+            return
+        wanted = set(slots)
+        while wanted & self.tier.held_slots():
+            await asyncio.sleep(HELD_POLL_S)
+
+    def _observe(self, op: str, started: float, keys: int, req_id: str | None) -> None:
+        if self._on_call is not None:
+            self._on_call(op, time.perf_counter() - started, keys, req_id)
+
+
+def remote_namespace(namespace: str, block_bytes: int) -> str:
+    """Where a namespace's blocks live in the shared store: the service namespace and the block
+    size, so nodes whose blocks cannot be exchanged never meet there (the engine's own key
+    carries its model and layout, e.g. the vLLM tier's namespace digest)."""
+    return f"kvoffload/{namespace}/{block_bytes}"
+
+
+def build_tier(settings: Settings, pool: HostPool, namespace: str) -> RemoteTier:
+    """The remote tier ``settings`` name, on ``pool`` (blocking: call it off the loop).
+
+    ``RemoteTierError`` when its library is missing; a store that cannot be reached yet is no
+    error (the tier starts degraded and connects when it can).
+    """
+    from transfer.mooncake import MooncakeConfig, MooncakeTier
+
+    s = settings
+    assert s.remote_tier == "mooncake"
+    assert s.mooncake_master
+    assert s.mooncake_metadata
+    config = MooncakeConfig(
+        master=s.mooncake_master,
+        metadata_url=s.mooncake_metadata,
+        local_hostname=s.mooncake_local_hostname or socket.gethostname(),
+        protocol=s.mooncake_protocol,
+        segment_bytes=s.mooncake_segment_bytes,
+        replicas=s.mooncake_replicas,
+        rdma_devices=s.mooncake_rdma_devices,
+        timeout_s=s.remote_timeout_s,
+    )
+    return MooncakeTier(pool, remote_namespace(namespace, s.block_bytes), config)
