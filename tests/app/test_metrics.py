@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -27,7 +28,7 @@ REMOTE_STATE = {
 
 
 def snapshot_of(
-    m, live: list[LiveRequestRow] | None = None, remote: dict | None = None
+    m, live: list[LiveRequestRow] | None = None, remote: dict[str, Any] | None = None
 ) -> ServiceSnapshot:
     return ServiceSnapshot(
         remote=remote,
