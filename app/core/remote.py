@@ -10,10 +10,12 @@ run on its own threads. ``RemoteLink`` decides *when*, and keeps the manager rig
 - **Promotion** (``promote``, from ``prepare-load`` / ``onload`` of keys the pool lacks): slots
   are reserved for the keys as stores pending for the engine's request (``PENDING`` to every
   lookup, held against eviction), one ``get_into`` reads them into the slots, and each key read
-  in full becomes ready (then ``HIT``) and is pinned for that request; a key not read is
-  dropped (``MISS``). Bytes not read in full are never made loadable. While a read may still
-  write into its slots (it outlived its timeout), their stores stay pending; the request's id
-  is in ``writing()`` so no lease expiry frees them under it.
+  in full becomes ready (then ``HIT``) and is held for that request (``OffloadManager.hold``)
+  until the request pins it with its own load (``loaded``) or ``hold_s`` passes, so it is still
+  there when the engine comes back for it; a key not read is dropped (``MISS``). Bytes not
+  read in full are never made loadable. While a read may still write into its slots (it
+  outlived its timeout), their stores stay pending; the request's id is in ``writing()`` so no
+  lease expiry frees them under it.
 - **Write-behind** (``offer``): a block that becomes ready in the pool (an engine's or a job's
   completed store) is queued; a background task puts batches of up to ``remote_batch_blocks``
   with ``put_from``, each block *held* in the pool (``OffloadManager.hold``: not evicted, its
@@ -62,11 +64,16 @@ class RemoteLink:
         lookup_timeout_s: float,
         queue_blocks: int,
         batch_blocks: int,
+        hold_s: float = 60.0,
         on_event: Callable[[], None] = lambda: None,
         on_call: Callable[[str, float, int, str | None], None] | None = None,
     ) -> None:
-        """``on_event``: called after the manager got a remote KV event (drain it).
+        """``hold_s``: how long a promoted block waits, held, for its request's load.
+        ``on_event``: called after the manager got a remote KV event (drain it).
         ``on_call(op, seconds, keys, req_id)``: each remote call's latency (metrics)."""
+        self.hold_s = hold_s
+        # Promoted blocks held for the request that asked, until it loads them.
+        self._held_for: dict[str, set[BlockKey]] = {}
         self.tier = tier
         self.manager = manager
         self.lookup_timeout_s = lookup_timeout_s
@@ -104,6 +111,8 @@ class RemoteLink:
         self.counts["queue_dropped"] += len(self._queue)
         self._queue.clear()
         self._queued.clear()
+        for req_id in list(self._held_for):
+            self._let_go(req_id, None)
         await asyncio.to_thread(self.tier.close)
 
     def health(self) -> RemoteHealth:
@@ -214,10 +223,32 @@ class RemoteLink:
                 done = manager.complete_store(good, ctx, success=True).completed
                 self.counts["promoted_ready"] += len(done)
                 if done:
-                    # Pinned for the request that asked, so it is still there when it loads.
-                    with contextlib.suppress(ManagerError):
-                        manager.prepare_load(done, ctx)
+                    # Held for the request that asked, so it is still there when it loads.
+                    slots = manager.hold(done)
+                    held = [k for k, slot in zip(done, slots, strict=True) if slot is not None]
+                    self._held_for.setdefault(ctx.req_id, set()).update(held)
+                    asyncio.get_running_loop().call_later(
+                        self.hold_s, self._let_go, ctx.req_id, held
+                    )
         self._on_event()
+
+    def loaded(self, req_id: str, keys: Sequence[BlockKey]) -> None:
+        """Request ``req_id`` pinned ``keys`` with its own load: promoted blocks among them
+        need no hold of ours any more."""
+        if req_id in self._held_for:
+            self._let_go(req_id, keys)
+
+    def _let_go(self, req_id: str, keys: Sequence[BlockKey] | None) -> None:
+        """Release the holds kept for ``req_id`` on ``keys`` (None: all of them)."""
+        held = self._held_for.get(req_id)
+        if held is None:
+            return
+        gone = list(held) if keys is None else [k for k in keys if k in held]
+        if gone:
+            held.difference_update(gone)
+            self.manager.release_hold(gone)
+        if not held:
+            del self._held_for[req_id]
 
     # ------------------------------------------------------------------ write-behind
 
@@ -294,6 +325,9 @@ class RemoteLink:
     def _observe(self, op: str, started: float, keys: int, req_id: str | None) -> None:
         if self._on_call is not None:
             self._on_call(op, time.perf_counter() - started, keys, req_id)
+
+
+RemoteFactory = Callable[[Settings, HostPool, str], RemoteTier]
 
 
 def remote_namespace(namespace: str, block_bytes: int) -> str:

@@ -42,7 +42,7 @@ from app.core.errors import ServiceUnavailableError
 from app.core.events import EventBuffer
 from app.core.observed import ObservedManager
 from app.core.quota import TenantQuota
-from app.core.remote import RemoteLink, build_tier
+from app.core.remote import RemoteFactory, RemoteLink, build_tier
 from app.core.shadow import ShadowRunner
 from app.core.transfers import Transfers
 from app.settings import Settings
@@ -73,12 +73,17 @@ class Service:
         registry: CollectorRegistry | None = None,
         namespace: str = DEFAULT_NAMESPACE,
         quota: TenantQuota | None = None,
+        remote_factory: RemoteFactory | None = None,
     ) -> None:
         """``registry``: where the metrics go (a new one by default); unused with metrics off.
 
         ``namespace``: the name this service's blocks live under (one service per namespace;
         ``app.core.tenancy``). ``quota``: the quotas of the tenant that owns it (None: none).
+        ``remote_factory(settings, pool, namespace)``: builds the remote tier when
+        ``remote_tier`` is on (default ``app.core.remote.build_tier``; tests give another
+        backend).
         """
+        self._remote_factory: RemoteFactory = remote_factory or build_tier
         self.settings = settings
         self.namespace = namespace
         self.quota = quota
@@ -264,13 +269,14 @@ class Service:
 
     async def _open_remote(self, transfers: Transfers) -> None:
         s = self.settings
-        tier = await asyncio.to_thread(build_tier, s, transfers.pool, self.namespace)
+        tier = await asyncio.to_thread(self._remote_factory, s, transfers.pool, self.namespace)
         remote = RemoteLink(
             tier,
             self.manager.manager,
             lookup_timeout_s=s.remote_lookup_timeout_s,
             queue_blocks=s.remote_queue_blocks,
             batch_blocks=s.remote_batch_blocks,
+            hold_s=s.lease_ttl_s,
             on_event=self.drain_events,
             on_call=self.observer.remote_call,
         )

@@ -152,6 +152,8 @@ def _run_prepare_load(service: Service, req_id: str, body: s.KeysBody) -> tuple[
         slots = service.manager.prepare_load(body.keys, ReqContext(req_id))
     except KeyNotReadyError as exc:
         raise _promoting(service, req_id, exc) from None
+    if service.remote is not None:
+        service.remote.loaded(req_id, body.keys)
     return 200, f'{{"slots":{json.dumps(slots)}}}'
 
 
@@ -211,6 +213,8 @@ def _run_onload(service: Service, req_id: str, body: s.TransferBody) -> tuple[in
         started = service.transfers().onload(req_id, body.cache_id, body.keys, body.device_blocks)
     except KeyNotReadyError as exc:
         raise _promoting(service, req_id, exc) from None
+    if service.remote is not None:
+        service.remote.loaded(req_id, body.keys)
     job = started.job
     return 202, json.dumps(
         {

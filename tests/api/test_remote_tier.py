@@ -1,0 +1,312 @@
+"""The remote tier through the engine and admin APIs, two nodes in one process.
+
+Both nodes are whole services (apps, lifespans, pools) sharing one ``MemoryStore``: a remote
+tier backend that keeps blocks in a dict and copies them in and out of the real host pool's
+slots, with the contract of ``transfer.remote`` (and ``held_slots`` for calls that outlive their
+caller). What it lets these tests do that the Mooncake tests (``tests/remote``) cannot:
+deterministic interleavings — a slow get, a degraded tier, a full queue — checked call by call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import pytest
+
+from app.settings import Settings
+from tests.api.harness import BLOCK, Harness, hexkeys, make_settings, running
+from transfer import HostPool
+from transfer.remote import COUNTERS, RemoteHealth, RemoteState, check_slots, remote_name
+
+pytestmark = pytest.mark.anyio
+
+
+class MemoryStore:
+    """The shared store: remote name -> block bytes, and switches for faults."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[str, bytes] = {}
+        self.down = False
+        self.get_delay = 0.0
+        self.lock = threading.Lock()
+
+
+class MemoryTier:
+    """A ``transfer.remote.RemoteTier`` over a ``MemoryStore``."""
+
+    def __init__(self, store: MemoryStore, pool: HostPool, namespace: str) -> None:
+        self.store = store
+        self.pool = pool
+        self._namespace = namespace
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.held: set[int] = set()
+        self.closed = False
+
+    @property
+    def namespace(self) -> str:
+        return self._namespace
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        if self.store.down:
+            self.counters["skipped"] += 1
+            return [False] * len(keys)
+        found = [remote_name(self._namespace, k) in self.store.blocks for k in keys]
+        self.counters["hits"] += sum(found)
+        self.counters["misses"] += len(found) - sum(found)
+        return found
+
+    def get_into(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
+        check_slots(keys, slots, self.pool.num_blocks)
+        if self.store.down:
+            return [False] * len(keys)
+        self.held.update(slots)
+        try:
+            time.sleep(self.store.get_delay)
+            out = []
+            for key, slot in zip(keys, slots, strict=True):
+                data = self.store.blocks.get(remote_name(self._namespace, key))
+                if data is None:
+                    out.append(False)
+                    continue
+                self.pool.tensor[slot].numpy()[:] = memoryview(data)
+                self.counters["gets"] += 1
+                out.append(True)
+            return out
+        finally:
+            self.held.difference_update(slots)
+
+    def put_from(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
+        check_slots(keys, slots, self.pool.num_blocks)
+        if self.store.down:
+            return [False] * len(keys)
+        for key, slot in zip(keys, slots, strict=True):
+            self.store.blocks[remote_name(self._namespace, key)] = bytes(
+                self.pool.tensor[slot].numpy()
+            )
+            self.counters["puts"] += 1
+        return [True] * len(keys)
+
+    def health(self) -> RemoteHealth:
+        state: RemoteState = "degraded" if self.store.down else "ok"
+        return RemoteHealth(
+            state, 0.0, "store down" if self.store.down else None, dict(self.counters)
+        )
+
+    def held_slots(self) -> frozenset[int]:
+        return frozenset(self.held)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def remote_settings(**overrides: Any) -> Settings:
+    return make_settings(
+        remote_tier="mooncake",
+        mooncake_master="store:1",
+        mooncake_metadata="http://store/metadata",
+        remote_lookup_timeout_s=1.0,
+        **overrides,
+    )
+
+
+@contextlib.asynccontextmanager
+async def node(store: MemoryStore, **overrides: Any) -> AsyncIterator[Harness]:
+    def factory(settings: Settings, pool: HostPool, namespace: str) -> MemoryTier:
+        return MemoryTier(store, pool, f"kvoffload/{namespace}/{settings.block_bytes}")
+
+    async with running(remote_settings(**overrides), remote_factory=factory) as h:
+        yield h
+
+
+def pool_bytes(h: Harness, slot: int) -> bytes:
+    return bytes(h.service.transfers().pool.tensor[slot].numpy())
+
+
+async def store_on(h: Harness, req: str, keys: list[str], fill: int) -> dict[str, bytes]:
+    """Store ``keys`` through the pool (bytes written into the slots); their bytes."""
+    await h.start(req)
+    r = await h.post(f"/v1/requests/{req}/prepare-store", {"keys": keys})
+    assert r.status_code == 200, r.text
+    written = {}
+    pool = h.service.transfers().pool
+    for i, (key, slot) in enumerate(zip(r.json()["keys_to_store"], r.json()["slots"], strict=True)):
+        data = bytes([(fill + i) % 256]) * BLOCK
+        pool.tensor[slot].numpy()[:] = memoryview(data)
+        written[key] = data
+    r = await h.post(f"/v1/requests/{req}/complete-store", {"keys": keys})
+    assert r.json()["completed"] == keys
+    return written
+
+
+async def until(predicate: Any, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def written(h: Harness, count: int) -> None:
+    async def done() -> bool:
+        stats = (await h.admin.get("/admin/v1/stats")).json()
+        return bool(stats["remote"]["written"] >= count)
+
+    await until(done)
+
+
+async def test_a_prefix_stored_on_one_node_loads_with_identical_bytes_on_another() -> None:
+    store = MemoryStore()
+    keys = hexkeys(1, 2, 3)
+    async with node(store) as a, node(store) as b:
+        data = await store_on(a, "w", keys, fill=7)
+        await written(a, 3)
+        events = (await a.client.get("/v1/events")).json()["events"]
+        assert [e["medium"] for e in events if e["type"] == "BlockStored"] == ["CPU", "REMOTE"]
+
+        await b.start("r")
+        r = await b.post("/v1/requests/r/lookup", {"keys": keys + hexkeys(9)})
+        assert r.json() == {"results": ["remote"] * 3 + ["miss"], "hit_prefix": 0}
+        r = await b.post("/v1/requests/r/prepare-load", {"keys": keys})
+        assert r.status_code == 409  # brought in first
+
+        async def ready() -> bool:
+            r = await b.post("/v1/requests/r/lookup", {"keys": keys})
+            return bool(r.json()["hit_prefix"] == 3)
+
+        await until(ready)
+        r = await b.post("/v1/requests/r/prepare-load", {"keys": keys})
+        assert r.status_code == 200, r.text
+        for key, slot in zip(keys, r.json()["slots"], strict=True):
+            assert pool_bytes(b, slot) == data[key]
+        # Pinned once, by the request's own load: the promotion's hold let go of them.
+        manager = b.service.manager.manager
+        assert all(manager.ref_count(bytes.fromhex(k)) == 1 for k in keys)
+        await b.post("/v1/requests/r/complete-load", {"keys": keys})
+        assert (await b.client.delete("/v1/requests/r")).status_code == 200
+        assert manager.num_pinned == 0
+        stats = (await b.admin.get("/admin/v1/stats")).json()["remote"]
+        assert stats["promotions"]["loaded"] == 3
+        assert stats["state"] == "ok"
+
+
+async def test_pool_hits_never_ask_the_remote_tier() -> None:
+    store = MemoryStore()
+    keys = hexkeys(1, 2)
+    async with node(store) as a:
+        await store_on(a, "w", keys, fill=1)
+        assert a.service.remote is not None
+        tier = a.service.remote.tier
+        assert isinstance(tier, MemoryTier)
+        asked = tier.counters["hits"] + tier.counters["misses"]
+        r = await a.post("/v1/requests/w/lookup", {"keys": keys})
+        assert r.json()["hit_prefix"] == 2
+        assert tier.counters["hits"] + tier.counters["misses"] == asked
+
+
+async def test_a_degraded_tier_means_misses_readiness_with_details_and_no_writes() -> None:
+    store = MemoryStore()
+    keys = hexkeys(1, 2)
+    async with node(store) as a, node(store) as b:
+        await store_on(a, "w", keys, fill=3)
+        await written(a, 2)
+        store.down = True
+        await b.start("r")
+        r = await b.post("/v1/requests/r/lookup", {"keys": keys})
+        assert r.json()["results"] == ["miss", "miss"]
+        assert (await b.post("/v1/requests/r/prepare-load", {"keys": keys})).status_code == 409
+        assert b.service.manager.manager.stats().pending == 0  # nothing was started
+        ready = (await b.client.get("/readyz")).json()
+        assert ready["status"] == "ready"
+        assert "degraded" in ready["details"]["remote_tier"]
+        # A's own blocks still hit; new blocks are not written while degraded (dropped, counted).
+        r = await a.post("/v1/requests/w/lookup", {"keys": keys})
+        assert r.json()["hit_prefix"] == 2
+        await store_on(a, "w2", hexkeys(5), fill=9)
+        stats = (await a.admin.get("/admin/v1/stats")).json()["remote"]
+
+        async def dropped() -> bool:
+            s = (await a.admin.get("/admin/v1/stats")).json()["remote"]
+            return bool(s["queue"]["dropped"] >= 1)
+
+        await until(dropped)
+        # Back: the tier is used again.
+        store.down = False
+        r = await b.post("/v1/requests/r/lookup", {"keys": keys})
+        assert r.json()["results"] == ["remote", "remote"]
+        assert stats["state"] == "degraded"
+
+
+async def test_a_key_that_vanished_remotely_is_dropped_never_loaded() -> None:
+    store = MemoryStore()
+    keys = hexkeys(1, 2)
+    async with node(store) as a, node(store) as b:
+        await store_on(a, "w", keys, fill=5)
+        await written(a, 2)
+        del store.blocks[next(n for n in store.blocks if n.endswith(keys[1]))]
+        await b.start("r")
+        assert (await b.post("/v1/requests/r/prepare-load", {"keys": keys})).status_code == 409
+
+        async def settled() -> bool:
+            r = await b.post("/v1/requests/r/lookup", {"keys": keys})
+            return bool(r.json()["results"] == ["hit", "miss"])
+
+        await until(settled)
+        assert (await b.post("/v1/requests/r/prepare-load", {"keys": keys})).status_code == 409
+        r = await b.post("/v1/requests/r/prepare-load", {"keys": keys[:1]})
+        assert r.status_code == 200
+
+
+async def test_an_abort_during_a_slow_get_keeps_the_slots_until_it_ends() -> None:
+    store = MemoryStore()
+    keys = hexkeys(1, 2)
+    async with node(store) as a, node(store, lease_ttl_s=6.0, job_deadline_s=5.0) as b:
+        await store_on(a, "w", keys, fill=11)
+        await written(a, 2)
+        store.get_delay = 0.3
+        await b.start("r")
+        assert (await b.post("/v1/requests/r/prepare-load", {"keys": keys})).status_code == 409
+        assert b.service.remote.writing() == {"r"}  # type: ignore[union-attr]
+        assert b.service.transfers().writing() == {"r"}
+        r = await b.client.delete("/v1/requests/r", params={"abort": "true"})
+        assert r.status_code == 200
+        manager = b.service.manager.manager
+        assert manager.stats().free == b.settings.num_blocks - 2  # still reserved
+
+        async def freed() -> bool:
+            return manager.stats().free == b.settings.num_blocks and not manager.num_requests
+
+        await until(freed)
+        r = await b.post("/v1/requests/x/lookup", {"keys": keys})
+        assert r.status_code == 404  # the engine's own request is gone, as it asked
+
+
+async def test_write_behind_queue_is_bounded_and_counts_drops() -> None:
+    store = MemoryStore()
+    async with node(store, remote_queue_blocks=2, remote_batch_blocks=1) as a:
+        store.get_delay = 0.0
+        link = a.service.remote
+        assert link is not None
+        link.offer([bytes([i]) for i in range(5)])  # not stored here: gone before the put
+        assert link.queue_depth <= 2
+        stats = (await a.admin.get("/admin/v1/stats")).json()["remote"]
+        assert stats["queue"]["dropped"] == 3
+        assert stats["queue"]["capacity"] == 2
+
+
+async def test_metrics_show_the_remote_tier() -> None:
+    store = MemoryStore()
+    async with node(store) as a, node(store) as b:
+        await store_on(a, "w", hexkeys(1), fill=1)
+        await written(a, 1)
+        await b.start("r")
+        await b.post("/v1/requests/r/lookup", {"keys": hexkeys(1)})
+        text = (
+            await b.client.get("/metrics", headers={"accept": "application/openmetrics-text"})
+        ).text
+        assert "kvoffload_remote_tier_up 1.0" in text
+        assert 'kvoffload_remote_call_keys_total{op="exists"} 1.0 # {req_id="r"}' in text
+        assert "kvoffload_remote_hits_total 1.0" in text
