@@ -20,6 +20,7 @@ def stored(m: OffloadManager, req: str, keys: list[bytes]) -> None:
     ctx = ReqContext(req)
     m.on_new_request(ctx)
     out = m.prepare_store(keys, ctx)
+    assert out is not None
     m.complete_store(out.keys_to_store, ctx)
 
 
