@@ -45,12 +45,13 @@ from app.core.quota import TenantQuota
 from app.core.remote import RemoteFactory, RemoteLink, build_tier
 from app.core.shadow import ShadowRunner
 from app.core.transfers import Transfers
-from app.settings import Settings
+from app.settings import Settings, config_error
 from app.telemetry.logging import get_logger
 from app.telemetry.metrics import Metrics, ServiceSnapshot
 from app.telemetry.observer import Observer, RequestCounts
 from app.telemetry.request_ids import safe_req_id
 from manager import OffloadManager, ReleasedLeases, create_manager
+from transfer import RemoteTierError
 
 log = get_logger("service")
 #: The namespace of a service without tenants (the only one it has).
@@ -269,7 +270,10 @@ class Service:
 
     async def _open_remote(self, transfers: Transfers) -> None:
         s = self.settings
-        tier = await asyncio.to_thread(self._remote_factory, s, transfers.pool, self.namespace)
+        try:
+            tier = await asyncio.to_thread(self._remote_factory, s, transfers.pool, self.namespace)
+        except RemoteTierError as exc:  # its library is missing: the node cannot start so
+            raise config_error("remote_tier", s.remote_tier, str(exc)) from None
         remote = RemoteLink(
             tier,
             self.manager.manager,
