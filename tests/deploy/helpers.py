@@ -109,6 +109,12 @@ def catalogue() -> dict[str, Metric]:
 
 
 @cache
+def tenant_labels() -> frozenset[str]:
+    """Labels every namespace's series carries with tenants on (``tenant``, ``namespace``)."""
+    return frozenset(load_json(CATALOGUE)["tenant_labels"])
+
+
+@cache
 def series_index() -> dict[str, Metric]:
     """Every queryable series name (histograms as _bucket/_sum/_count) -> its metric."""
     return {name: m for m in catalogue().values() for name in m.series_names()}
@@ -201,3 +207,16 @@ def parse_bytes(value: str | int) -> int:
     if m is None or m.group(2) not in _UNITS:
         raise ValueError(f"not a byte quantity: {value!r}")
     return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def write_secret_volume(root: Path, files: dict[str, str], mode: int) -> None:
+    """Lay ``files`` out as the kubelet lays out a secret volume: the files in a timestamped
+    directory, ``..data`` linking to it, and one link per file through ``..data``."""
+    data = root / "..2026_01_01_00_00_00.000000001"
+    data.mkdir(parents=True)
+    for name, text in files.items():
+        (data / name).write_text(text, encoding="utf-8")
+        (data / name).chmod(mode)
+    (root / "..data").symlink_to(data.name)
+    for name in files:
+        (root / name).symlink_to(f"..data/{name}")

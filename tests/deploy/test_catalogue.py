@@ -21,6 +21,7 @@ from tests.deploy.helpers import (
     recording_rule_names,
     rule_groups,
     series_index,
+    tenant_labels,
 )
 from tests.deploy.promql import (
     Analysis,
@@ -78,6 +79,13 @@ def test_catalogue_entries_are_well_formed() -> None:
             assert len(values) == len(set(values)), name
         if entry.get("exemplar_labels"):
             assert entry["type"] in ("histogram", "counter"), f"{name}: exemplars need one"
+
+
+def test_tenant_labels_are_the_tenant_and_its_namespace() -> None:
+    # Added to every series of a namespace with tenants on, so no metric may declare them.
+    assert tenant_labels() == {"tenant", "namespace"}
+    for metric in catalogue().values():
+        assert not tenant_labels() & set(metric.labels), metric.name
 
 
 def test_req_id_is_an_exemplar_label_except_on_the_opt_in_live_request_gauge() -> None:
@@ -192,7 +200,7 @@ def test_scanner_reads_grafana_label_values_queries() -> None:
 
 def _problems(where: str, analysis: Analysis, records: set[str]) -> list[str]:
     all_labels = {label for m in catalogue().values() for label in m.labels}
-    known_labels = all_labels | TARGET_LABELS | {"le"}
+    known_labels = all_labels | TARGET_LABELS | tenant_labels() | {"le"}
     problems = []
     for label in sorted(analysis.grouping_labels - known_labels):
         problems.append(f"{where}: groups by unknown label {label!r}")
@@ -221,7 +229,7 @@ def _selector_problems(
     if metric is None:
         return [f"{where}: {name} is not in deploy/metrics_catalogue.json"]
     problems = []
-    allowed = set(metric.labels) | TARGET_LABELS | {"__name__"}
+    allowed = set(metric.labels) | TARGET_LABELS | tenant_labels() | {"__name__"}
     if name.endswith("_bucket"):
         allowed.add("le")
     fixed: dict[str, str] = {}
@@ -313,6 +321,7 @@ def test_checker_rejects_what_it_should() -> None:
         'kvoffload_request_blocks{req_id="r1", kind="pinned"}',
         'instance:kvoffload_x:rate5m{job="kvoffload", op="lookup"}',
         'kvoffload_manager_keys_total{op="prepare_load", result="pinned", node=~"$node"}',
+        'sum by (tenant) (rate(kvoffload_http_requests_total{status="429", namespace="a"}[5m]))',
     ]
     for expr in good:
         assert _problems("t", analyse(expr), records) == [], expr

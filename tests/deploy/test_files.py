@@ -128,6 +128,20 @@ def test_compose_admin_token_is_a_secret(compose) -> None:
     assert f"/{secret_dir}/" in gitignore
 
 
+def test_compose_engine_api_has_tenants_from_the_secrets_directory(compose) -> None:
+    kv = compose["services"]["kvoffload"]
+    # The image listens on 0.0.0.0; the service refuses that without a tenants file.
+    tenants_dir = kv["environment"]["KVOFFLOAD_TENANTS"]
+    mounts = dict(str(v).split(":")[:2] for v in kv["volumes"])
+    (source,) = [s for s, target in mounts.items() if target == tenants_dir]
+    assert source.startswith("./secrets/"), "tenants files hold tokens: keep them in secrets/"
+    assert str(kv["volumes"][0]).endswith(":ro")
+    # The files stay the user's (0640, not readable by others): the service reads them
+    # through their group.
+    (gid,) = kv["group_add"]
+    assert compose_default(gid).isdigit()
+
+
 def test_compose_prometheus_stores_exemplars_and_mounts_config_and_rules(compose) -> None:
     prom = compose["services"]["prometheus"]
     assert "--enable-feature=exemplar-storage" in prom["command"]
@@ -193,6 +207,14 @@ def test_every_kvoffload_variable_is_a_setting() -> None:
     for path in _files(".yml", ".yaml", ".md", ".alloy", ""):
         for name in ENV_VAR.findall(path.read_text(encoding="utf-8")):
             used.setdefault(name.lower(), set()).add(str(path.relative_to(DEPLOY)))
-    unknown = {name: sorted(paths) for name, paths in used.items() if name not in fields}
+    # Read by the engine side, not the service: the vLLM tier's token file.
+    engine_side = {"token_file"}
+    tier = (ROOT / "app" / "vllm_tier.py").read_text(encoding="utf-8")
+    assert '"KVOFFLOAD_TOKEN_FILE"' in tier, "the tier no longer reads KVOFFLOAD_TOKEN_FILE"
+    unknown = {
+        name: sorted(paths)
+        for name, paths in used.items()
+        if name not in fields and name not in engine_side
+    }
     assert not unknown, f"KVOFFLOAD_* variables that are no setting: {unknown}"
     assert {"admin_token_file", "num_blocks", "block_bytes", "admin_host"} <= set(used)

@@ -8,6 +8,8 @@ import json
 import shutil
 import subprocess
 import sys
+import tomllib
+from pathlib import PurePosixPath
 from typing import Any
 
 import pytest
@@ -22,6 +24,7 @@ from tests.deploy.helpers import (
     load_yaml,
     load_yaml_all,
     parse_bytes,
+    write_secret_volume,
     yaml,
 )
 
@@ -238,3 +241,158 @@ def test_kustomize_renders_everything_in_one_namespace(objects) -> None:
         if doc["kind"] != "Namespace":
             assert doc["metadata"]["namespace"] == "kvoffload", doc["metadata"]["name"]
         assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "kvoffload"
+
+
+# --- credentials and tenants ------------------------------------------------------------------
+
+ENGINE_PORTS = {8000, "http"}
+
+
+def _tenant_secrets(objects) -> dict[str, dict[str, Any]]:
+    """Tenant name -> its Secret (labelled kvoffload.io/tenant)."""
+    return {
+        doc["metadata"]["labels"]["kvoffload.io/tenant"]: doc
+        for (kind, _), doc in objects.items()
+        if kind == "Secret" and "kvoffload.io/tenant" in doc["metadata"]["labels"]
+    }
+
+
+def _tenants_volume(daemonset, container) -> tuple[str, dict[str, Any]]:
+    """(mount path, volume) of the directory the tenants setting names."""
+    path = _tenants_setting(container)
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == path]
+    assert mount["readOnly"] is True
+    volumes = {v["name"]: v for v in daemonset["spec"]["template"]["spec"]["volumes"]}
+    return path, volumes[mount["name"]]
+
+
+def _tenants_setting(container) -> str:
+    """The tenants path the container is given, as KVOFFLOAD_TENANTS or ``--tenants``."""
+    args = [*container.get("command", []), *container.get("args", [])]
+    from_args = args[args.index("--tenants") + 1] if "--tenants" in args else None
+    from_env = _env(container).get("KVOFFLOAD_TENANTS")
+    assert (from_args is None) != (from_env is None), "the tenants path is set exactly once"
+    path = from_args or from_env
+    assert path
+    return path
+
+
+def test_engine_listener_has_tenants(container) -> None:
+    # The image listens on 0.0.0.0; the service refuses that without a tenants file.
+    assert _tenants_setting(container) == "/etc/kvoffload/tenants"
+
+
+def test_every_tenant_secret_is_projected_into_the_tenants_directory(
+    objects, daemonset, container
+) -> None:
+    secrets = _tenant_secrets(objects)
+    assert len(secrets) >= 2, "one Secret per tenant (the example has two)"
+    _, volume = _tenants_volume(daemonset, container)
+    projected = volume["projected"]
+    # Readable by the service's group at most: the service refuses files others can read.
+    assert projected["defaultMode"] in (0o400, 0o440)
+    if projected["defaultMode"] == 0o440:
+        pod = daemonset["spec"]["template"]["spec"]["securityContext"]
+        assert pod["fsGroup"] == pod["runAsGroup"]
+    sources = {s["secret"]["name"]: s["secret"]["items"] for s in projected["sources"]}
+    assert set(sources) == {s["metadata"]["name"] for s in secrets.values()}
+    for tenant, secret in secrets.items():
+        (key,) = secret["stringData"]
+        assert key == f"{tenant}.toml", "the file stem is the tenant's name"
+        assert sources[secret["metadata"]["name"]] == [{"key": key, "path": key}]
+
+
+def _tenant_files(objects) -> dict[str, str]:
+    return {
+        f"{tenant}.toml": secret["stringData"][f"{tenant}.toml"]
+        for tenant, secret in _tenant_secrets(objects).items()
+    }
+
+
+def test_tenant_files_hold_placeholders_and_their_pools_fit(objects, daemonset, container) -> None:
+    env = _env(container)
+    blocks = 0
+    tokens: list[str] = []
+    namespaces: list[str] = []
+    for text in _tenant_files(objects).values():
+        table = tomllib.loads(text)
+        tokens += table["tokens"]
+        spaces = table["namespaces"]
+        if isinstance(spaces, dict):
+            blocks += sum(spaces.values())
+        else:
+            blocks += len(spaces) * int(env["KVOFFLOAD_NUM_BLOCKS"])
+        namespaces += list(spaces)
+    assert tokens
+    assert all("REPLACE-ME" in t for t in tokens), "keep obvious placeholders"
+    assert len(tokens) == len(set(tokens)), "a token belongs to one tenant"
+    assert len(namespaces) == len(set(namespaces)), "a namespace belongs to one tenant"
+    # Every namespace is a pool of its own in /dev/shm, charged to the container.
+    pool = blocks * int(env["KVOFFLOAD_BLOCK_BYTES"])
+    volumes = {v["name"]: v for v in daemonset["spec"]["template"]["spec"]["volumes"]}
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    assert pool <= parse_bytes(volumes[mount["name"]]["emptyDir"]["sizeLimit"])
+    assert parse_bytes(container["resources"]["limits"]["memory"]) >= pool + 2**30
+
+
+def test_the_service_loads_the_projected_tenants_directory(objects, daemonset, container, tmp_path):
+    tenants = pytest.importorskip("app.core.tenants")
+    _, volume = _tenants_volume(daemonset, container)
+    write_secret_volume(tmp_path, _tenant_files(objects), volume["projected"]["defaultMode"])
+    table, _tokens = tenants.load_tenants(tmp_path)
+    assert set(table.tenants) == set(_tenant_secrets(objects))
+
+
+def test_network_policy_admits_only_engines_and_prometheus_to_the_engine_port(objects) -> None:
+    policy = objects[("NetworkPolicy", "kvoffload")]["spec"]
+    engine_rules = [
+        rule
+        for rule in policy["ingress"]
+        if {p["port"] for p in rule.get("ports", [])} & ENGINE_PORTS
+    ]
+    assert engine_rules, "engines must reach the engine port"
+    peers = []
+    for rule in engine_rules:
+        assert rule.get("from"), "an empty `from` admits every source"
+        for peer in rule["from"]:
+            assert "ipBlock" not in peer, "engines are pods: select them by labels"
+            # A namespaceSelector {} (bare or beside a podSelector) spans the whole cluster.
+            assert peer.get("namespaceSelector", {}).get("matchLabels"), peer
+            assert peer.get("podSelector", {}).get("matchLabels"), peer
+            peers.append(peer)
+    pod_labels = [p["podSelector"]["matchLabels"] for p in peers]
+    assert {"kvoffload.io/engine": "true"} in pod_labels
+    assert any(labels.get("app.kubernetes.io/name") == "prometheus" for labels in pod_labels)
+    for rule in policy["ingress"]:
+        for peer in rule.get("from", []):
+            assert peer != {"namespaceSelector": {}}, "a bare namespaceSelector {} admits all"
+
+
+def test_engine_socket_is_on_a_node_local_volume_handed_to_the_service(
+    daemonset, container
+) -> None:
+    env = _env(container)
+    socket = PurePosixPath(env["KVOFFLOAD_UDS"])
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == str(socket.parent)]
+    pod = daemonset["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    # Engines in other pods on the node mount the same directory.
+    assert volumes[mount["name"]]["hostPath"] == {
+        "path": str(socket.parent),
+        "type": "DirectoryOrCreate",
+    }
+    # Owner and group only, the group being the service's: engines join it.
+    assert env["KVOFFLOAD_UDS_MODE"] == "0660"
+    assert env["KVOFFLOAD_UDS_GROUP"] == str(pod["securityContext"]["runAsGroup"])
+    # The kubelet makes the directory root's: one init step, root with CHOWN/FOWNER only,
+    # hands it to the service.
+    (init,) = pod["initContainers"]
+    assert [m["mountPath"] for m in init["volumeMounts"]] == [str(socket.parent)]
+    sc = init["securityContext"]
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
+    assert sc["allowPrivilegeEscalation"] is False
+    assert "10001:10001" in " ".join(init["command"])
+    # hostPath is beyond `restricted`: the namespace says so instead of failing admission.
+    labels = load_yaml(K8S / "namespace.yaml")["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
+    assert labels["pod-security.kubernetes.io/warn"] == "restricted"

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -28,6 +29,7 @@ from tests.deploy.helpers import (
     load_yaml,
     load_yaml_all,
     parse_bytes,
+    write_secret_volume,
     yaml,
 )
 
@@ -116,6 +118,22 @@ def test_compose_kvoffload_listens_where_the_tier_connects(services) -> None:
         compose_default(env["KVOFFLOAD_BLOCK_BYTES"])
     )
     assert pool <= parse_bytes(compose_default(services["kvoffload"]["shm_size"]))
+
+
+def test_compose_credentials(services) -> None:
+    kv, vllm = services["kvoffload"], services["vllm"]
+    # kvoffload reads vLLM's tenant from a directory of its own, bind-mounted from secrets/.
+    tenants_dir = kv["environment"]["KVOFFLOAD_TENANTS"]
+    sources = [s for s, target in _compose_mounts(kv).items() if target == tenants_dir]
+    assert sources, f"{tenants_dir} is not mounted"
+    assert all(s.startswith("./secrets/") for s in sources), "secrets/ is gitignored"
+    assert kv["group_add"], "the service reads the tenants files through their group"
+    # vLLM reads the token alone, where the tier's token_file points.
+    (tier,) = load_json(TIER_CONFIG)["kv_connector_extra_config"]["secondary_tiers"]
+    (secret,) = vllm["secrets"]
+    assert secret["target"] == tier["token_file"]
+    source = load_yaml(VLLM_COMPOSE)["secrets"][secret["source"]]["file"]
+    assert source.startswith("./secrets/")
 
 
 def test_compose_vllm_reads_the_one_configuration_file(services) -> None:
@@ -222,19 +240,61 @@ def test_k8s_both_containers_can_use_the_sockets_unprivileged(pod, containers) -
 
 
 def test_k8s_sidecar_settings_are_valid_and_match_the_tier(
-    containers, monkeypatch: pytest.MonkeyPatch
+    k8s_objects, containers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     env = _env(containers["kvoffload"])
     for name in [n for n in os.environ if n.startswith("KVOFFLOAD_")]:
         monkeypatch.delenv(name)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    # The tenants directory as the kubelet writes it, here instead of /etc/kvoffload/tenants.
+    _, volume = _secret_mount(containers["kvoffload"], k8s_objects, env["KVOFFLOAD_TENANTS"])
+    write_secret_volume(tmp_path, volume["files"], volume["mode"])
+    monkeypatch.setenv("KVOFFLOAD_TENANTS", str(tmp_path))
     settings = Settings()  # raises on an invalid combination (e.g. admin without a token)
     assert PurePosixPath(str(settings.uds)) == tier_socket()
     assert settings.effective_pool_socket == Path(f"{tier_socket()}.pool")
     assert settings.device == "cpu"
     assert settings.admin_token_value() is None
     assert settings.admin_host == "127.0.0.1"
+
+
+def _secret_mount(
+    container: dict[str, Any], objects: dict[tuple[str, str], dict[str, Any]], path: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the Secret, {"files": name -> text, "mode": mode}) mounted at ``path`` in
+    ``container``, read-only and limited to its ``items``."""
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == path]
+    assert mount["readOnly"] is True
+    pod = objects[("Deployment", "vllm")]["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    ref = volume["secret"]
+    secret = objects[("Secret", ref["secretName"])]
+    files = {item["path"]: secret["stringData"][item["key"]] for item in ref["items"]}
+    return secret, {"files": files, "mode": ref["defaultMode"]}
+
+
+def test_k8s_each_container_gets_its_part_of_the_tenant_secret(k8s_objects, containers) -> None:
+    kv, vllm = containers["kvoffload"], containers["vllm"]
+    tenants_dir = _env(kv)["KVOFFLOAD_TENANTS"]
+    secret, tenants = _secret_mount(kv, k8s_objects, tenants_dir)
+    tenant = secret["metadata"]["labels"]["kvoffload.io/tenant"]
+    assert list(tenants["files"]) == [f"{tenant}.toml"], "the file stem is the tenant's name"
+    # Owner and group at most (fsGroup): the service refuses a tenants file others can read.
+    assert tenants["mode"] in (0o400, 0o440)
+    table = tomllib.loads(tenants["files"][f"{tenant}.toml"])
+    (token,) = table["tokens"]
+    assert "REPLACE-ME" in token, "keep an obvious placeholder"
+    # vLLM gets the token alone, where the tier's token_file points, and not the toml.
+    extra = load_json(TIER_CONFIG)["kv_connector_extra_config"]
+    (tier,) = extra["secondary_tiers"]
+    token_file = PurePosixPath(tier["token_file"])
+    same, mounted = _secret_mount(vllm, k8s_objects, str(token_file.parent))
+    assert same is secret
+    assert mounted["files"] == {token_file.name: token}
+    assert mounted["mode"] in (0o400, 0o440)
+    assert tier["service_namespace"] in table["namespaces"]
+    assert tenants_dir not in _k8s_mounts(vllm).values()
 
 
 def test_k8s_pool_fits_its_memory(pod, containers) -> None:
