@@ -37,6 +37,10 @@ mismatch that call's store and load jobs fail (their reservations are released i
 service without a copy), completions meant for the old pool are dropped, and the pool is
 mapped again before the next call.
 
+Remote tier (a service run with ``--remote-tier``): a key the service answers ``remote`` for is
+asked to be brought into the pool (a prepare-load, whose 409 is expected) and looked up again
+like a pending one (RETRY meanwhile), so a prefix another node stored becomes a HIT here.
+
 Keys: the service key of a vLLM ``OffloadKey`` is an 8-byte namespace digest followed by the key
 (see ``namespace_digest``), so engines share blocks exactly when model, dtype, layout and chunk
 size agree.
@@ -805,7 +809,7 @@ def _parse_url(url: str) -> tuple[str | None, str | None]:
 class _Pending:
     """What an op in a batch was for, to act on its result."""
 
-    kind: str  # start, lookup, store, load, touch, complete, finish, abort
+    kind: str  # start, lookup, promote, store, load, touch, complete, finish, abort
     req_id: str
     probes: Sequence[_ProbeRef] = ()
     holder: _Holder | None = None
@@ -871,6 +875,11 @@ class _Link:
         self.finishes: list[str] = []  # finishes not delivered yet
         # Keys answered "pending" (another engine's store in flight), asked again next call.
         self.reask: dict[str, list[_ProbeRef]] = {}
+        # Keys answered "remote" (in the service's remote tier): a prepare-load asks the
+        # service to bring them into the pool (its answer, 409, is expected); they are asked
+        # again as pending. A prepare-load that pins (they were in already) is undone.
+        self.promote: dict[str, list[bytes]] = {}
+        self.unpin: dict[str, list[bytes]] = {}
         self.backoff = tier._retry_interval_s
         self.busy = False  # a call is being built or is in flight
         self.events = _EventFollower(tier)
@@ -882,7 +891,7 @@ class _Link:
         return (
             self.busy
             or not self.tier._inbox.empty()
-            or bool(self.done or self.finishes or self.aborts or self.reask)
+            or bool(self.done or self.finishes or self.aborts or self.reask or self.unpin)
         )
 
     def connect(self, refuse_mismatch: bool = False) -> bool:
@@ -1020,6 +1029,17 @@ class _Link:
                 self.aborts.discard(req_id)
                 batch.finish_request(req_id, abort=True)
                 add("abort", req_id)
+        for req_id, skeys in self.unpin.items():
+            for part in _parts(skeys, tier._max_keys):
+                batch.complete_load(req_id, part)
+                add("complete", req_id)
+        self.unpin = {}
+        for req_id, skeys in self.promote.items():
+            if req_id in self.started:
+                for part in _parts(skeys, tier._max_keys):
+                    batch.prepare_load(req_id, part)
+                    add("promote", req_id, skeys=part)
+        self.promote = {}
         prefix = tier._prefix
         for req_id, refs in step.lookups.items():
             begin(req_id)
@@ -1124,10 +1144,18 @@ class _Link:
             for i, ref in enumerate(p.probes):
                 probe = ref[1]
                 state = None if hits is None else hits[i]
-                if state == "pending" and self._still_waiting(probe):
+                if state in ("pending", "remote") and self._still_waiting(probe):
                     self.reask.setdefault(p.req_id, []).append(ref)
+                    if state == "remote":
+                        skey = service_key(tier._prefix, ref[0])
+                        self.promote.setdefault(p.req_id, []).append(skey)
                 else:
                     probe.result = state == "hit"
+        elif p.kind == "promote":
+            if res.ok:  # already in the pool: it pinned them, which nobody will load
+                self.unpin.setdefault(p.req_id, []).extend(p.skeys)
+            elif res.status != 409:  # 409: not ready yet, being brought in (expected)
+                tier.counters.add(M_FAULTS, f"promote_{res.status}")
         elif p.holder is not None:
             self.on_transfer(res, p, p.holder, stale_pool)
         elif not res.ok and not (p.kind in ("finish", "abort") and res.status == 404):
