@@ -33,8 +33,15 @@ servers that differ in one setting only (rounds interleaved, medians; server CPU
   < 10% of lives/s. The shadow server's admin API then says the sample rate it settled on
   (halved each time its CPU budget could not keep up) and what it simulated since.
 
+One suite measures what engine credentials cost, the same way:
+
+- ``tenants``: lookup(64) against a server with a tenants file (one tenant, one namespace of
+  the same pool size; every call carries ``Authorization: Bearer`` and
+  ``X-KVOffload-Namespace``) and against one without (no headers). Target: tenants on >= 0.95x
+  off (calls/s and server CPU per call, 32 connections).
+
 Writes ``bench/results/http_bench.json``. Run from the repository root:
-``.venv/bin/python bench/http_bench.py [--quick] [--suite all|floors|obs|shadow]``.
+``.venv/bin/python bench/http_bench.py [--quick] [--suite all|floors|obs|shadow|tenants]``.
 """
 
 from __future__ import annotations
@@ -74,6 +81,9 @@ LIFE_SHARED_KEYS = 16
 LIFE_OWN_KEYS = 16
 LIFE_DOCUMENTS = 256
 OBS_TARGET = 0.85
+TENANTS_TARGET = 0.95
+BENCH_TOKEN = "bench-tenant-token-" + "0" * 24  # a throwaway token for a loopback run
+BENCH_NAMESPACE = "bench-ns"
 SHADOW_TARGET = 0.90
 _CONTENT_LENGTH = re.compile(rb"content-length:\s*(\d+)", re.IGNORECASE)
 _OK_STATUSES = (b"200", b"201")
@@ -300,11 +310,12 @@ async def _drive(address: str, source: Source, connections: int, seconds: float)
     }
 
 
-def http_request(path: str, body: bytes) -> bytes:
-    """A keep-alive HTTP/1.1 POST of a JSON body."""
+def http_request(path: str, body: bytes, headers: dict[str, str] | None = None) -> bytes:
+    """A keep-alive HTTP/1.1 POST of a JSON body (with ``headers`` besides the usual ones)."""
+    extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
     head = (
         f"POST {path} HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
+        f"{extra}Content-Length: {len(body)}\r\n\r\n"
     )
     return head.encode() + body
 
@@ -410,21 +421,28 @@ def start_floor(kind: str, tmp: Path, core: int | None, body_size: int) -> Serve
     return Server(kind, proc, port, uds)
 
 
-def prepare_kvoffload(server: Server, keys: list[bytes] | None = None) -> tuple[bytes, bytes, int]:
+def prepare_kvoffload(
+    server: Server, keys: list[bytes] | None = None, headers: dict[str, str] | None = None
+) -> tuple[bytes, bytes, int]:
     """Start request ``bench``, store half the keys (random ones unless given); the lookup and
-    batch bodies, answer size."""
+    batch bodies, answer size. ``headers``: the credentials of a server with tenants."""
     import httpx
 
     from app.client import KVOffloadClient
 
     if keys is None:
         keys = [os.urandom(16) for _ in range(NUM_KEYS)]
-    with KVOffloadClient(f"http://{server.tcp()}") as client:
+    credentials: dict[str, Any] = {}
+    if headers:
+        credentials = {"token": BENCH_TOKEN, "namespace": BENCH_NAMESPACE}
+    with KVOffloadClient(f"http://{server.tcp()}", **credentials) as client:
         client.start_request("bench")
         spec = client.prepare_store("bench", keys[: NUM_KEYS // 2])
         client.complete_store("bench", spec.keys_to_store)
         answer = httpx.post(
-            f"http://{server.tcp()}{LOOKUP_PATH}", json={"keys": [k.hex() for k in keys]}
+            f"http://{server.tcp()}{LOOKUP_PATH}",
+            json={"keys": [k.hex() for k in keys]},
+            headers=headers,
         )
         answer.raise_for_status()
         assert answer.json()["hit_prefix"] == NUM_KEYS // 2
@@ -580,6 +598,97 @@ def obs_suite(
 
 
 _APP_COST_MODES = {"off": _OBS_OFF, "on": _OBS_ON}
+
+
+def write_bench_tenants(tmp: Path) -> Path:
+    """A tenants file of one tenant whose one namespace is the bench's pool size (owner-only:
+    the service refuses a tenants file others can read)."""
+    path = tmp / "tenants.toml"
+    path.write_text(
+        f'[tenants.bench]\ntokens = ["{BENCH_TOKEN}"]\n'
+        f"namespaces = {{ {BENCH_NAMESPACE} = 4096 }}\n",
+        encoding="utf-8",
+    )
+    path.chmod(0o600)
+    return path
+
+
+def tenants_suite(
+    tmp: Path, args: argparse.Namespace, cores: tuple[int | None, int | None]
+) -> dict[str, Any]:
+    """lookup(64) with a bearer token and namespace header (tenants on) against no tenants."""
+    server_core, load_core = cores
+    seconds = 0.8 if args.quick else 1.5
+    rounds = 3 if args.quick else 7
+    headers = {"Authorization": f"Bearer {BENCH_TOKEN}", "X-KVOffload-Namespace": BENCH_NAMESPACE}
+    servers: list[Server] = []
+    try:
+        off = start_kvoffload(tmp, server_core, "tenants-off")
+        servers.append(off)
+        on = start_kvoffload(
+            tmp, server_core, "tenants-on", ("--tenants", str(write_bench_tenants(tmp)))
+        )
+        servers.append(on)
+        keys = [os.urandom(16) for _ in range(NUM_KEYS)]
+        lookup_body, _, _ = prepare_kvoffload(off, keys)
+        prepare_kvoffload(on, keys, headers)
+        requests = {off.name: http_request(LOOKUP_PATH, lookup_body)}
+        requests[on.name] = http_request(LOOKUP_PATH, lookup_body, headers)
+        scenarios: list[Scenario] = [
+            (server.name, server, "tcp", requests[server.name], conns)
+            for conns in (1, 32)
+            for server in (off, on)
+        ]
+        table = run_rounds(scenarios, rounds, seconds, load_core)
+    finally:
+        for server in servers:
+            harness.stop_server(server.proc)
+    return report_tenants(table)
+
+
+def report_tenants(table: dict[tuple[str, str, int], dict[str, Any]]) -> dict[str, Any]:
+    header = (
+        f"{'server':<12} {'conns':>5} {'calls/s':>10} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'cpu us/call':>11} {'errors':>6}"
+    )
+    print("\nengine credentials cost: lookup(64), tenants on vs off (same run, medians)")
+    print(header)
+    print("-" * len(header))
+    for (name, _, conns), r in table.items():
+        print(
+            f"{name:<12} {conns:>5} {r['calls_per_s']:>10.0f} {r['p50_ms']:>8.3f} "
+            f"{r['p99_ms']:>8.3f} {r['cpu_us_per_call']:>11.1f} {r['errors']:>6}"
+        )
+    ratios: dict[str, float] = {}
+    for conns in (1, 32):
+        on, off = table[("tenants-on", "tcp", conns)], table[("tenants-off", "tcp", conns)]
+        ratios[f"tenants_on_vs_off_calls_c{conns}"] = on["calls_per_s"] / off["calls_per_s"]
+        ratios[f"tenants_off_vs_on_cpu_c{conns}"] = off["cpu_us_per_call"] / on["cpu_us_per_call"]
+        ratios[f"tenants_cpu_us_per_call_added_c{conns}"] = (
+            on["cpu_us_per_call"] - off["cpu_us_per_call"]
+        )
+    targets = {
+        "tenants on >= 0.95x off (lookup calls/s, 32 conns)": (
+            ratios["tenants_on_vs_off_calls_c32"] >= TENANTS_TARGET
+        ),
+        "tenants on >= 0.95x off (server CPU per call, 32 conns)": (
+            ratios["tenants_off_vs_on_cpu_c32"] >= TENANTS_TARGET
+        ),
+        "no errors": all(r["errors"] == 0 for r in table.values()),
+    }
+    print("\nratios")
+    for key, value in ratios.items():
+        print(f"  {key:<38} {value:8.3f}")
+    print("\ntargets")
+    for key, ok in targets.items():
+        print(f"  [{'ok' if ok else 'MISS'}] {key}")
+    return {
+        "results": [
+            {"server": n, "transport": t, "connections": c, **r} for (n, t, c), r in table.items()
+        ],
+        "ratios": ratios,
+        "targets": targets,
+    }
 
 
 def app_cost(mode: str, calls: int) -> float:
@@ -788,6 +897,8 @@ def main_bench(args: argparse.Namespace) -> int:
             out["floors"] = floors_suite(tmp, args, pinned)
         if args.suite in ("all", "obs", "shadow"):
             out["observability"] = obs_suite(tmp, args, pinned)
+        if args.suite in ("all", "tenants"):
+            out["tenants"] = tenants_suite(tmp, args, pinned)
     print()
     harness.write_results(RESULTS, out)
     return 0
@@ -883,10 +994,10 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="short rounds (smoke run)")
     parser.add_argument(
         "--suite",
-        choices=["all", "floors", "obs", "shadow"],
+        choices=["all", "floors", "obs", "shadow", "tenants"],
         default="all",
         help="floors: the hot routes against bare/noop; obs: metrics+logs on/off; "
-        "shadow: shadow evaluation on/off (default: all)",
+        "shadow: shadow evaluation on/off; tenants: engine credentials on/off (default: all)",
     )
     # Internal modes: the floor servers and the load generator run as separate processes.
     parser.add_argument("--serve-floor", choices=["bare", "noop"], help=argparse.SUPPRESS)

@@ -5,11 +5,12 @@ ConfigMap match their sources; kustomize renders the lot."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 import tomllib
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
@@ -396,3 +397,28 @@ def test_engine_socket_is_on_a_node_local_volume_handed_to_the_service(
     labels = load_yaml(K8S / "namespace.yaml")["metadata"]["labels"]
     assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
     assert labels["pod-security.kubernetes.io/warn"] == "restricted"
+
+
+def test_daemonset_settings_are_valid(
+    objects, daemonset, container, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("app.core.tenants")  # the service side of tenants
+    from app.settings import Settings
+
+    env = _env(container)
+    for name in [n for n in os.environ if n.startswith("KVOFFLOAD_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    # The mounted files, here instead of under /etc and /run/secrets.
+    _, volume = _tenants_volume(daemonset, container)
+    write_secret_volume(tmp_path / "tenants", _tenant_files(objects), 0o440)
+    monkeypatch.setenv("KVOFFLOAD_TENANTS", str(tmp_path / "tenants"))
+    (tmp_path / "admin-token").write_text("test-admin-token\n")
+    monkeypatch.setenv("KVOFFLOAD_ADMIN_TOKEN_FILE", str(tmp_path / "admin-token"))
+    # The image's entrypoint listens on 0.0.0.0: valid only with the tenants file.
+    settings = Settings(host="0.0.0.0")
+    assert settings.uds_mode == 0o660
+    assert settings.uds_group == "10001"
+    assert settings.uds_auth == "token", "engines on the node's socket still need their token"
+    assert volume["projected"]["defaultMode"] == 0o440

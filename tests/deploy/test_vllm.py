@@ -297,6 +297,20 @@ def test_k8s_each_container_gets_its_part_of_the_tenant_secret(k8s_objects, cont
     assert tenants_dir not in _k8s_mounts(vllm).values()
 
 
+def test_k8s_network_policy_admits_only_prometheus_to_kvoffload(k8s_objects, containers) -> None:
+    policy = k8s_objects[("NetworkPolicy", "vllm")]["spec"]
+    pod_labels = k8s_objects[("Deployment", "vllm")]["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    kv_port = int(_env(containers["kvoffload"])["KVOFFLOAD_PORT"])
+    rules = [r for r in policy["ingress"] if kv_port in {p["port"] for p in r["ports"]}]
+    assert rules, "Prometheus must reach kvoffload's /metrics"
+    for rule in rules:
+        assert rule.get("from"), "an empty `from` admits every source"
+        for peer in rule["from"]:
+            assert peer["namespaceSelector"]["matchLabels"], peer
+            assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"] == "prometheus"
+
+
 def test_k8s_pool_fits_its_memory(pod, containers) -> None:
     sidecar = containers["kvoffload"]
     env = _env(sidecar)
