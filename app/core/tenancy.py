@@ -40,7 +40,7 @@ from app.core.tenants import Credentials, NamespaceConfig, TenantsConfigError, T
 from app.settings import Settings
 from app.telemetry.calls import CallInfo
 from app.telemetry.logging import get_logger
-from app.telemetry.metrics import Metrics
+from app.telemetry.metrics import Metrics, register_tenancy
 from app.telemetry.observer import Observer
 
 log = get_logger("tenancy")
@@ -101,6 +101,7 @@ class Tenancy:
         if settings.metrics_enabled:
             self.front_registry = registry if registry is not None else CollectorRegistry()
             metrics = Metrics(self.front_registry)
+            register_tenancy(self.front_registry, lambda: (self.reloads, self.reload_failures))
         self.front = Observer(metrics)
         table = credentials.table
         for name, tenant in table.tenants.items():

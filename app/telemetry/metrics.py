@@ -528,3 +528,30 @@ class Metrics:
         now = self._clock()
         self.remote_duration.observe((op,), seconds, ex, now)
         self.remote_keys.inc((op,), keys, ex, now)
+
+
+class _TenancyCollector(Collector):
+    """The tenants file's reloads, for the front registry of a service with tenants."""
+
+    def __init__(self, counts: Callable[[], tuple[int, int]]) -> None:
+        self._counts = counts
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        reloads, failures = self._counts()
+        yield CounterMetricFamily(
+            f"{PREFIX}_tenants_reloads", "Reloads of the tenants file that took effect.",
+            value=reloads,
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            f"{PREFIX}_tenants_reload_failures",
+            "Reloads of the tenants file refused (the previous tenants stayed in force).",
+            value=failures,
+        )
+
+
+def register_tenancy(registry: CollectorRegistry, counts: Callable[[], tuple[int, int]]) -> None:
+    """Export ``counts() -> (reloads, failures)`` of the tenants file in ``registry``."""
+    registry.register(_TenancyCollector(counts))

@@ -400,3 +400,4 @@ async def test_metrics_carry_tenant_and_namespace_labels(tmp_path: Path) -> None
         refused = [line for line in text.splitlines() if 'route="/v1/events"' in line]
         assert any('status="401"' in line and "tenant=" not in line for line in refused)
         assert text.count("# TYPE kvoffload_manager_ops_total counter") == 1
+        assert "kvoffload_tenants_reload_failures_total 0.0" in lines
