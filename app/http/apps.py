@@ -136,7 +136,6 @@ def create_app(
     )
     app.engine_auth = True
     app.state.tenancy = tenancy
-    app.state.service = tenancy.single  # without tenants, the one service (tests read it)
     app.state.settings = settings
     install_error_handlers(app)
     register_engine_routes(app, settings)
@@ -206,7 +205,6 @@ def create_admin_app(
         dependencies=[Depends(admin_guard)],
     )
     app.state.tenancy = tenancy
-    app.state.service = tenancy.single
     app.state.settings = settings
     install_error_handlers(app)
     register_admin_routes(app, settings.admin_token_value())

@@ -81,7 +81,7 @@ def test_no_cap_exceeds_max_body_bytes(keys: int, ops: int, params: int, body: i
 def test_both_apps_have_a_cap_for_every_route_that_takes_a_body() -> None:
     s = Settings()
     engine = create_app(s)
-    create_admin_app(s, engine.state.service)  # each builds its table; no route is missing
+    create_admin_app(s, tenancy=engine.state.tenancy)  # each builds its table; none missing
 
 
 def test_a_body_route_without_a_cap_fails_the_table() -> None:

@@ -564,7 +564,7 @@ ROUTES: tuple[AdminRoute, ...] = (
 
 def register_admin_routes(app: KVOffloadAPI, token: str | None) -> None:
     """Add the admin routes (``ROUTES``) to ``app``, each behind the token check; the handlers
-    find the service in ``app.state.service``."""
+    find the namespace's service through ``app.state.tenancy`` (``app.http.deps``)."""
     setattr(app.state, _TOKEN_STATE, None if token is None else token.encode())
     etag_header = {"ETag": {"description": "policy generation", "schema": {"type": "string"}}}
     for route in ROUTES:
