@@ -58,6 +58,18 @@ def _check_points_at_master(env: dict[str, str], host: str, rpc: int, metadata: 
     assert (url.scheme, url.hostname, url.port, url.path) == ("http", host, metadata, "/metadata")
 
 
+def _seconds(value: str) -> float:
+    """A compose duration (``45s``) or a number of seconds."""
+    return float(str(value).removesuffix("s"))
+
+
+def _check_stops_in_time(settings: Settings, grace_s: float) -> None:
+    """The runtime's grace covers the drain and closing the tier with its master gone (its
+    probe, its calls and its client's teardown, each bounded by ``remote_timeout_s``)."""
+    needed = settings.shutdown_delay_s + settings.shutdown_grace_s + 3 * settings.remote_timeout_s
+    assert grace_s > needed, f"{grace_s} s to stop; draining and closing take up to {needed} s"
+
+
 def _settings(env: dict[str, str], tenants: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
     """The settings a node starts with from ``env`` (its tenants directory at ``tenants``)."""
     for name in [n for n in os.environ if n.startswith("KVOFFLOAD_")]:
@@ -162,6 +174,7 @@ def test_compose_node_settings_are_accepted(
         settings = _settings(env, tmp_path, monkeypatch)
         assert settings.remote_tier == "mooncake"
         assert settings.mooncake_local_hostname == name
+        _check_stops_in_time(settings, _seconds(compose["services"][name]["stop_grace_period"]))
 
 
 def test_compose_prometheus_scrapes_both_nodes(compose) -> None:
@@ -338,6 +351,9 @@ def test_k8s_patched_node_settings_are_accepted(
     settings = _settings(env, tmp_path, monkeypatch)
     assert settings.remote_tier == "mooncake"
     assert settings.mooncake_segment_bytes == int(env["KVOFFLOAD_MOONCAKE_SEGMENT_BYTES"])
+    _check_stops_in_time(
+        settings, patch["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    )
 
 
 def _peers(rule: dict[str, Any]) -> list[dict[str, str]]:
