@@ -197,3 +197,41 @@ def test_dashboard_provider_loads_the_directory_compose_mounts() -> None:
     for ds in load_yaml(DATASOURCES)["datasources"]:
         var = ds["url"].lstrip("$").strip("{}")
         assert var in env, f"Grafana has no {var} for the {ds['name']} data source"
+
+
+def test_remote_tier_panels(dashboard) -> None:
+    (up,) = _panels_using(dashboard, "kvoffload_remote_tier_up")
+    assert up["type"] == "stat"
+    texts = {
+        v["text"] for m in up["fieldConfig"]["defaults"]["mappings"] for v in m["options"].values()
+    }
+    assert texts == {"up", "degraded"}
+    assert _panels_using(dashboard, "kvoffload_remote_hits_total", "kvoffload_remote_misses_total")
+    assert _panels_using(dashboard, "kvoffload_remote_gets_total", "kvoffload_remote_puts_total")
+    (throughput,) = _panels_using(
+        dashboard, "kvoffload_remote_bytes_read_total", "kvoffload_remote_bytes_written_total"
+    )
+    assert throughput["fieldConfig"]["defaults"]["unit"] == "Bps"
+    assert _panels_using(
+        dashboard, "kvoffload_remote_errors_total", "kvoffload_remote_timeouts_total"
+    )
+    (queue,) = _panels_using(
+        dashboard, "kvoffload_remote_queue_depth", "kvoffload_remote_queue_dropped_total"
+    )
+    assert "by (instance)" in _exprs(queue)[0], "a queue is one node's"
+    (latency,) = _panels_using(dashboard, "kvoffload_remote_call_duration_seconds_bucket")
+    (expr,) = _exprs(latency)
+    assert expr.startswith("histogram_quantile(0.99, ")
+    assert "by (le, op)" in expr
+    assert latency["fieldConfig"]["defaults"]["unit"] == "s"
+    # One row holds them, below every other panel.
+    (row,) = [p for p in dashboard["panels"] if p["type"] == "row" and "Remote" in p["title"]]
+    remote = [p for p in dashboard_panels(dashboard) if _remote(p)]
+    assert len(remote) >= 7
+    assert all(p["gridPos"]["y"] > row["gridPos"]["y"] for p in remote)
+    others = [p for p in dashboard_panels(dashboard) if p["type"] != "row" and not _remote(p)]
+    assert all(p["gridPos"]["y"] < row["gridPos"]["y"] for p in others)
+
+
+def _remote(panel: dict[str, Any]) -> bool:
+    return any(name.startswith("kvoffload_remote_") for name in _names(panel))

@@ -63,7 +63,7 @@ def test_dockerfile_entrypoint_healthcheck_and_install() -> None:
     assert instructions["ENTRYPOINT"] == '["kvoffload", "serve", "--host", "0.0.0.0"]'
     assert "/livez" in instructions["HEALTHCHECK"]
     text = DOCKERFILE.read_text(encoding="utf-8")
-    assert "pip install ." in text
+    assert 'pip install ".[mooncake]"' in text, "the package, with the remote tier's extra"
     assert "download.pytorch.org/whl/cpu" in text, "CPU torch by default"
 
 
@@ -180,7 +180,8 @@ def _has_docker_compose() -> bool:
 
 
 @pytest.mark.skipif(not _has_docker_compose(), reason="docker compose not available")
-def test_docker_compose_config_validates(tmp_path) -> None:
+@pytest.mark.parametrize("compose_file", ["docker-compose.yml", "docker-compose.remote.yml"])
+def test_docker_compose_config_validates(tmp_path, compose_file: str) -> None:
     # docker compose config needs the secret files to exist; use throwaway ones.
     project = tmp_path / "deploy"
     shutil.copytree(DEPLOY, project)
@@ -188,7 +189,7 @@ def test_docker_compose_config_validates(tmp_path) -> None:
     for name in ("kvoffload_admin_token", "grafana_admin_password"):
         (project / "secrets" / name).write_text("test\n")
     proc = subprocess.run(
-        ["docker", "compose", "-f", str(project / "docker-compose.yml"), "config", "--quiet"],
+        ["docker", "compose", "-f", str(project / compose_file), "config", "--quiet"],
         capture_output=True,
         text=True,
         timeout=60,
