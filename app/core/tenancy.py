@@ -82,6 +82,8 @@ class Tenancy:
         self.quotas: dict[str, TenantQuota] = {}
         self.reloads = 0
         self.reload_failures = 0
+        # False from a refused reload until the file loads again.
+        self.file_in_force = True
         self._reload_wanted = asyncio.Event()
         self._reload_lock = asyncio.Lock()
         self._users = 0
@@ -101,7 +103,10 @@ class Tenancy:
         if settings.metrics_enabled:
             self.front_registry = registry if registry is not None else CollectorRegistry()
             metrics = Metrics(self.front_registry)
-            register_tenancy(self.front_registry, lambda: (self.reloads, self.reload_failures))
+            register_tenancy(
+                self.front_registry,
+                lambda: (self.reloads, self.reload_failures, self.file_in_force),
+            )
         self.front = Observer(metrics)
         table = credentials.table
         for name, tenant in table.tenants.items():
@@ -302,12 +307,14 @@ class Tenancy:
                 report = credentials.reload()
             except TenantsConfigError as exc:
                 self.reload_failures += 1
+                self.file_in_force = False
                 log.error(
                     "tenants file not reloaded; the previous tenants stay in force",
                     extra={"fields": {"error": str(exc)}},
                 )
                 return False
             self.reloads += 1
+            self.file_in_force = True
             await self._apply(before, credentials.table)
             log.warning(
                 "tenants reloaded",

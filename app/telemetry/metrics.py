@@ -533,14 +533,20 @@ class Metrics:
 class _TenancyCollector(Collector):
     """The tenants file's reloads, for the front registry of a service with tenants."""
 
-    def __init__(self, counts: Callable[[], tuple[int, int]]) -> None:
+    def __init__(self, counts: Callable[[], tuple[int, int, bool]]) -> None:
         self._counts = counts
 
     def describe(self) -> list[Metric]:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        reloads, failures = self._counts()
+        reloads, failures, in_force = self._counts()
+        yield GaugeMetricFamily(
+            f"{PREFIX}_tenants_file_in_force",
+            "1 when the tenants file as it is now is the one in force; 0 when its last change "
+            "was refused (the previous tenants still apply).",
+            value=1 if in_force else 0,
+        )
         yield CounterMetricFamily(
             f"{PREFIX}_tenants_reloads", "Reloads of the tenants file that took effect.",
             value=reloads,
@@ -552,6 +558,8 @@ class _TenancyCollector(Collector):
         )
 
 
-def register_tenancy(registry: CollectorRegistry, counts: Callable[[], tuple[int, int]]) -> None:
-    """Export ``counts() -> (reloads, failures)`` of the tenants file in ``registry``."""
+def register_tenancy(
+    registry: CollectorRegistry, counts: Callable[[], tuple[int, int, bool]]
+) -> None:
+    """Export ``counts() -> (reloads, failures, in force)`` of the tenants file."""
     registry.register(_TenancyCollector(counts))

@@ -332,6 +332,8 @@ async def test_a_token_file_replaced_while_serving_takes_effect_without_restart(
         write_tenants(t.path, "[tenants.alpha]\ntokens = 3\n")
         assert not await t.tenancy.reload()
         assert t.tenancy.reload_failures == 1
+        metrics = (await t.engine.get("/metrics")).text
+        assert "kvoffload_tenants_file_in_force 0.0" in metrics.splitlines()
         assert (await t.call(ALPHA_NEXT, "GET", "/v1/events", namespace="a1")).status_code == 200
         # beta removed: its token is revoked and its namespaces are gone.
         write_tenants(t.path, rotated[: rotated.index("[tenants.beta]")])

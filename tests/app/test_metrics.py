@@ -10,7 +10,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.exposition import generate_latest
 
-from app.telemetry.metrics import LiveRequestRow, Metrics, ServiceSnapshot, failure_reason
+from app.telemetry.metrics import (
+    LiveRequestRow,
+    Metrics,
+    ServiceSnapshot,
+    failure_reason,
+    register_tenancy,
+)
 from manager import ReqContext, create_manager
 
 
@@ -228,6 +234,7 @@ def test_exported_families_match_the_deploy_catalogue_exactly(manager) -> None:
     met.transfer_done("load", False, 0, 0.1, "deadline", "r")
     met.policy_switched("lru", "arc")
     met.remote_call("exists", 0.001, 4, "r")
+    register_tenancy(reg, lambda: (2, 1, False))  # with --tenants, the front registry's
     exported = {}
     for family in reg.collect():
         name = family.name + ("_total" if family.type == "counter" else "")
