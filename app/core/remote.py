@@ -139,6 +139,15 @@ class RemoteLink:
             "loaded": self.counts["promoted_ready"],
             "failed": self.counts["promoted_failed"],
         }
+        health["lookups"] = {
+            "timeouts": self.counts["lookup_timeouts"],
+            "skipped_degraded": self.counts["lookups_skipped"],
+        }
+        health["write_behind"] = {
+            "written": self.counts["written"],
+            "failed": self.counts["put_failed"],
+            "gone_before_put": self.counts["gone_before_put"],
+        }
         health["written"] = self.counts["written"]
         return health
 
