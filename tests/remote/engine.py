@@ -13,9 +13,11 @@ through ``KVOffloadClient``; block bytes through the mapping, as an engine's cop
   -> ``{"stored": [hex], "slots": [int]}``
 - ``{"op": "lookup", "req": id, "keys": [hex]}`` -> ``{"results": [...], "hit_prefix": n}``
 - ``{"op": "prepare_load", "req": id, "keys": [hex]}`` -> ``{"slots": [int]}``
+- ``{"op": "complete_load", "req": id, "keys": [hex]}`` -> ``{"completed": true}``
 - ``{"op": "read", "slots": [int]}`` -> ``{"data": [base64]}``: the slots' bytes in the pool
 - ``{"op": "finish", "req": id}`` -> ``{"finished": true}``
-- ``{"op": "stats"}`` -> ``/admin/v1/stats``; ``{"op": "readyz"}`` -> ``{"status", "body"}``
+- ``{"op": "stats"}`` -> ``/admin/v1/stats``; ``{"op": "requests"}`` -> ``/admin/v1/requests``
+- ``{"op": "readyz"}`` -> ``{"status", "body"}``
 - ``{"op": "events", "after": n}`` -> ``{"events": [{"type", "medium", "keys": [hex]}], "next"}``
 - ``{"op": "close"}``: unmap, answer ``{"closed": true}``, exit.
 
@@ -95,6 +97,9 @@ def serve(config: dict[str, Any]) -> None:
         if op == "prepare_load":
             begin(req)
             return {"slots": engine.prepare_load(req, keys)}
+        if op == "complete_load":
+            engine.complete_load(req, keys)
+            return {"completed": True}
         if op == "read":
             return {"data": [base64.b64encode(slot_bytes(s)).decode() for s in cmd["slots"]]}
         if op == "finish":
@@ -103,6 +108,8 @@ def serve(config: dict[str, Any]) -> None:
             return {"finished": True}
         if op == "stats":
             return admin.stats()
+        if op == "requests":
+            return admin.requests()
         if op == "readyz":
             r = httpx.get(f"{config['url']}/readyz", timeout=10)
             return {"status": r.status_code, "body": r.json()}

@@ -177,6 +177,9 @@ class ServeNode:
         slots: list[int] = self.ask("prepare_load", req=req, keys=[k.hex() for k in keys])["slots"]
         return slots
 
+    def complete_load(self, req: str, keys: Sequence[bytes]) -> None:
+        self.ask("complete_load", req=req, keys=[k.hex() for k in keys])
+
     def read(self, slots: Sequence[int]) -> list[bytes]:
         return [base64.b64decode(d) for d in self.ask("read", slots=list(slots))["data"]]
 
@@ -187,6 +190,13 @@ class ServeNode:
         """The ``remote`` section of ``/admin/v1/stats``."""
         section: dict[str, Any] = self.ask("stats")["remote"]
         return section
+
+    def stats(self) -> dict[str, Any]:
+        return self.ask("stats")
+
+    def live_requests(self) -> dict[str, Any]:
+        """``/admin/v1/requests``'s entries by request id."""
+        return {r["req_id"]: r for r in self.ask("requests")["requests"]}
 
     def readyz(self) -> dict[str, Any]:
         return self.ask("readyz")

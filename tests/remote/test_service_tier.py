@@ -191,6 +191,27 @@ def test_a_prefix_stored_on_one_node_is_loaded_with_identical_bytes_on_another(
 
 
 @pytest.mark.timeout(240)
+def test_a_promoted_block_is_unpinned_when_its_engine_completes_the_load_and_finishes(
+    cluster: Any, nodes: Nodes
+) -> None:
+    """The engine's lease protocol: one complete_load per prepare_load that returned slots,
+    then finish; nothing of the request may stay pinned (a pin left behind holds its block
+    against eviction until the lease expires, and fills a small pool)."""
+    cluster.master.start()
+    a, b = nodes.start("a"), nodes.start("b")
+    keys, data = prefix(4, "unpinned")
+    assert a.store(req("store"), keys, data) == keys
+    wait_written(a, 4)
+    request, slots, _ = load_remote(b, keys)
+    assert b.read(slots) == data
+    b.complete_load(request, keys)
+    b.finish(request)
+    left = b.live_requests().get(request)
+    assert left is None, f"finished request still holds {left}"
+    assert b.stats()["blocks"]["pinned"] == 0
+
+
+@pytest.mark.timeout(240)
 def test_two_replicas_survive_the_sigkill_of_the_node_holding_one(
     cluster: Any, nodes: Nodes
 ) -> None:
