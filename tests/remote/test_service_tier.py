@@ -344,3 +344,28 @@ def test_a_node_cut_off_serves_its_pool_and_uses_the_tier_again_when_its_link_re
     b.finish(request)
     serves_its_pool(b, keys, data)
     report("link cut", b)
+
+
+@pytest.mark.timeout(240)
+def test_a_node_started_before_its_master_serves_and_connects_when_it_comes(
+    cluster: Any, nodes: Nodes
+) -> None:
+    a = nodes.start("a")
+    ready_but_degraded(a)
+    early, early_data = prefix(2, "early")
+    dropped = a.remote()["queue"]["dropped"]
+    assert a.store(req("store"), early, early_data) == early
+    serves_its_pool(a, early, early_data)
+    wait_for("a dropped the write-behind", lambda: a.remote()["queue"]["dropped"] > dropped, 30)
+
+    cluster.master.start()
+    wait_for("a connected", lambda: state_is(a, "ok"), 60, 0.5)
+    assert a.readyz()["body"].get("details") is None
+    b = nodes.start("b")
+    keys, data = prefix(4, "late")
+    assert a.store(req("store"), keys, data) == keys
+    wait_written(a, 4)
+    request, slots, _ = load_remote(b, keys)
+    assert b.read(slots) == data
+    b.finish(request)
+    report("master down at start", a)
