@@ -1,9 +1,12 @@
-"""Remote tier bandwidth: put and get GB/s through ``MooncakeTier`` vs the raw Mooncake client.
+"""Remote tier: bandwidth, lookup cost and cross-node hit ratio, each against a same-run baseline.
 
-Workload, on loopback: a real ``mooncake_master`` (with its HTTP metadata server), a holder
-process that contributes the store's memory (a Mooncake client with a segment and nothing
-else), and in this process two clients that contribute none, so every byte crosses the
-transfer engine to the holder:
+Three parts (``--part a,b,c``; default all), all on loopback (127.0.0.1; one machine, so the
+"nodes" share its cores and memory, and TCP never leaves the host).
+
+**(a) Put and get GB/s through ``MooncakeTier`` vs the raw Mooncake client.** Workload: a
+real ``mooncake_master`` (with its HTTP metadata server), a holder process that contributes
+the store's memory (a Mooncake client with a segment and nothing else), and in this process
+two clients that contribute none, so every byte crosses the transfer engine to the holder:
 
 - **tier**: a ``MooncakeTier`` over a host pool, ``put_from`` then ``get_into`` of one batch;
 - **raw** (the baseline, same run): a bare ``MooncakeDistributedStore`` over a second pool of
@@ -17,8 +20,26 @@ here; a read slower than its lease fails with LEASE_EXPIRED). Block sizes 256 Ki
 one batch of ``--batch-mib`` per call. Figures are medians; the ratio is tier over raw.
 Target: >= 0.8x.
 
+**(b) lookup(64) calls/s for pool-resident keys, tier on vs off.** Two ``kvoffload serve``
+processes that differ only in ``--remote-tier mooncake`` (the on one connected to a master and
+holder as in (a)), 64 keys stored in each pool, then lookups of those 64 keys driven by
+``bench/http_bench.py``'s load generator (keep-alive HTTP/1.1 over TCP, at 1 and 8
+connections), rounds interleaved between the two servers; server and load generator pinned to
+different cores when there are two. Medians of calls/s; ratio = on / off. Target: >= 0.9x (a
+lookup whose keys the pool holds never asks the remote tier).
+
+**(c) Cross-node replay of the shipped trace.** ``bench/data/mooncake_synthetic_trace.jsonl``
+(``manager.replay.parse_trace``), requests alternating between two ``kvoffload serve`` nodes
+with a small pool each (``--replay-blocks``, 1024 blocks of 4 KiB by default). Each request, as
+an engine would: lookup; when the leading blocks include ``remote`` ones, prepare-load (409:
+they are promoted), lookups until they are hits (or not), prepare-load and complete-load of
+the leading hits; prepare-store and complete-store of the rest; finish. Hit ratio = leading
+blocks served (pool hits + remote hits promoted) / blocks, for the two nodes sharing one
+Mooncake Store (write-behind of every stored block) vs the same two nodes without a remote
+tier (each node alone with its own half of the requests), same run, same requests.
+
 Run: ``.venv/bin/python bench/remote_tier.py`` after ``make test-remote`` (which installs the
-``mooncake`` extra; ``--quick`` for a smaller run). Prints a table and writes
+``mooncake`` extra; ``--quick`` for a smaller run). Prints a table per part and writes
 ``bench/results/remote_tier.json``.
 """
 
@@ -27,6 +48,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -49,11 +71,19 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     import torch
 
-from bench import harness  # noqa: E402
+from app.client import KVOffloadAdminClient, KVOffloadClient, KVOffloadError  # noqa: E402
+from bench import harness, http_bench  # noqa: E402
+from manager.replay import parse_trace  # noqa: E402
 from transfer import HostPool, MooncakeConfig, MooncakeTier, remote_name  # noqa: E402
 
 BLOCK_SIZES = (256 << 10, 1 << 20)
 TARGET = 0.80
+LOOKUP_TARGET = 0.90
+LOOKUP_KEYS = 64
+TRACE = ROOT / "bench" / "data" / "mooncake_synthetic_trace.jsonl"
+REPLAY_BLOCK_BYTES = 4 << 10
+# How long a replayed request waits for its remote blocks to be promoted before going on.
+PROMOTE_WAIT_S = 2.0
 LEASE_MS = 1000
 KEPT_REPS = 2  # repetitions whose keys stay stored while their leases run out
 HOST = "127.0.0.1"
@@ -258,31 +288,219 @@ def run_size(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller run")
-    parser.add_argument("--batch-mib", type=int, default=0, help="bytes per batch call (MiB)")
-    parser.add_argument("--out", default=str(harness.RESULTS_DIR / "remote_tier.json"))
-    args = parser.parse_args(argv)
-    batch = (args.batch_mib or (16 if args.quick else 64)) << 20
-    reps = 3 if args.quick else 15
-    workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvobench-remote-{os.getpid()}"
-    workdir.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    rows = []
-    # Room for the repetitions kept stored and the one running, of both clients, with margin
-    # below the master's eviction watermark.
-    segment = 2 * (KEPT_REPS + 1) * batch * 3 // 2
-    with mooncake_cluster(segment_bytes=segment, workdir=workdir) as (
-        address,
-        url,
-    ):
-        for size in BLOCK_SIZES:
-            rows.append(run_size(size, batch, reps, address, url))
-    elapsed = time.perf_counter() - started
+# --------------------------------------------------------------------------- (b) lookups
 
+
+def remote_flags(address: str, url: str) -> tuple[str, ...]:
+    """``kvoffload serve`` flags for a remote tier at this master that lends it no memory."""
+    return (
+        "--remote-tier",
+        "mooncake",
+        "--mooncake-master",
+        address,
+        "--mooncake-metadata",
+        url,
+        "--mooncake-local-hostname",
+        HOST,
+        "--mooncake-segment-bytes",
+        "0",
+    )
+
+
+def wait_remote_ok(server: http_bench.Server, timeout_s: float = 60) -> None:
+    with KVOffloadAdminClient(f"http://{HOST}:{server.admin_port}") as admin:
+        deadline = time.monotonic() + timeout_s
+        while admin.stats()["remote"]["state"] != "ok":
+            if time.monotonic() > deadline:
+                sys.exit(f"{server.name}: remote tier not ok within {timeout_s} s")
+            time.sleep(0.2)
+
+
+def store_resident(server: http_bench.Server, keys: list[bytes]) -> None:
+    """Request ``bench`` started, ``keys`` stored: a lookup of them answers all hits."""
+    with KVOffloadClient(f"http://{server.tcp()}") as client:
+        client.start_request("bench")
+        spec = client.prepare_store("bench", keys)
+        client.complete_store("bench", spec.keys_to_store)
+        if client.lookup("bench", keys).hit_prefix != len(keys):
+            raise RuntimeError(f"{server.name}: the stored keys are not all hits")
+
+
+def lookup_part(
+    address: str, url: str, workdir: Path, rounds: int, seconds: float
+) -> dict[str, Any]:
+    """lookup(64) of pool-resident keys, tier on vs off (see the module docstring)."""
+    cores = sorted(os.sched_getaffinity(0))
+    server_core, load_core = (cores[0], cores[1]) if len(cores) > 1 else (None, None)
+    servers = {
+        "on": http_bench.start_kvoffload(
+            workdir, server_core, "tier-on", extra=remote_flags(address, url)
+        ),
+        "off": http_bench.start_kvoffload(workdir, server_core, "tier-off"),
+    }
+    try:
+        wait_remote_ok(servers["on"])
+        keys = [os.urandom(16) for _ in range(LOOKUP_KEYS)]
+        for server in servers.values():
+            store_resident(server, keys)
+        body = json.dumps({"keys": [k.hex() for k in keys]}).encode()
+        request = http_bench.http_request(http_bench.LOOKUP_PATH, body)
+        scenarios: list[http_bench.Scenario] = [
+            (name, server, "tcp", request, conns)
+            for conns in (1, 8)
+            for name, server in servers.items()
+        ]
+        table = http_bench.run_rounds(scenarios, rounds, seconds, load_core)
+        with KVOffloadAdminClient(f"http://{HOST}:{servers['on'].admin_port}") as admin:
+            remote = admin.stats()["remote"]
+    finally:
+        for server in servers.values():
+            harness.stop_server(server.proc)
+    rows = []
+    for conns in (1, 8):
+        on, off = table[("on", "tcp", conns)], table[("off", "tcp", conns)]
+        rows.append(
+            {
+                "connections": conns,
+                "on": on,
+                "off": off,
+                "ratio": on["calls_per_s"] / off["calls_per_s"],
+                "errors": on["errors"] + off["errors"],
+            }
+        )
+    # Pool hits only: the tier must never have been asked.
+    return {"rows": rows, "remote_exists_calls": remote["counters"]["exists_calls"]}
+
+
+# --------------------------------------------------------------------------- (c) replay
+
+
+def leading(results: list[str], states: tuple[str, ...]) -> int:
+    n = 0
+    for r in results:
+        if r not in states:
+            break
+        n += 1
+    return n
+
+
+def replay_request(client: KVOffloadClient, req: str, keys: list[bytes]) -> tuple[int, int]:
+    """One trace request as an engine runs it; (pool hits, remote hits promoted) of its
+    leading blocks."""
+    client.start_request(req)
+    first = client.lookup(req, keys).results
+    reach = leading(first, ("hit", "remote"))
+    prefix = leading(first, ("hit",))
+    if reach > prefix:
+        wanted = keys[:reach]
+        try:
+            client.prepare_load(req, wanted)
+        except KVOffloadError as exc:
+            if exc.status != 409:
+                raise
+        deadline = time.monotonic() + PROMOTE_WAIT_S
+        while True:
+            now = client.lookup(req, wanted).results
+            if "pending" not in now or time.monotonic() > deadline:
+                break
+            time.sleep(0.002)
+        prefix = leading(now, ("hit",))
+    pool = sum(1 for r in first[:prefix] if r == "hit")
+    if prefix:
+        client.prepare_load(req, keys[:prefix])
+        client.complete_load(req, keys[:prefix])
+    rest = keys[prefix:]
+    if rest:
+        spec = client.prepare_store(req, rest)
+        if spec.keys_to_store:
+            client.complete_store(req, spec.keys_to_store)
+    # Abort (nothing of it is pending any more): every pin of the request goes at once, also
+    # the one a promotion takes for it, which no complete_load of the engine's matches.
+    client.finish_request(req, abort=True)
+    return pool, prefix - pool
+
+
+def replay_nodes(
+    servers: list[http_bench.Server], requests: list[list[bytes]], tag: str
+) -> dict[str, Any]:
+    """The requests alternating between ``servers``; hit counts per node and in all."""
+    clients = [KVOffloadClient(uds=s.uds, timeout=30) for s in servers]
+    per_node: list[dict[str, Any]] = [
+        {"blocks": 0, "pool_hits": 0, "remote_hits": 0} for _ in servers
+    ]
+    started = time.perf_counter()
+    try:
+        for i, keys in enumerate(requests):
+            node = i % len(servers)
+            pool, remote = replay_request(clients[node], f"{tag}-{i}", keys)
+            per_node[node]["blocks"] += len(keys)
+            per_node[node]["pool_hits"] += pool
+            per_node[node]["remote_hits"] += remote
+    finally:
+        for client in clients:
+            client.close()
+    elapsed = time.perf_counter() - started
+    for counts in per_node:
+        counts["hit_ratio"] = (counts["pool_hits"] + counts["remote_hits"]) / counts["blocks"]
+    blocks = sum(c["blocks"] for c in per_node)
+    pool = sum(c["pool_hits"] for c in per_node)
+    remote = sum(c["remote_hits"] for c in per_node)
+    return {
+        "requests": len(requests),
+        "blocks": blocks,
+        "pool_hits": pool,
+        "remote_hits": remote,
+        "hit_ratio": (pool + remote) / blocks,
+        "nodes": per_node,
+        "seconds": elapsed,
+    }
+
+
+def replay_part(
+    address: str, url: str, workdir: Path, num_blocks: int, limit: int
+) -> dict[str, Any]:
+    """Two nodes sharing the store vs the same two nodes alone (see the module docstring)."""
+    with TRACE.open() as f:
+        trace = parse_trace(f)[: limit or None]
+    requests = [[bytes(k) for k in keys] for keys in trace]
+    pool_flags = ("--num-blocks", str(num_blocks), "--block-bytes", str(REPLAY_BLOCK_BYTES))
+    out: dict[str, Any] = {
+        "trace": TRACE.name,
+        "num_blocks": num_blocks,
+        "block_bytes": REPLAY_BLOCK_BYTES,
+    }
+    for mode in ("shared", "alone"):
+        extra = pool_flags + (remote_flags(address, url) if mode == "shared" else ())
+        servers = [
+            http_bench.start_kvoffload(workdir, None, f"{mode}-{n}", extra=extra) for n in range(2)
+        ]
+        try:
+            if mode == "shared":
+                for server in servers:
+                    wait_remote_ok(server)
+            out[mode] = replay_nodes(servers, requests, f"{mode}-{secrets.token_hex(3)}")
+            if mode == "shared":
+                remotes = []
+                for server in servers:
+                    with KVOffloadAdminClient(f"http://{HOST}:{server.admin_port}") as admin:
+                        remotes.append(admin.stats()["remote"])
+                out[mode]["remote"] = [
+                    {k: r[k] for k in ("state", "written", "queue", "promotions", "counters")}
+                    for r in remotes
+                ]
+        finally:
+            for server in servers:
+                harness.stop_server(server.proc)
+    out["ratio"] = out["shared"]["hit_ratio"] / out["alone"]["hit_ratio"]
+    return out
+
+
+# --------------------------------------------------------------------------- report
+
+
+def print_bandwidth(rows: list[dict[str, Any]], batch: int, reps: int) -> None:
     print(
-        f"Remote tier on Mooncake Store (TCP, loopback, one holder), {batch >> 20} MiB per "
+        f"(a) Remote tier on Mooncake Store (TCP, loopback, one holder), {batch >> 20} MiB per "
         f"batch call, median of {reps}; ratio = MooncakeTier / raw client"
     )
     header = (
@@ -298,19 +516,117 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['put_ratio']:>6.2f} {r['tier_get_gbps']:>9.2f} {r['raw_get_gbps']:>6.2f} "
             f"{r['get_ratio']:>6.2f}  {'ok' if ok else 'MISS'}"
         )
-    print(f"({elapsed:.1f} s)")
-    harness.write_results(
-        Path(args.out),
-        {
-            "benchmark": "remote_tier",
-            "part": "a: put/get GB/s, MooncakeTier vs raw client",
-            "quick": args.quick,
-            "target_ratio": TARGET,
-            "machine": harness.machine(torch=torch.__version__, mooncake=mooncake_version()),
-            "seconds": elapsed,
-            "results": rows,
-        },
+
+
+def print_lookups(part: dict[str, Any], rounds: int) -> None:
+    print(
+        f"(b) lookup({LOOKUP_KEYS}) of pool-resident keys over TCP, kvoffload serve with "
+        f"--remote-tier mooncake vs without, median of {rounds} interleaved rounds"
     )
+    header = (
+        f"{'conns':>5} {'on calls/s':>11} {'off calls/s':>12} {'ratio':>6} "
+        f"{'on p99 ms':>10} {'off p99 ms':>11} {'on cpu us':>10} {'off cpu us':>11}  "
+        f"target {LOOKUP_TARGET}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in part["rows"]:
+        on, off = r["on"], r["off"]
+        print(
+            f"{r['connections']:>5} {on['calls_per_s']:>11.0f} {off['calls_per_s']:>12.0f} "
+            f"{r['ratio']:>6.2f} {on['p99_ms']:>10.2f} {off['p99_ms']:>11.2f} "
+            f"{on['cpu_us_per_call']:>10.0f} {off['cpu_us_per_call']:>11.0f}  "
+            f"{'ok' if r['ratio'] >= LOOKUP_TARGET else 'MISS'}"
+        )
+    print(
+        "cpu us = server CPU per call (from /proc); remote exists calls made by the tier-on "
+        f"server: {part['remote_exists_calls']}"
+    )
+
+
+def print_replay(part: dict[str, Any]) -> None:
+    shared, alone = part["shared"], part["alone"]
+    print(
+        f"(c) {part['trace']}: {shared['requests']} requests alternating between two nodes, "
+        f"{part['num_blocks']} blocks of {part['block_bytes'] >> 10} KiB each"
+    )
+    header = f"{'setup':<28} {'hit ratio':>9} {'pool hits':>10} {'remote hits':>12} {'s':>6}"
+    print(header)
+    print("-" * len(header))
+    print(
+        f"{'two nodes, one Mooncake':<28} {shared['hit_ratio']:>9.3f} {shared['pool_hits']:>10} "
+        f"{shared['remote_hits']:>12} {shared['seconds']:>6.1f}"
+    )
+    for n, node in enumerate(alone["nodes"]):
+        print(
+            f"{f'node {n} alone':<28} {node['hit_ratio']:>9.3f} {node['pool_hits']:>10} "
+            f"{0:>12} {'':>6}"
+        )
+    print(
+        f"{'two nodes alone, together':<28} {alone['hit_ratio']:>9.3f} {alone['pool_hits']:>10} "
+        f"{0:>12} {alone['seconds']:>6.1f}"
+    )
+    best = max(node["hit_ratio"] for node in alone["nodes"])
+    verdict = "ok" if shared["hit_ratio"] > best else "MISS"
+    print(f"shared / alone: {part['ratio']:.2f}x; above either node alone: {verdict}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller run")
+    parser.add_argument("--part", default="a,b,c", help="parts to run, e.g. b,c (default all)")
+    parser.add_argument("--batch-mib", type=int, default=0, help="(a) bytes per batch (MiB)")
+    parser.add_argument("--replay-blocks", type=int, default=1024, help="(c) pool blocks per node")
+    parser.add_argument("--replay-requests", type=int, default=0, help="(c) first N (0: all)")
+    parser.add_argument("--out", default=str(harness.RESULTS_DIR / "remote_tier.json"))
+    args = parser.parse_args(argv)
+    parts = set(args.part.split(","))
+    if not parts <= {"a", "b", "c"}:
+        parser.error(f"--part: a, b and c only, not {args.part!r}")
+    batch = (args.batch_mib or (16 if args.quick else 64)) << 20
+    reps = 3 if args.quick else 15
+    rounds, seconds = (3, 1.0) if args.quick else (7, 2.0)
+    limit = args.replay_requests or (1500 if args.quick else 0)
+    workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvobench-remote-{os.getpid()}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    record: dict[str, Any] = {
+        "benchmark": "remote_tier",
+        "quick": args.quick,
+        "parts": sorted(parts),
+        "network": "loopback (127.0.0.1)",
+        "machine": harness.machine(torch=torch.__version__, mooncake=mooncake_version()),
+    }
+    if "a" in parts:
+        rows = []
+        # Room for the repetitions kept stored and the one running, of both clients, with
+        # margin below the master's eviction watermark.
+        segment = 2 * (KEPT_REPS + 1) * batch * 3 // 2
+        with mooncake_cluster(segment_bytes=segment, workdir=workdir) as (address, url):
+            for size in BLOCK_SIZES:
+                rows.append(run_size(size, batch, reps, address, url))
+        print_bandwidth(rows, batch, reps)
+        record["a_bandwidth"] = {"target_ratio": TARGET, "reps": reps, "results": rows}
+    if parts & {"b", "c"}:
+        # Room for every block of the trace (about 44k distinct blocks of 4 KiB) and margin.
+        with mooncake_cluster(segment_bytes=512 << 20, workdir=workdir) as (address, url):
+            if "b" in parts:
+                lookups = lookup_part(address, url, workdir, rounds, seconds)
+                print_lookups(lookups, rounds)
+                record["b_lookups"] = {
+                    "target_ratio": LOOKUP_TARGET,
+                    "rounds": rounds,
+                    "seconds_per_round": seconds,
+                    **lookups,
+                }
+            if "c" in parts:
+                replayed = replay_part(address, url, workdir, args.replay_blocks, limit)
+                print_replay(replayed)
+                record["c_replay"] = replayed
+    elapsed = time.perf_counter() - started
+    print(f"({elapsed:.1f} s)")
+    record["seconds"] = elapsed
+    harness.write_results(Path(args.out), record)
     shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
