@@ -414,9 +414,7 @@ def replay_request(client: KVOffloadClient, req: str, keys: list[bytes]) -> tupl
         spec = client.prepare_store(req, rest)
         if spec.keys_to_store:
             client.complete_store(req, spec.keys_to_store)
-    # Abort (nothing of it is pending any more): every pin of the request goes at once, also
-    # the one a promotion takes for it, which no complete_load of the engine's matches.
-    client.finish_request(req, abort=True)
+    client.finish_request(req)
     return pool, prefix - pool
 
 
