@@ -676,19 +676,23 @@ def report_tenants(table: dict[tuple[str, str, int], dict[str, Any]]) -> dict[st
         ),
         "no errors": all(r["errors"] == 0 for r in table.values()),
     }
+    print_verdict(ratios, targets)
+    return {"results": result_rows(table), "ratios": ratios, "targets": targets}
+
+
+def print_verdict(ratios: dict[str, float], targets: dict[str, bool]) -> None:
+    """The ratios and the targets met or missed, as every suite prints them."""
     print("\nratios")
     for key, value in ratios.items():
         print(f"  {key:<38} {value:8.3f}")
     print("\ntargets")
     for key, ok in targets.items():
         print(f"  [{'ok' if ok else 'MISS'}] {key}")
-    return {
-        "results": [
-            {"server": n, "transport": t, "connections": c, **r} for (n, t, c), r in table.items()
-        ],
-        "ratios": ratios,
-        "targets": targets,
-    }
+
+
+def result_rows(table: dict[tuple[str, str, int], dict[str, Any]]) -> list[dict[str, Any]]:
+    """A suite's table as JSON rows."""
+    return [{"server": n, "transport": t, "connections": c, **r} for (n, t, c), r in table.items()]
 
 
 def app_cost(mode: str, calls: int) -> float:
@@ -861,18 +865,11 @@ def report_obs(
                 shadow["sampled"] > 0
             )
     targets["no errors"] = all(r["errors"] == 0 for r in table.values())
-    print("\nratios")
-    for key, value in ratios.items():
-        print(f"  {key:<38} {value:8.3f}")
     if shadow is not None:
         print(f"\nshadow accounting: {json.dumps(shadow)}")
-    print("\ntargets")
-    for key, ok in targets.items():
-        print(f"  [{'ok' if ok else 'MISS'}] {key}")
+    print_verdict(ratios, targets)
     return {
-        "results": [
-            {"server": n, "transport": t, "connections": c, **r} for (n, t, c), r in table.items()
-        ],
+        "results": result_rows(table),
         "ratios": ratios,
         "targets": targets,
         "shadow": shadow,

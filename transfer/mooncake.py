@@ -188,9 +188,7 @@ class MooncakeTier:
         check_slots(keys, slots, self._pool.num_blocks)
         if not keys:
             return []
-        names = [remote_name(self._namespace, k) for k in keys]
-        ptrs = [self._base + slot * self._block_bytes for slot in slots]
-        sizes = [self._block_bytes] * len(keys)
+        names, ptrs, sizes = self._addresses(keys, slots)
 
         def get(store: Any) -> list[int]:
             return list(store.batch_get_into(names, ptrs, sizes))
@@ -214,9 +212,7 @@ class MooncakeTier:
         check_slots(keys, slots, self._pool.num_blocks)
         if not keys:
             return []
-        names = [remote_name(self._namespace, k) for k in keys]
-        ptrs = [self._base + slot * self._block_bytes for slot in slots]
-        sizes = [self._block_bytes] * len(keys)
+        names, ptrs, sizes = self._addresses(keys, slots)
         cfg = self._replicate
 
         def put(store: Any) -> list[int]:
@@ -235,6 +231,15 @@ class MooncakeTier:
         )
         self._judge("put", len(bad), len(codes), bad)
         return stored
+
+    def _addresses(
+        self, keys: Sequence[bytes], slots: Sequence[int]
+    ) -> tuple[list[str], list[int], list[int]]:
+        """Remote names, pool addresses and sizes of ``keys`` in ``slots`` (a batch call's
+        arguments)."""
+        names = [remote_name(self._namespace, k) for k in keys]
+        ptrs = [self._base + slot * self._block_bytes for slot in slots]
+        return names, ptrs, [self._block_bytes] * len(keys)
 
     def health(self) -> RemoteHealth:
         with self._lock:

@@ -160,7 +160,7 @@ class TestNet:
         self._made_links.clear()
 
 
-def _port(host: Host, default: int) -> int:
+def pick_port(host: Host, default: int) -> int:
     """``default`` inside a namespace of its own; a free loopback port otherwise."""
     if host.netns is not None:
         return default
@@ -193,9 +193,9 @@ class MooncakeMaster:
     def __init__(self, host: Host, workdir: Path, client_ttl_s: int = 3) -> None:
         self.host = host
         self.workdir = workdir
-        self.rpc_port = _port(host, 50051)
-        self.http_port = _port(host, 8080)
-        self.metrics_port = _port(host, 9003)
+        self.rpc_port = pick_port(host, 50051)
+        self.http_port = pick_port(host, 8080)
+        self.metrics_port = pick_port(host, 9003)
         self.client_ttl_s = client_ttl_s
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0

@@ -18,7 +18,6 @@ import json
 import os
 import selectors
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,20 +25,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tests.remote.hosts import ROOT, Host, MooncakeMaster
+from tests.remote.hosts import ROOT, Host, MooncakeMaster, pick_port
 
 ADMIN_TOKEN = "remote-e2e-admin-token"
 _serial = itertools.count()
-
-
-def _free_port(host: Host, default: int) -> int:
-    """``default`` inside a namespace of the node's own, a free loopback port otherwise."""
-    if host.netns is not None:
-        return default
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class ServeError(AssertionError):
@@ -74,7 +63,7 @@ class ServeNode:
         self.engine_log = workdir / f"engine-{host.name}-{n}.log"
         # Short: a Unix socket's path is limited to 107 bytes.
         self._sockdir = tempfile.mkdtemp(prefix="kvr")
-        port, admin_port = _free_port(host, 8000), _free_port(host, 8001)
+        port, admin_port = pick_port(host, 8000), pick_port(host, 8001)
         argv = [
             sys.executable,
             "-m",
