@@ -1229,7 +1229,7 @@ class _Link:
             if p.kind == "lookup":
                 for _, probe in p.probes:
                     probe.result = False
-            elif p.kind in ("store", "load", "complete", "abort"):
+            elif p.kind in ("store", "load", "promote", "complete", "abort"):
                 if p.holder is not None and p.holder.transfer.job is not None:
                     tier._finish_job(p.holder.transfer.job, False)
                 self.aborts.add(p.req_id)

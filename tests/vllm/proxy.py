@@ -3,7 +3,8 @@
 ``FaultProxy(listen, upstream).start()`` forwards every call to ``upstream`` (keep-alive, bodies
 by ``content-length``, as httpx and uvicorn speak) until ``status`` is set: then it answers that
 status with a kvoffload error body and forwards nothing. It runs its own event loop on a daemon
-thread; ``stop()`` ends it.
+thread; ``stop()`` ends it. ``RemoteProxy`` rewrites lookup answers to ``"remote"`` (a
+service with a remote tier) and records every batch.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from typing import Any
 
 import httpx
 
@@ -27,6 +29,7 @@ class FaultProxy:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._server: asyncio.AbstractServer | None = None
         self._client: httpx.AsyncClient | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
 
     def start(self) -> FaultProxy:
         self._thread.start()
@@ -37,6 +40,7 @@ class FaultProxy:
         asyncio.run_coroutine_threadsafe(self._close(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+        self._loop.close()
 
     async def _open(self) -> None:
         transport = httpx.AsyncHTTPTransport(uds=self.upstream)
@@ -49,9 +53,12 @@ class FaultProxy:
         assert self._server is not None
         assert self._client is not None
         self._server.close()
+        for writer in list(self._writers):  # connections the engine keeps alive
+            writer.close()
         await self._client.aclose()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -72,6 +79,7 @@ class FaultProxy:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
+            self._writers.discard(writer)
             writer.close()
 
     async def _answer(
@@ -89,3 +97,53 @@ class FaultProxy:
             if k.lower() in ("content-type", "x-kvoffload-pool")
         }
         return response.status_code, out, response.content
+
+
+class RemoteProxy(FaultProxy):
+    """A ``FaultProxy`` that plays a service with a remote tier, and records every batch.
+
+    For the service keys (hex) in ``remote``, a lookup answer of ``turn`` (``"hit"`` or
+    ``"miss"``) becomes ``"remote"`` in the ``POST /v1/batch`` answer (``hit_prefix`` follows):
+    once per key with ``once``, else every time. ``batches`` holds, per batch call, its ops and
+    the op results as the service answered them (rewritten). With ``lose_answer`` set to an op
+    name, the next batch carrying that op runs in the service but the engine gets a 503 for it.
+    """
+
+    def __init__(self, listen: str, upstream: str, turn: str, once: bool) -> None:
+        super().__init__(listen, upstream)
+        self.turn = turn
+        self.once = once
+        self.remote: set[str] = set()
+        self.batches: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]] = []
+        self.lose_answer: str | None = None
+
+    async def _answer(
+        self, method: str, target: str, headers: dict[str, str], body: bytes
+    ) -> tuple[int, dict[str, str], bytes]:
+        status, out, content = await super()._answer(method, target, headers, body)
+        if method != "POST" or target != "/v1/batch" or status != 200:
+            return status, out, content
+        ops = json.loads(body)["ops"]
+        answer = json.loads(content)
+        results = answer["results"]
+        for op, res in zip(ops, results, strict=True):
+            if op["op"] == "lookup" and res["ok"]:
+                self._rewrite(op["keys"], res["result"])
+        self.batches.append((ops, results))
+        if self.lose_answer is not None and any(op["op"] == self.lose_answer for op in ops):
+            self.lose_answer = None
+            error = {"error": {"code": "injected", "message": "proxy lost the answer"}}
+            return 503, {"content-type": "application/json"}, json.dumps(error).encode()
+        return status, out, json.dumps(answer).encode()
+
+    def _rewrite(self, keys: list[str], result: dict[str, Any]) -> None:
+        states = result["results"]
+        for i, key in enumerate(keys):
+            if key in self.remote and states[i] == self.turn:
+                states[i] = "remote"
+                if self.once:
+                    self.remote.discard(key)
+        prefix = 0
+        while prefix < len(states) and states[prefix] == "hit":
+            prefix += 1
+        result["hit_prefix"] = prefix
