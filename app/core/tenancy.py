@@ -37,11 +37,13 @@ from app.core.errors import PermissionDeniedError
 from app.core.quota import TenantQuota
 from app.core.service import DEFAULT_NAMESPACE, Service
 from app.core.tenants import Credentials, NamespaceConfig, TenantsConfigError, TenantTable
+from app.core.transfers import check_machine
 from app.settings import Settings
 from app.telemetry.calls import CallInfo
 from app.telemetry.logging import get_logger
 from app.telemetry.metrics import Metrics, register_tenancy
 from app.telemetry.observer import Observer
+from manager import OffloadManager
 
 log = get_logger("tenancy")
 
@@ -118,9 +120,15 @@ class Tenancy:
 
     # ------------------------------------------------------------------ building
 
-    def _make_space(self, tenant: str, ns: NamespaceConfig) -> Space:
+    def _settings_of(self, ns: NamespaceConfig) -> Settings:
         blocks = ns.blocks if ns.blocks is not None else self.settings.num_blocks
-        settings = self.settings.model_copy(update={"num_blocks": blocks})
+        return self.settings.model_copy(update={"num_blocks": blocks})
+
+    def _managers(self) -> list[OffloadManager]:
+        return [space.service.manager.manager for space in self.spaces.values()]
+
+    def _make_space(self, tenant: str, ns: NamespaceConfig) -> Space:
+        settings = self._settings_of(ns)
         quota = self.quotas[tenant]
         service = Service(settings, registry=CollectorRegistry(), namespace=ns.name, quota=quota)
         quota.members.append(service.manager.manager)
@@ -356,9 +364,23 @@ class Tenancy:
                 continue
             owner = after.owner(name)
             assert owner is not None
-            space = self._make_space(owner, ns)
-            if self._users:
-                await space.service.start()
+            try:
+                # As at startup: the machine must hold the pool before its tables are made.
+                check_machine(self._settings_of(ns))
+                space = self._make_space(owner, ns)
+                if self._users:
+                    await space.service.start()
+            except Exception as exc:  # e.g. its pool does not fit: the others go on
+                quota = self.quotas[owner]
+                quota.members = [m for m in quota.members if m in self._managers()]
+                self.reload_failures += 1
+                self.file_in_force = False
+                log.error(
+                    "namespace added by the tenants file cannot start; its tenant's calls to it "
+                    "are refused",
+                    extra={"fields": {"namespace": name, "tenant": owner, "error": str(exc)}},
+                )
+                continue
             self.spaces[name] = space  # reachable only once it runs
         for name in [t for t in self.quotas if t not in after.tenants]:
             del self.quotas[name]

@@ -403,3 +403,19 @@ async def test_metrics_carry_tenant_and_namespace_labels(tmp_path: Path) -> None
         assert any('status="401"' in line and "tenant=" not in line for line in refused)
         assert text.count("# TYPE kvoffload_manager_ops_total counter") == 1
         assert "kvoffload_tenants_reload_failures_total 0.0" in lines
+
+
+async def test_a_namespace_that_cannot_start_leaves_the_others_serving(tmp_path: Path) -> None:
+    async with tenants_running(tmp_path) as t:
+        huge = TENANTS.replace(
+            'namespaces = ["b1"]', "namespaces = { b1 = 32, b2 = 1099511627776 }"
+        )
+        write_tenants(t.path, huge)
+        assert await t.tenancy.reload()  # the file loaded: tokens and the rest apply
+        assert "b2" not in t.tenancy.spaces
+        assert t.tenancy.reload_failures == 1
+        assert t.tenancy.file_in_force is False
+        r = await t.call(BETA, "PUT", "/v1/requests/x", {}, "b2")
+        assert r.status_code == 403
+        r = await t.call(BETA, "PUT", "/v1/requests/x", {}, "b1")
+        assert r.status_code == 201
