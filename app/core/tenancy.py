@@ -201,13 +201,6 @@ class Tenancy:
             raise PermissionDeniedError("namespace_denied", "not a namespace of this tenant")
         return space
 
-    def space(self, namespace: str) -> Space:
-        """The space of ``namespace`` (the admin API names it); ``PermissionDeniedError``."""
-        space = self.spaces.get(namespace)
-        if space is None:
-            raise PermissionDeniedError("unknown_namespace", f"no namespace {namespace!r}")
-        return space
-
     def on_call(self, info: CallInfo) -> None:
         """The ``CallInfo`` hook: the call's namespace's observer, else the front one."""
         space = self.spaces.get(info.namespace) if info.namespace is not None else None

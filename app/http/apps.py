@@ -85,6 +85,18 @@ def _install_middleware(
     )
 
 
+def holding(tenancy: Tenancy) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+    """An app lifespan that holds ``tenancy`` running (reference counted: both listeners'
+    apps hold the same one)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with tenancy.running():
+            yield
+
+    return lifespan
+
+
 def pool_header(tenancy: Tenancy) -> Callable[[CallInfo], tuple[bytes, bytes] | None]:
     """``X-KVOffload-Pool: <pool_id>`` for every engine answer once the call's namespace has a
     pool, so an engine that mapped a pool sees in any answer that the service behind it
@@ -121,18 +133,11 @@ def create_app(
         tenancy = Tenancy(settings, service=service, registry=registry)
     elif service is not None:
         raise ValueError("pass service or tenancy, not both")
-    spaces = tenancy
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with spaces.running():
-            yield
-
     app = KVOffloadAPI(
         title="kvoffload engine API",
         version=package_version(),
         description=_ENGINE_DESCRIPTION,
-        lifespan=lifespan,
+        lifespan=holding(tenancy),
     )
     app.engine_auth = True
     app.state.tenancy = tenancy
@@ -187,13 +192,6 @@ def create_admin_app(
         tenancy = Tenancy(settings, service=service)
     elif service is not None:
         raise ValueError("pass service or tenancy, not both")
-    spaces = tenancy
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with spaces.running():
-            yield
-
     app = KVOffloadAPI(
         title="kvoffload admin API",
         version=package_version(),
@@ -201,7 +199,7 @@ def create_admin_app(
             "Operator API: eviction policy and its shadow projections, statistics, leases, "
             "cache clear, log level."
         ),
-        lifespan=lifespan,
+        lifespan=holding(tenancy),
         dependencies=[Depends(admin_guard)],
     )
     app.state.tenancy = tenancy

@@ -16,7 +16,7 @@ from fastapi import Depends, Query, Request
 
 from app.core.service import Service
 from app.core.tenancy import Space, Tenancy
-from app.http.auth import SPACE_KEY, resolve_scope
+from app.http.auth import SPACE_KEY
 from app.http.errors import APIError
 
 
@@ -28,9 +28,7 @@ def tenancy_of(request: Request) -> Tenancy:
 
 def space_of(request: Request) -> Space:
     """The space an engine call runs in, as ``app.http.auth.SpaceMiddleware`` resolved it."""
-    space: Space | None = request.scope.get(SPACE_KEY)
-    if space is None:  # a call the middleware did not see (an app built without it)
-        space = resolve_scope(request.app.state.tenancy, request.scope)
+    space: Space = request.scope[SPACE_KEY]
     return space
 
 
