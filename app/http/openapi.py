@@ -100,22 +100,26 @@ class KVOffloadAPI(FastAPI):
 _BODY_METHODS = ("post", "put", "patch", "delete")
 
 
+def _add_errors(operation: dict[str, Any], statuses: tuple[int, ...]) -> None:
+    """Document ``statuses`` as error answers of ``operation`` (kept where it has its own)."""
+    answers = operation.setdefault("responses", {})
+    for status, doc in responses(statuses).items():
+        answers.setdefault(
+            str(status),
+            {
+                "description": doc["description"],
+                "content": {"application/json": {"schema": _ERROR_REF}},
+            },
+        )
+
+
+_ERROR_REF = {"$ref": "#/components/schemas/ErrorBody"}
+
+
 def _document_shared_errors(schema: dict[str, Any]) -> None:
-    shared = responses(422)
-    guarded = responses(413, 415)
-    error_ref = {"$ref": "#/components/schemas/ErrorBody"}
     for item in schema.get("paths", {}).values():
         for method, operation in item.items():
-            answers = operation.setdefault("responses", {})
-            extra = {**shared, **(guarded if method in _BODY_METHODS else {})}
-            for status, doc in extra.items():
-                answers.setdefault(
-                    str(status),
-                    {
-                        "description": doc["description"],
-                        "content": {"application/json": {"schema": error_ref}},
-                    },
-                )
+            _add_errors(operation, (422, 413, 415) if method in _BODY_METHODS else (422,))
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     _, defs = models_json_schema([(ErrorBody, "validation")], ref_template=_REF)
     for name, definition in defs.get("$defs", {}).items():
@@ -127,7 +131,8 @@ ENGINE_SECURITY = "EngineToken"
 
 def _document_engine_auth(schema: dict[str, Any]) -> None:
     """Every ``/v1`` operation: the bearer token (needed when the service has tenants, so
-    optional in the spec) and the namespace header (``app.http.auth``)."""
+    optional in the spec), the namespace header, and the 401/403 a call refused for either
+    answers (``app.http.auth``: the middleware refuses them on every such route)."""
     schemes = schema.setdefault("components", {}).setdefault("securitySchemes", {})
     schemes[ENGINE_SECURITY] = {
         "type": "http",
@@ -147,6 +152,7 @@ def _document_engine_auth(schema: dict[str, Any]) -> None:
         for operation in item.values():
             operation["security"] = [{ENGINE_SECURITY: []}, {}]
             operation.setdefault("parameters", []).append(header)
+            _add_errors(operation, (401, 403))
 
 
 # Swagger UI's files, served under /docs/ with these content types.

@@ -33,8 +33,6 @@ log = get_logger("engine")
 JSON = "application/json"
 ReqIdPath = Annotated[str, Path(min_length=1, max_length=256, description="engine request id")]
 Endpoint = Callable[..., Awaitable[Response]]
-# Every engine route: the caller's credentials and namespace (``app.http.deps.space_of``).
-ENGINE_AUTH_ERRORS = (401, 403)
 
 
 def json_response(text: str | bytes, status: int = 200) -> Response:
@@ -91,7 +89,7 @@ def _add_op_route(app: KVOffloadAPI, op: Operation) -> None:
         endpoint = _op_endpoint(op)
         extra, errors = app.json_body(op.body, required=required), BODY_ERRORS
         route_class = RawRoute
-    documented = responses(errors, op.errors, ENGINE_AUTH_ERRORS)
+    documented = responses(errors, op.errors)
     for status, meaning in op.other_ok:
         documented[status] = {"model": op.answer, "description": meaning}
     app.router.add_api_route(
@@ -205,7 +203,7 @@ def register_engine_routes(app: KVOffloadAPI, settings: Settings) -> None:
         ),
         tags=["requests"],
         response_model=s.BatchAnswer,
-        responses=responses(BODY_ERRORS, ENGINE_AUTH_ERRORS),
+        responses=responses(BODY_ERRORS),
         openapi_extra=app.json_body(s.BatchBody),
         route_class_override=RawRoute,
     )
@@ -308,7 +306,7 @@ def _add_resource_routes(app: KVOffloadAPI) -> None:
         summary="A transfer job: running, done or failed, with bytes and seconds",
         tags=["jobs"],
         response_model=s.JobAnswer,
-        responses=responses(404, 422, 503, ENGINE_AUTH_ERRORS),
+        responses=responses(404, 422, 503),
     )
     app.router.add_api_route(
         "/v1/jobs/wait",
@@ -323,7 +321,7 @@ def _add_resource_routes(app: KVOffloadAPI) -> None:
         ),
         tags=["jobs"],
         response_model=s.WaitJobsAnswer,
-        responses=responses(BODY_ERRORS, 404, 503, ENGINE_AUTH_ERRORS),
+        responses=responses(BODY_ERRORS, 404, 503),
         openapi_extra=app.json_body(s.WaitJobsBody),
         route_class_override=RawRoute,
     )
@@ -336,7 +334,7 @@ def _add_resource_routes(app: KVOffloadAPI) -> None:
         summary="KV events after a sequence number, for routers",
         tags=["events"],
         response_model=s.EventsAnswer,
-        responses=responses(422, ENGINE_AUTH_ERRORS),
+        responses=responses(422),
     )
     app.router.add_api_route(
         "/v1/kv-caches",
@@ -348,7 +346,7 @@ def _add_resource_routes(app: KVOffloadAPI) -> None:
         tags=["kv-caches"],
         status_code=201,
         response_model=s.KVCacheAnswer,
-        responses=responses(BODY_ERRORS, 503, ENGINE_AUTH_ERRORS),
+        responses=responses(BODY_ERRORS, 503),
         openapi_extra=app.json_body(s.KVCacheBody),
         route_class_override=RawRoute,
     )
@@ -361,7 +359,7 @@ def _add_resource_routes(app: KVOffloadAPI) -> None:
         summary="Registered device KV caches",
         tags=["kv-caches"],
         response_model=s.KVCacheListAnswer,
-        responses=responses(503, ENGINE_AUTH_ERRORS),
+        responses=responses(503),
     )
     app.add_api_route(
         "/v1/kv-caches/{cache_id}",
@@ -373,7 +371,7 @@ def _add_resource_routes(app: KVOffloadAPI) -> None:
         tags=["kv-caches"],
         status_code=204,
         response_class=Response,
-        responses=responses(404, 422, 503, ENGINE_AUTH_ERRORS),
+        responses=responses(404, 422, 503),
     )
     app.add_api_route(
         "/v1/pool",
@@ -384,5 +382,5 @@ def _add_resource_routes(app: KVOffloadAPI) -> None:
         summary="Host pool layout, to map the pool from an engine",
         tags=["pool"],
         response_model=s.PoolAnswer,
-        responses=responses(503, ENGINE_AUTH_ERRORS),
+        responses=responses(503),
     )
