@@ -143,12 +143,11 @@ class RemoteLink:
             "timeouts": self.counts["lookup_timeouts"],
             "skipped_degraded": self.counts["lookups_skipped"],
         }
-        health["write_behind"] = {
-            "written": self.counts["written"],
-            "failed": self.counts["put_failed"],
+        health["written"] = self.counts["written"]
+        health["write_behind_failed"] = {
+            "put": self.counts["put_failed"],
             "gone_before_put": self.counts["gone_before_put"],
         }
-        health["written"] = self.counts["written"]
         return health
 
     @property
