@@ -647,18 +647,9 @@ def tenants_suite(
 
 
 def report_tenants(table: dict[tuple[str, str, int], dict[str, Any]]) -> dict[str, Any]:
-    header = (
-        f"{'server':<12} {'conns':>5} {'calls/s':>10} {'p50 ms':>8} {'p99 ms':>8} "
-        f"{'cpu us/call':>11} {'errors':>6}"
+    print_load_table(
+        "engine credentials cost: lookup(64), tenants on vs off (same run, medians)", table
     )
-    print("\nengine credentials cost: lookup(64), tenants on vs off (same run, medians)")
-    print(header)
-    print("-" * len(header))
-    for (name, _, conns), r in table.items():
-        print(
-            f"{name:<12} {conns:>5} {r['calls_per_s']:>10.0f} {r['p50_ms']:>8.3f} "
-            f"{r['p99_ms']:>8.3f} {r['cpu_us_per_call']:>11.1f} {r['errors']:>6}"
-        )
     ratios: dict[str, float] = {}
     for conns in (1, 32):
         on, off = table[("tenants-on", "tcp", conns)], table[("tenants-off", "tcp", conns)]
@@ -678,6 +669,29 @@ def report_tenants(table: dict[tuple[str, str, int], dict[str, Any]]) -> dict[st
     }
     print_verdict(ratios, targets)
     return {"results": result_rows(table), "ratios": ratios, "targets": targets}
+
+
+def print_load_table(
+    title: str,
+    table: dict[tuple[str, str, int], dict[str, Any]],
+    workload: Callable[[str], str] | None = None,
+) -> None:
+    """A suite's servers under load, one row per (server, connections); with ``workload``, a
+    column naming what each server was driven with."""
+    label = f"{'workload':<12} " if workload is not None else ""
+    header = (
+        f"{'server':<12} {label}{'conns':>5} {'calls/s':>10} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'cpu us/call':>11} {'errors':>6}"
+    )
+    print(f"\n{title}")
+    print(header)
+    print("-" * len(header))
+    for (name, _, conns), r in table.items():
+        cell = f"{workload(name):<12} " if workload is not None else ""
+        print(
+            f"{name:<12} {cell}{conns:>5} {r['calls_per_s']:>10.0f} {r['p50_ms']:>8.3f} "
+            f"{r['p99_ms']:>8.3f} {r['cpu_us_per_call']:>11.1f} {r['errors']:>6}"
+        )
 
 
 def print_verdict(ratios: dict[str, float], targets: dict[str, bool]) -> None:
@@ -807,20 +821,11 @@ def report_obs(
     shadow: dict[str, Any] | None,
     app_level: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    header = (
-        f"{'server':<12} {'workload':<12} {'conns':>5} {'calls/s':>10} {'p50 ms':>8} "
-        f"{'p99 ms':>8} {'cpu us/call':>11} {'errors':>6}"
+    print_load_table(
+        "observability cost (same run, medians)",
+        table,
+        workload=lambda name: "lives" if name.startswith("shadow") else "lookup(64)",
     )
-    print("\nobservability cost (same run, medians)")
-    print(header)
-    print("-" * len(header))
-    for (name, _, conns), r in table.items():
-        workload = "lives" if name.startswith("shadow") else "lookup(64)"
-        print(
-            f"{name:<12} {workload:<12} {conns:>5} {r['calls_per_s']:>10.0f} "
-            f"{r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} {r['cpu_us_per_call']:>11.1f} "
-            f"{r['errors']:>6}"
-        )
     ratios: dict[str, float] = {}
     targets: dict[str, bool] = {}
     for conns in (1, 32):
