@@ -8,6 +8,8 @@
   it (SIGTERM, then SIGKILL if it has not exited within the grace period).
 - ``proc_status(pid)``, ``proc_cpu_seconds(pid)``: a process's memory figures and CPU time,
   read from ``/proc`` (Linux only).
+- ``TRACE``, ``read_trace(path, limit)``: the shipped Mooncake trace and its requests as key
+  lists (``manager.replay.parse_trace``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from manager.replay import parse_trace
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+TRACE = Path(__file__).resolve().parent / "data" / "mooncake_synthetic_trace.jsonl"
+
+
+def read_trace(path: Path = TRACE, limit: int = 0) -> list[list[bytes]]:
+    """The requests of the trace at ``path`` as key lists; the first ``limit`` (0: all)."""
+    with path.open(encoding="utf-8") as fh:
+        requests = parse_trace(fh)
+    return requests[:limit] if limit else requests
 
 
 def machine(**extra: Any) -> dict[str, Any]:

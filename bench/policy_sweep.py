@@ -36,9 +36,8 @@ if str(ROOT) not in sys.path:
 from app.replay import format_table, save_plot, sweep  # noqa: E402
 from bench import harness  # noqa: E402
 from manager import available_policies  # noqa: E402
-from manager.replay import HORIZON, ORACLE_PREFIX, is_bound, parse_trace  # noqa: E402
+from manager.replay import HORIZON, ORACLE_PREFIX, is_bound  # noqa: E402
 
-TRACE = ROOT / "bench" / "data" / "mooncake_synthetic_trace.jsonl"
 TARGET_FRACTION = 0.75
 # Oracle-admission horizons in pool sizes: powers of two plus "ever reused", fixed in advance
 # rather than picked from this trace's results.
@@ -94,15 +93,12 @@ def bound_rows(requests: list[list[bytes]], capacities: list[int]) -> list[dict[
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--trace", type=Path, default=harness.TRACE)
     parser.add_argument("--capacity", default="5000,10000,20000")
     parser.add_argument("--quick", action="store_true", help="first 1000 requests only")
     parser.add_argument("--out", type=Path, default=harness.RESULTS_DIR)
     args = parser.parse_args(argv)
-    with args.trace.open(encoding="utf-8") as fh:
-        requests = parse_trace(fh)
-    if args.quick:
-        requests = requests[:1000]
+    requests = harness.read_trace(args.trace, 1000 if args.quick else 0)
     capacities = [int(c) for c in args.capacity.split(",")]
     started = time.perf_counter()
     rows = []

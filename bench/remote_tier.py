@@ -73,14 +73,12 @@ with warnings.catch_warnings():
 
 from app.client import KVOffloadAdminClient, KVOffloadClient, KVOffloadError  # noqa: E402
 from bench import harness, http_bench  # noqa: E402
-from manager.replay import parse_trace  # noqa: E402
 from transfer import HostPool, MooncakeConfig, MooncakeTier, remote_name  # noqa: E402
 
 BLOCK_SIZES = (256 << 10, 1 << 20)
 TARGET = 0.80
 LOOKUP_TARGET = 0.90
 LOOKUP_KEYS = 64
-TRACE = ROOT / "bench" / "data" / "mooncake_synthetic_trace.jsonl"
 REPLAY_BLOCK_BYTES = 4 << 10
 # How long a replayed request waits for its remote blocks to be promoted before going on.
 PROMOTE_WAIT_S = 2.0
@@ -458,12 +456,11 @@ def replay_part(
     address: str, url: str, workdir: Path, num_blocks: int, limit: int
 ) -> dict[str, Any]:
     """Two nodes sharing the store vs the same two nodes alone (see the module docstring)."""
-    with TRACE.open() as f:
-        trace = parse_trace(f)[: limit or None]
+    trace = harness.read_trace(limit=limit)
     requests = [[bytes(k) for k in keys] for keys in trace]
     pool_flags = ("--num-blocks", str(num_blocks), "--block-bytes", str(REPLAY_BLOCK_BYTES))
     out: dict[str, Any] = {
-        "trace": TRACE.name,
+        "trace": harness.TRACE.name,
         "num_blocks": num_blocks,
         "block_bytes": REPLAY_BLOCK_BYTES,
     }

@@ -64,10 +64,9 @@ from manager import (  # noqa: E402
     ReqContext,
     create_manager,
 )
-from manager.replay import parse_trace, replay  # noqa: E402
+from manager.replay import replay  # noqa: E402
 from transfer.host_pool import HostPool  # noqa: E402
 
-TRACE = ROOT / "bench" / "data" / "mooncake_synthetic_trace.jsonl"
 POLICY = "lru"
 TENANTS = (0, 1)
 BLOCK_SIZES = (64 << 10, 256 << 10, 1 << 20, 2 << 20)
@@ -262,16 +261,13 @@ def _size(b: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--trace", type=Path, default=harness.TRACE)
     parser.add_argument("--capacity", default="5000,10000,20000")
     parser.add_argument("--quick", action="store_true", help="first 1000 requests, small pools")
     parser.add_argument("--out", type=Path, default=harness.RESULTS_DIR)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    with args.trace.open(encoding="utf-8") as fh:
-        requests = parse_trace(fh)
-    if args.quick:
-        requests = requests[:1000]
+    requests = harness.read_trace(args.trace, 1000 if args.quick else 0)
     capacities = [int(c) for c in args.capacity.split(",")]
 
     started = time.perf_counter()

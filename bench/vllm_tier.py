@@ -33,13 +33,12 @@ from bench import harness  # noqa: E402
 from tests.e2e.server import ServerProcess  # noqa: E402
 from tests.vllm.engine import SimEngine, keys_of, kv_transfer_config  # noqa: E402
 
-TRACE = ROOT / "bench" / "data" / "mooncake_synthetic_trace.jsonl"
 RESULTS = harness.RESULTS_DIR / "vllm_tier.json"
 
 
 def load_trace(limit: int) -> list[list[int]]:
     """Block hash ids of the trace's first ``limit`` requests (all of them for 0)."""
-    with TRACE.open() as f:
+    with harness.TRACE.open() as f:
         requests = [json.loads(line)["hash_ids"] for line in f]
     return requests[:limit] if limit else requests
 
