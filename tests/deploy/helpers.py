@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import json
 import re
+import shutil
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
@@ -38,6 +40,19 @@ TARGET_LABELS = frozenset(
     {"job", "instance", "namespace", "pod", "node", "service", "container", "endpoint"}
 )
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+KUBECTL = shutil.which("kubectl")
+
+
+def kustomize(path: Path) -> list[Any]:
+    """The documents ``kubectl kustomize path`` renders (it must succeed)."""
+    assert KUBECTL is not None
+    proc = subprocess.run(
+        [KUBECTL, "kustomize", str(path)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    return [d for d in yaml.safe_load_all(proc.stdout) if d is not None]
 
 
 def load_yaml(path: Path) -> Any:

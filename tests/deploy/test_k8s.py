@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tomllib
@@ -18,18 +17,17 @@ import pytest
 from tests.deploy.helpers import (
     DASHBOARD,
     K8S,
+    KUBECTL,
     README,
     RULES,
     SYNC_TOOL,
+    kustomize,
     load_json,
     load_yaml,
     load_yaml_all,
     parse_bytes,
     write_secret_volume,
-    yaml,
 )
-
-KUBECTL = shutil.which("kubectl")
 
 
 @pytest.fixture(scope="module")
@@ -231,12 +229,7 @@ def test_generated_files_are_up_to_date() -> None:
 
 @pytest.mark.skipif(KUBECTL is None, reason="kubectl not on PATH (kubectl kustomize renders)")
 def test_kustomize_renders_everything_in_one_namespace(objects) -> None:
-    assert KUBECTL is not None
-    proc = subprocess.run(
-        [KUBECTL, "kustomize", str(K8S)], capture_output=True, text=True, timeout=60, check=False
-    )
-    assert proc.returncode == 0, proc.stderr
-    rendered = [d for d in yaml.safe_load_all(proc.stdout) if d is not None]
+    rendered = kustomize(K8S)
     assert {(d["kind"], d["metadata"]["name"]) for d in rendered} == set(objects)
     for doc in rendered:
         if doc["kind"] != "Namespace":

@@ -7,8 +7,6 @@ the master and each other."""
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import tomllib
 import urllib.parse
 from pathlib import Path
@@ -21,14 +19,15 @@ from tests.deploy.helpers import (
     DEPLOY,
     DOCKERFILE,
     K8S,
+    KUBECTL,
     README,
     compose_default,
     dockerfile_instructions,
+    kustomize,
     load_yaml,
     load_yaml_all,
     parse_bytes,
     write_secret_volume,
-    yaml,
 )
 
 REMOTE_COMPOSE = DEPLOY / "docker-compose.remote.yml"
@@ -37,7 +36,6 @@ K8S_REMOTE = K8S / "remote"
 NODES = ("kvoffload-a", "kvoffload-b")
 MASTER = "mooncake-master"
 DEBIAN_LIBRARIES = ("libibverbs1", "librdmacm1", "libnuma1", "libcurl4")
-KUBECTL = shutil.which("kubectl")
 
 
 def _flags(argv: list[str]) -> dict[str, str]:
@@ -390,22 +388,13 @@ def test_k8s_network_policies_admit_the_nodes_to_the_master_and_each_other(
 
 @pytest.mark.skipif(KUBECTL is None, reason="kubectl not on PATH (kubectl kustomize renders)")
 def test_k8s_component_renders_with_the_base(tmp_path: Path) -> None:
-    assert KUBECTL is not None
     overlay = tmp_path / "overlay"
     overlay.mkdir()
     base = os.path.relpath(K8S, overlay)
     (overlay / "kustomization.yaml").write_text(
         f"resources: [{base}]\ncomponents: [{base}/remote]\n", encoding="utf-8"
     )
-    proc = subprocess.run(
-        [KUBECTL, "kustomize", str(overlay)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr
-    rendered = [d for d in yaml.safe_load_all(proc.stdout) if d is not None]
+    rendered = kustomize(overlay)
     names = {(d["kind"], d["metadata"]["name"]) for d in rendered}
     assert {("Deployment", MASTER), ("Service", MASTER), ("NetworkPolicy", MASTER)} <= names
     (daemonset,) = [d for d in rendered if d["kind"] == "DaemonSet"]

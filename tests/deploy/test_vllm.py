@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import subprocess
 import tomllib
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -21,16 +19,17 @@ from tests.deploy.helpers import (
     COMPOSE,
     DEPLOY,
     K8S,
+    KUBECTL,
     README,
     ROOT,
     compose_default,
     dockerfile_instructions,
+    kustomize,
     load_json,
     load_yaml,
     load_yaml_all,
     parse_bytes,
     write_secret_volume,
-    yaml,
 )
 
 VLLM_COMPOSE = DEPLOY / "docker-compose.vllm.yml"
@@ -38,7 +37,6 @@ K8S_VLLM = K8S / "vllm"
 TIER_CONFIG = K8S_VLLM / "kv-transfer-config.json"
 DOCKERFILE_VLLM = DEPLOY / "Dockerfile.vllm"
 RUN_DIR = PurePosixPath("/run/kvoffload")
-KUBECTL = shutil.which("kubectl")
 
 
 def tier_socket() -> PurePosixPath:
@@ -347,16 +345,7 @@ def test_k8s_vllm_takes_the_configuration_from_the_generated_configmap(container
 
 @pytest.mark.skipif(KUBECTL is None, reason="kubectl not on PATH (kubectl kustomize renders)")
 def test_k8s_kustomize_renders_the_pod_with_the_configuration(k8s_objects) -> None:
-    assert KUBECTL is not None
-    proc = subprocess.run(
-        [KUBECTL, "kustomize", str(K8S_VLLM)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr
-    rendered = [d for d in yaml.safe_load_all(proc.stdout) if d is not None]
+    rendered = kustomize(K8S_VLLM)
     (configmap,) = [d for d in rendered if d["kind"] == "ConfigMap"]
     assert json.loads(configmap["data"][TIER_CONFIG.name]) == load_json(TIER_CONFIG)
     (deployment,) = [d for d in rendered if d["kind"] == "Deployment"]

@@ -10,7 +10,6 @@ live request), then stops; the tests read what it wrote and served.
 from __future__ import annotations
 
 import json
-import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -155,14 +154,13 @@ def _problems(where: str, analysis: Analysis, live: dict[str, list[dict[str, str
     problems = []
     records = recording_rule_names()
     tenants = tenant_labels()
-    opt_in = {m.name for m in catalogue().values() if m.opt_in}
+    opt_in = {n for m in catalogue().values() if m.opt_in for n in m.series_names()}
     for selector in analysis.selectors:
         name = selector.name
         if name is None or name in records or not name.startswith("kvoffload_"):
             continue
         if name not in live:
-            family = re.sub(r"_(bucket|sum|count)$", "", name)
-            if family in opt_in or name in opt_in:
+            if name in opt_in:
                 continue  # exported only when a setting turns it on (remote tier, tenants)
             problems.append(f"{where}: {name} is not exported")
             continue
