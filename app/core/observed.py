@@ -14,7 +14,9 @@ binds the job's ``req_id`` for logging (an engine call has it bound by the HTTP 
 ``prepare_store`` that finds no room raises ``NoSpaceError`` (after the observer has counted the
 refusal), so every caller sees one error type for it. In a tenant's namespace (``quota`` given)
 that refusal is the tenant's ``blocks`` quota (``QuotaExceededError``), and a new request or a
-load past its ``requests`` or ``pins`` quota is refused before the manager sees it.
+load past its ``requests`` or ``pins`` quota is refused before the manager sees it. With a
+remote tier (``remote``), a load of keys the pool lacks sends for them (``app.core.remote``),
+whichever way it came (``prepare-load`` or an ``onload`` job).
 
 Adding a request-scoped manager op: one method here (call, observe), one observer method.
 """
@@ -28,11 +30,13 @@ from structlog.contextvars import bind_contextvars
 
 from app.core.errors import NoSpaceError, QuotaExceededError
 from app.core.quota import TenantQuota
+from app.core.remote import RemoteLink
 from app.telemetry.observer import Observer
 from app.telemetry.request_ids import safe_req_id
 from manager import (
     BlockKey,
     CompleteStoreOutput,
+    KeyNotReadyError,
     LookupOutput,
     OffloadManager,
     PrepareStoreOutput,
@@ -52,8 +56,10 @@ class ObservedManager:
         self.manager = manager
         self.observer = observer
         self.quota = quota
-        # Told of every block that became ready here (the remote tier's write-behind).
-        self.on_stored: Callable[[list[BlockKey]], None] | None = None
+        # The remote tier, while the service runs with one: told of every block that becomes
+        # ready here (write-behind), of loads of keys the pool lacks (promotion), and of loads
+        # that pinned (a promoted block's hold is let go).
+        self.remote: RemoteLink | None = None
 
     def _call(self, op: str, req_id: str, call: Callable[..., T], *args: Any) -> T:
         """``call(*args)``; a raise is counted as ``op``'s error and re-raised."""
@@ -90,7 +96,14 @@ class ObservedManager:
         """Pin ready keys; their host slots."""
         if self.quota is not None:
             self._call("prepare_load", ctx.req_id, self.quota.check_pins, len(keys))
-        slots = self._call("prepare_load", ctx.req_id, self.manager.prepare_load, keys, ctx)
+        try:
+            slots = self._call("prepare_load", ctx.req_id, self.manager.prepare_load, keys, ctx)
+        except KeyNotReadyError as exc:
+            if self.remote is not None and exc.missing:
+                self.remote.promote(exc.missing, ctx.req_id)  # pending, then hit
+            raise
+        if self.remote is not None:
+            self.remote.loaded(ctx.req_id, keys)
         self.observer.prepare_load(ctx.req_id, len(slots))
         return slots
 
@@ -134,6 +147,6 @@ class ObservedManager:
         complete = self.manager.complete_store
         out = self._call("complete_store", ctx.req_id, complete, keys, ctx, success)
         self.observer.complete_store(ctx.req_id, out)
-        if out.completed and self.on_stored is not None:
-            self.on_stored(out.completed)
+        if out.completed and self.remote is not None:
+            self.remote.offer(out.completed)
         return out

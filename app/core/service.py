@@ -240,7 +240,7 @@ class Service:
             assert self._transfers is not None
             if self.remote is not None:
                 # Before the pool goes: the tier waits for its calls still touching it.
-                self.manager.on_stored = None
+                self.manager.remote = None
                 await self.remote.close()
             for record in await self._transfers.close():
                 self.observer.transfer_done(record)
@@ -286,7 +286,7 @@ class Service:
         )
         remote.start()
         self.remote = remote
-        self.manager.on_stored = remote.offer
+        self.manager.remote = remote
         transfers.also_writing = remote.writing
 
     def details(self) -> dict[str, str]:

@@ -20,7 +20,7 @@ from app.core.service import Service
 from app.http import schemas as s
 from app.http.errors import too_many
 from app.http.limits import transfer_params_error
-from manager import BlockKey, KeyNotReadyError, LookupOutput, LookupResult, ReqContext
+from manager import BlockKey, LookupOutput, LookupResult, ReqContext
 from transfer import JobRecord
 
 Run = Callable[[Service, str, Any], tuple[int, str]]
@@ -138,22 +138,9 @@ def _lookup_json(out: LookupOutput) -> str:
     return f'{{"results":[{text}],"hit_prefix":{out.hit_prefix}}}'
 
 
-def _promoting(service: Service, req_id: str, exc: KeyNotReadyError) -> KeyNotReadyError:
-    """``exc`` for a load of keys the pool lacks; with a remote tier, those keys are first
-    sent for (``RemoteLink.promote``): the engine sees them pending, then hit."""
-    if service.remote is not None and exc.missing:
-        service.remote.promote(exc.missing, req_id)
-    return exc
-
-
 def _run_prepare_load(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str]:
     _limit_keys(service, body.keys)
-    try:
-        slots = service.manager.prepare_load(body.keys, ReqContext(req_id))
-    except KeyNotReadyError as exc:
-        raise _promoting(service, req_id, exc) from None
-    if service.remote is not None:
-        service.remote.loaded(req_id, body.keys)
+    slots = service.manager.prepare_load(body.keys, ReqContext(req_id))
     return 200, f'{{"slots":{json.dumps(slots)}}}'
 
 
@@ -209,12 +196,7 @@ def _run_offload(service: Service, req_id: str, body: s.TransferBody) -> tuple[i
 
 def _run_onload(service: Service, req_id: str, body: s.TransferBody) -> tuple[int, str]:
     _limit_keys(service, body.keys)
-    try:
-        started = service.transfers().onload(req_id, body.cache_id, body.keys, body.device_blocks)
-    except KeyNotReadyError as exc:
-        raise _promoting(service, req_id, exc) from None
-    if service.remote is not None:
-        service.remote.loaded(req_id, body.keys)
+    started = service.transfers().onload(req_id, body.cache_id, body.keys, body.device_blocks)
     job = started.job
     return 202, json.dumps(
         {
