@@ -22,6 +22,7 @@ from manager.errors import (
 from manager.policies import EvictionPolicy, available_policies, create_policy, register_policy
 from manager.reuse import ReuseFilter
 from manager.spec import (
+    DISK_MEDIUM,
     MAX_KEY_BYTES,
     MEDIUM,
     REMOTE_MEDIUM,
@@ -42,8 +43,10 @@ from manager.spec import (
     RequestLeases,
     ResetCounts,
 )
+from manager.tiers import DiskIndex, DiskOp
 
 __all__ = [
+    "DISK_MEDIUM",
     "MAX_KEY_BYTES",
     "MEDIUM",
     "REMOTE_MEDIUM",
@@ -52,6 +55,8 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "CompleteStoreOutput",
+    "DiskIndex",
+    "DiskOp",
     "EvictionPolicy",
     "InvalidArgumentError",
     "InvalidPolicyParamsError",

@@ -93,6 +93,9 @@ _ONLY_BYTES = frozenset({bytes})
 _KEY_SIZES = frozenset(range(1, MAX_KEY_BYTES + 1))
 _READY_OR_MISS = {True: HIT, False: MISS}
 ChainListener = Callable[[list[BlockKey]], None]
+#: ``listener(victims, slots)``: blocks evicted to make room, with the slots they held. Called
+#: before any of those slots is handed out again, so the listener may still read their bytes.
+EvictionListener = Callable[[list[BlockKey], list[int]], None]
 DEFAULT_MAX_EVENTS = 1_000_000
 
 
@@ -204,6 +207,7 @@ class OffloadManager:
         self._num_reserved = 0
         self._requests: dict[str, _Request] = {}
         self._chain_listeners: list[ChainListener] = []
+        self._eviction_listeners: list[EvictionListener] = []
 
         self._enable_events = enable_events
         self._events: deque[KVEvent] = deque(maxlen=max_events)
@@ -425,6 +429,14 @@ class OffloadManager:
         into the manager; the shadow evaluator only queues the chain.
         """
         self._chain_listeners.append(listener)
+
+    def add_eviction_listener(self, listener: EvictionListener) -> None:
+        """Call ``listener(victims, slots)`` whenever ``prepare_store`` evicts blocks to make
+        room, before their slots can be handed out again (a lower tier copies their bytes out
+        there: demote on evict). Only policy evictions are reported, not ``reset``, ``drop``
+        or failed stores. It must not call back into the manager.
+        """
+        self._eviction_listeners.append(listener)
 
     # ------------------------------------------------------------------ lookups and loads
 
@@ -676,7 +688,10 @@ class OffloadManager:
         victims = self._policy.evict(shortfall, can_evict)
         if victims is None:  # the count above is exact; this guards a policy bug
             return None
-        self._push_free(list(map(slot_of.pop, victims)))  # one C-level pass
+        freed = list(map(slot_of.pop, victims))  # one C-level pass
+        for listener in self._eviction_listeners:
+            listener(victims, freed)
+        self._push_free(freed)
         self._evictions += len(victims)
         name = self._policy.name
         self._evictions_by_policy[name] = self._evictions_by_policy.get(name, 0) + len(victims)
@@ -929,6 +944,43 @@ class OffloadManager:
                 refs[key] = left
             else:
                 del refs[key]
+
+    def restore(self, blocks: Sequence[tuple[BlockKey, int]]) -> int:
+        """Adopt ready blocks at the given slots, coldest first (a tier rebuilding its index
+        after a restart); how many were adopted.
+
+        Each slot must be free and each key absent, else ``InvalidArgumentError`` and nothing
+        changes. No event is emitted (the blocks were reported when first stored).
+        """
+        keys = [k for k, _ in blocks]
+        _check_keys(keys)
+        slots = [s for _, s in blocks]
+        free = set(self._free)
+        bad = [s for s in slots if type(s) is not int or s not in free]
+        if bad or len(set(slots)) != len(slots):
+            raise InvalidArgumentError(f"restore needs distinct free slots; not free: {bad[:4]}")
+        if len(set(keys)) != len(keys) or any(k in self._slot for k in keys):
+            raise InvalidArgumentError("restore needs distinct keys that are not resident")
+        taken = set(slots)
+        self._free = [s for s in self._free if s not in taken]
+        self._slot.update(blocks)
+        self._policy.insert(keys)
+        return len(keys)
+
+    def drop(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        """Remove the ready, unpinned blocks among ``keys`` (found unusable, e.g. corrupt);
+        the ones removed, reported as one ``BlockRemoved`` event. Others are left as they are.
+        """
+        _check_keys(keys)
+        refs, in_flight, slot_of = self._refs, self._pending, self._slot
+        gone = [
+            k for k in dict.fromkeys(keys) if k in slot_of and k not in refs and k not in in_flight
+        ]
+        if gone:
+            self._push_free(list(map(slot_of.pop, gone)))
+            self._policy.remove(gone)
+            self._emit_removed(gone)
+        return gone
 
     def is_ready(self, key: BlockKey) -> bool:
         """Whether ``key`` is stored and ready (no statistics counted)."""

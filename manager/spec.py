@@ -23,6 +23,8 @@ MAX_KEY_BYTES = 64
 MEDIUM = "CPU"
 #: The medium of KV events about the remote tier (a block stored there, or gone from it).
 REMOTE_MEDIUM = "REMOTE"
+#: The medium of KV events about the disk tier (a block demoted to it, or evicted from it).
+DISK_MEDIUM = "DISK"
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +48,9 @@ class LookupResult(enum.Enum):
     # Not in the pool but in the service's remote tier (the service says so, never the
     # manager): a prepare-load brings it in, PENDING until it is ready.
     REMOTE = "remote"
+    # Not in the pool but on the node's disk tier (the service says so, from its in-memory
+    # disk index): a prepare-load or onload brings it in, PENDING until it is ready.
+    DISK = "disk"
 
     # Members are singletons compared by identity, so the identity hash agrees with equality;
     # Enum's own __hash__ is Python code, and callers map every key's result through dicts.
