@@ -148,7 +148,10 @@ def _credential_headers(
 
 @dataclass(frozen=True, slots=True)
 class Lookup:
-    """Per-key ``hit`` / ``pending`` / ``miss`` and the count of leading hits."""
+    """Per-key ``hit`` / ``pending`` / ``miss`` / ``disk`` / ``remote`` and the count of
+    leading hits (pool hits). ``disk`` and ``remote`` keys are below the pool: ``onload`` loads
+    them in one job; ``prepare_load`` raises a 409 error and brings them in (pending, then
+    hit)."""
 
     results: list[str]
     hit_prefix: int

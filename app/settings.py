@@ -396,6 +396,34 @@ class Settings(AdminAuth):
     )
     remote_batch_blocks: int = Field(default=64, gt=0, description="blocks per remote put batch")
 
+    # Disk tier: blocks the pool evicts, on a local disk below it (off by default).
+    disk_dir: Path | None = Field(
+        default=None,
+        description="directory of the disk tier below the pool (one subdirectory per namespace)",
+    )
+    disk_bytes: int = Field(
+        default=0, ge=0, description="bytes the disk tier may take (its index included)"
+    )
+    disk_admit_after: int = Field(
+        default=2,
+        ge=1,
+        description="an evicted block goes to disk once asked for this many times (1: every one)",
+    )
+    disk_policy: str = Field(default="lru", description="the disk tier's eviction policy")
+    disk_io_threads: int = Field(default=4, gt=0, le=64, description="disk I/O threads")
+    disk_staging_blocks: int = Field(
+        default=64,
+        gt=0,
+        description="evicted blocks held in memory on their way to disk (more: demotion dropped)",
+    )
+    disk_batch_blocks: int = Field(default=32, gt=0, description="blocks per disk write batch")
+    disk_timeout_s: float = Field(
+        default=10.0, gt=0, description="a disk read slower than this is a miss (tier degraded)"
+    )
+    disk_direct_io: bool = Field(
+        default=True, description="O_DIRECT where the filesystem allows it (false: buffered)"
+    )
+
     # Fault injection (rehearse failures): any non-zero value wraps the worker.
     fault_fail_rate: float = Field(default=0.0, ge=0, le=1, description="jobs that fail")
     fault_delay_s: float = Field(default=0.0, ge=0, description="delay added to every job")
@@ -586,6 +614,22 @@ class Settings(AdminAuth):
                         f"required with {setting_names('remote_tier')} mooncake; accepted: "
                         + ("host:port" if field == "mooncake_master" else "a URL"),
                     )
+        if self.disk_dir is not None:
+            from transfer.disk import slots_for
+
+            if slots_for(self.disk_bytes, self.block_bytes) < 1:
+                raise config_error(
+                    "disk_bytes",
+                    self.disk_bytes,
+                    f"holds no block of {self.block_bytes} bytes with its index; accepted: at "
+                    f"least {self.block_bytes + 3 * 4096} with {setting_names('disk_dir')}",
+                )
+            if self.disk_policy not in available_policies():
+                raise config_error(
+                    "disk_policy",
+                    self.disk_policy,
+                    f"unknown policy; accepted: {', '.join(available_policies())}",
+                )
         if self.lease_ttl_s <= self.job_deadline_s:
             # A lease that expires while its transfer may still run would free a slot that a
             # copy is writing into.

@@ -37,9 +37,10 @@ mismatch that call's store and load jobs fail (their reservations are released i
 service without a copy), completions meant for the old pool are dropped, and the pool is
 mapped again before the next call.
 
-Remote tier (a service run with ``--remote-tier``): a key the service answers ``remote`` for is
-asked to be brought into the pool (a prepare-load, whose 409 is expected) and looked up again
-like a pending one (RETRY meanwhile), so a prefix another node stored becomes a HIT here.
+Lower tiers (a service run with ``--disk-dir`` or ``--remote-tier``): a key the service answers
+``disk`` or ``remote`` for is asked to be brought into the pool (a prepare-load, whose 409 is
+expected) and looked up again like a pending one (RETRY meanwhile), so a prefix the node's disk
+holds, or another node stored, becomes a HIT here.
 
 Keys: the service key of a vLLM ``OffloadKey`` is an 8-byte namespace digest followed by the key
 (see ``namespace_digest``), so engines share blocks exactly when model, dtype, layout and chunk
@@ -118,6 +119,10 @@ M_FAULTS = "vllm:kv_offload_kvoffload_faults"
 M_STORES_DROPPED = "vllm:kv_offload_kvoffload_stores_dropped_blocks"
 M_LOADS_FAILED = "vllm:kv_offload_kvoffload_loads_failed_blocks"
 M_AVAILABLE = "vllm:kv_offload_kvoffload_available"
+#: Lookup answers for keys the service holds below the pool: promoted by a prepare-load.
+_LOWER_TIERS = frozenset(("disk", "remote"))
+#: Lookup answers asked again while the probe may still wait.
+_NOT_YET = frozenset(("pending", *_LOWER_TIERS))
 PENDING_WAIT_S = 0.5  # a key another engine is storing is asked again this long, then MISS
 TOKEN_FILE_ENV = "KVOFFLOAD_TOKEN_FILE"  # where token_file comes from when the config has none
 
@@ -875,7 +880,7 @@ class _Link:
         self.finishes: list[str] = []  # finishes not delivered yet
         # Keys answered "pending" (another engine's store in flight), asked again next call.
         self.reask: dict[str, list[_ProbeRef]] = {}
-        # Keys answered "remote" (in the service's remote tier): a prepare-load asks the
+        # Keys answered "disk" or "remote" (in a lower tier): a prepare-load asks the
         # service to bring them into the pool (its answer, 409, is expected); they are asked
         # again as pending. A prepare-load that pins (they were in already) is undone.
         self.promote: dict[str, list[bytes]] = {}
@@ -1144,9 +1149,9 @@ class _Link:
             for i, ref in enumerate(p.probes):
                 probe = ref[1]
                 state = None if hits is None else hits[i]
-                if state in ("pending", "remote") and self._still_waiting(probe):
+                if state in _NOT_YET and self._still_waiting(probe):
                     self.reask.setdefault(p.req_id, []).append(ref)
-                    if state == "remote":
+                    if state in _LOWER_TIERS:
                         skey = service_key(tier._prefix, ref[0])
                         self.promote.setdefault(p.req_id, []).append(skey)
                 else:

@@ -14,7 +14,10 @@ re-raises, so a refused job leaks no pin and no pending store. A sink error at c
 request was aborted and its pins already released, say) is logged and does not stop the poll.
 
 Records: ``get(job_id)`` serves running records and the last ``max_finished`` finished ones
-(LRU by completion). Records are updated in place by ``poll()``.
+(LRU by completion). Records are updated in place by ``poll()``. Job ids are the tracker's own
+(mapped to the worker's), so a load can be tracked before its copy starts: ``defer`` makes a
+running record for a load whose blocks are still being brought into the pool, ``launch`` starts
+its copy once they are pinned, ``fail`` ends it without one.
 
 Not thread-safe by design: the service calls it from its event loop thread only (wake the loop
 from the worker's ``on_finished`` callback and call ``poll()`` there).
@@ -22,6 +25,7 @@ from the worker's ``on_finished`` callback and call ``poll()`` there).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import OrderedDict
@@ -81,6 +85,9 @@ class JobTracker:
         self.max_finished = max_finished
         self._running: dict[int, JobRecord] = {}
         self._finished: OrderedDict[int, JobRecord] = OrderedDict()
+        self._ids = itertools.count(1)
+        self._by_worker: dict[int, int] = {}  # the worker's job id -> ours
+        self._ended: list[JobRecord] = []  # deferred jobs failed before a copy: next poll
         self.sink_errors = 0
 
     def submit(
@@ -110,11 +117,13 @@ class JobTracker:
                 deadline_s=deadline_s,
                 req_id=ctx.req_id,
             )
-            job_id = self.worker.submit(job)
+            worker_id = self.worker.submit(job)
         except Exception:
             if direction in ("store", "load"):
                 self._complete(direction, keys, ctx, ok=False, job_id=None)
             raise
+        job_id = next(self._ids)
+        self._by_worker[worker_id] = job_id
         record = JobRecord(
             job_id=job_id,
             req_id=ctx.req_id,
@@ -132,12 +141,71 @@ class JobTracker:
         self._running[job_id] = record
         return record
 
+    def defer(self, ctx: ReqContext, cache_id: str, keys: Sequence[bytes]) -> JobRecord:
+        """A running load whose copy starts later (``launch``) or never (``fail``): nothing is
+        pinned for it yet."""
+        record = JobRecord(
+            job_id=next(self._ids),
+            req_id=ctx.req_id,
+            direction="load",
+            cache_id=cache_id,
+            keys=list(keys),
+            state="running",
+            bytes=0,
+            seconds=0.0,
+            reason=None,
+            submitted_at=time.time(),
+            ctx=ctx,
+            started=time.monotonic(),
+        )
+        self._running[record.job_id] = record
+        return record
+
+    def launch(
+        self,
+        record: JobRecord,
+        device_blocks: Sequence[int],
+        host_slots: Sequence[int],
+        deadline_s: float,
+    ) -> None:
+        """Start the copy of a deferred load whose keys the caller has pinned (``host_slots``).
+        A refused copy unpins them and fails the job (its reason says why)."""
+        job = TransferJob(
+            direction="load",
+            cache_id=record.cache_id,
+            device_blocks=list(device_blocks),
+            host_slots=list(host_slots),
+            deadline_s=deadline_s,
+            req_id=record.req_id,
+        )
+        try:
+            worker_id = self.worker.submit(job)
+        except Exception as exc:
+            self._complete("load", record.keys, record.ctx, ok=False, job_id=record.job_id)
+            self.fail(record, f"copy refused: {exc}")
+            return
+        self._by_worker[worker_id] = record.job_id
+
+    def fail(self, record: JobRecord, reason: str) -> None:
+        """End a deferred load that never copied (nothing of it is pinned)."""
+        if self._running.pop(record.job_id, None) is None:
+            return
+        record.state = "failed"
+        record.reason = reason
+        record.seconds = time.monotonic() - record.started
+        self._finish(record)
+        self._ended.append(record)
+
     def poll(self) -> list[JobRecord]:
-        """Complete every job the worker reports finished; returns their records."""
-        return [r for r in map(self._settle, self.worker.poll_finished()) if r is not None]
+        """Complete every job the worker reports finished; returns their records (and those
+        of deferred loads that failed since the last poll)."""
+        ended, self._ended = self._ended, []
+        settled = [r for r in map(self._settle, self.worker.poll_finished()) if r is not None]
+        return ended + settled
 
     def _settle(self, result: JobResult) -> JobRecord | None:
-        record = self._running.pop(result.job_id, None)
+        job_id = self._by_worker.pop(result.job_id, None)
+        record = None if job_id is None else self._running.pop(job_id, None)
         if record is None:
             log.warning("finished transfer job %d is not tracked", result.job_id)
             return None
@@ -146,11 +214,14 @@ class JobTracker:
         record.seconds = result.seconds
         record.reason = result.reason
         self._complete(record.direction, record.keys, record.ctx, result.ok, record.job_id)
+        self._finish(record)
+        return record
+
+    def _finish(self, record: JobRecord) -> None:
         finished = self._finished
         finished[record.job_id] = record
         while len(finished) > self.max_finished:
             finished.popitem(last=False)
-        return record
 
     def _complete(
         self,

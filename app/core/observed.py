@@ -16,18 +16,23 @@ refusal), so every caller sees one error type for it. In a tenant's namespace (`
 that refusal is the tenant's ``blocks`` quota (``QuotaExceededError``), and a new request or a
 load past its ``requests`` or ``pins`` quota is refused before the manager sees it. With a
 remote tier (``remote``), a load of keys the pool lacks sends for them (``app.core.remote``),
-whichever way it came (``prepare-load`` or an ``onload`` job).
+whichever way it came (``prepare-load`` or an ``onload`` job). With a disk tier (``disk``,
+``app.core.disk``), every key looked up, loaded or stored is counted for its admission, and a
+load of keys the pool lacks reads those on disk first; the remote tier is asked for the rest
+(pool, then disk, then remote).
 
 Adding a request-scoped manager op: one method here (call, observe), one observer method.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from structlog.contextvars import bind_contextvars
 
+from app.core.disk import DiskLink
 from app.core.errors import NoSpaceError, QuotaExceededError
 from app.core.quota import TenantQuota
 from app.core.remote import RemoteLink
@@ -60,6 +65,9 @@ class ObservedManager:
         # ready here (write-behind), of loads of keys the pool lacks (promotion), and of loads
         # that pinned (a promoted block's hold is let go).
         self.remote: RemoteLink | None = None
+        # The disk tier, while the service runs with one: told of every key asked for
+        # (admission), of loads of keys the pool lacks (promotion), of loads that pinned.
+        self.disk: DiskLink | None = None
 
     def _call(self, op: str, req_id: str, call: Callable[..., T], *args: Any) -> T:
         """``call(*args)``; a raise is counted as ``op``'s error and re-raised."""
@@ -89,6 +97,8 @@ class ObservedManager:
     def lookup(self, keys: Sequence[BlockKey], ctx: ReqContext) -> LookupOutput:
         """Per-key state and ``hit_prefix``."""
         out = self._call("lookup", ctx.req_id, self.manager.lookup, keys, ctx)
+        if self.disk is not None:
+            self.disk.asked(keys)
         self.observer.lookup(ctx.req_id, out)
         return out
 
@@ -96,16 +106,44 @@ class ObservedManager:
         """Pin ready keys; their host slots."""
         if self.quota is not None:
             self._call("prepare_load", ctx.req_id, self.quota.check_pins, len(keys))
+        if self.disk is not None:
+            self.disk.asked(keys)
         try:
             slots = self._call("prepare_load", ctx.req_id, self.manager.prepare_load, keys, ctx)
         except KeyNotReadyError as exc:
-            if self.remote is not None and exc.missing:
-                self.remote.promote(exc.missing, ctx.req_id)  # pending, then hit
+            if exc.missing:
+                self.promote(exc.missing, ctx.req_id)  # pending, then hit
             raise
-        if self.remote is not None:
-            self.remote.loaded(ctx.req_id, keys)
+        for tier in (self.disk, self.remote):
+            if tier is not None:
+                tier.loaded(ctx.req_id, keys)
         self.observer.prepare_load(ctx.req_id, len(slots))
         return slots
+
+    def promote(self, keys: Sequence[BlockKey], req_id: str) -> list[asyncio.Task[None]]:
+        """Start bringing ``keys`` the pool lacks into it for ``req_id`` from the lower tiers,
+        disk first, then remote for the rest; the promotions started (each task ends when its
+        blocks are ready or dropped)."""
+        started: list[asyncio.Task[None]] = []
+        if self.disk is not None:
+            task = self.disk.promote(keys, req_id)
+            if task is not None:
+                started.append(task)
+                keys = [k for k in keys if self.manager.slot_of(k) is None]
+        if self.remote is not None and keys:
+            task = self.remote.promote(keys, req_id)
+            if task is not None:
+                started.append(task)
+        return started
+
+    def promotions_for(self, req_id: str) -> list[asyncio.Task[None]]:
+        """The promotions in flight for ``req_id`` on every lower tier."""
+        return [
+            task
+            for tier in (self.disk, self.remote)
+            if tier is not None
+            for task in tier.promotions.running_for(req_id)
+        ]
 
     def touch(self, keys: Sequence[BlockKey], ctx: ReqContext) -> None:
         """Mark keys recently used."""
@@ -124,6 +162,8 @@ class ObservedManager:
     def prepare_store(self, keys: Sequence[BlockKey], ctx: ReqContext) -> PrepareStoreOutput:
         """Reserve slots for the new keys; ``NoSpaceError`` when no room can be made."""
         out = self._call("prepare_store", ctx.req_id, self.manager.prepare_store, keys, ctx)
+        if self.disk is not None:
+            self.disk.asked(keys)
         self.observer.prepare_store(ctx.req_id, len(keys), out)
         if out is None:
             if self.quota is not None:

@@ -40,10 +40,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from app.core.promotion import Promotions
 from app.settings import Settings
 from app.telemetry.logging import get_logger
-from manager import REMOTE_MEDIUM, BlockKey, OffloadManager, ReqContext
-from manager.errors import ManagerError
+from manager import REMOTE_MEDIUM, BlockKey, OffloadManager
 from transfer import HostPool
 from transfer.remote import RemoteHealth, RemoteTier
 
@@ -75,9 +75,7 @@ class RemoteLink:
         """``hold_s``: how long a promoted block waits, held, for its request's load.
         ``on_event``: called after the manager got a remote KV event (drain it).
         ``on_call(op, seconds, keys, req_id)``: each remote call's latency (metrics)."""
-        self.hold_s = hold_s
-        # Promoted blocks held for the request that asked, until it loads them.
-        self._held_for: dict[str, set[BlockKey]] = {}
+        self.promotions = Promotions(manager, hold_s=hold_s, on_event=on_event, tier="remote")
         self.tier = tier
         self.manager = manager
         self.lookup_timeout_s = lookup_timeout_s
@@ -88,8 +86,6 @@ class RemoteLink:
         self._queue: collections.deque[BlockKey] = collections.deque()
         self._queued: set[BlockKey] = set()
         self._wakeup = asyncio.Event()
-        self._promoting: collections.Counter[str] = collections.Counter()
-        self._tasks: set[asyncio.Task[None]] = set()
         self._drain: asyncio.Task[None] | None = None
         self.counts: collections.Counter[str] = collections.Counter()
         self._last_call = time.monotonic()
@@ -110,14 +106,10 @@ class RemoteLink:
             drain.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await drain
-        for task in list(self._tasks):
-            with contextlib.suppress(Exception, asyncio.CancelledError):
-                await task
+        await self.promotions.close()
         self.counts["queue_dropped"] += len(self._queue)
         self._queue.clear()
         self._queued.clear()
-        for req_id in list(self._held_for):
-            self._let_go(req_id, None)
         await asyncio.to_thread(self.tier.close)
 
     def health(self) -> RemoteHealth:
@@ -133,11 +125,12 @@ class RemoteLink:
             "capacity": self.queue_blocks,
             "dropped": self.counts["queue_dropped"],
         }
+        promoted = self.promotions.counts
         health["promotions"] = {
-            "running": sum(self._promoting.values()),
-            "started": self.counts["promoted_keys"],
-            "loaded": self.counts["promoted_ready"],
-            "failed": self.counts["promoted_failed"],
+            "running": self.promotions.in_flight,
+            "started": promoted["promoted_keys"],
+            "loaded": promoted["promoted_ready"],
+            "failed": promoted["promoted_failed"],
         }
         health["lookups"] = {
             "timeouts": self.counts["lookup_timeouts"],
@@ -156,7 +149,7 @@ class RemoteLink:
 
     def writing(self) -> set[str]:
         """Requests with a promotion in flight: their pending stores are being written."""
-        return {req_id for req_id, n in self._promoting.items() if n > 0}
+        return self.promotions.writing()
 
     # ------------------------------------------------------------------ lookups
 
@@ -180,88 +173,25 @@ class RemoteLink:
 
     # ------------------------------------------------------------------ promotion
 
-    def promote(self, keys: Sequence[BlockKey], req_id: str) -> int:
-        """Start bringing the keys the pool lacks into it for request ``req_id``; how many.
+    def promote(self, keys: Sequence[BlockKey], req_id: str) -> asyncio.Task[None] | None:
+        """Start bringing the keys the pool lacks into it for request ``req_id``
+        (``app.core.promotion``); the task that settles it, or None when nothing started (the
+        tier is degraded or the pool has no room: the keys stay not ready)."""
+        if not self.tier.health().ok:
+            return None
+        return self.promotions.start(keys, req_id, self._read)
 
-        Changes nothing when the tier is degraded or the pool has no room (the call that asked
-        then answers as it would have: the keys are not ready).
-        """
-        manager = self.manager
-        wanted = [k for k in dict.fromkeys(keys) if manager.slot_of(k) is None]
-        if not wanted or not self.tier.health().ok:
-            return 0
-        ctx = ReqContext(req_id)
-        try:
-            out = manager.prepare_store(wanted, ctx)
-        except ManagerError:
-            return 0
-        if out is None or not out.keys_to_store:
-            return 0
-        if out.evicted_keys:
-            self._on_event()
-        self._promoting[req_id] += 1
-        self.counts["promoted_keys"] += len(out.keys_to_store)
-        task = asyncio.get_running_loop().create_task(
-            self._fetch(ctx, out.keys_to_store, out.slots), name="kvoffload-remote-promote"
-        )
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return len(out.keys_to_store)
-
-    async def _fetch(self, ctx: ReqContext, keys: list[BlockKey], slots: list[int]) -> None:
+    async def _read(self, keys: list[BlockKey], slots: list[int], req_id: str) -> list[bool]:
         started = time.perf_counter()
-        try:
-            ok = await asyncio.to_thread(self.tier.get_into, keys, slots)
-            self._observe("get", started, len(keys), ctx.req_id)
-            failed = [s for s, good in zip(slots, ok, strict=True) if not good]
-            await self._until_released(failed)
-            good = [k for k, g in zip(keys, ok, strict=True) if g]
-            bad = [k for k, g in zip(keys, ok, strict=True) if not g]
-            self._complete(ctx, good, bad)
-        except Exception:
-            log.exception("remote promotion failed; its blocks are dropped")
-            self._complete(ctx, [], keys)
-        finally:
-            self._promoting[ctx.req_id] -= 1
-            if self._promoting[ctx.req_id] <= 0:
-                del self._promoting[ctx.req_id]
-
-    def _complete(self, ctx: ReqContext, good: list[BlockKey], bad: list[BlockKey]) -> None:
-        manager = self.manager
-        with contextlib.suppress(ManagerError):  # the request was forgotten meanwhile
-            if bad:
-                manager.complete_store(bad, ctx, success=False)
-                self.counts["promoted_failed"] += len(bad)
-            if good:
-                done = manager.complete_store(good, ctx, success=True).completed
-                self.counts["promoted_ready"] += len(done)
-                if done:
-                    # Held for the request that asked, so it is still there when it loads.
-                    slots = manager.hold(done)
-                    held = [k for k, slot in zip(done, slots, strict=True) if slot is not None]
-                    self._held_for.setdefault(ctx.req_id, set()).update(held)
-                    asyncio.get_running_loop().call_later(
-                        self.hold_s, self._let_go, ctx.req_id, held
-                    )
-        self._on_event()
+        ok = await asyncio.to_thread(self.tier.get_into, keys, slots)
+        self._observe("get", started, len(keys), req_id)
+        # A get past its timeout may still write into the slots of the keys it failed.
+        await self._until_released([s for s, good in zip(slots, ok, strict=True) if not good])
+        return ok
 
     def loaded(self, req_id: str, keys: Sequence[BlockKey]) -> None:
-        """Request ``req_id`` pinned ``keys`` with its own load: promoted blocks among them
-        need no hold of ours any more."""
-        if req_id in self._held_for:
-            self._let_go(req_id, keys)
-
-    def _let_go(self, req_id: str, keys: Sequence[BlockKey] | None) -> None:
-        """Release the holds kept for ``req_id`` on ``keys`` (None: all of them)."""
-        held = self._held_for.get(req_id)
-        if held is None:
-            return
-        gone = list(held) if keys is None else [k for k in keys if k in held]
-        if gone:
-            held.difference_update(gone)
-            self.manager.release_hold(gone)
-        if not held:
-            del self._held_for[req_id]
+        """Request ``req_id`` pinned ``keys`` with its own load (promoted blocks let go)."""
+        self.promotions.loaded(req_id, keys)
 
     # ------------------------------------------------------------------ write-behind
 

@@ -38,6 +38,7 @@ from typing import Literal
 from prometheus_client import CollectorRegistry
 
 from app.core.admin import Admin
+from app.core.disk import DiskLink, open_disk
 from app.core.errors import ServiceUnavailableError
 from app.core.events import EventBuffer
 from app.core.observed import ObservedManager
@@ -109,6 +110,8 @@ class Service:
         self._transfers: Transfers | None = None
         # The remote tier behind the pool, while running with one (``--remote-tier``).
         self.remote: RemoteLink | None = None
+        # The disk tier below the pool, while running with one (``--disk-dir``).
+        self.disk: DiskLink | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._pump_wakeup = asyncio.Event()
@@ -124,6 +127,7 @@ class Service:
                 live_request_series=settings.metrics_live_requests,
                 max_live_series=settings.metrics_live_requests_max,
                 remote_tier=settings.remote_tier != "none",
+                disk_tier=settings.disk_dir is not None,
             )
         self.request_counts = (
             RequestCounts(_REQUEST_COUNTS_SLACK * settings.metrics_live_requests_max)
@@ -183,14 +187,17 @@ class Service:
             self._loop = asyncio.get_running_loop()
             transfers = await Transfers.open(s, self.manager, self._wake_pump)
             self._transfers = transfers
-            if s.remote_tier != "none":
-                try:
+            try:
+                if s.disk_dir is not None:
+                    await self._open_disk(transfers)
+                if s.remote_tier != "none":
                     await self._open_remote(transfers)
-                except BaseException:
-                    for record in await transfers.close():
-                        self.observer.transfer_done(record)
-                    self._transfers = None
-                    raise
+            except BaseException:
+                await self._close_lower()
+                for record in await transfers.close():
+                    self.observer.transfer_done(record)
+                self._transfers = None
+                raise
             self._tasks = [
                 asyncio.create_task(self._pump_loop(), name="kvoffload-completion-pump"),
                 asyncio.create_task(self._lease_loop(), name="kvoffload-lease-sweeper"),
@@ -219,6 +226,14 @@ class Service:
                         "shadow_policies": (
                             None if self.shadow is None else self.shadow.evaluator.policies
                         ),
+                        "disk": None
+                        if self.disk is None
+                        else {
+                            "directory": self.disk.store.directory,
+                            "slots": self.disk.index.num_slots,
+                            "direct_io": self.disk.store.direct,
+                            "restored_blocks": self.disk.restored,
+                        },
                     }
                 },
             )
@@ -238,10 +253,8 @@ class Service:
                     await task
             self._tasks = []
             assert self._transfers is not None
-            if self.remote is not None:
-                # Before the pool goes: the tier waits for its calls still touching it.
-                self.manager.remote = None
-                await self.remote.close()
+            # Before the pool goes: the tiers wait for their calls still touching it.
+            await self._close_lower()
             for record in await self._transfers.close():
                 self.observer.transfer_done(record)
             self.drain_events()
@@ -268,6 +281,54 @@ class Service:
             return f"a transfer has been running {age:.1f}s, past its {deadline}s deadline"
         return None
 
+    async def _close_lower(self) -> None:
+        """Close the lower tiers (remote, then disk), each after its I/O on the pool ended."""
+        remote, self.remote = self.remote, None
+        disk, self.disk = self.disk, None
+        self.manager.remote = None
+        self.manager.disk = None
+        if remote is not None:
+            await remote.close()
+        if disk is not None:
+            await disk.close()
+
+    async def _open_disk(self, transfers: Transfers) -> None:
+        s = self.settings
+        from transfer.disk import DiskError
+
+        try:
+            store, index = await asyncio.to_thread(open_disk, s, transfers.pool, self.namespace)
+        except DiskError as exc:
+            raise config_error(
+                "disk_dir",
+                s.disk_dir,
+                f"{exc}; accepted: a directory this process can write and no other kvoffload uses",
+            ) from None
+        disk = DiskLink(
+            store,
+            index,
+            self.manager.manager,
+            batch_blocks=s.disk_batch_blocks,
+            timeout_s=s.disk_timeout_s,
+            hold_s=s.lease_ttl_s,
+            on_event=self.drain_events,
+            on_io=self.observer.disk_io,
+        )
+        disk.start()
+        if not store.direct:
+            log.warning(
+                "disk tier uses buffered I/O (O_DIRECT not available here)",
+                extra={"fields": {"directory": store.directory, "block_bytes": s.block_bytes}},
+            )
+        self.disk = disk
+        self.manager.disk = disk
+        self._link_writers(transfers)
+
+    def _link_writers(self, transfers: Transfers) -> None:
+        """Tell the data path which requests' reserved slots the lower tiers write into."""
+        tiers = [t for t in (self.disk, self.remote) if t is not None]
+        transfers.also_writing = lambda: set().union(*(t.writing() for t in tiers))
+
     async def _open_remote(self, transfers: Transfers) -> None:
         s = self.settings
         try:
@@ -287,18 +348,19 @@ class Service:
         remote.start()
         self.remote = remote
         self.manager.remote = remote
-        transfers.also_writing = remote.writing
+        self._link_writers(transfers)
 
     def details(self) -> dict[str, str]:
         """What a ready service still wants known (``/readyz`` details): a degraded remote
-        tier serves from the pool alone."""
+        tier serves from the pool alone; a degraded disk tier takes no demotions."""
+        out: dict[str, str] = {}
         remote = self.remote
-        if remote is None:
-            return {}
-        health = remote.health()
-        if health.ok:
-            return {}
-        return {"remote_tier": f"degraded: {health.last_error or 'unreachable'}"}
+        if remote is not None and not (health := remote.health()).ok:
+            out["remote_tier"] = f"degraded: {health.last_error or 'unreachable'}"
+        disk = self.disk
+        if disk is not None and not (dhealth := disk.health()).ok:
+            out["disk_tier"] = f"degraded: {dhealth.last_error or 'failing'}"
+        return out
 
     def transfers(self) -> Transfers:
         """The running data path; ``ServiceUnavailableError`` when the service is not running."""
@@ -428,4 +490,5 @@ class Service:
             projected_hit_ratio=projected,
             live_requests=rows,
             remote=None if self.remote is None else self.remote.state(),
+            disk=None if self.disk is None else self.disk.state(),
         )

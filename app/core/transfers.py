@@ -9,7 +9,10 @@ It runs the two composite engine operations and everything about jobs and KV cac
   reservation is undone, so a failed call changes nothing.
 - ``onload`` = ``prepare_load`` (pins), then a host->device job; the job's end unpins
   (``complete_load``) whether it succeeded or not, and the job's state says whether the device
-  blocks hold the data. A job that cannot be submitted unpins at once.
+  blocks hold the data. A job that cannot be submitted unpins at once. Keys the pool lacks but a
+  lower tier holds (disk, remote) are brought in first, inside the same job: it answers at once
+  (``running``), waits for their promotion, then pins and copies; a key that could not be
+  brought in fails the job (nothing pinned, nothing copied). Keys no tier holds: 409 as before.
 - ``wait``: long-poll until none of the given jobs runs, woken by ``collect`` when jobs end, and
   at once while draining or after ``close`` (so it never holds up a shutdown).
 
@@ -26,6 +29,7 @@ import asyncio
 import contextlib
 import contextvars
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +38,7 @@ from app.core.errors import DeviceBlockError, ServiceUnavailableError, UnknownJo
 from app.core.observed import ObservedManager
 from app.settings import Settings, config_error, setting_names
 from app.telemetry.logging import get_logger
-from manager import BlockKey, PrepareStoreOutput, ReqContext
+from manager import BlockKey, KeyNotReadyError, ManagerError, PrepareStoreOutput, ReqContext
 from transfer import (
     FaultSpec,
     HostPool,
@@ -44,6 +48,7 @@ from transfer import (
     KVCacheSpec,
     PoolError,
     RegisteredCache,
+    TransferError,
     TransferWorker,
     create_worker,
 )
@@ -137,8 +142,10 @@ class Transfers:
         self.tracker = JobTracker(worker, manager, max_finished=settings.max_finished_jobs)
         self.draining = False
         self.closed = False
-        # Other writers into the pool's reserved slots (the remote tier's promotions).
+        # Other writers into the pool's reserved slots (the lower tiers' promotions).
         self.also_writing: Callable[[], set[str]] | None = None
+        # Loads waiting for their keys to be brought up from a lower tier.
+        self._deferred: set[asyncio.Task[None]] = set()
         # Replaced on every batch of finished jobs; waiters hold the one current when they
         # started waiting.
         self._changed = asyncio.Event()
@@ -184,6 +191,10 @@ class Transfers:
     async def close(self) -> list[JobRecord]:
         """Stop the worker (running jobs end or fail within the grace), complete what ended,
         free the KV caches and the pool, and release every waiter; the jobs that ended."""
+        for task in list(self._deferred):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await asyncio.to_thread(self.worker.shutdown, self.settings.shutdown_grace_s)
         finished = self.collect()
         self.registry.close()
@@ -288,7 +299,22 @@ class Transfers:
         """Load ready keys into device blocks (module docstring)."""
         self._cache(cache_id, device_blocks)
         ctx = ReqContext(req_id)
-        slots = self.manager.prepare_load(keys, ctx)
+        try:
+            slots = self.manager.prepare_load(keys, ctx)
+        except KeyNotReadyError as exc:
+            # prepare_load started the promotions it could; a key nobody brings in is a 409.
+            coming = self.manager.promotions_for(req_id)
+            pool = self.manager.manager
+            if not coming or any(pool.slot_of(k) is None for k in exc.missing):
+                raise
+            record = self.tracker.defer(ctx, cache_id, keys)
+            task = asyncio.get_running_loop().create_task(
+                self._load_after(record, coming, list(device_blocks)),
+                name="kvoffload-onload-after-promotion",
+            )
+            self._deferred.add(task)
+            task.add_done_callback(self._deferred.discard)
+            return OnloadStarted(record, [])
         if not slots:
             return OnloadStarted(None, slots)
         # A refused job is unpinned by the tracker and re-raised.
@@ -302,6 +328,25 @@ class Transfers:
             self.settings.job_deadline_s,
         )
         return OnloadStarted(job, slots)
+
+    async def _load_after(
+        self, record: JobRecord, coming: list[asyncio.Task[None]], device_blocks: list[int]
+    ) -> None:
+        """Wait for the promotions of a deferred load's keys, then pin and copy them."""
+        try:
+            await asyncio.wait(coming)
+            self._cache(record.cache_id, device_blocks)
+            slots = self.manager.prepare_load(record.keys, record.ctx)
+        except asyncio.CancelledError:
+            self.tracker.fail(record, "service stopping")
+            raise
+        except (ManagerError, TransferError, ServiceUnavailableError, DeviceBlockError) as exc:
+            self.tracker.fail(record, f"not loadable after promotion: {type(exc).__name__}")
+            self.notify()
+            return
+        left = self.settings.job_deadline_s - (time.monotonic() - record.started)
+        self.tracker.launch(record, device_blocks, slots, max(left, 0.001))
+        self.notify()
 
     # ------------------------------------------------------------------ KV caches and pool
 

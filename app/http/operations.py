@@ -77,8 +77,10 @@ _RESULT_JSON = {
     LookupResult.PENDING: '"pending"',
     LookupResult.MISS: '"miss"',
     LookupResult.REMOTE: '"remote"',
+    LookupResult.DISK: '"disk"',
 }
 _HIT, _MISS, _REMOTE = LookupResult.HIT, LookupResult.MISS, LookupResult.REMOTE
+_DISK = LookupResult.DISK
 
 
 def _run_start(service: Service, req_id: str, body: s.StartRequestBody) -> tuple[int, str]:
@@ -105,15 +107,32 @@ def _run_finish(service: Service, req_id: str, body: s.FinishRequestBody) -> tup
 def _run_lookup(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str]:
     keys = body.keys
     _limit_keys(service, keys)
-    return 200, _lookup_json(service.manager.lookup(keys, ReqContext(req_id)))
+    return 200, _lookup_json(_lookup_pool_disk(service, keys, req_id))
+
+
+def _lookup_pool_disk(service: Service, keys: Sequence[BlockKey], req_id: str) -> LookupOutput:
+    """The pool's answer, with the keys it lacks that the disk tier holds marked ``disk`` (the
+    disk's index is in memory: no key waits on the disk)."""
+    out = service.manager.lookup(keys, ReqContext(req_id))
+    disk = service.disk
+    results = out.results
+    if disk is not None and out.hit_prefix < len(results):
+        misses = [i for i, r in enumerate(results) if r is _MISS]
+        if misses:
+            found = disk.found([keys[i] for i in misses])
+            for i, there in zip(misses, found, strict=True):
+                if there:
+                    results[i] = _DISK
+    return out
 
 
 async def _run_lookup_remote(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str]:
-    """``lookup`` with a remote tier: the keys the pool lacks are asked about in one batch
-    (never the keys it holds: an all-hit lookup does not wait on the tier)."""
+    """``lookup`` with a remote tier: the keys neither the pool nor the disk holds are asked
+    about in one batch (never the keys they hold: an all-hit lookup does not wait on the
+    tier)."""
     keys = body.keys
     _limit_keys(service, keys)
-    out = service.manager.lookup(keys, ReqContext(req_id))
+    out = _lookup_pool_disk(service, keys, req_id)
     results = out.results
     if out.hit_prefix < len(results) and service.remote is not None:
         misses = [i for i, r in enumerate(results) if r is _MISS]
@@ -218,7 +237,7 @@ OPERATIONS: tuple[Operation, ...] = (
         s.LookupAnswer,
         200,
         _KEYS_ERRORS,
-        "Per-key state (hit, pending, miss; remote with a remote tier) and the count of "
+        "Per-key state (hit, pending, miss; disk and remote with those tiers) and the count of "
         "leading hits",
         _run_lookup,
         run_remote=_run_lookup_remote,

@@ -243,10 +243,12 @@ class FinishRequestAnswer(Answer):
 
 
 class LookupAnswer(Answer):
-    """Per-key state and the count of leading hits. ``remote``: not in the pool but in the
-    service's remote tier (a prepare-load or onload brings it in: pending, then hit)."""
+    """Per-key state and the count of leading hits (pool hits only). ``disk``: not in the pool
+    but on the node's disk tier; ``remote``: in neither but in the service's remote tier. An
+    onload of such keys brings them in and loads them in one job; a prepare-load answers 409
+    and brings them in (pending, then hit)."""
 
-    results: list[Literal["hit", "pending", "miss", "remote"]]
+    results: list[Literal["hit", "pending", "miss", "disk", "remote"]]
     hit_prefix: int
 
 
@@ -536,6 +538,12 @@ class StatsAnswer(Answer):
         default=None,
         description="the remote tier (null: none): state ok or degraded, since, last error, "
         "counters, write-behind queue, promotions",
+    )
+    disk: dict[str, Any] | None = Field(
+        default=None,
+        description="the disk tier (null: none): state ok or degraded, since, last error, "
+        "counters, blocks and slots, demotions (written, refused, dropped by reason), "
+        "evictions, promotions, corrupt blocks dropped",
     )
 
 

@@ -94,6 +94,8 @@ class ServiceSnapshot:
     live_requests: list[LiveRequestRow] = field(default_factory=list)
     # The remote tier's state (``RemoteLink.state()``), None without one.
     remote: dict[str, Any] | None = None
+    # The disk tier's state (``DiskLink.state()``), None without one.
+    disk: dict[str, Any] | None = None
 
 
 class _StateCollector(Collector):
@@ -203,6 +205,8 @@ class _StateCollector(Collector):
         yield projected
         if snap.remote is not None:
             yield from _remote_families(snap.remote)
+        if snap.disk is not None:
+            yield from _disk_families(snap.disk)
         if self._live_series:
             table = GaugeMetricFamily(
                 f"{PREFIX}_request_blocks",
@@ -260,6 +264,64 @@ def _remote_families(state: dict[str, Any]) -> Iterator[Metric]:
         "Blocks brought from the remote tier into the pool for a load.",
         value=promotions["loaded"],
     )
+
+
+# The disk tier's counters (``transfer.disk.DISK_COUNTERS``) exported as counters, by name.
+_DISK_COUNTERS = {
+    "writes": "Blocks written whole to the disk tier (demotions).",
+    "write_failures": "Blocks a disk write did not store (I/O error, disk full, read-only).",
+    "reads": "Blocks read back whole from the disk tier with a matching checksum.",
+    "read_failures": "Blocks a disk read could not read (I/O error, short read).",
+    "checksum_failures": "Blocks read from disk whose bytes did not match their checksum "
+    "(torn or corrupt: dropped, never loaded).",
+    "bytes_written": "Bytes written to the disk tier.",
+    "bytes_read": "Bytes read from the disk tier into the pool.",
+    "incidents": "Times the disk tier went from ok to degraded.",
+}
+
+
+def _disk_families(state: dict[str, Any]) -> Iterator[Metric]:
+    yield GaugeMetricFamily(
+        f"{PREFIX}_disk_tier_up",
+        "1 while the disk tier takes demotions (ok), 0 while degraded (pool and disk reads only).",
+        value=1 if state["state"] == "ok" else 0,
+    )
+    counters = state.get("counters", {})
+    for name, doc in _DISK_COUNTERS.items():
+        yield CounterMetricFamily(f"{PREFIX}_disk_{name}", doc, value=counters.get(name, 0))
+    yield GaugeMetricFamily(
+        f"{PREFIX}_disk_blocks", "Blocks on the disk tier, loadable.", value=state["blocks"]
+    )
+    yield GaugeMetricFamily(
+        f"{PREFIX}_disk_capacity_blocks", "Block slots of the disk tier.", value=state["slots"]
+    )
+    yield GaugeMetricFamily(
+        f"{PREFIX}_disk_queue_depth", "Evicted blocks staged, waiting to be written to disk.",
+        value=state["queue"]["depth"],
+    )  # fmt: skip
+    demotions = state["demotions"]
+    dropped = CounterMetricFamily(
+        f"{PREFIX}_disk_demotions_dropped",
+        "Admitted evicted blocks not written to disk, by reason (degraded, staging_full, "
+        "no_room, write_failed, shutdown).",
+        labels=["reason"],
+    )
+    for reason, n in sorted(demotions["dropped"].items()):
+        dropped.add_metric([reason], n)
+    yield dropped
+    yield CounterMetricFamily(
+        f"{PREFIX}_disk_admissions_refused",
+        "Evicted blocks not demoted: asked for fewer than --disk-admit-after times.",
+        value=demotions["refused_admission"],
+    )
+    yield CounterMetricFamily(
+        f"{PREFIX}_disk_evictions", "Blocks the disk tier evicted to make room.",
+        value=state["evictions"],
+    )  # fmt: skip
+    yield CounterMetricFamily(
+        f"{PREFIX}_disk_promoted_blocks", "Blocks brought from the disk tier into the pool.",
+        value=state["promotions"]["loaded"],
+    )  # fmt: skip
 
 
 class _CounterSeries:
@@ -399,6 +461,7 @@ class Metrics:
         max_live_series: int = 500,
         clock: Callable[[], float] = time.time,
         remote_tier: bool = False,
+        disk_tier: bool = False,
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._clock = clock
@@ -447,6 +510,16 @@ class Metrics:
         self.remote_keys = _Counter(
             f"{PREFIX}_remote_call_keys", "Keys named by remote tier calls, by op.", ("op",)
         )
+        # Only with a disk tier.
+        self.disk_duration = _Histogram(
+            f"{PREFIX}_disk_io_duration_seconds",
+            "Disk tier I/O batches by op (read: a promotion, write: demotions); the exemplar "
+            "names the engine request that caused a read.",
+            ("op",), TRANSFER_BUCKETS,
+        )  # fmt: skip
+        self.disk_io_blocks = _Counter(
+            f"{PREFIX}_disk_io_blocks", "Blocks named by disk tier I/O batches, by op.", ("op",)
+        )
         self.registry.register(
             _CallCollector(
                 [
@@ -460,6 +533,7 @@ class Metrics:
                     self.transfer_failures,
                     self.policy_switches,
                     *((self.remote_duration, self.remote_keys) if remote_tier else ()),
+                    *((self.disk_duration, self.disk_io_blocks) if disk_tier else ()),
                 ]
             )
         )
@@ -528,6 +602,13 @@ class Metrics:
         now = self._clock()
         self.remote_duration.observe((op,), seconds, ex, now)
         self.remote_keys.inc((op,), keys, ex, now)
+
+    def disk_io(self, op: str, seconds: float, blocks: int, req_id: str | None) -> None:
+        """One disk tier I/O batch: its latency and blocks, the engine request as exemplar."""
+        ex = exemplar_id(req_id)
+        now = self._clock()
+        self.disk_duration.observe((op,), seconds, ex, now)
+        self.disk_io_blocks.inc((op,), blocks, ex, now)
 
 
 class _TenancyCollector(Collector):

@@ -259,6 +259,11 @@ class Observer:
         if self.metrics is not None:
             self.metrics.remote_call(op, seconds, keys, safe_req_id(req_id) if req_id else None)
 
+    def disk_io(self, op: str, seconds: float, blocks: int, req_id: str | None) -> None:
+        """One disk tier I/O batch (``app.core.disk``)."""
+        if self.metrics is not None:
+            self.metrics.disk_io(op, seconds, blocks, safe_req_id(req_id) if req_id else None)
+
     # ------------------------------------------------------------------ HTTP calls
 
     def on_call(self, info: CallInfo) -> None:

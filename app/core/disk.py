@@ -1,0 +1,355 @@
+"""One namespace's disk tier, as the service uses it: admission, demotion, lookups, promotion.
+
+``transfer.disk.DiskStore`` moves the bytes (block slots in a file, checksums, O_DIRECT, I/O
+threads); ``manager.tiers.DiskIndex`` decides (what is on disk where, admission, the disk's own
+eviction). ``DiskLink`` runs them for a service:
+
+- **Admission** (``asked``): the observed manager counts every key an engine looks up, loads or
+  stores; a block is demoted only once asked ``--disk-admit-after`` times.
+- **Demote on evict** (``on_evicted``, a pool eviction listener): when the pool evicts blocks to
+  make room, the admitted ones not yet on disk are copied into staging buffers right there,
+  before their slots are handed out again (a memcpy on the loop; no disk I/O), and queued. A
+  background task writes the queue in batches on the store's I/O threads. Never write-through:
+  a block reaches the disk only when the pool lets it go. No staging buffer free, or the tier
+  degraded: the demotion is dropped and counted, never waited for.
+- **Lookups** (``found``): the in-memory index answers at once; the disk is not read.
+- **Promotion** (``promote``): ``app.core.promotion`` with a read straight from disk into the
+  reserved pool slots, checked against each block's checksum. A block that fails (torn, corrupt,
+  unreadable) is dropped from the disk (counted) and is a miss; its bytes are never loadable.
+- **Events**: demoted blocks are one ``BlockStored`` (medium ``DISK``) per batch, the disk's own
+  evictions and dropped blocks ``BlockRemoved`` (``DISK``), in the manager's numbered stream.
+- **Faults**: a failed write or read degrades the store (``health``); a probe every second
+  tries a real write and brings it back. While degraded, demotions are dropped (counted); disk
+  hits are still served (a read-only or full disk still reads; a failing read is a miss).
+
+Manager calls happen on the loop; the store's calls run on threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from app.core.promotion import Promotions
+from app.settings import Settings
+from app.telemetry.logging import get_logger
+from manager import DISK_MEDIUM, BlockKey, DiskIndex, DiskOp, OffloadManager
+from transfer import HostPool
+from transfer.disk import DiskHealth, DiskStore, slots_for
+
+log = get_logger("disk")
+
+#: How often a degraded store tries a write again.
+PROBE_S = 1.0
+#: How often a read that outlived its timeout is checked for having let go of its slots.
+HELD_POLL_S = 0.05
+
+OnIO = Callable[[str, float, int, str | None], None]
+
+
+class DiskLink:
+    """The disk tier of one namespace's service; see the module docstring."""
+
+    def __init__(
+        self,
+        store: DiskStore,
+        index: DiskIndex,
+        manager: OffloadManager,
+        *,
+        batch_blocks: int = 32,
+        timeout_s: float = 10.0,
+        hold_s: float = 60.0,
+        on_event: Callable[[], None] = lambda: None,
+        on_io: OnIO | None = None,
+    ) -> None:
+        """``on_io(op, seconds, blocks, req_id)``: each disk read or write batch (metrics)."""
+        self.store = store
+        self.index = index
+        self.manager = manager
+        self.batch_blocks = batch_blocks
+        self.timeout_s = timeout_s
+        self._on_event = on_event
+        self._on_io = on_io
+        self.promotions = Promotions(manager, hold_s=hold_s, on_event=on_event, tier="disk")
+        self._queue: collections.deque[tuple[BlockKey, int]] = collections.deque()
+        self._wakeup = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.restored = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Adopt the blocks found on disk, listen to the pool's evictions, start the writer
+        and the probe on the running loop."""
+        listed = self.store.listed()
+        # More listed blocks than slots cannot happen (the store sized both); a restart with
+        # a smaller --disk-bytes truncated the index, so only slots that still exist remain.
+        self.restored = self.index.restore(listed)
+        self.manager.add_eviction_listener(self.on_evicted)
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._write_loop(), name="kvoffload-disk-writer"),
+            loop.create_task(self._probe_loop(), name="kvoffload-disk-probe"),
+        ]
+
+    async def close(self) -> None:
+        """Write what is staged (the blocks are not lost to a graceful stop), stop the tasks,
+        wait for promotions, close the store (its I/O ends first)."""
+        if self._queue and self.store.health().ok:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self.timeout_s):
+                    while self._queue:
+                        await self._write_batch()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        self._drop_queue("shutdown")
+        await self.promotions.close()
+        await asyncio.to_thread(self.store.close)
+
+    def health(self) -> DiskHealth:
+        return self.store.health()
+
+    def state(self) -> dict[str, Any]:
+        """What ``/admin/v1/stats``, ``/readyz`` and the metrics say about the tier."""
+        health = self.store.health().as_dict()
+        index = self.index.index
+        promoted = self.promotions.counts
+        health.update(
+            {
+                "directory": self.store.directory,
+                "direct_io": self.store.direct,
+                "slots": self.index.num_slots,
+                "blocks": len(index.resident_keys()),
+                "block_bytes": self.store.block_bytes,
+                "capacity_bytes": self.index.num_slots * self.store.slot_bytes,
+                "admit_after": self.index.admit_after,
+                "policy": index.policy.name,
+                "restored": self.restored,
+                "queue": {
+                    "depth": len(self._queue),
+                    "staging_free": self.store.staging_free,
+                    "capacity": self.store.staging_blocks,
+                },
+                "demotions": {
+                    "written": self.counts["demoted"],
+                    "refused_admission": self.index.refused,
+                    "dropped": {
+                        k.removeprefix("dropped_"): v
+                        for k, v in sorted(self.counts.items())
+                        if k.startswith("dropped_")
+                    },
+                },
+                "evictions": self.counts["evicted"],
+                "promotions": {
+                    "running": self.promotions.in_flight,
+                    "started": promoted["promoted_keys"],
+                    "loaded": promoted["promoted_ready"],
+                    "failed": promoted["promoted_failed"],
+                },
+                "corrupt_dropped": self.counts["corrupt_dropped"],
+            }
+        )
+        return health
+
+    def disk_usage(self) -> int:
+        """Bytes the tier's files take on disk now."""
+        return self.store.disk_usage()
+
+    # ------------------------------------------------------------------ admission and lookups
+
+    def asked(self, keys: Sequence[BlockKey]) -> None:
+        """An engine asked for ``keys`` (lookup, load or store): count it for admission."""
+        self.index.asked(keys)
+
+    def found(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Per key, whether the disk holds it, loadable (in memory: never reads the disk)."""
+        return self.index.found(keys)
+
+    # ------------------------------------------------------------------ demotion
+
+    def on_evicted(self, victims: list[BlockKey], slots: list[int]) -> None:
+        """Pool eviction listener: stage the admitted victims for the disk (see the module
+        docstring). Runs inside the manager's ``prepare_store``: never calls the manager."""
+        chosen = self.index.select(victims)
+        if not chosen:
+            return
+        if not self.store.health().ok:
+            self._count_dropped("degraded", len(chosen))
+            return
+        slot_of = dict(zip(victims, slots, strict=True))
+        staged = self.store.stage([slot_of[k] for k in chosen])
+        if staged is None:
+            self._count_dropped("staging_full", len(chosen))
+            return
+        self._queue.extend(zip(chosen, staged, strict=True))
+        self._wakeup.set()
+
+    def _count_dropped(self, why: str, n: int) -> None:
+        self.counts[f"dropped_{why}"] += n
+
+    def _drop_queue(self, why: str) -> None:
+        if self._queue:
+            self._count_dropped(why, len(self._queue))
+            self.store.unstage([buf for _, buf in self._queue])
+            self._queue.clear()
+
+    async def _write_loop(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._queue:
+                try:
+                    await self._write_batch()
+                except Exception:
+                    log.exception("disk write batch failed; its blocks are dropped")
+
+    async def _write_batch(self) -> None:
+        batch: list[tuple[BlockKey, int]] = []
+        while self._queue and len(batch) < self.batch_blocks:
+            batch.append(self._queue.popleft())
+        staged = dict(batch)
+        if not self.store.health().ok:
+            self._count_dropped("degraded", len(batch))
+            self.store.unstage(list(staged.values()))
+            return
+        op = self.index.reserve([k for k, _ in batch])
+        if op is None:  # every disk block pinned or being written: no room now
+            self._count_dropped("no_room", len(batch))
+            self.store.unstage(list(staged.values()))
+            return
+        if op.evicted:
+            self._removed(op.evicted, "evicted")
+        items = [(slot, key, staged[key]) for key, slot in zip(op.keys, op.slots, strict=True)]
+        started = time.perf_counter()
+        try:
+            ok = await asyncio.to_thread(self.store.write_many, items)
+        finally:
+            self.store.unstage(list(staged.values()))
+        self._io("write", started, len(items), None)
+        done = self.index.written(op, ok)
+        self.counts["demoted"] += len(done)
+        self._count_dropped("write_failed", len(items) - len(done))
+        if done:
+            self.manager.record_event("stored", done, DISK_MEDIUM)
+            self._on_event()
+
+    def _removed(self, keys: list[BlockKey], why: str) -> None:
+        self.counts[why] += len(keys)
+        self.manager.record_event("removed", keys, DISK_MEDIUM)
+        self._on_event()
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(PROBE_S)
+            health = self.store.health()
+            if health.ok:
+                continue
+            if await asyncio.to_thread(self.store.probe):
+                log.warning(
+                    "disk tier recovered",
+                    extra={"fields": {"directory": self.store.directory}},
+                )
+
+    # ------------------------------------------------------------------ promotion
+
+    def promote(self, keys: Sequence[BlockKey], req_id: str) -> asyncio.Task[None] | None:
+        """Start reading the keys on disk that the pool lacks into it for ``req_id``; the task
+        that settles it, or None when none of them is on disk or the pool has no room."""
+        pool = self.manager
+        on_disk = [k for k in dict.fromkeys(keys) if pool.slot_of(k) is None]
+        on_disk = [k for k, there in zip(on_disk, self.index.found(on_disk), strict=True) if there]
+        pin = self.index.pin(on_disk) if on_disk else None
+        if pin is None:
+            return None
+        disk_slot = dict(zip(pin.keys, pin.slots, strict=True))
+
+        async def read(keys: list[BlockKey], slots: list[int], req_id: str) -> list[bool]:
+            bad: list[BlockKey] = []
+            try:
+                ok, bad = await self._read(keys, slots, disk_slot, req_id)
+                return ok
+            finally:
+                self._unpin(pin, bad)
+
+        task = self.promotions.start(on_disk, req_id, read)
+        if task is None:
+            self.index.unpin(pin)
+        return task
+
+    async def _read(
+        self,
+        keys: list[BlockKey],
+        slots: list[int],
+        disk_slot: dict[BlockKey, int],
+        req_id: str,
+    ) -> tuple[list[bool], list[BlockKey]]:
+        """Per key, read whole and checked; and the keys whose disk copy is bad (a timeout
+        says nothing about the blocks: none is bad then)."""
+        items = [(disk_slot[k], k, s) for k, s in zip(keys, slots, strict=True)]
+        started = time.perf_counter()
+        reading = asyncio.ensure_future(asyncio.to_thread(self.store.read_many, items))
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                ok = await asyncio.shield(reading)
+        except TimeoutError:
+            self.counts["read_timeouts"] += 1
+            self.store.mark_degraded(f"read of {len(items)} block(s) past {self.timeout_s}s")
+            # The read still writes into the slots: they stay reserved until it lets go.
+            while set(slots) & self.store.held_slots():
+                await asyncio.sleep(HELD_POLL_S)
+            with contextlib.suppress(Exception):
+                await reading
+            return [False] * len(keys), []
+        self._io("read", started, len(items), req_id)
+        # Blocks that failed are torn, corrupt or unreadable: no use keeping them.
+        return ok, [k for k, good in zip(keys, ok, strict=True) if not good]
+
+    def _unpin(self, pin: DiskOp, bad: list[BlockKey]) -> None:
+        dropped = self.index.unpin(pin, bad)
+        if dropped:
+            by_key = dict(zip(pin.keys, pin.slots, strict=True))
+            self.store.forget([by_key[k] for k in dropped])
+            self.counts["corrupt_dropped"] += len(dropped)
+            self._removed(dropped, "dropped_bad")
+
+    def loaded(self, req_id: str, keys: Sequence[BlockKey]) -> None:
+        """Request ``req_id`` pinned ``keys`` with its own load (promoted blocks let go)."""
+        self.promotions.loaded(req_id, keys)
+
+    def writing(self) -> set[str]:
+        """Requests whose promotions write into reserved pool slots now."""
+        return self.promotions.writing()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _io(self, op: str, started: float, blocks: int, req_id: str | None) -> None:
+        if self._on_io is not None:
+            self._on_io(op, time.perf_counter() - started, blocks, req_id)
+
+
+def open_disk(settings: Settings, pool: HostPool, namespace: str) -> tuple[DiskStore, DiskIndex]:
+    """The disk tier ``settings`` name for ``namespace`` on ``pool`` (blocking: call it off the
+    loop); ``DiskError`` when its directory cannot be used."""
+    s = settings
+    assert s.disk_dir is not None
+    slots = slots_for(s.disk_bytes, s.block_bytes)
+    store = DiskStore(
+        os.path.join(str(s.disk_dir), namespace),
+        pool,
+        slots,
+        staging_blocks=s.disk_staging_blocks,
+        io_threads=s.disk_io_threads,
+        direct=None if s.disk_direct_io else False,
+    )
+    index = DiskIndex(slots, s.disk_policy, admit_after=s.disk_admit_after)
+    return store, index

@@ -1,0 +1,146 @@
+"""Bringing blocks up from a lower tier (disk, remote) into the pool for a request: one mechanism.
+
+A promotion reserves pool slots for the keys as stores pending for the engine's request
+(``PENDING`` to every lookup, not evictable), runs the tier's read into those slots off the loop,
+then completes the stores: each key read in full becomes ready (then ``HIT``) and is *held* for
+that request (``OffloadManager.hold``) until the request pins it with its own load (``loaded``)
+or ``hold_s`` passes, so it is still there when the engine comes back for it; a key not read is
+dropped (``MISS``). Bytes not read in full are never made loadable. While a read may still write
+into its slots, the request is in ``writing()``, so no lease expiry frees them under it.
+
+``Promotions.start`` returns an ``asyncio.Task`` that ends when the read is settled: an ``onload``
+waits on it and then loads in the same job (no 409 round trip); a ``prepare-load`` does not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+from collections.abc import Awaitable, Callable, Sequence
+
+from app.telemetry.logging import get_logger
+from manager import BlockKey, OffloadManager, ReqContext
+from manager.errors import ManagerError
+
+log = get_logger("promotion")
+
+#: ``read(keys, slots, req_id) -> per key: read in full``; the tier's read into pool slots.
+Read = Callable[[list[BlockKey], list[int], str], Awaitable[list[bool]]]
+
+
+class Promotions:
+    """Promotions in flight and the holds they keep; see the module docstring."""
+
+    def __init__(
+        self, manager: OffloadManager, *, hold_s: float, on_event: Callable[[], None], tier: str
+    ) -> None:
+        self.manager = manager
+        self.hold_s = hold_s
+        self.tier = tier
+        self._on_event = on_event
+        self._held_for: dict[str, set[BlockKey]] = {}
+        self._running: dict[str, set[asyncio.Task[None]]] = {}
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def start(self, keys: Sequence[BlockKey], req_id: str, read: Read) -> asyncio.Task[None] | None:
+        """Reserve pool slots for ``keys`` (those the pool lacks) and start ``read`` into
+        them; the task that settles it, or None when nothing was started (no room, no key)."""
+        manager = self.manager
+        wanted = [k for k in dict.fromkeys(keys) if manager.slot_of(k) is None]
+        if not wanted:
+            return None
+        ctx = ReqContext(req_id)
+        try:
+            out = manager.prepare_store(wanted, ctx)
+        except ManagerError:
+            return None
+        if out is None or not out.keys_to_store:
+            return None
+        if out.evicted_keys:
+            self._on_event()
+        self.counts["promoted_keys"] += len(out.keys_to_store)
+        task = asyncio.get_running_loop().create_task(
+            self._settle(ctx, out.keys_to_store, out.slots, read),
+            name=f"kvoffload-{self.tier}-promote",
+        )
+        tasks = self._running.setdefault(req_id, set())
+        tasks.add(task)
+        task.add_done_callback(lambda t: self._done(req_id, t))
+        return task
+
+    def _done(self, req_id: str, task: asyncio.Task[None]) -> None:
+        tasks = self._running.get(req_id)
+        if tasks is not None:
+            tasks.discard(task)
+            if not tasks:
+                del self._running[req_id]
+
+    def running_for(self, req_id: str) -> list[asyncio.Task[None]]:
+        """The promotions in flight for ``req_id``."""
+        return list(self._running.get(req_id, ()))
+
+    async def _settle(
+        self, ctx: ReqContext, keys: list[BlockKey], slots: list[int], read: Read
+    ) -> None:
+        try:
+            ok = await read(keys, slots, ctx.req_id)
+            good = [k for k, g in zip(keys, ok, strict=True) if g]
+            bad = [k for k, g in zip(keys, ok, strict=True) if not g]
+        except Exception:
+            log.exception(f"{self.tier} promotion failed; its blocks are dropped")
+            good, bad = [], keys
+        self._complete(ctx, good, bad)
+
+    def _complete(self, ctx: ReqContext, good: list[BlockKey], bad: list[BlockKey]) -> None:
+        manager = self.manager
+        with contextlib.suppress(ManagerError):  # the request was forgotten meanwhile
+            if bad:
+                manager.complete_store(bad, ctx, success=False)
+                self.counts["promoted_failed"] += len(bad)
+            if good:
+                done = manager.complete_store(good, ctx, success=True).completed
+                self.counts["promoted_ready"] += len(done)
+                if done:
+                    slots = manager.hold(done)
+                    held = [k for k, slot in zip(done, slots, strict=True) if slot is not None]
+                    self._held_for.setdefault(ctx.req_id, set()).update(held)
+                    asyncio.get_running_loop().call_later(
+                        self.hold_s, self.let_go, ctx.req_id, held
+                    )
+        self._on_event()
+
+    def loaded(self, req_id: str, keys: Sequence[BlockKey]) -> None:
+        """Request ``req_id`` pinned ``keys`` with its own load: promoted blocks among them
+        need no hold of ours any more."""
+        if req_id in self._held_for:
+            self.let_go(req_id, keys)
+
+    def let_go(self, req_id: str, keys: Sequence[BlockKey] | None) -> None:
+        """Release the holds kept for ``req_id`` on ``keys`` (None: all of them)."""
+        held = self._held_for.get(req_id)
+        if held is None:
+            return
+        gone = list(held) if keys is None else [k for k in keys if k in held]
+        if gone:
+            held.difference_update(gone)
+            self.manager.release_hold(gone)
+        if not held:
+            del self._held_for[req_id]
+
+    def writing(self) -> set[str]:
+        """Requests with a promotion in flight: their pending stores are being written."""
+        return set(self._running)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(len(t) for t in self._running.values())
+
+    async def close(self) -> None:
+        """Wait for promotions in flight, then release every hold."""
+        for tasks in list(self._running.values()):
+            for task in list(tasks):
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await task
+        for req_id in list(self._held_for):
+            self.let_go(req_id, None)

@@ -1,0 +1,489 @@
+"""The disk tier's bytes: block slots in one file, an index of what each holds, checksums.
+
+``DiskStore`` keeps blocks of the host pool's ``block_bytes`` in a directory of its own (one per
+service namespace, so keys of two namespaces never meet):
+
+- ``blocks``: slot ``i`` at offset ``i x slot_bytes`` (``block_bytes`` rounded up to 4 KiB).
+  Sparse: a slot takes disk space once written. Written and read with ``O_DIRECT`` when the
+  filesystem and the block size allow it (``direct``), buffered otherwise.
+- ``index``: a 4 KiB header (format, block and slot size, slot count), then one 128-byte entry
+  per slot: key, the block's checksum (xxh3-64 of its bytes, seeded with a hash of the key, so a
+  block read back under another key fails too), a write sequence number and the entry's own
+  checksum. Written buffered, never read on the data path: the entries live in memory.
+- ``probe``: one page, rewritten to tell whether writes work again after a fault.
+- ``lock``: ``flock``-ed while open, so two processes never share a directory.
+
+Writing a block: its entry is cleared, the bytes are written, then the entry is written. A block
+torn by a crash (SIGKILL, power loss) is therefore either unlisted or listed with a checksum its
+bytes do not match; reads check every block against its entry, so a torn or corrupt block is
+reported as failed (the caller drops it), never returned as good.
+
+Restart: ``open`` reads the index file in one pass (128 bytes per slot: 512 MiB for 1 TB of
+256 KiB blocks, a sequential read) and keeps the entries whose own checksum holds; ``listed()``
+returns them oldest write first. A header of another block size starts the directory empty.
+
+Bytes under the directory never exceed ``disk_bytes``: ``slots_for(disk_bytes, block_bytes)``
+sizes the slot count so that ``blocks`` (at most ``slots x slot_bytes``), ``index``
+(4 KiB + 128 B per slot) and ``probe`` (4 KiB) fit.
+
+Faults: an ``OSError`` on a write (disk full, read-only, I/O error) or a read marks the store
+``degraded`` (``health()``); the failed blocks are reported failed, nothing raises out of the
+data calls. ``probe()`` tries a real write and returns the store to ``ok`` when it works.
+
+Data calls run their blocks on a small pool of I/O threads (``io_threads``); they block the
+caller, so the service calls them off its event loop. Checksums release the GIL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import mmap
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Literal
+
+import xxhash
+
+from transfer.errors import TransferError
+from transfer.host_pool import HostPool
+
+__all__ = [
+    "DISK_COUNTERS",
+    "DiskError",
+    "DiskHealth",
+    "DiskStore",
+    "block_checksum",
+    "slots_for",
+]
+
+PAGE = 4096
+ENTRY_BYTES = 128
+HEADER_BYTES = PAGE
+_MAGIC = b"KVODISK1"
+_HEADER = struct.Struct("<8sIQQQ")  # magic, version, block_bytes, slot_bytes, num_slots
+_VERSION = 1
+_ENTRY_MAGIC = b"KVOE"
+# magic, key length, write sequence, block checksum, key (padded): then the entry's checksum.
+_ENTRY = struct.Struct("<4sHQQ64s")
+_ENTRY_SUM = struct.Struct("<Q")
+_EMPTY = bytes(ENTRY_BYTES)
+_MAX_KEY = 64
+
+DiskState = Literal["ok", "degraded"]
+
+DISK_COUNTERS = (
+    "writes",  # blocks written whole
+    "write_failures",  # blocks a write did not store (I/O error, disk full, read-only)
+    "reads",  # blocks read back whole with a matching checksum
+    "read_failures",  # blocks a read could not read (I/O error, short read)
+    "checksum_failures",  # blocks read back whose bytes did not match their checksum
+    "bytes_written",
+    "bytes_read",
+    "incidents",  # times the store went from ok to degraded
+)
+
+
+class DiskError(TransferError):
+    """The disk tier cannot be opened: a directory that is not one, in use by another process,
+    or not writable."""
+
+
+def slots_for(disk_bytes: int, block_bytes: int) -> int:
+    """How many block slots fit in ``disk_bytes`` with the index and the probe page."""
+    slot = _slot_bytes(block_bytes)
+    return max(0, (disk_bytes - HEADER_BYTES - PAGE) // (slot + ENTRY_BYTES))
+
+
+def _slot_bytes(block_bytes: int) -> int:
+    return -(-block_bytes // PAGE) * PAGE
+
+
+def block_checksum(key: bytes, data: object) -> int:
+    """The checksum a block is stored with: xxh3-64 of its bytes, seeded by its key."""
+    return xxhash.xxh3_64_intdigest(data, seed=xxhash.xxh3_64_intdigest(key))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class DiskHealth:
+    """A snapshot of the store: state, since when (``time.time()``), the last error (kept
+    after recovery), and counters (at least ``DISK_COUNTERS``)."""
+
+    state: DiskState
+    since: float
+    last_error: str | None = None
+    counters: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "ok"
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "state": self.state,
+            "since": self.since,
+            "seconds_in_state": max(0.0, time.time() - self.since),
+            "last_error": self.last_error,
+            "counters": dict(self.counters),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    key: bytes
+    checksum: int
+    seq: int
+
+
+class DiskStore:
+    """Block slots on disk for one namespace; see the module docstring."""
+
+    def __init__(
+        self,
+        directory: str,
+        pool: HostPool,
+        num_slots: int,
+        *,
+        staging_blocks: int = 64,
+        io_threads: int = 4,
+        direct: bool | None = None,
+    ) -> None:
+        """Open (or create) the store in ``directory`` for blocks of ``pool.block_bytes``.
+
+        ``direct``: None tries ``O_DIRECT`` and falls back to buffered I/O where the filesystem
+        or the block size does not allow it; False forces buffered I/O. ``staging_blocks``:
+        aligned buffers that hold blocks copied out of the pool until they are written.
+        Raises ``DiskError`` (nothing left open) when the directory cannot be used.
+        """
+        if num_slots <= 0:
+            raise DiskError(f"the disk holds no block of {pool.block_bytes} bytes")
+        self.directory = directory
+        self.pool = pool
+        self.block_bytes = pool.block_bytes
+        self.slot_bytes = _slot_bytes(self.block_bytes)
+        self.num_slots = num_slots
+        self._lock_fd = -1
+        self._data_fd = -1
+        self._index_fd = -1
+        try:
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+            if not os.path.isdir(directory):
+                raise DiskError(f"{directory} is not a directory")
+            self._lock_fd = os.open(os.path.join(directory, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise DiskError(f"{directory} is in use by another process") from None
+            self.direct = self._open_data(direct)
+            self._index_fd = os.open(
+                os.path.join(directory, "index"), os.O_RDWR | os.O_CREAT, 0o600
+            )
+            self._entries: dict[int, _Entry] = {}
+            self._load_index()
+        except OSError as exc:
+            self._close_fds()
+            raise DiskError(f"cannot use {directory}: {exc.strerror or exc}") from None
+        except BaseException:
+            self._close_fds()
+            raise
+        # Page-aligned (mmap) buffers for blocks on their way from the pool to the disk.
+        self.staging_blocks = staging_blocks
+        self._staging = mmap.mmap(-1, max(1, staging_blocks) * self.slot_bytes)
+        self._staging_free = list(range(staging_blocks - 1, -1, -1))
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoffload-disk")
+        self._mutex = threading.Lock()
+        self._seq = max((e.seq for e in self._entries.values()), default=0)
+        self._held: dict[int, int] = {}  # pool slots a read still writes into -> count
+        self._state: DiskState = "ok"
+        self._since = time.time()
+        self._last_error: str | None = None
+        self._counters = dict.fromkeys(DISK_COUNTERS, 0)
+        self._closed = False
+        # Test seam: the syscalls that move bytes (a fault test swaps in failing ones).
+        self.pwrite: Callable[[int, object, int], int] = os.pwrite  # type: ignore[assignment]
+        self.preadv: Callable[[int, list[memoryview], int], int] = os.preadv
+
+    # ------------------------------------------------------------------ opening
+
+    def _open_data(self, direct: bool | None) -> bool:
+        path = os.path.join(self.directory, "blocks")
+        flags = os.O_RDWR | os.O_CREAT
+        if direct is not False and self.block_bytes % PAGE == 0 and hasattr(os, "O_DIRECT"):
+            try:
+                self._data_fd = os.open(path, flags | os.O_DIRECT, 0o600)
+                return True
+            except OSError as exc:  # tmpfs and some others refuse O_DIRECT
+                if exc.errno != errno.EINVAL:
+                    raise
+        self._data_fd = os.open(path, flags, 0o600)
+        return False
+
+    def _load_index(self) -> None:
+        fd = self._index_fd
+        size = os.fstat(fd).st_size
+        header = os.pread(fd, _HEADER.size, 0) if size >= HEADER_BYTES else b""
+        fresh = True
+        if len(header) == _HEADER.size:
+            magic, version, block_bytes, slot_bytes, _ = _HEADER.unpack(header)
+            fresh = not (
+                magic == _MAGIC
+                and version == _VERSION
+                and block_bytes == self.block_bytes
+                and slot_bytes == self.slot_bytes
+            )
+        if fresh:
+            # Another format or block size: the old blocks cannot be served; start empty.
+            os.ftruncate(fd, 0)
+            os.ftruncate(self._data_fd, 0)
+        else:
+            raw = os.pread(fd, self.num_slots * ENTRY_BYTES, HEADER_BYTES)
+            for slot in range(len(raw) // ENTRY_BYTES):
+                entry = _parse_entry(raw[slot * ENTRY_BYTES : (slot + 1) * ENTRY_BYTES])
+                if entry is not None:
+                    self._entries[slot] = entry
+        head = _HEADER.pack(_MAGIC, _VERSION, self.block_bytes, self.slot_bytes, self.num_slots)
+        os.pwrite(fd, head.ljust(HEADER_BYTES, b"\0"), 0)
+        # A smaller disk than last time: the slots past the end are gone.
+        os.ftruncate(fd, HEADER_BYTES + self.num_slots * ENTRY_BYTES)
+        if os.fstat(self._data_fd).st_size > self.num_slots * self.slot_bytes:
+            os.ftruncate(self._data_fd, self.num_slots * self.slot_bytes)
+
+    def listed(self) -> list[tuple[bytes, int]]:
+        """``(key, slot)`` of every block the index lists, oldest write first (a key listed
+        twice, from an interrupted rewrite, keeps its newest slot)."""
+        by_key: dict[bytes, tuple[int, int]] = {}
+        for slot, e in self._entries.items():
+            old = by_key.get(e.key)
+            if old is None or old[0] < e.seq:
+                by_key[e.key] = (e.seq, slot)
+        keep = set(slot for _, slot in by_key.values())
+        for slot in [s for s in self._entries if s not in keep]:
+            self._forget(slot)
+        return [(key, slot) for key, (_, slot) in sorted(by_key.items(), key=lambda kv: kv[1][0])]
+
+    # ------------------------------------------------------------------ staging
+
+    def stage(self, pool_slots: Sequence[int]) -> list[int] | None:
+        """Copy pool slots into free staging buffers (on the caller's thread, before the pool
+        slots are reused); their buffer ids, or None when too few are free (nothing copied)."""
+        with self._mutex:
+            if len(self._staging_free) < len(pool_slots):
+                return None
+            ids = [self._staging_free.pop() for _ in pool_slots]
+        pool = self.pool.tensor.numpy()
+        bb = self.block_bytes
+        for buf, slot in zip(ids, pool_slots, strict=True):
+            off = buf * self.slot_bytes
+            self._staging[off : off + bb] = pool[slot].data
+        return ids
+
+    def unstage(self, ids: Sequence[int]) -> None:
+        """Give staging buffers back (their blocks are written or dropped)."""
+        with self._mutex:
+            self._staging_free.extend(ids)
+
+    @property
+    def staging_free(self) -> int:
+        return len(self._staging_free)
+
+    # ------------------------------------------------------------------ writes
+
+    def write_many(self, items: Sequence[tuple[int, bytes, int]]) -> list[bool]:
+        """Write staged blocks: ``(disk_slot, key, staging_id)`` each; per item, whether the
+        block is whole on disk and listed. Blocks; runs the items on the I/O threads."""
+        return list(self._pool.map(self._write_one, items)) if items else []
+
+    def _write_one(self, item: tuple[int, bytes, int]) -> bool:
+        slot, key, buf = item
+        if self._closed or len(key) > _MAX_KEY or not 0 <= slot < self.num_slots:
+            return False
+        view = memoryview(self._staging)[buf * self.slot_bytes : (buf + 1) * self.slot_bytes]
+        try:
+            entry_at = HEADER_BYTES + slot * ENTRY_BYTES
+            if slot in self._entries:
+                os.pwrite(self._index_fd, _EMPTY, entry_at)
+                self._entries.pop(slot, None)
+            written = self.pwrite(self._data_fd, view, slot * self.slot_bytes)
+            if written != self.slot_bytes:
+                raise OSError(errno.EIO, f"short write ({written} of {self.slot_bytes} bytes)")
+            checksum = block_checksum(key, view[: self.block_bytes])
+            with self._mutex:
+                self._seq += 1
+                seq = self._seq
+            os.pwrite(self._index_fd, _pack_entry(key, checksum, seq), entry_at)
+        except OSError as exc:
+            self._failed("write", exc)
+            self._count("write_failures", 1)
+            return False
+        finally:
+            view.release()
+        self._entries[slot] = _Entry(key, checksum, seq)
+        self._count("writes", 1)
+        self._count("bytes_written", self.slot_bytes)
+        return True
+
+    def forget(self, slots: Sequence[int]) -> None:
+        """Unlist slots whose blocks the caller dropped (evicted from the disk index or found
+        corrupt), so a restart does not bring them back. Best effort: a failed write leaves an
+        entry whose block the index no longer holds, found and dropped at the next restart."""
+        for slot in slots:
+            self._forget(slot)
+
+    def _forget(self, slot: int) -> None:
+        if self._entries.pop(slot, None) is None:
+            return
+        with contextlib.suppress(OSError):
+            os.pwrite(self._index_fd, _EMPTY, HEADER_BYTES + slot * ENTRY_BYTES)
+
+    # ------------------------------------------------------------------ reads
+
+    def read_many(self, items: Sequence[tuple[int, bytes, int]]) -> list[bool]:
+        """Read blocks straight into pool slots: ``(disk_slot, key, pool_slot)`` each; per
+        item, True only when the whole block was read and matches its key and checksum (a
+        False pool slot holds undefined bytes). Blocks; runs on the I/O threads."""
+        if not items:
+            return []
+        with self._mutex:
+            for _, _, pool_slot in items:
+                self._held[pool_slot] = self._held.get(pool_slot, 0) + 1
+        try:
+            return list(self._pool.map(self._read_one, items))
+        finally:
+            with self._mutex:
+                for _, _, pool_slot in items:
+                    left = self._held[pool_slot] - 1
+                    if left:
+                        self._held[pool_slot] = left
+                    else:
+                        del self._held[pool_slot]
+
+    def _read_one(self, item: tuple[int, bytes, int]) -> bool:
+        slot, key, pool_slot = item
+        entry = self._entries.get(slot)
+        if self._closed or entry is None or entry.key != key:
+            self._count("read_failures", 1)
+            return False
+        dest = self.pool.tensor[pool_slot].numpy().data
+        try:
+            # Straight into the pool slot (O_DIRECT: page-aligned, whole pages, as
+            # ``direct`` requires block_bytes to be a multiple of the page).
+            got = self.preadv(self._data_fd, [dest], slot * self.slot_bytes)
+            if got != self.block_bytes:
+                raise OSError(errno.EIO, f"short read ({got} of {self.block_bytes} bytes)")
+            good = block_checksum(key, dest) == entry.checksum
+        except OSError as exc:
+            self._failed("read", exc)
+            self._count("read_failures", 1)
+            return False
+        finally:
+            dest.release()
+        if not good:
+            self._count("checksum_failures", 1)
+            return False
+        self._count("reads", 1)
+        self._count("bytes_read", self.block_bytes)
+        return True
+
+    def held_slots(self) -> frozenset[int]:
+        """Pool slots a read still writes into (a caller that gave up waiting must not reuse
+        them until they leave this set)."""
+        with self._mutex:
+            return frozenset(self._held)
+
+    # ------------------------------------------------------------------ health
+
+    def health(self) -> DiskHealth:
+        """State and counters; never blocks on the disk."""
+        with self._mutex:
+            return DiskHealth(self._state, self._since, self._last_error, dict(self._counters))
+
+    def probe(self) -> bool:
+        """Try a real write (the probe page, synced); back to ``ok`` when it works. Blocks."""
+        path = os.path.join(self.directory, "probe")
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                os.pwrite(fd, os.urandom(64).ljust(PAGE, b"\0"), 0)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            self._failed("probe", exc)
+            return False
+        with self._mutex:
+            if self._state != "ok":
+                self._state = "ok"
+                self._since = time.time()
+        return True
+
+    def disk_usage(self) -> int:
+        """Bytes the store's files take on disk now (allocated blocks, not apparent size)."""
+        total = 0
+        for name in ("blocks", "index", "probe", "lock"):
+            with contextlib.suppress(OSError):
+                total += os.stat(os.path.join(self.directory, name)).st_blocks * 512
+        return total
+
+    def mark_degraded(self, why: str) -> None:
+        """Degrade the store for a reason seen by its caller (a read past its timeout)."""
+        self._degrade(why)
+
+    def _failed(self, what: str, exc: OSError) -> None:
+        self._degrade(f"{what}: {exc.strerror or exc}")
+
+    def _degrade(self, message: str) -> None:
+        with self._mutex:
+            self._last_error = message
+            if self._state == "ok":
+                self._state = "degraded"
+                self._since = time.time()
+                self._counters["incidents"] += 1
+
+    def _count(self, name: str, n: int) -> None:
+        with self._mutex:
+            self._counters[name] += n
+
+    # ------------------------------------------------------------------ closing
+
+    def close(self) -> None:
+        """Finish the I/O in flight and close the files (idempotent). The index stays on disk
+        for the next start."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        self._close_fds()
+        self._staging.close()
+
+    def _close_fds(self) -> None:
+        for name in ("_data_fd", "_index_fd", "_lock_fd"):
+            fd = getattr(self, name, -1)
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+                setattr(self, name, -1)
+
+
+def _pack_entry(key: bytes, checksum: int, seq: int) -> bytes:
+    body = _ENTRY.pack(_ENTRY_MAGIC, len(key), seq, checksum, key)
+    own = _ENTRY_SUM.pack(xxhash.xxh3_64_intdigest(body))
+    return (body + own).ljust(ENTRY_BYTES, b"\0")
+
+
+def _parse_entry(raw: bytes) -> _Entry | None:
+    if raw[:4] != _ENTRY_MAGIC:
+        return None
+    body = raw[: _ENTRY.size]
+    (own,) = _ENTRY_SUM.unpack_from(raw, _ENTRY.size)
+    if xxhash.xxh3_64_intdigest(body) != own:
+        return None
+    _, key_len, seq, checksum, key = _ENTRY.unpack(body)
+    if not 1 <= key_len <= _MAX_KEY:
+        return None
+    return _Entry(key[:key_len], checksum, seq)
