@@ -121,8 +121,10 @@ class Tenancy:
     # ------------------------------------------------------------------ building
 
     def _settings_of(self, ns: NamespaceConfig) -> Settings:
-        blocks = ns.blocks if ns.blocks is not None else self.settings.num_blocks
-        return self.settings.model_copy(update={"num_blocks": blocks})
+        s = self.settings
+        blocks = ns.blocks if ns.blocks is not None else s.num_blocks
+        disk = ns.disk_bytes if ns.disk_bytes is not None else s.disk_bytes
+        return s.model_copy(update={"num_blocks": blocks, "disk_bytes": disk})
 
     def _managers(self) -> list[OffloadManager]:
         return [space.service.manager.manager for space in self.spaces.values()]
@@ -349,10 +351,16 @@ class Tenancy:
                 await space.service.stop()
         for name, ns in new.items():
             if name in self.spaces:
-                if ns.blocks != old[name].blocks:
+                if (ns.blocks, ns.disk_bytes) != (old[name].blocks, old[name].disk_bytes):
                     log.warning(
-                        "namespace size changed; it keeps its pool until a restart",
-                        extra={"fields": {"namespace": name, "blocks": ns.blocks}},
+                        "namespace size changed; it keeps its pool and disk until a restart",
+                        extra={
+                            "fields": {
+                                "namespace": name,
+                                "blocks": ns.blocks,
+                                "disk_bytes": ns.disk_bytes,
+                            }
+                        },
                     )
                 continue
             owner = after.owner(name)

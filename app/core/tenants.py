@@ -5,7 +5,8 @@ of ``NAME.toml`` files, one per tenant, holding the same keys at their top level
 ``*.toml`` files count, symbolic links followed; dotfiles and the ``..data`` links of a
 Kubernetes secret volume are skipped). Each tenant has ``tokens`` (one or more, each at least
 ``MIN_TOKEN_CHARS`` printable ASCII characters without spaces), ``namespaces`` (a table of
-name = blocks, or a list of names whose size the service chooses) and optional ``max_pins`` and
+name = blocks, or name = { blocks = N, disk_bytes = M } to give a namespace its own disk tier
+budget, or a list of names whose sizes the service chooses) and optional ``max_pins`` and
 ``max_requests``. Names match ``NAME``. ``load_tenants`` refuses the whole file on the first
 problem (an unknown key, a bad name, a short or repeated token, a namespace of two tenants, a
 count that is not a positive integer, a tenant without namespaces, a file readable by others, no
@@ -63,10 +64,12 @@ class TenantsConfigError(ConfigError):
 
 @dataclass(frozen=True, slots=True)
 class NamespaceConfig:
-    """A namespace: its name and its pool size in blocks (None: the service's ``num_blocks``)."""
+    """A namespace: its name, its pool size in blocks and its disk tier's bytes (None: the
+    service's ``num_blocks`` / ``disk_bytes``)."""
 
     name: str
     blocks: int | None
+    disk_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,27 +250,43 @@ def _tenant(
 
 
 def _namespaces(root: Path, label: str, value: Any) -> tuple[NamespaceConfig, ...]:
-    accepted = "accepted: namespaces = { NAME = BLOCKS, ... } or [NAME, ...], one or more"
+    accepted = (
+        "accepted: namespaces = { NAME = BLOCKS or { blocks = N, disk_bytes = M }, ... } or "
+        "[NAME, ...], one or more"
+    )
+    found: list[tuple[str, int | None, int | None]]
     if isinstance(value, dict):
-        found = [
-            (name, _positive(root, label, f"namespaces.{name}", b)) for name, b in value.items()
-        ]
+        found = [_namespace(root, label, name, v, accepted) for name, v in value.items()]
     elif isinstance(value, list):
         if not all(isinstance(name, str) for name in value):
             raise _refused(root, label, f"namespaces holds a non-string; {accepted}")
-        found = [(name, None) for name in value]
+        found = [(name, None, None) for name in value]
     else:
         found = []
     if not found:
         raise _refused(root, label, f"no namespaces; {accepted}")
     seen: set[str] = set()
-    for name, _ in found:
+    for name, _, _ in found:
         if not NAME.fullmatch(name):
             raise _refused(root, label, f"namespace name {name!r}; {_NAME_ACCEPTED}")
         if name in seen:
             raise _refused(root, label, f"namespace {name!r} twice; accepted: each name once")
         seen.add(name)
-    return tuple(NamespaceConfig(name, blocks) for name, blocks in found)
+    return tuple(NamespaceConfig(name, blocks, disk) for name, blocks, disk in found)
+
+
+def _namespace(
+    root: Path, label: str, name: str, value: Any, accepted: str
+) -> tuple[str, int | None, int | None]:
+    """``(name, blocks, disk_bytes)`` of one ``namespaces`` entry: a count, or a table."""
+    key = f"namespaces.{name}"
+    if not isinstance(value, dict):
+        return name, _positive(root, label, key, value), None
+    unknown = sorted(set(value) - {"blocks", "disk_bytes"})
+    if unknown:
+        raise _refused(root, label, f"{key} has unknown key(s) {_names(unknown)}; {accepted}")
+    blocks = _positive(root, label, f"{key}.blocks", value.get("blocks"))
+    return name, blocks, _positive(root, label, f"{key}.disk_bytes", value.get("disk_bytes"))
 
 
 def _positive(root: Path, label: str, key: str, value: Any) -> int | None:

@@ -87,6 +87,20 @@ def test_a_file_of_tenants(tmp_path: Path) -> None:
     assert TOKEN_A not in repr(table)
 
 
+def test_a_namespace_may_have_its_own_disk_budget(tmp_path: Path) -> None:
+    text = f"""
+    [tenants.team-a]
+    tokens = ["{TOKEN_A}"]
+    namespaces = {{ big = {{ blocks = 100, disk_bytes = 1000000 }}, small = 8, d = {{}} }}
+    """
+    table, _ = load_tenants(write(tmp_path / "tenants.toml", text))
+    assert table.tenants["team-a"].namespaces == (
+        NamespaceConfig("big", 100, 1000000),
+        NamespaceConfig("small", 8, None),
+        NamespaceConfig("d", None, None),
+    )
+
+
 def test_a_directory_of_tenant_files_skips_everything_else(tmp_path: Path) -> None:
     write(tmp_path / "team-a.toml", f'tokens = ["{TOKEN_A}"]\nnamespaces = ["a"]\n')
     write(tmp_path / "team-b.toml", f'tokens = ["{TOKEN_B}"]\nnamespaces = {{ b = 8 }}\n')
@@ -207,6 +221,14 @@ def ok_tenant(name: str, token: str, namespaces: str = '["ns-NAME"]') -> str:
         (tenant(f'tokens = ["{TOKEN_A}"]\nnamespaces = {{ a = 1.5 }}\n'), ["namespaces.a = 1.5"]),
         (tenant(f'tokens = ["{TOKEN_A}"]\nnamespaces = {{ a = true }}\n'), ["namespaces.a = True"]),
         (tenant(f'tokens = ["{TOKEN_A}"]\nnamespaces = {{ a = "9" }}\n'), ["namespaces.a = '9'"]),
+        (
+            tenant(f'tokens = ["{TOKEN_A}"]\nnamespaces = {{ a = {{ disk_bytes = 0 }} }}\n'),
+            ["namespaces.a.disk_bytes = 0", "a positive integer"],
+        ),
+        (
+            tenant(f'tokens = ["{TOKEN_A}"]\nnamespaces = {{ a = {{ disk = 5 }} }}\n'),
+            ["namespaces.a has unknown key(s) 'disk'"],
+        ),
         (
             tenant(f'tokens = ["{TOKEN_A}"]\nnamespaces = ["a"]\nmax_pins = 0\n'),
             ["max_pins = 0", "a positive integer"],
