@@ -429,3 +429,45 @@ def test_an_inclusive_disk_of_15k_under_5k_reaches_095_of_a_20k_pool(
     assert result.hit_ratio >= 0.95 * flat
     assert disk.pool_hit_ratio == pytest.approx(replay(shipped, "lru", 5_000).hit_ratio)
     assert disk.pool_hits + disk.disk_hits == result.prefix_hits
+
+
+def test_replay_command_with_a_disk_prints_both_levels_and_no_belady(small_trace: Path) -> None:
+    args = ("--policy", "lru", "--capacity", "1,2", "--disk-capacity", "3")
+    code, out, _ = run_cli(str(small_trace), *args, "--json")
+    assert code == 0
+    rows = json.loads(out)
+    assert [(r["policy"], r["capacity"]) for r in rows] == [("lru", 1), ("lru", 2)]
+    for row in rows:
+        disk = row["disk"]
+        assert (disk["capacity"], disk["admit_after"], disk["policy"]) == (3, 2, "lru")
+        assert disk["pool_hits"] + disk["disk_hits"] == row["prefix_hits"]
+        assert "fraction_of_belady" not in row
+    code, out, _ = run_cli(str(small_trace), *args, "--disk-admit-after", "3")
+    assert code == 0
+    head, _, first = out.splitlines()[:3]
+    assert head.split() == [
+        *("policy", "pool", "disk", "K", "hit", "pool", "hit", "disk", "hit"),
+        *("demotions", "refused", "disk", "evictions"),
+    ]
+    assert first.split()[:4] == ["lru", "1", "3", "3"]
+    assert "demotions: blocks written to disk" in out
+    assert BELADY not in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--disk-admit-after", "1"], "need --disk-capacity"),
+        (["--disk-policy", "lru"], "need --disk-capacity"),
+        (["--disk-capacity", "0"], "positive integer"),
+        (["--disk-capacity", "4", "--disk-admit-after", "0"], "admit_after"),
+        (["--disk-capacity", "4", "--disk-policy", "nope"], "unknown --disk-policy nope"),
+        (["--disk-capacity", "4", "--policy", "lru,oracle-lru"], "oracle-lru is a pool-only"),
+    ],
+)
+def test_replay_command_rejects_a_bad_disk(
+    small_trace: Path, args: list[str], message: str
+) -> None:
+    code, out, err = run_cli(str(small_trace), "--capacity", "2", *args)
+    assert (code, out) == (2, "")
+    assert message in err
