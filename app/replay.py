@@ -9,6 +9,12 @@ instead; ``--plot FILE.png`` saves hit ratio against capacity per policy (needs 
 ``--policy oracle-NAME --param horizon=H`` replays the oracle-admission bound over policy NAME:
 a new block is stored only if it is used again within H pool sizes of block references (H may
 be ``inf``: ever used again); see ``manager.replay``.
+
+``--disk-capacity N`` puts a disk tier of N blocks below each pool (``manager.replay``'s two
+levels, decided by ``manager.tiers.DiskIndex`` as the service decides them): the rows gain the
+pool and disk hit ratios, demotions (disk writes), admissions refused and disk evictions, and
+print as one line per policy and capacity. Belady's rows are skipped there (MIN is a pool-only
+ceiling, not one for two tiers) and a bound cannot be the policy.
 """
 
 from __future__ import annotations
@@ -45,7 +51,16 @@ saves hit ratio against capacity per policy (needs matplotlib).
 --policy oracle-NAME --param horizon=H replays the oracle-admission bound over policy NAME: a
 new block is stored only if it is used again within H pool sizes of block references (H may be
 inf: ever used again).
+
+--disk-capacity N adds a disk tier of N blocks below each pool, decided as the service decides
+it: a block the pool evicts is written to disk once asked for --disk-admit-after K times
+(lookups, loads and stores each count; default 2), a disk hit is read back into the pool and
+keeps its disk copy. Each row then shows the hit ratio (total, pool, disk), demotions (disk
+writes), admissions refused and disk evictions; Belady's rows are skipped.
 """
+
+#: ``--disk-admit-after`` when not given, as the service's ``--disk-admit-after``.
+DEFAULT_ADMIT_AFTER = 2
 
 TABLE_LEGEND = "hit ratio (N.NNx B): prefix hit ratio, and its fraction of Belady's MIN (B)"
 
@@ -83,6 +98,24 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         default=0,
         metavar="N",
         help="admit a new block on its N-th store offer (0: at once)",
+    )
+    parser.add_argument(
+        "--disk-capacity",
+        type=int,
+        metavar="N",
+        help="add a disk tier of N blocks below the pool (skips the Belady rows)",
+    )
+    parser.add_argument(
+        "--disk-admit-after",
+        type=int,
+        metavar="K",
+        help=f"demote an evicted block once asked for K times (default {DEFAULT_ADMIT_AFTER}; "
+        "needs --disk-capacity)",
+    )
+    parser.add_argument(
+        "--disk-policy",
+        metavar="NAME",
+        help="the disk's eviction policy (default: the pool's; needs --disk-capacity)",
     )
     parser.add_argument("--no-belady", action="store_true", help="skip the Belady ceiling")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -130,11 +163,18 @@ def sweep(
     params: dict[str, Any] | None = None,
     belady: bool = True,
     progress: TextIO | None = None,
+    disk_capacity: int | None = None,
+    disk_admit_after: int = DEFAULT_ADMIT_AFTER,
+    disk_policy: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Replay every (policy, capacity); rows carry ``fraction_of_belady`` when measured."""
+    """Replay every (policy, capacity); rows carry ``fraction_of_belady`` when measured.
+
+    With ``disk_capacity`` every replay has that disk tier below its pool (rows carry
+    ``disk``) and Belady's rows are skipped whatever ``belady`` says.
+    """
     ceiling: dict[int, float] = {}
     rows: list[dict[str, Any]] = []
-    names = ([BELADY] if belady else []) + list(policies)
+    names = ([BELADY] if belady and disk_capacity is None else []) + list(policies)
     for name in names:
         for cap in capacities:
             label = f"{name} @ {cap}"
@@ -155,6 +195,9 @@ def sweep(
                 store_threshold=0 if name == BELADY else store_threshold,
                 params=None if name == BELADY else params,
                 progress=report if progress is not None else None,
+                disk_capacity=disk_capacity,
+                disk_admit_after=disk_admit_after,
+                disk_policy=disk_policy,
             )
             if progress is not None:
                 progress.write("\r" + " " * 72 + "\r")
@@ -191,6 +234,39 @@ def format_table(rows: Sequence[dict[str, Any]], capacities: Sequence[int]) -> s
     if any("fraction_of_belady" in row for row in rows):
         lines += ["", TABLE_LEGEND]
     return "\n".join(lines)
+
+
+DISK_COLUMNS = (
+    ("hit", "hit_ratio", "{:.3f}"),
+    ("pool hit", "pool_hit_ratio", "{:.3f}"),
+    ("disk hit", "disk_hit_ratio", "{:.3f}"),
+    ("demotions", "demotions", "{:,}"),
+    ("refused", "refused", "{:,}"),
+    ("disk evictions", "evictions", "{:,}"),
+)
+DISK_LEGEND = """\
+K: --disk-admit-after; hit: prefix hit ratio (pool hit + disk hit)
+demotions: blocks written to disk; refused: evicted blocks not admitted to disk (asked fewer
+than K times); disk evictions: disk blocks evicted to make room"""
+
+
+def format_disk_table(rows: Sequence[dict[str, Any]]) -> str:
+    """One line per two-level replay (rows with ``disk``): pool and disk sizes, the hit ratio
+    in total, from the pool and from disk, and what the disk did; the legend below."""
+    width = max([8, *(len(r["policy"]) + 2 for r in rows)])
+    head = f"{'policy':<{width}}{'pool':>8}{'disk':>8}{'K':>4}" + "".join(
+        f"{title:>{max(10, len(title) + 2)}}" for title, _, _ in DISK_COLUMNS
+    )
+    lines = [head, "-" * len(head)]
+    for row in rows:
+        disk = row["disk"]
+        cells = {**disk, "hit_ratio": row["hit_ratio"]}
+        line = f"{row['policy']:<{width}}{row['capacity']:>8}{disk['capacity']:>8}"
+        line += f"{disk['admit_after']:>4}"
+        for title, key, fmt in DISK_COLUMNS:
+            line += f"{fmt.format(cells[key]):>{max(10, len(title) + 2)}}"
+        lines.append(line)
+    return "\n".join([*lines, "", DISK_LEGEND])
 
 
 PLOT_NEEDS_EXTRA = "--plot needs matplotlib: pip install 'kvoffload[plot]'"
@@ -243,6 +319,27 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.st
                     f"unknown policy {', '.join(unknown)}; available: "
                     f"{', '.join(available_policies())} (or oracle-NAME for a bound)"
                 )
+        if args.disk_capacity is None:
+            if args.disk_admit_after is not None or args.disk_policy is not None:
+                raise InvalidArgumentError(
+                    "--disk-admit-after and --disk-policy need --disk-capacity"
+                )
+        elif args.disk_capacity <= 0:
+            raise InvalidArgumentError(
+                f"--disk-capacity expects a positive integer, got {args.disk_capacity}"
+            )
+        else:
+            bounds = [p for p in policies if is_bound(p)]
+            if bounds:
+                raise InvalidArgumentError(
+                    f"--disk-capacity replays online policies; {', '.join(bounds)} is a "
+                    "pool-only bound"
+                )
+        if args.disk_policy is not None and args.disk_policy not in available_policies():
+            raise InvalidArgumentError(
+                f"unknown --disk-policy {args.disk_policy}; available: "
+                f"{', '.join(available_policies())}"
+            )
         params = dict(parse_param(p) for p in args.param)
         if params and len(policies) != 1:
             raise InvalidArgumentError("--param applies to a single --policy")
@@ -259,12 +356,19 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.st
             params=params or None,
             belady=not args.no_belady,
             progress=err if err.isatty() else None,
+            disk_capacity=args.disk_capacity,
+            disk_admit_after=(
+                DEFAULT_ADMIT_AFTER if args.disk_admit_after is None else args.disk_admit_after
+            ),
+            disk_policy=args.disk_policy,
         )
     except ManagerError as exc:
         err.write(f"kvoffload replay: {exc}\n")
         return 2
     if args.json:
         out.write(json.dumps(rows, indent=2) + "\n")
+    elif args.disk_capacity is not None:
+        out.write(format_disk_table(rows) + "\n")
     else:
         out.write(format_table(rows, capacities) + "\n")
     if args.plot is not None:

@@ -25,6 +25,26 @@ policy sees the same touches. It is a ceiling for admission filters that predict
 that horizon, not for every policy: on a given trace cutting a block reused just past the horizon
 can lose a hit the plain policy would have had.
 
+**Two levels** (``disk_capacity``): a disk tier below the pool, decided by ``DiskIndex`` exactly
+as the service decides it (inclusive: a block read back keeps its disk copy). Per request:
+
+1. ``lookup`` all its keys in the pool, and count one ask of each (``DiskIndex.asked``; the
+   service counts asks at lookup, prepare-load and prepare-store, so a new block looked up
+   and then stored has two asks after its first request);
+2. the prefix runs through keys that are pool hits or on disk, up to the first key in neither
+   (a disk hit counts as a prefix hit: the engine is saved the recompute);
+3. the prefix's disk keys are promoted: pinned on disk for the read, given pool slots by one
+   ``prepare_store`` that offers the whole prefix (so the prefix's own pool hits cannot be
+   evicted to make room for it), completed, unpinned. A disk key the pool takes no slot for
+   (no room, or the pool's store threshold) ends the prefix there;
+4. load the prefix (one ask each): ``prepare_load``, ``touch``, ``complete_load``;
+5. offer the rest to ``prepare_store`` (one ask each) and complete the store; finish.
+
+Every block the pool evicts, in 3 or 5, goes to ``DiskIndex.select``; the chosen ones are
+reserved on disk (evicting cold disk blocks) and written whole at once (``written``), before
+the pool hands their slots out again. The bounds (Belady, ``oracle-*``) are pool-only and not
+replayed with a disk.
+
 Traces are Mooncake-format JSON lines (``hash_ids``: the request's prefix as a chain of block
 ids); ``parse_trace`` turns lines into key lists. Reading files is the caller's job.
 """
@@ -44,7 +64,8 @@ from manager.core import OffloadManager, create_manager
 from manager.errors import InvalidArgumentError, InvalidPolicyParamsError, UnknownPolicyError
 from manager.policies import available_policies
 from manager.policies.base import CanEvict, EvictionPolicy
-from manager.spec import BlockKey, ReqContext
+from manager.spec import BlockKey, LookupResult, ReqContext
+from manager.tiers import DiskIndex
 
 BELADY = "belady"
 ORACLE_PREFIX = "oracle-"
@@ -119,6 +140,30 @@ def parse_trace(lines: Iterable[str]) -> list[list[BlockKey]]:
 
 
 @dataclass(frozen=True, slots=True)
+class DiskReplay:
+    """The disk tier's side of a two-level replay (``ReplayResult.disk``).
+
+    ``pool_hits + disk_hits`` is the result's ``prefix_hits``; the ratios are over its
+    ``blocks``. ``demotions``: blocks written to disk; ``refused``: evicted blocks not admitted
+    (asked for fewer than ``admit_after`` times); ``evictions``: disk blocks evicted to make
+    room; ``unwritten``: admitted blocks the disk found no room for (every slot pinned or being
+    written, or more blocks at once than it has slots).
+    """
+
+    capacity: int
+    policy: str
+    admit_after: int
+    pool_hits: int
+    disk_hits: int
+    pool_hit_ratio: float
+    disk_hit_ratio: float
+    demotions: int
+    refused: int
+    evictions: int
+    unwritten: int
+
+
+@dataclass(frozen=True, slots=True)
 class ReplayResult:
     """Outcome of one replay."""
 
@@ -133,11 +178,16 @@ class ReplayResult:
     stores: int
     refused: int
     evictions: int
+    #: The disk tier's side of a two-level replay; None for the pool alone.
+    disk: DiskReplay | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields; a non-finite float parameter (``horizon=inf``) becomes a string,
-        since JSON has no infinity (``json.dumps`` would write the non-standard ``Infinity``)."""
+        since JSON has no infinity (``json.dumps`` would write the non-standard ``Infinity``).
+        ``disk`` is left out for the pool alone, so those rows read as they always did."""
         out = asdict(self)
+        if self.disk is None:
+            del out["disk"]
         out["params"] = {
             k: str(v) if isinstance(v, float) and not math.isfinite(v) else v
             for k, v in self.params.items()
@@ -268,6 +318,9 @@ def replay(
     store_threshold: int = 0,
     params: Mapping[str, Any] | None = None,
     progress: Progress | None = None,
+    disk_capacity: int | None = None,
+    disk_admit_after: int = 2,
+    disk_policy: str | None = None,
 ) -> ReplayResult:
     """Replay ``requests`` against a fresh manager of ``capacity`` blocks running ``policy``.
 
@@ -276,9 +329,24 @@ def replay(
     ``horizon`` (see the module docstring) and passes the other params to ``<name>``. Bad names
     or parameters raise ``PolicyError`` (an ``InvalidArgumentError``). ``progress(done, total)``
     is called every 256 requests and at the end.
+
+    ``disk_capacity`` adds a disk tier of that many blocks below the pool (the module
+    docstring's two levels), admitting blocks asked for ``disk_admit_after`` times and evicting
+    by ``disk_policy`` (default: the pool's policy and parameters); the result's ``disk`` says
+    what it did. Only online policies run with a disk: a bound raises ``InvalidArgumentError``.
     """
     if capacity <= 0:
         raise InvalidArgumentError(f"capacity must be positive, got {capacity}")
+    if disk_capacity is not None:
+        return _replay_two_levels(
+            requests,
+            policy,
+            capacity,
+            store_threshold=store_threshold,
+            params=params,
+            progress=progress,
+            disk=_DiskSpec(disk_capacity, disk_admit_after, disk_policy),
+        )
     oracle: _NextUse | None = None
     # admit: filters a request's missed keys before prepare_store; a key it drops is bypassed
     # (neither stored nor evicted for), which is how both bounds use the oracle.
@@ -343,6 +411,179 @@ def replay(
         stores=stats.stores_completed,
         refused=stats.stores_refused,
         evictions=stats.evictions,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _DiskSpec:
+    """The disk tier a two-level replay runs: capacity, admission, policy (None: the pool's)."""
+
+    capacity: int
+    admit_after: int
+    policy: str | None
+
+
+class _TwoLevels:
+    """A pool over a ``DiskIndex``, served one request at a time as the module docstring says.
+
+    The pool's eviction listener demotes at once (select, reserve, written whole), so the disk
+    holds a block before the pool could reuse its slot, as in the service.
+    """
+
+    def __init__(self, pool: OffloadManager, disk: DiskIndex) -> None:
+        self.pool = pool
+        self.disk = disk
+        self.pool_hits = 0
+        self.disk_hits = 0
+        self.demotions = 0
+        self.disk_evictions = 0
+        self.unwritten = 0
+        pool.add_eviction_listener(self._demote)
+
+    def _demote(self, victims: list[BlockKey], slots: list[int]) -> None:
+        """Write the admitted victims to disk (the listener: it never calls the pool)."""
+        disk = self.disk
+        chosen = disk.select(victims)
+        if not chosen:
+            return
+        op = disk.reserve(chosen)
+        if op is None:
+            self.unwritten += len(chosen)
+            return
+        self.disk_evictions += len(op.evicted)
+        self.demotions += len(disk.written(op, [True] * len(op.keys)))
+
+    def serve(self, keys: Sequence[BlockKey], ctx: ReqContext) -> int:
+        """Serve one request (``ctx`` already begun, not finished); its prefix hits."""
+        pool, disk = self.pool, self.disk
+        results = pool.lookup(keys, ctx).results
+        disk.asked(keys)
+        # in_pool[i]: prefix key i is a pool hit (else it is on disk).
+        in_pool: list[bool] = []
+        for key, result in zip(keys, results, strict=True):
+            if result is LookupResult.HIT:
+                in_pool.append(True)
+            elif disk.found([key])[0]:
+                in_pool.append(False)
+            else:
+                break
+        prefix = list(keys[: len(in_pool)])
+        if prefix:
+            disk.asked(prefix)  # the engine's prepare-load of everything it was told is there
+        if not all(in_pool):
+            promoted = self._promote(prefix, in_pool, ctx)
+            # The prefix ends at the first disk key the pool took no slot for.
+            for i, (key, pooled) in enumerate(zip(prefix, in_pool, strict=True)):
+                if not pooled and key not in promoted:
+                    del prefix[i:], in_pool[i:]
+                    break
+        if prefix:
+            pool.prepare_load(prefix, ctx)
+            pool.touch(prefix, ctx)
+            pool.complete_load(prefix, ctx)
+        hits = len(prefix)
+        from_pool = in_pool.count(True)
+        self.pool_hits += from_pool
+        self.disk_hits += hits - from_pool
+        rest = keys[hits:]
+        if rest:
+            disk.asked(rest)
+            out = pool.prepare_store(rest, ctx)
+            if out is not None and out.keys_to_store:
+                pool.complete_store(out.keys_to_store, ctx, True)
+        return hits
+
+    def _promote(
+        self, prefix: list[BlockKey], in_pool: list[bool], ctx: ReqContext
+    ) -> set[BlockKey]:
+        """Read the prefix's disk keys into the pool; the keys now ready there."""
+        pool, disk = self.pool, self.disk
+        wanted = list(dict.fromkeys(k for k, p in zip(prefix, in_pool, strict=True) if not p))
+        read = disk.pin(wanted)  # every wanted key was found on disk, nothing moved since
+        if read is None:  # pragma: no cover - found() and pin() disagree: a DiskIndex bug
+            raise AssertionError("a key found on disk could not be pinned")
+        try:
+            # The whole prefix is offered: its pool hits are protected from this store's
+            # evictions, the disk keys get slots (evictions here demote, disk keys pinned).
+            out = pool.prepare_store(prefix, ctx)
+            if out is None or not out.keys_to_store:
+                return set()
+            return set(pool.complete_store(out.keys_to_store, ctx, True).completed)
+        finally:
+            disk.unpin(read)
+
+    def result(self, blocks: int) -> DiskReplay:
+        """The disk side of the replay so far, over ``blocks`` block references."""
+        disk = self.disk
+        return DiskReplay(
+            capacity=disk.num_slots,
+            policy=disk.index.policy.name,
+            admit_after=disk.admit_after,
+            pool_hits=self.pool_hits,
+            disk_hits=self.disk_hits,
+            pool_hit_ratio=self.pool_hits / blocks if blocks else 0.0,
+            disk_hit_ratio=self.disk_hits / blocks if blocks else 0.0,
+            demotions=self.demotions,
+            refused=disk.refused,
+            evictions=self.disk_evictions,
+            unwritten=self.unwritten,
+        )
+
+
+def _replay_two_levels(
+    requests: Sequence[Sequence[BlockKey]],
+    policy: str,
+    capacity: int,
+    *,
+    store_threshold: int,
+    params: Mapping[str, Any] | None,
+    progress: Progress | None,
+    disk: _DiskSpec,
+) -> ReplayResult:
+    """``replay`` with a disk tier (see ``replay``)."""
+    if is_bound(policy):
+        raise InvalidArgumentError(
+            f"{policy} is a pool-only bound; a replay with a disk tier runs online policies"
+        )
+    if type(disk.capacity) is not int or disk.capacity <= 0:
+        raise InvalidArgumentError(
+            f"disk capacity must be a positive integer, got {disk.capacity!r}"
+        )
+    pool = create_manager(
+        capacity, policy, store_threshold, policy_params=params, enable_events=False
+    )
+    # The disk runs the pool's policy and parameters unless told another policy.
+    index = DiskIndex(
+        disk.capacity,
+        disk.policy or policy,
+        admit_after=disk.admit_after,
+        policy_params=params if disk.policy is None else None,
+    )
+    tiers = _TwoLevels(pool, index)
+    prefix_hits = blocks = 0
+    total = len(requests)
+    for index_, keys in enumerate(requests):
+        ctx = ReqContext(f"trace-{index_}")
+        pool.on_new_request(ctx)
+        prefix_hits += tiers.serve(keys, ctx)
+        blocks += len(keys)
+        pool.on_request_finished(ctx)
+        if progress is not None and (index_ % 256 == 255 or index_ == total - 1):
+            progress(index_ + 1, total)
+    stats = pool.stats()
+    return ReplayResult(
+        policy=policy,
+        params=dict(params or {}),
+        capacity=capacity,
+        store_threshold=store_threshold,
+        requests=total,
+        blocks=blocks,
+        prefix_hits=prefix_hits,
+        hit_ratio=prefix_hits / blocks if blocks else 0.0,
+        stores=stats.stores_completed,
+        refused=stats.stores_refused,
+        evictions=stats.evictions,
+        disk=tiers.result(blocks),
     )
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from app import replay as replay_cli
 from manager import InvalidArgumentError, InvalidPolicyParamsError, available_policies
-from manager.replay import BELADY, ReplayResult, block_key, parse_trace, replay
+from manager.replay import BELADY, DiskReplay, ReplayResult, block_key, parse_trace, replay
 
 TRACE = Path(__file__).resolve().parents[2] / "bench" / "data" / "mooncake_synthetic_trace.jsonl"
 
@@ -302,6 +302,170 @@ def test_replay_command_runs_the_oracle_bound(small_trace: Path) -> None:
     ],
 )
 def test_replay_command_rejects_a_bad_oracle_bound(
+    small_trace: Path, args: list[str], message: str
+) -> None:
+    code, out, err = run_cli(str(small_trace), "--capacity", "2", *args)
+    assert (code, out) == (2, "")
+    assert message in err
+
+
+# ---------------------------------------------------------------- two levels: pool over disk
+
+
+def two_levels(requests: list[list[bytes]], capacity: int, disk: int, admit: int) -> ReplayResult:
+    return replay(requests, "lru", capacity, disk_capacity=disk, disk_admit_after=admit)
+
+
+def disk_of(result: ReplayResult) -> DiskReplay:
+    assert result.disk is not None
+    return result.disk
+
+
+def test_a_block_evicted_from_a_one_block_pool_is_a_disk_hit() -> None:
+    # r1 stores 2, evicting 1 to disk; r2 finds 1 on disk and reads it back, evicting 2 (to
+    # disk too). The pool alone hits nothing.
+    requests = [keys(1), keys(2), keys(1)]
+    assert replay(requests, "lru", 1).prefix_hits == 0
+    result = two_levels(requests, 1, 10, admit=1)
+    disk = disk_of(result)
+    assert (result.prefix_hits, disk.pool_hits, disk.disk_hits) == (1, 0, 1)
+    assert (disk.demotions, disk.refused, disk.evictions, disk.unwritten) == (2, 0, 0, 0)
+    assert result.hit_ratio == pytest.approx(1 / 3)
+    assert disk.disk_hit_ratio == pytest.approx(1 / 3)
+    assert disk.pool_hit_ratio == 0
+
+
+@pytest.mark.parametrize(
+    ("admit", "demotions", "refused", "disk_hits"),
+    [
+        (1, 2, 0, 1),
+        # A request asks for a new block twice (its lookup and its store), so K = 2 admits a
+        # block seen in one request: 2 is evicted with 2 asks and written.
+        (2, 2, 0, 1),
+        # K = 3 needs a second request: 1 (looked up and loaded again in r1: 4 asks) is
+        # written, the one-off 2 (2 asks) is refused.
+        (3, 1, 1, 1),
+        (5, 0, 2, 0),  # 1 has 4 asks when evicted in r2
+    ],
+)
+def test_admission_counts_asks_at_lookup_load_and_store(
+    admit: int, demotions: int, refused: int, disk_hits: int
+) -> None:
+    # Pool of 1: r1 hits 1 in the pool, r2 evicts 1 (asks: lookup, store, lookup, load),
+    # r3 reads 1 back from disk if it was written, evicting 2 (asks: lookup, store).
+    requests = [keys(1), keys(1), keys(2), keys(1)]
+    disk = disk_of(two_levels(requests, 1, 10, admit))
+    assert (disk.pool_hits, disk.disk_hits) == (1, disk_hits)
+    assert (disk.demotions, disk.refused) == (demotions, refused)
+
+
+def test_the_disk_holds_at_most_its_capacity_and_never_evicts_a_block_being_read() -> None:
+    # Pool of 1, disk of 2, LRU on both. 1, 2, 3 go to disk as 2, 3, 4 arrive; 3 evicts 1 there.
+    # r4 and r5 miss (1 and 2 are gone from disk), writing 4 then 1 over 2 and 3: disk [4, 1].
+    # r6 reads 4 back; its promotion evicts 2 from the pool, whose write must evict a disk
+    # block: 4 is the coldest but pinned by the read, so 1 goes.
+    requests = [keys(1), keys(2), keys(3), keys(4), keys(1), keys(2), keys(4), keys(1)]
+    result = two_levels(requests, 1, 2, admit=1)
+    disk = disk_of(result)
+    assert (disk.disk_hits, disk.demotions, disk.evictions) == (1, 6, 4)
+    assert disk.demotions - disk.evictions == 2  # what the disk holds: its capacity
+    assert result.prefix_hits == 1  # r7's 1 was evicted from disk in r6
+
+
+def test_a_prefix_runs_through_disk_and_pool_hits_and_keeps_the_disk_copy() -> None:
+    # Pool of 2: r1 evicts 1 to disk. r2 = 1 (disk), 2 (pool), 4 (neither): prefix 2. The
+    # promotion of 1 must not evict 2, the prefix's pool hit (LRU's victim otherwise): it evicts
+    # 3. Storing 4 then evicts 1, already on disk (inclusive): no second write.
+    requests = [keys(1, 2), keys(3), keys(1, 2, 4)]
+    result = two_levels(requests, 2, 10, admit=1)
+    disk = disk_of(result)
+    assert (result.prefix_hits, disk.pool_hits, disk.disk_hits) == (2, 1, 1)
+    assert disk.demotions == 2  # 1 and 3
+
+
+def test_a_disk_hit_the_pool_has_no_room_for_ends_the_prefix() -> None:
+    # Pool of 1: r2 = 2 (pool hit), 1 (on disk). Reading 1 back needs a slot, and the only one
+    # holds 2, which the prefix protects: 1 is not read, the prefix ends at 2, and storing 1
+    # afterwards evicts 2 to disk.
+    requests = [keys(1), keys(2), keys(2, 1)]
+    result = two_levels(requests, 1, 10, admit=1)
+    disk = disk_of(result)
+    assert (result.prefix_hits, disk.pool_hits, disk.disk_hits, disk.demotions) == (1, 1, 0, 2)
+
+
+def test_without_a_disk_the_rows_are_unchanged() -> None:
+    requests = [keys(1, 2), keys(1, 3)]
+    row = replay(requests, "lru", 10).to_dict()
+    assert "disk" not in row
+    with_disk = replay(requests, "lru", 10, disk_capacity=5).to_dict()
+    assert with_disk.pop("disk")["admit_after"] == 2  # the service's default
+    assert with_disk == row  # nothing is evicted: the disk changes nothing
+
+
+def test_the_disk_runs_the_pools_policy_unless_told() -> None:
+    assert disk_of(replay([keys(1)], "arc", 4, disk_capacity=2)).policy == "arc"
+    assert disk_of(replay([keys(1)], "arc", 4, disk_capacity=2, disk_policy="lfu")).policy == "lfu"
+
+
+@pytest.mark.parametrize("policy", [BELADY, "oracle-lru"])
+def test_bounds_do_not_run_with_a_disk(policy: str) -> None:
+    with pytest.raises(InvalidArgumentError, match="pool-only bound"):
+        replay([keys(1)], policy, 2, params={"horizon": 2}, disk_capacity=2)
+
+
+@pytest.mark.parametrize(("disk", "admit"), [(0, 2), (4, 0)])
+def test_a_bad_disk_is_refused(disk: int, admit: int) -> None:
+    with pytest.raises(InvalidArgumentError):
+        replay([keys(1)], "lru", 2, disk_capacity=disk, disk_admit_after=admit)
+
+
+def test_an_inclusive_disk_of_15k_under_5k_reaches_095_of_a_20k_pool(
+    shipped: list[list[bytes]],
+) -> None:
+    # The README's figure (issue #19's target): LRU, K = 2 (K = 1 is the same here).
+    flat = replay(shipped, "lru", 20_000).hit_ratio
+    result = replay(shipped, "lru", 5_000, disk_capacity=15_000, disk_admit_after=2)
+    disk = disk_of(result)
+    assert result.hit_ratio >= 0.95 * flat
+    assert disk.pool_hit_ratio == pytest.approx(replay(shipped, "lru", 5_000).hit_ratio)
+    assert disk.pool_hits + disk.disk_hits == result.prefix_hits
+
+
+def test_replay_command_with_a_disk_prints_both_levels_and_no_belady(small_trace: Path) -> None:
+    args = ("--policy", "lru", "--capacity", "1,2", "--disk-capacity", "3")
+    code, out, _ = run_cli(str(small_trace), *args, "--json")
+    assert code == 0
+    rows = json.loads(out)
+    assert [(r["policy"], r["capacity"]) for r in rows] == [("lru", 1), ("lru", 2)]
+    for row in rows:
+        disk = row["disk"]
+        assert (disk["capacity"], disk["admit_after"], disk["policy"]) == (3, 2, "lru")
+        assert disk["pool_hits"] + disk["disk_hits"] == row["prefix_hits"]
+        assert "fraction_of_belady" not in row
+    code, out, _ = run_cli(str(small_trace), *args, "--disk-admit-after", "3")
+    assert code == 0
+    head, _, first = out.splitlines()[:3]
+    assert head.split() == [
+        *("policy", "pool", "disk", "K", "hit", "pool", "hit", "disk", "hit"),
+        *("demotions", "refused", "disk", "evictions"),
+    ]
+    assert first.split()[:4] == ["lru", "1", "3", "3"]
+    assert "demotions: blocks written to disk" in out
+    assert BELADY not in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--disk-admit-after", "1"], "need --disk-capacity"),
+        (["--disk-policy", "lru"], "need --disk-capacity"),
+        (["--disk-capacity", "0"], "positive integer"),
+        (["--disk-capacity", "4", "--disk-admit-after", "0"], "admit_after"),
+        (["--disk-capacity", "4", "--disk-policy", "nope"], "unknown --disk-policy nope"),
+        (["--disk-capacity", "4", "--policy", "lru,oracle-lru"], "oracle-lru is a pool-only"),
+    ],
+)
+def test_replay_command_rejects_a_bad_disk(
     small_trace: Path, args: list[str], message: str
 ) -> None:
     code, out, err = run_cli(str(small_trace), "--capacity", "2", *args)
