@@ -92,8 +92,10 @@ class JobTracker:
         device_blocks: Sequence[int],
         host_slots: Sequence[int],
         deadline_s: float,
+        wait_event: bytes | None = None,
     ) -> JobRecord:
-        """Submit one job moving ``keys`` (``keys[i]`` lives in ``host_slots[i]``)."""
+        """Submit one job moving ``keys`` (``keys[i]`` lives in ``host_slots[i]``), its copies
+        ordered after ``wait_event`` (a CUDA IPC event handle) when given."""
         keys = list(keys)
         try:
             if direction not in ("store", "load"):
@@ -109,6 +111,7 @@ class JobTracker:
                 host_slots=list(host_slots),
                 deadline_s=deadline_s,
                 req_id=ctx.req_id,
+                wait_event=wait_event,
             )
             job_id = self.worker.submit(job)
         except Exception:
