@@ -28,6 +28,7 @@ op that failed carries its ``KVOffloadError``; the others still ran).
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -400,20 +401,48 @@ class Batch:
         return self._add("complete_store", req_id, keys=_hex(keys), success=success)
 
     def offload(
-        self, req_id: str, cache_id: str, keys: Sequence[bytes], device_blocks: Sequence[int]
+        self,
+        req_id: str,
+        cache_id: str,
+        keys: Sequence[bytes],
+        device_blocks: Sequence[int],
+        wait_event: bytes | None = None,
     ) -> Batch:
-        """Add ``offload``."""
+        """Add ``offload`` (``wait_event``: see ``KVOffloadClient.offload``)."""
+        extra = {} if wait_event is None else {"wait_event": _wait_event(wait_event)}
         return self._add(
-            "offload", req_id, cache_id=cache_id, keys=_hex(keys), device_blocks=list(device_blocks)
+            "offload",
+            req_id,
+            cache_id=cache_id,
+            keys=_hex(keys),
+            device_blocks=list(device_blocks),
+            **extra,
         )
 
     def onload(
-        self, req_id: str, cache_id: str, keys: Sequence[bytes], device_blocks: Sequence[int]
+        self,
+        req_id: str,
+        cache_id: str,
+        keys: Sequence[bytes],
+        device_blocks: Sequence[int],
+        wait_event: bytes | None = None,
     ) -> Batch:
-        """Add ``onload``."""
+        """Add ``onload`` (``wait_event``: see ``KVOffloadClient.onload``)."""
+        extra = {} if wait_event is None else {"wait_event": _wait_event(wait_event)}
         return self._add(
-            "onload", req_id, cache_id=cache_id, keys=_hex(keys), device_blocks=list(device_blocks)
+            "onload",
+            req_id,
+            cache_id=cache_id,
+            keys=_hex(keys),
+            device_blocks=list(device_blocks),
+            **extra,
         )
+
+
+def _wait_event(handle: bytes) -> dict[str, str]:
+    if len(handle) != 64:
+        raise ValueError(f"wait_event must be a 64-byte CUDA IPC event handle, got {len(handle)}")
+    return {"kind": "cuda_ipc_event", "handle": handle.hex()}
 
 
 class _Engine:
@@ -484,9 +513,20 @@ class _Engine:
 
     @staticmethod
     def transfer(
-        op: str, req_id: str, cache_id: str, keys: Sequence[bytes], device_blocks: Sequence[int]
+        op: str,
+        req_id: str,
+        cache_id: str,
+        keys: Sequence[bytes],
+        device_blocks: Sequence[int],
+        wait_event: bytes | None = None,
     ) -> _Call[TransferStarted]:
-        body = {"cache_id": cache_id, "keys": _hex(keys), "device_blocks": list(device_blocks)}
+        body: dict[str, Any] = {
+            "cache_id": cache_id,
+            "keys": _hex(keys),
+            "device_blocks": list(device_blocks),
+        }
+        if wait_event is not None:
+            body["wait_event"] = _wait_event(wait_event)
         return _Call("POST", _req(req_id, f"/{op}"), body, _started)
 
     @staticmethod
@@ -512,8 +552,15 @@ class _Engine:
         return _Call("GET", "/v1/events", None, _events, {"after": after, "limit": limit})
 
     @staticmethod
-    def register_kv_cache(spec: Mapping[str, Any]) -> _Call[KVCache]:
-        return _Call("POST", "/v1/kv-caches", dict(spec), lambda d: KVCache(**d))
+    def register_kv_cache(spec: Mapping[str, Any], lease_s: float | None) -> _Call[KVCache]:
+        body = dict(spec) if lease_s is None else {**spec, "lease_s": float(lease_s)}
+        return _Call("POST", "/v1/kv-caches", body, lambda d: KVCache(**d))
+
+    @staticmethod
+    def renew_kv_cache(cache_id: str) -> _Call[float]:
+        return _Call(
+            "POST", f"/v1/kv-caches/{_segment(cache_id)}/renew", None, lambda d: d["lease_s"]
+        )
 
     @staticmethod
     def kv_caches() -> _Call[list[KVCache]]:
@@ -571,7 +618,9 @@ class _SyncClient:
     _http: httpx.Client
 
     def close(self) -> None:
-        """Close the connection pool."""
+        """Close the connection pool (and stop renewing any lease)."""
+        for stop in self.__dict__.pop("_renewers", {}).values():
+            stop.set()
         self._http.close()
 
     def __enter__(self) -> Self:
@@ -675,16 +724,31 @@ class KVOffloadClient(_SyncClient):
         return self._call(_Engine.complete_store(req_id, keys, success))
 
     def offload(
-        self, req_id: str, cache_id: str, keys: Sequence[bytes], device_blocks: Sequence[int]
+        self,
+        req_id: str,
+        cache_id: str,
+        keys: Sequence[bytes],
+        device_blocks: Sequence[int],
+        wait_event: bytes | None = None,
     ) -> TransferStarted:
-        """Store device blocks under keys (device->host job)."""
-        return self._call(_Engine.transfer("offload", req_id, cache_id, keys, device_blocks))
+        """Store device blocks under keys (device->host job). ``wait_event``: the 64-byte
+        ``ipc_handle()`` of an interprocess CUDA event recorded after the kernels that wrote
+        the blocks; the copies wait on it (CUDA caches only)."""
+        call = _Engine.transfer("offload", req_id, cache_id, keys, device_blocks, wait_event)
+        return self._call(call)
 
     def onload(
-        self, req_id: str, cache_id: str, keys: Sequence[bytes], device_blocks: Sequence[int]
+        self,
+        req_id: str,
+        cache_id: str,
+        keys: Sequence[bytes],
+        device_blocks: Sequence[int],
+        wait_event: bytes | None = None,
     ) -> TransferStarted:
-        """Load ready keys into device blocks (host->device job)."""
-        return self._call(_Engine.transfer("onload", req_id, cache_id, keys, device_blocks))
+        """Load ready keys into device blocks (host->device job). ``wait_event``: an event
+        recorded after the kernels that last read those blocks (see ``offload``)."""
+        call = _Engine.transfer("onload", req_id, cache_id, keys, device_blocks, wait_event)
+        return self._call(call)
 
     def job(self, job_id: int) -> Job:
         """A transfer job."""
@@ -702,16 +766,57 @@ class KVOffloadClient(_SyncClient):
         """KV events with ``seq > after``."""
         return self._call(_Engine.events(after, limit))
 
-    def register_kv_cache(self, spec: Mapping[str, Any]) -> KVCache:
-        """Register a device KV cache."""
-        return self._call(_Engine.register_kv_cache(spec))
+    def register_kv_cache(
+        self, spec: Mapping[str, Any], lease_s: float | None = None, *, renew: bool = True
+    ) -> KVCache:
+        """Register a device KV cache. With ``lease_s`` the service forgets it (and closes
+        its mappings) unless renewed within ``lease_s``; with ``renew`` a daemon thread renews
+        it every ``lease_s / 3`` until ``unregister_kv_cache``, ``close``, or the service
+        answering that it is gone."""
+        cache = self._call(_Engine.register_kv_cache(spec, lease_s))
+        if lease_s is not None and renew:
+            self._start_renewing(cache.cache_id, lease_s / 3)
+        return cache
+
+    def renew_kv_cache(self, cache_id: str) -> float:
+        """Renew a registration's lease; its ``lease_s`` (404 once it lapsed)."""
+        return self._call(_Engine.renew_kv_cache(cache_id))
+
+    def _start_renewing(self, cache_id: str, every_s: float) -> None:
+        renewers = self.__dict__.setdefault("_renewers", {})
+        stop = threading.Event()
+        old = renewers.pop(cache_id, None)
+        if old is not None:
+            old.set()
+        renewers[cache_id] = stop
+
+        def loop() -> None:
+            while not stop.wait(every_s):
+                try:
+                    self.renew_kv_cache(cache_id)
+                except KVOffloadError as exc:
+                    if exc.status == 404:
+                        return  # lapsed or unregistered: the engine must register again
+                except Exception:  # a closed client, a transient network error: retry
+                    if self._http.is_closed:
+                        return
+
+        threading.Thread(target=loop, name=f"kvoffload-renew-{cache_id}", daemon=True).start()
+
+    def _stop_renewing(self, cache_id: str | None = None) -> None:
+        renewers = self.__dict__.get("_renewers", {})
+        for cid in [cache_id] if cache_id is not None else list(renewers):
+            stop = renewers.pop(cid, None)
+            if stop is not None:
+                stop.set()
 
     def kv_caches(self) -> list[KVCache]:
         """Registered device KV caches."""
         return self._call(_Engine.kv_caches())
 
     def unregister_kv_cache(self, cache_id: str) -> None:
-        """Forget a device KV cache."""
+        """Forget a device KV cache (and stop renewing its lease)."""
+        self._stop_renewing(cache_id)
         self._call(_Engine.unregister_kv_cache(cache_id))
 
     def pool(self) -> Pool:
@@ -812,16 +917,31 @@ class AsyncKVOffloadClient:
         return await self._call(_Engine.complete_store(req_id, keys, success))
 
     async def offload(
-        self, req_id: str, cache_id: str, keys: Sequence[bytes], device_blocks: Sequence[int]
+        self,
+        req_id: str,
+        cache_id: str,
+        keys: Sequence[bytes],
+        device_blocks: Sequence[int],
+        wait_event: bytes | None = None,
     ) -> TransferStarted:
-        """Store device blocks under keys (device->host job)."""
-        return await self._call(_Engine.transfer("offload", req_id, cache_id, keys, device_blocks))
+        """Store device blocks under keys (device->host job). ``wait_event``: the 64-byte
+        ``ipc_handle()`` of an interprocess CUDA event recorded after the kernels that wrote
+        the blocks; the copies wait on it (CUDA caches only)."""
+        call = _Engine.transfer("offload", req_id, cache_id, keys, device_blocks, wait_event)
+        return await self._call(call)
 
     async def onload(
-        self, req_id: str, cache_id: str, keys: Sequence[bytes], device_blocks: Sequence[int]
+        self,
+        req_id: str,
+        cache_id: str,
+        keys: Sequence[bytes],
+        device_blocks: Sequence[int],
+        wait_event: bytes | None = None,
     ) -> TransferStarted:
-        """Load ready keys into device blocks (host->device job)."""
-        return await self._call(_Engine.transfer("onload", req_id, cache_id, keys, device_blocks))
+        """Load ready keys into device blocks (host->device job). ``wait_event``: an event
+        recorded after the kernels that last read those blocks (see ``offload``)."""
+        call = _Engine.transfer("onload", req_id, cache_id, keys, device_blocks, wait_event)
+        return await self._call(call)
 
     async def job(self, job_id: int) -> Job:
         """A transfer job."""
@@ -839,9 +959,16 @@ class AsyncKVOffloadClient:
         """KV events with ``seq > after``."""
         return await self._call(_Engine.events(after, limit))
 
-    async def register_kv_cache(self, spec: Mapping[str, Any]) -> KVCache:
-        """Register a device KV cache."""
-        return await self._call(_Engine.register_kv_cache(spec))
+    async def register_kv_cache(
+        self, spec: Mapping[str, Any], lease_s: float | None = None
+    ) -> KVCache:
+        """Register a device KV cache, with a lease when ``lease_s`` is given (renew it with
+        ``renew_kv_cache`` at least that often)."""
+        return await self._call(_Engine.register_kv_cache(spec, lease_s))
+
+    async def renew_kv_cache(self, cache_id: str) -> float:
+        """Renew a registration's lease; its ``lease_s`` (404 once it lapsed)."""
+        return await self._call(_Engine.renew_kv_cache(cache_id))
 
     async def kv_caches(self) -> list[KVCache]:
         """Registered device KV caches."""

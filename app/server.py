@@ -228,6 +228,10 @@ def _address(sock: socket.socket) -> str:
     return f"http://{host_port(name[0], name[1])}"
 
 
+class TransferBackendFailed(RuntimeError):
+    """The transfer backend cannot copy any more (a sticky CUDA error): restart the process."""
+
+
 async def serve(
     settings: Settings, *, on_ready: Callable[[dict[str, list[str]]], None] | None = None
 ) -> None:
@@ -309,6 +313,18 @@ async def serve(
             pool_share = PoolShareServer(pool_socks[0], lambda: pool_of(tenancy, None))
     try:
         async with tenancy.running():
+            # A poisoned CUDA context fails every later copy: stop, and exit non-zero
+            # (TransferBackendFailed) for the supervisor to start a fresh process.
+            fatal: list[str] = []
+
+            def on_fatal(reason: str) -> None:
+                if not fatal:
+                    fatal.append(reason)
+                    tenancy.begin_drain()
+                    stop_servers()
+
+            for svc in tenancy.services():
+                svc.on_fatal = on_fatal
             if pool_share is not None:
                 pool_share.start()
             tasks = [
@@ -342,6 +358,8 @@ async def serve(
             for result in results:
                 if isinstance(result, BaseException):
                     raise result
+            if fatal:
+                raise TransferBackendFailed(fatal[0])
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)

@@ -328,6 +328,10 @@ class Settings(AdminAuth):
     store_threshold: int = Field(default=0, ge=0, description="admit a block on its N-th offer")
     device: str = Field(default="auto", description="transfer device: auto, cpu or cuda:N")
     pin_memory: bool | None = Field(default=None, description="pin the pool (default: if CUDA)")
+    allow_pageable_pool: bool = Field(
+        default=False,
+        description="let the cuda backend run on a pool that could not be pinned (slow)",
+    )
     shm_dir: Path = Field(default=Path("/dev/shm"), description="where the pool file lives")
 
     # Leases, jobs, limits.

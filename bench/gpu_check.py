@@ -18,9 +18,17 @@ is known, so a crash or the watchdog still leaves what was measured):
    between the pool itself and the GPU). Medians of several repetitions. Target: >= 85% of the
    plain pinned copy.
 
+   Also the vLLM-like layout (80 bf16 tensors ``[2, N, 16, 8, 128]``, block_dim 1: a 5 MiB
+   block). Fails when 2 MiB blocks or the vLLM-like layout, store or load, runs or
+   scattered, fall under the target. Each row names the copy path (batch, 2d, staged).
+4. ``cuda_tests``: ``pytest -m gpu tests/transfer`` in a child process.
+
 Prints tables, writes ``bench/results/gpu_check.json``; exits 0 when every check passed, 1 when
-one failed, and 0 with a message when there is no CUDA. Meant to finish in well under three
-minutes on one H200; a watchdog stops it at ``--budget`` seconds.
+one failed, and 2 with one line when no CUDA device is visible (a device run never passes
+vacuously). Meant to finish in under eight minutes on one H200; a watchdog stops it at
+``--budget`` seconds. Not covered yet (issue #20): concurrent store + load, small-job latency,
+a 64 GiB pool's registration time, an engine killed mid-copy, a deadline with DMA in flight,
+a second visible device remapped.
 
 Run: ``.venv/bin/python bench/gpu_check.py`` (``--quick`` for a smaller run).
 """
@@ -320,9 +328,16 @@ def job_rate(worker: Any, job: TransferJob, nbytes: int, reps: int) -> float:
     return gbps(nbytes, timed(go, reps))
 
 
+VLLM_TENSORS = 80
+VLLM_INNER = [16, 8, 128]  # [2, N, 16, 8, 128] bf16 per tensor: 64 KiB of a block each
+VLLM_BLOCK_BYTES = VLLM_TENSORS * 2 * 16 * 8 * 128 * 2
+
+
 def bandwidth_for(
-    bb: int, dev_big: torch.Tensor, base: tuple[float, float], reps: int
+    bb: int, dev_big: torch.Tensor, base: tuple[float, float], reps: int, layout: str = "4"
 ) -> list[dict[str, Any]]:
+    """Store / load GB/s of whole-cache jobs; ``layout`` "4" (4 fp16 tensors, block_dim 0) or
+    "vllm80" (80 bf16 tensors [2, N, 16, 8, 128], block_dim 1; ``bb`` is then its block)."""
     from transfer.cuda_worker import CudaTransferWorker
 
     total = dev_big.numel()
@@ -333,12 +348,20 @@ def bandwidth_for(
     try:
         pool_d2h, pool_h2d = copy_rates(pool.tensor.view(-1)[: n * bb], dev_big[: n * bb], reps)
         registry = KVCacheRegistry(pool)
-        half_words = bb // 4 // 2  # 4 float16 tensors of bb/4 bytes per block each
-        tensors = [
-            torch.empty(n, half_words, dtype=torch.float16, device="cuda:0").fill_(i)
-            for i in range(4)
-        ]
-        cache = registry.register_tensors(f"bw{bb}", tensors, [0, 0, 0, 0])
+        if layout == "vllm80":
+            tensors = [
+                torch.empty(2, n, *VLLM_INNER, dtype=torch.bfloat16, device="cuda:0").fill_(i)
+                for i in range(VLLM_TENSORS)
+            ]
+            dims = [1] * VLLM_TENSORS
+        else:
+            half_words = bb // 4 // 2  # 4 float16 tensors of bb/4 bytes per block each
+            tensors = [
+                torch.empty(n, half_words, dtype=torch.float16, device="cuda:0").fill_(i)
+                for i in range(4)
+            ]
+            dims = [0, 0, 0, 0]
+        cache = registry.register_tensors(f"bw{layout}-{bb}", tensors, dims)
         torch.cuda.synchronize()
         worker = CudaTransferWorker(pool, registry)
         rng = random.Random(bb)
@@ -352,6 +375,8 @@ def bandwidth_for(
                 worker, TransferJob("load", cache.cache_id, blocks, slots, 120.0), n * bb, reps
             )
             row = {
+                "layout": layout,
+                "copy_path": worker.copy_path,
                 "block_bytes": bb,
                 "pattern": pattern,
                 "store_gbps": store,
@@ -365,7 +390,7 @@ def bandwidth_for(
             }
             rows.append(row)
             print(
-                f"   {bb >> 10:>5} KiB {pattern:>10}: "
+                f"   {layout:>6} {bb >> 10:>5} KiB {pattern:>10} [{worker.copy_path}]: "
                 f"store {store:6.1f} GB/s ({row['store_ratio']:.2f})  "
                 f"load {load:6.1f} GB/s ({row['load_ratio']:.2f})  "
                 f"[pool copy D2H {pool_d2h:.1f} H2D {pool_h2d:.1f}]",
@@ -383,23 +408,49 @@ def bandwidth(total: int, reps: int, sizes: list[int]) -> dict[str, Any]:
     base = pinned_baseline(dev_big, reps)
     print(f"   pinned copy baseline: D2H {base[0]:.1f} GB/s, H2D {base[1]:.1f} GB/s", flush=True)
     rows: list[dict[str, Any]] = []
-    for bb in sizes:
-        rows += bandwidth_for(bb, dev_big, base, reps)
+    runs = [(bb, "4") for bb in sizes] + [(VLLM_BLOCK_BYTES, "vllm80")]
+    for bb, layout in runs:
+        rows += bandwidth_for(bb, dev_big, base, reps, layout)
         REPORT["sections"]["bandwidth_partial"] = {"baseline": base, "rows": rows}
         save()
     REPORT["sections"].pop("bandwidth_partial", None)
-    meets = all(
-        min(float(r["store_ratio"]), float(r["load_ratio"])) >= TARGET
-        for r in rows
-        if r["block_bytes"] >= (256 << 10) and r["pattern"] == "slot_runs"
+    # The target: >= TARGET x a plain pinned copy at 2 MiB blocks (4 tensors) and with the
+    # vLLM-like layout, store and load, slot runs and scattered slots alike.
+    gated = [r for r in rows if r["block_bytes"] == (2 << 20) or r["layout"] == "vllm80"]
+    meets = bool(gated) and all(
+        min(float(r["store_ratio"]), float(r["load_ratio"])) >= TARGET for r in gated
     )
     return {
-        "ok": True,  # bandwidth is reported, not asserted
+        "ok": meets,
         "target_ratio": TARGET,
-        "meets_target_slot_runs_256k_up": meets,
+        "meets_target_2mib_and_vllm80": meets,
         "baseline": {"pinned_d2h_gbps": base[0], "pinned_h2d_gbps": base[1]},
         "rows": rows,
     }
+
+
+def cuda_tests() -> dict[str, Any]:
+    """The CUDA tests of tests/transfer (``-m gpu``), in a child pytest."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-m",
+            "gpu",
+            "-p",
+            "no:cacheprovider",
+            "tests/transfer",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:]
+    print(f"   pytest -m gpu tests/transfer: {tail[0] if tail else '(no output)'}", flush=True)
+    return {"ok": proc.returncode == 0, "returncode": proc.returncode, "summary": tail}
 
 
 def on_alarm(signum: int, frame: FrameType | None) -> None:
@@ -414,15 +465,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller run")
     parser.add_argument("--out", default=str(OUT_DEFAULT))
-    parser.add_argument("--budget", type=float, default=170.0, help="watchdog, seconds")
+    parser.add_argument("--budget", type=float, default=470.0, help="watchdog, seconds")
     args = parser.parse_args(argv)
     OUT_PATH = Path(args.out)
     REPORT["quick"] = args.quick
     if not torch.cuda.is_available():
-        REPORT["cuda"] = False
-        save()
-        print("gpu_check: no CUDA device here; nothing to check (wrote a stub result).")
-        return 0
+        # A device run must never pass vacuously: no device is a failure, in one line.
+        print(
+            f"gpu_check: FAIL: no CUDA device visible (torch {torch.__version__}, CUDA build "
+            f"{torch.version.cuda}); nothing was checked"
+        )
+        return 2
     signal.signal(signal.SIGALRM, on_alarm)
     signal.alarm(int(args.budget))
     REPORT["cuda"] = True
@@ -440,8 +493,9 @@ def main(argv: list[str] | None = None) -> int:
     ok = section("correctness", correctness)
     ok = section("ipc", ipc) and ok
     total = (256 << 20) if args.quick else (1 << 30)
-    sizes = [256 << 10, 1 << 20, 4 << 20] if args.quick else [64 << 10, 256 << 10, 1 << 20, 4 << 20]
-    section("bandwidth", lambda: bandwidth(total, 3 if args.quick else 5, sizes))
+    sizes = [2 << 20] if args.quick else [64 << 10, 256 << 10, 1 << 20, 2 << 20, 4 << 20]
+    ok = section("bandwidth", lambda: bandwidth(total, 3 if args.quick else 5, sizes)) and ok
+    ok = section("cuda_tests", cuda_tests) and ok
     REPORT["ok"] = ok
     save()
     print(f"gpu_check: {'all checks passed' if ok else 'SOME CHECKS FAILED'}; wrote {OUT_PATH}")

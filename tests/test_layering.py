@@ -31,7 +31,7 @@ APP_RANKS: dict[str, int] = {
     "app.cli": 5,
 }
 # Imported inside an inference engine's process: nothing of the server may come with them.
-ENGINE_SIDE = ("app.client", "app.pool_share", "app.vllm_tier")
+ENGINE_SIDE = ("app.client", "app.pool_share", "app.vllm_tier", "app.block_copy")
 SERVER_LIBRARIES = ("fastapi", "starlette", "uvicorn", "pydantic_settings", "prometheus_client")
 # The service core speaks no HTTP: it raises domain errors, the edge maps them.
 HTTP_LIBRARIES = ("fastapi", "starlette", "uvicorn", "httpx")

@@ -31,11 +31,13 @@ def create_worker(
     on_finished: OnFinished | None = None,
     copy_threads: int | None = None,
     staging_bytes: int | None = None,
+    allow_pageable: bool = False,
 ) -> TransferWorker:
     """Build a worker. ``backend``: ``auto`` (cuda if available, else cpu), ``cpu``, ``cuda``,
     or ``faulty`` (``auto`` wrapped in fault injection). With ``faults`` given, the chosen
     backend is wrapped in the fault-injecting worker. ``copy_threads`` tunes the CPU copies;
-    ``staging_bytes`` the CUDA staging buffers (per device and direction).
+    ``staging_bytes`` the CUDA staging buffers (per device and direction). The cuda backend
+    refuses a pool that is not pinned unless ``allow_pageable``.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown transfer backend {backend!r}; choose one of {BACKENDS}")
@@ -52,6 +54,7 @@ def create_worker(
                 registry,
                 on_finished=callback,
                 staging_bytes=DEFAULT_STAGING_BYTES if staging_bytes is None else staging_bytes,
+                allow_pageable=allow_pageable,
             )
         return CpuTransferWorker(pool, registry, on_finished=callback, copy_threads=copy_threads)
 

@@ -1,335 +1,153 @@
-"""CUDA transfer backend: streams per direction, one event per job and device, staged copies.
+"""CUDA transfer backend: a copy stream per GPU and direction, chunked issue, no busy poll.
 
-A host block interleaves every tensor's part of a device block, so for any one tensor the host
-side of a run of slots is strided, and torch cannot copy strided host memory to or from a GPU
-without an unpinned temporary. The backend therefore stages through device memory:
+How bytes move is ``transfer.cuda_copy``'s business (copy-engine DMA straight between device
+memory and the pinned pool, or a staged path where the runtime cannot be called directly).
+This module decides *when*:
 
-- store: for each chunk of the job's blocks (sorted by host slot), one ``index_select`` per
-  tensor gathers the blocks into a device staging buffer laid out exactly like host blocks,
-  then one ``cudaMemcpyAsync`` per run of consecutive host slots moves the run to the pool;
-- load: the mirror image (host runs into staging, then one ``index_copy_`` per tensor).
+- One issuing thread queues a job chunk by chunk on its stream. Loads and stores have their
+  own stream on each GPU, loads at the higher priority; between two chunks of a store a queued
+  load goes first. Each stream has at most ``max_inflight_bytes`` queued and not finished
+  (at least one chunk), so a long store cannot fill the copy engine ahead of a load.
+- Every chunk records a blocking-sync event. One completion thread per stream waits on its
+  events in order (``Event.synchronize``: the GIL is released and the thread sleeps in the
+  driver), so nothing polls; a job ends when its last chunk's event has fired.
+- Ordering against the engine: a job may carry ``wait_event``, a CUDA IPC event handle the
+  engine recorded after the kernels that wrote (for a store) or last read (for a load) those
+  blocks; the job's streams wait on it before the first copy. Without it the service can only
+  order after its own default stream, which orders nothing against another process.
+- Deadlines: a job not yet issued fails at its deadline without running; a job partly issued
+  stops issuing; copies already queued cannot be cancelled, so the job is reported (failed,
+  ``"deadline"``) only when they end: no host slot, pin or device block is released while a DMA
+  may still touch it.
+- A sticky CUDA error (the context is poisoned: illegal address, launch failure, ECC, ...) is
+  fatal: ``fatal`` says why, every held job fails, new jobs are refused, and the service
+  reports not ready and exits for its supervisor to restart it (``app.core.service``).
+- ``shutdown`` gives running jobs the grace, then waits (bounded by ``sync_timeout_s``) for
+  every stream's queued copies to end; ``quiesced`` tells whether they did, and the service
+  unpins the pool only then (``HostPool.close(unpin=...)``).
+- The pool must be pinned: pageable memory turns every DMA into a synchronous staged copy.
+  An unpinned pool is refused unless ``allow_pageable`` (``--allow-pageable-pool``).
 
-So the PCIe copies are as large as the runs of host slots allow, whatever the order of the
-device blocks, and the launches per chunk are (tensors + slot runs), never (tensors x blocks).
-Device-to-device traffic for the gather is cheap next to PCIe. Runs are split at the pool's
-pinned-chunk boundaries. A cache whose tensors span several GPUs (tensor-parallel ranks) gets a
-staging buffer per GPU and copies of each GPU's share of a host block.
-
-Stores and loads have their own stream on each device, loads at the higher priority, and are
-issued by one thread, loads first. Every job records one event per device it touches; the
-thread polls each in-flight job's events independently, so a slow job never hides later ones.
-A job not yet issued fails at its deadline without running. An issued job that passes its
-deadline has failed (``"deadline"``), but its copies cannot be cancelled: it is reported when
-they end, so no host slot, pin or device block is released while a DMA may still write into it
-(meanwhile the service's tracker still lists it as running, and ``/readyz`` reports a transfer
-past its deadline). Tensors of
-a cache on the CPU are copied with ``memmove`` on the issuing thread (``transfer.cpu_copy``).
-
-The engine must have finished writing blocks (synchronised its streams) before asking to store
-them; the service cannot order its streams after another process's work.
-
-Importable without CUDA; constructing the worker needs it.
+Tensors of a cache on the CPU are copied with ``memmove`` on the issuing thread
+(``transfer.cpu_copy``). Importable without CUDA; constructing the worker needs it (or the
+fakes the tests install).
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
+import queue
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from transfer.cpu_copy import CopyAborted, copy_on_cpu
+from transfer.cuda_copy import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_STAGING_BYTES,
+    DirectCopier,
+    RawCuda,
+    StagedCopier,
+    find_cuda_memcpy,
+    find_raw_cuda,
+)
 from transfer.errors import InvalidJobError
 from transfer.host_pool import HostPool
 from transfer.kv_cache import KVCacheRegistry, RegisteredCache
-from transfer.worker import CopyPlan, HeldJob, OnFinished, QueueingWorker
+from transfer.worker import HeldJob, OnFinished, QueueingWorker
 
-__all__ = ["DEFAULT_STAGING_BYTES", "CudaTransferWorker", "StagedCopier", "find_cuda_memcpy"]
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_INFLIGHT_BYTES",
+    "DEFAULT_STAGING_BYTES",
+    "CudaTransferWorker",
+    "StagedCopier",
+    "find_cuda_memcpy",
+    "is_sticky_cuda_error",
+]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_STAGING_BYTES = 64 << 20
+DEFAULT_INFLIGHT_BYTES = 64 << 20
 LOAD_PRIORITY = -1  # lower is higher in CUDA; out-of-range values are clamped by torch
 STORE_PRIORITY = 0
-_WORD_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+PAGEABLE_FLAG = "--allow-pageable-pool"
+
+# Errors after which the CUDA context is unusable (cudaError_t 700-719 and kin): every later
+# call fails the same way, so only a new process recovers.
+_STICKY = (
+    "illegal memory access",
+    "illegal address",
+    "unspecified launch failure",
+    "launch failure",
+    "misaligned address",
+    "illegal instruction",
+    "hardware stack error",
+    "uncorrectable ecc",
+    "ecc error",
+    "invalid program counter",
+    "cudaerrorlaunchfailure",
+    "cudaerrorillegaladdress",
+    "context is destroyed",
+    "device-side assert",
+)
 
 
-@dataclass(frozen=True, slots=True)
-class _Segment:
-    tensor: int  # index into cache.tensors
-    staging_offset: int  # bytes, inside a staging row
-    nbytes: int  # outer * inner_bytes
-    host_offset: int
-    outer: int
-    inner_bytes: int
-    num_blocks: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Geometry:
-    """How one device's tensors of a cache sit in a staging row and in a host block."""
-
-    segments: tuple[_Segment, ...]
-    row_bytes: int  # staging row: this device's share of a host block
-    groups: tuple[tuple[int, int, int], ...]  # (host_offset, staging_offset, nbytes) contiguous
-    word: int  # bytes per element used by the gather/scatter kernels
-
-
-def _geometry(cache: RegisteredCache, tensor_ids: list[int]) -> _Geometry:
-    segments = []
-    offset = 0
-    for t in tensor_ids:
-        lay = cache.layouts[t]
-        segments.append(
-            _Segment(
-                t,
-                offset,
-                lay.bytes_per_block,
-                lay.host_offset,
-                lay.outer,
-                lay.inner_bytes,
-                lay.num_blocks,
-            )
-        )
-        offset += lay.bytes_per_block
-    groups: list[list[int]] = []
-    for s in segments:
-        if groups and groups[-1][0] + groups[-1][2] == s.host_offset:
-            groups[-1][2] += s.nbytes
-        else:
-            groups.append([s.host_offset, s.staging_offset, s.nbytes])
-    word = 1
-    for size, _dtype in _WORD_DTYPES:
-        if all(
-            s.inner_bytes % size == 0
-            and s.staging_offset % size == 0
-            and cache.tensors[s.tensor].data_ptr() % size == 0
-            and cache.tensors[s.tensor].numel() % size == 0
-            for s in segments
-        ) and (offset % size == 0):
-            word = size
-            break
-    return _Geometry(tuple(segments), offset, tuple((g[0], g[1], g[2]) for g in groups), word)
-
-
-MemcpyAsync = Callable[[int, int, int, int, int], int]
-"""``cudaMemcpyAsync(dst, src, nbytes, kind, stream) -> cudaError_t``."""
-_H2D = 1  # cudaMemcpyHostToDevice
-_D2H = 2  # cudaMemcpyDeviceToHost
-
-
-def find_cuda_memcpy() -> MemcpyAsync | None:
-    """``cudaMemcpyAsync`` of the CUDA runtime torch itself loaded, or None.
-
-    Calling it through ctypes costs about a microsecond; a torch ``copy_`` of two slices costs
-    several (slicing, dispatch, checks), which matters when a job is many scattered
-    single-slot copies. Only the exact library already mapped into this process is used (found
-    in ``/proc/self/maps``), so it shares torch's runtime state; a torch built with a static
-    runtime has none, and the staged copier then copies through torch. Setting
-    ``KVOFFLOAD_CUDA_RAW_MEMCPY=0`` turns the raw path off.
-    """
-    if os.environ.get("KVOFFLOAD_CUDA_RAW_MEMCPY", "1") == "0":
-        return None
-    try:
-        with open("/proc/self/maps") as f:
-            paths = sorted({ln.split()[-1] for ln in f if "/libcudart.so" in ln})
-    except OSError:
-        return None
-    for path in paths:
-        try:
-            fn = ctypes.CDLL(path).cudaMemcpyAsync
-        except (OSError, AttributeError):
-            continue
-        fn.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_void_p,
-        ]
-        fn.restype = ctypes.c_int
-        memcpy: MemcpyAsync = fn
-        return memcpy
-    return None
-
-
-def _word_dtype(word: int) -> torch.dtype:
-    return next(dt for size, dt in _WORD_DTYPES if size == word)
-
-
-class StagedCopier:
-    """Issues a plan's copies for the tensors on one device through one staging buffer.
-
-    Device-agnostic: on a CUDA device call ``issue`` inside ``torch.cuda.stream(...)`` (the
-    copies are then asynchronous on that stream, and the staging buffer is reused safely in
-    stream order); on the CPU everything runs synchronously, which is how the tests check the
-    index arithmetic without a GPU.
-    """
-
-    def __init__(
-        self,
-        device: torch.device,
-        staging_bytes: int = DEFAULT_STAGING_BYTES,
-        memcpy: MemcpyAsync | None = None,
-    ) -> None:
-        if staging_bytes <= 0:
-            raise ValueError(f"staging_bytes must be positive, got {staging_bytes}")
-        self.device = device
-        self.staging_bytes = staging_bytes
-        self._memcpy = memcpy
-        self._buffer: torch.Tensor | None = None
-        self._geometry: dict[tuple[str, tuple[int, ...]], _Geometry] = {}
-
-    def _staging(self, nbytes: int) -> torch.Tensor:
-        nbytes = (nbytes + 7) // 8 * 8
-        if self._buffer is None or self._buffer.numel() < nbytes:
-            self._buffer = None  # free the old one first (stream order keeps it safe)
-            self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return self._buffer
-
-    def geometry(self, cache: RegisteredCache, tensor_ids: list[int]) -> _Geometry:
-        key = (cache.cache_id, tuple(tensor_ids))
-        geo = self._geometry.get(key)
-        if geo is None:
-            if len(self._geometry) > 256:
-                self._geometry.clear()
-            geo = self._geometry[key] = _geometry(cache, tensor_ids)
-        return geo
-
-    def issue(
-        self,
-        plan: CopyPlan,
-        pool_tensor: torch.Tensor,
-        tensor_ids: list[int],
-        *,
-        split_every: int | None = None,
-    ) -> None:
-        """Queue every copy of ``plan`` that touches ``tensor_ids`` (all on this device)."""
-        n = len(plan.device_blocks)
-        if n == 0 or not tensor_ids:
-            return
-        cache = plan.cache
-        geo = self.geometry(cache, tensor_ids)
-        rows = max(1, min(n, self.staging_bytes // geo.row_bytes))
-        buffer = self._staging(rows * geo.row_bytes)
-        cuda = self.device.type == "cuda"
-        index_cpu = torch.tensor(plan.device_blocks, dtype=torch.int64)
-        index = index_cpu.pin_memory().to(self.device, non_blocking=True) if cuda else index_cpu
-        wdt = _word_dtype(geo.word)
-        w = geo.word
-        views = [
-            cache.tensors[s.tensor].view(wdt).view(s.outer, s.num_blocks, s.inner_bytes // w)
-            for s in geo.segments
-        ]
-        block_bytes = pool_tensor.shape[1]
-        pool_flat = pool_tensor.view(-1)
-        full_block = geo.groups == ((0, 0, block_bytes),)
-        for i0 in range(0, n, rows):
-            i1 = min(n, i0 + rows)
-            count = i1 - i0
-            stage_w = buffer[: count * geo.row_bytes].view(count, geo.row_bytes).view(wdt)
-            idx = index[i0:i1]
-            parts = [
-                stage_w[:, s.staging_offset // w : (s.staging_offset + s.nbytes) // w].view(
-                    count, s.outer, s.inner_bytes // w
-                )
-                for s in geo.segments
-            ]
-            if plan.store:
-                for view, part in zip(views, parts, strict=True):
-                    part.copy_(view.index_select(1, idx).transpose(0, 1))
-            copies: list[tuple[int, int, int]] = []  # (pool byte, staging byte, bytes)
-            row = geo.row_bytes
-            for c0, s0, length in plan.slot_runs(split_every, i0, i1):
-                c = c0 - i0
-                if full_block:
-                    copies.append((s0 * block_bytes, c * row, length * row))
-                    continue
-                for r in range(length):
-                    host_row = (s0 + r) * block_bytes
-                    stage_row = (c + r) * row
-                    for host_off, stage_off, nbytes in geo.groups:
-                        copies.append((host_row + host_off, stage_row + stage_off, nbytes))
-            self._move(plan.store, pool_flat, buffer, copies)
-            if not plan.store:
-                for view, part in zip(views, parts, strict=True):
-                    view.index_copy_(1, idx, part.transpose(0, 1))
-
-    def _move(
-        self,
-        store: bool,
-        pool_flat: torch.Tensor,
-        stage_flat: torch.Tensor,
-        copies: list[tuple[int, int, int]],
-    ) -> None:
-        """Queue contiguous pool <-> staging copies, raw when possible, else through torch."""
-        done = 0
-        memcpy = self._memcpy
-        if memcpy is not None and copies:
-            host_base = pool_flat.data_ptr()
-            dev_base = stage_flat.data_ptr()
-            stream = (
-                torch.cuda.current_stream(self.device).cuda_stream
-                if self.device.type == "cuda"
-                else 0
-            )
-            kind = _D2H if store else _H2D
-            for host_off, dev_off, nbytes in copies:
-                host = host_base + host_off
-                dev = dev_base + dev_off
-                code = (
-                    memcpy(host, dev, nbytes, kind, stream)
-                    if store
-                    else memcpy(dev, host, nbytes, kind, stream)
-                )
-                if code != 0:
-                    log.warning(
-                        "cudaMemcpyAsync returned %d; copying through torch from now on", code
-                    )
-                    self._memcpy = None
-                    break
-                done += 1
-        for host_off, dev_off, nbytes in copies[done:]:
-            host_t = pool_flat[host_off : host_off + nbytes]
-            dev_t = stage_flat[dev_off : dev_off + nbytes]
-            if store:
-                host_t.copy_(dev_t, non_blocking=True)
-            else:
-                dev_t.copy_(host_t, non_blocking=True)
-
-
-@dataclass
-class _Lane:
-    """One GPU: a stream and a staging copier per direction."""
-
-    index: int
-    streams: dict[bool, Any]  # store? -> torch.cuda.Stream
-    copiers: dict[bool, StagedCopier]
-
-
-@dataclass
-class _Issued:
-    entry: HeldJob
-    events: list[Any]
-    error: str | None  # set when issuing failed part-way; reported once the events drain
-
-    def done(self) -> bool:
-        return all(e.query() for e in self.events)
+def is_sticky_cuda_error(exc: BaseException) -> bool:
+    """True when ``exc`` reports an error that poisons the CUDA context for good."""
+    text = str(exc).lower()
+    return any(s in text for s in _STICKY)
 
 
 def _new_stream(index: int, priority: int) -> Any:
     return torch.cuda.Stream(device=index, priority=priority)  # type: ignore[no-untyped-call]
 
 
+def _new_event() -> Any:
+    """A blocking-sync event: ``synchronize`` sleeps in the driver instead of spinning."""
+    return torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+
+
+def _open_ipc_event(index: int, handle: bytes) -> Any:
+    """The engine's interprocess event (``cudaIpcOpenEventHandle``) on GPU ``index``."""
+    device = torch.device("cuda", index)
+    return torch.cuda.Event.from_ipc_handle(device, handle)  # type: ignore[no-untyped-call]
+
+
 def _device_index(device: str) -> int:
     index = torch.device(device).index
     return 0 if index is None else index
+
+
+@dataclass
+class _Lane:
+    """One GPU: per direction (store?) a stream, its copier and its completion queue."""
+
+    index: int
+    streams: dict[bool, Any]
+    copiers: dict[bool, DirectCopier | StagedCopier]
+    done: dict[bool, queue.SimpleQueue[Any]]
+    threads: list[threading.Thread]
+    inflight: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
+
+
+@dataclass
+class _Active:
+    """A job being issued or waiting for its queued chunks to end."""
+
+    job_id: int
+    entry: HeldJob
+    store: bool
+    started: bool = False
+    parts: list[tuple[_Lane, Iterator[int]]] = field(default_factory=list)
+    part: int = 0
+    pending: int = 0  # chunks queued whose event has not fired
+    issued_all: bool = False
+    error: str | None = None
 
 
 class CudaTransferWorker(QueueingWorker):
@@ -344,23 +162,48 @@ class CudaTransferWorker(QueueingWorker):
         *,
         on_finished: OnFinished | None = None,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
-        poll_interval_s: float = 0.0005,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        max_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES,
         raw_memcpy: bool = True,
+        direct: bool = True,
+        allow_pageable: bool = False,
+        sync_timeout_s: float = 10.0,
     ) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError("the cuda transfer backend needs CUDA; use backend='cpu'")
-        if staging_bytes <= 0:
-            raise ValueError(f"staging_bytes must be positive, got {staging_bytes}")
+        for what, value in (
+            ("staging_bytes", staging_bytes),
+            ("chunk_bytes", chunk_bytes),
+            ("max_inflight_bytes", max_inflight_bytes),
+        ):
+            if value <= 0:
+                raise ValueError(f"{what} must be positive, got {value}")
+        if not pool.pinned and not allow_pageable:
+            raise RuntimeError(
+                "the cuda transfer backend needs a pinned host pool and this one could not be "
+                f"pinned (see the log); pass {PAGEABLE_FLAG} to run with pageable memory"
+            )
         super().__init__(pool, registry, on_finished)
         self.staging_bytes = staging_bytes
-        self._poll_interval = poll_interval_s
+        self.chunk_bytes = chunk_bytes
+        self.max_inflight_bytes = max_inflight_bytes
+        self.sync_timeout_s = sync_timeout_s
         torch.cuda.init()  # type: ignore[no-untyped-call]  # runtime loaded before the lookup
-        self._memcpy = find_cuda_memcpy() if raw_memcpy else None
+        self._raw: RawCuda | None = find_raw_cuda() if raw_memcpy else None
+        self._direct = (
+            direct
+            and self._raw is not None
+            and (self._raw.batch is not None or self._raw.memcpy2d is not None)
+        )
         self._pool_tensor = pool.tensor
         self._split_every = pool.pin_chunk_blocks
         self._lanes: dict[int, _Lane] = {}
-        self._issued: dict[int, _Issued] = {}  # touched only by the issuing thread
+        self._active: dict[bool, _Active | None] = {True: None, False: None}
+        self._draining: set[int] = set()  # job ids of _Active fully issued, chunks pending
+        self._inflight_jobs: dict[int, _Active] = {}
         self._abandon = False
+        self._quiesced = True
+        self._fatal: str | None = None
         self._thread = threading.Thread(
             target=self._run, name="kvoffload-cuda-transfer", daemon=True
         )
@@ -368,8 +211,25 @@ class CudaTransferWorker(QueueingWorker):
 
     @property
     def raw_memcpy(self) -> bool:
-        """True when pool copies go through ``cudaMemcpyAsync`` directly."""
-        return self._memcpy is not None
+        """True when copies go through the CUDA runtime directly (not through torch)."""
+        return self._raw is not None
+
+    @property
+    def copy_path(self) -> str:
+        """``"batch"``, ``"2d"`` (direct DMA) or ``"staged"``: how chunks are copied."""
+        if not self._direct or self._raw is None:
+            return "staged"
+        return "batch" if self._raw.batch is not None else "2d"
+
+    @property
+    def fatal(self) -> str | None:
+        """Why this worker can never copy again (a sticky CUDA error), or None."""
+        return self._fatal
+
+    @property
+    def quiesced(self) -> bool:
+        """After ``shutdown``: True when every stream's copies ended (the pool may be unpinned)."""
+        return self._quiesced
 
     def _check_cache(self, cache: RegisteredCache) -> None:
         count = torch.cuda.device_count()
@@ -382,52 +242,118 @@ class CudaTransferWorker(QueueingWorker):
                     f"cannot reach ({count} GPUs)"
                 )
 
+    # ---------------------------------------------------------------- lanes
+
+    def _lane(self, index: int) -> _Lane:
+        lane = self._lanes.get(index)
+        if lane is not None:
+            return lane
+        with torch.cuda.device(index):
+            streams = {
+                True: _new_stream(index, STORE_PRIORITY),
+                False: _new_stream(index, LOAD_PRIORITY),
+            }
+            sides = {
+                True: _new_stream(index, STORE_PRIORITY),
+                False: _new_stream(index, LOAD_PRIORITY),
+            }
+        copiers: dict[bool, DirectCopier | StagedCopier] = {}
+        for store in (True, False):
+            if self._direct and self._raw is not None:
+                copiers[store] = DirectCopier(self._raw, self.chunk_bytes)
+            else:
+                copier = StagedCopier(
+                    torch.device("cuda", index),
+                    self.staging_bytes,
+                    None if self._raw is None else self._raw.memcpy,
+                    sides[store],
+                )
+                if self._raw is not None:
+                    copier._clear_error = self._raw.clear_error
+                copiers[store] = copier
+        done: dict[bool, queue.SimpleQueue[Any]] = {
+            True: queue.SimpleQueue(),
+            False: queue.SimpleQueue(),
+        }
+        lane = _Lane(index, streams, copiers, done, [])
+        for store in (True, False):
+            t = threading.Thread(
+                target=self._complete_loop,
+                args=(lane, store),
+                name=f"kvoffload-cuda-done-{index}-{'store' if store else 'load'}",
+                daemon=True,
+            )
+            lane.threads.append(t)
+            t.start()
+        self._lanes[index] = lane
+        return lane
+
     # ---------------------------------------------------------------- the issuing thread
 
     def _run(self) -> None:
         while True:
             expired: list[int] = []
             with self._cond:
-                if self._abandon or (self._closed and not self._issued and not self._queued()):
-                    return
-                now = time.monotonic()
-                picked = self._pop_locked(now, expired)
-                if picked is None and not expired:
-                    if self._issued:
-                        self._cond.wait(self._poll_interval)
-                    else:
-                        nxt = self._next_deadline_locked(self._queued())
-                        self._cond.wait(None if nxt is None else max(0.0, nxt - now))
-                        continue
+                while True:
+                    if self._abandon or self._fatal is not None:
+                        return
+                    now = time.monotonic()
+                    idle = all(a is None for a in self._active.values())
+                    if self._closed and idle and not self._loads and not self._stores:
+                        return
+                    for store, q in ((False, self._loads), (True, self._stores)):
+                        if self._active[store] is None and q:
+                            picked = self._pop_one_locked(q, now, expired)
+                            if picked is not None:
+                                active = _Active(picked[0], picked[1], store)
+                                self._active[store] = active
+                                self._inflight_jobs[picked[0]] = active
+                    work = self._choose_locked()
+                    if work is not None or expired:
+                        break
+                    nxt = self._next_deadline_locked([*self._loads, *self._stores])
+                    for a in self._active.values():
+                        if a is not None:
+                            d = a.entry.deadline
+                            nxt = d if nxt is None else min(nxt, d)
+                    self._cond.wait(None if nxt is None else max(0.001, nxt - now))
             if expired:
                 self._finish((j, False, "deadline") for j in expired)
-            if picked is not None:
-                self._issue(*picked)
-            self._poll()
+            if work is not None:
+                self._step(work)
 
-    def _queued(self) -> list[int]:
-        return [*self._loads, *self._stores]
+    def _pop_one_locked(self, q: Any, now: float, expired: list[int]) -> tuple[int, HeldJob] | None:
+        while q:
+            job_id = q.popleft()
+            entry = self._held.get(job_id)
+            if entry is None:
+                continue
+            if entry.deadline <= now:
+                expired.append(job_id)
+                continue
+            return job_id, entry
+        return None
 
-    def _lane(self, index: int) -> _Lane:
-        lane = self._lanes.get(index)
-        if lane is None:
-            with torch.cuda.device(index):
-                streams = {
-                    True: _new_stream(index, STORE_PRIORITY),
-                    False: _new_stream(index, LOAD_PRIORITY),
-                }
-            device = torch.device("cuda", index)
-            copiers = {
-                True: StagedCopier(device, self.staging_bytes, self._memcpy),
-                False: StagedCopier(device, self.staging_bytes, self._memcpy),
-            }
-            lane = self._lanes[index] = _Lane(index, streams, copiers)
-        return lane
+    def _choose_locked(self) -> _Active | None:
+        """The active job to issue a chunk of: loads first, within each stream's byte cap."""
+        now = time.monotonic()
+        for store in (False, True):
+            active = self._active[store]
+            if active is None:
+                continue
+            if not active.started or active.entry.deadline <= now:
+                return active
+            if active.part >= len(active.parts):
+                return active
+            lane = active.parts[active.part][0]
+            if lane.inflight[store] == 0 or lane.inflight[store] < self.max_inflight_bytes:
+                return active
+        return None
 
-    def _issue(self, job_id: int, entry: HeldJob) -> None:
-        plan = entry.plan
-        events: list[Any] = []
-        error: str | None = None
+    def _start(self, active: _Active) -> None:
+        """First step of a job: its CPU tensors, its waits, one chunk generator per GPU."""
+        active.started = True
+        plan = active.entry.plan
         by_device: dict[int, list[int]] = {}
         has_cpu = False
         for t, lay in enumerate(plan.cache.layouts):
@@ -435,56 +361,143 @@ class CudaTransferWorker(QueueingWorker):
                 has_cpu = True
             else:
                 by_device.setdefault(_device_index(lay.device), []).append(t)
-        try:
-            if has_cpu:
-                copy_on_cpu(plan, self._pool_tensor, deadline=entry.deadline, only_cpu=True)
-            for index, tensor_ids in by_device.items():
-                lane = self._lane(index)
-                stream = lane.streams[plan.store]
-                with torch.cuda.device(index), torch.cuda.stream(stream):
-                    # Order after work already queued on this process's default stream, so
-                    # in-process (embedded) caches see their writes; free for the service.
-                    stream.wait_stream(torch.cuda.default_stream(index))
-                    try:
-                        lane.copiers[plan.store].issue(
-                            plan, self._pool_tensor, tensor_ids, split_every=self._split_every
-                        )
-                    finally:
-                        # Recorded even after a partial issue: the job is reported only once
-                        # what was queued has drained.
-                        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                        event.record(stream)
-                        events.append(event)
-        except CopyAborted:
-            error = "deadline"
-        except Exception as exc:
-            error = f"copy failed: {type(exc).__name__}: {exc}"
-        self._issued[job_id] = _Issued(entry, events, error)
+        if has_cpu:
+            copy_on_cpu(plan, self._pool_tensor, deadline=active.entry.deadline, only_cpu=True)
+        wait_event = active.entry.job.wait_event
+        ipc_event = None
+        if wait_event is not None and by_device:
+            first = next(iter(by_device))
+            with torch.cuda.device(first):
+                ipc_event = _open_ipc_event(first, wait_event)
+        for index, tensor_ids in by_device.items():
+            lane = self._lane(index)
+            stream = lane.streams[active.store]
+            with torch.cuda.device(index):
+                # Order after this process's default stream (in-process caches see their
+                # writes) and after the engine's event (an IPC cache: the only real order).
+                stream.wait_stream(torch.cuda.default_stream(index))
+                if ipc_event is not None:
+                    stream.wait_event(ipc_event)
+            gen = lane.copiers[active.store].chunks(
+                plan,
+                self._pool_tensor,
+                tensor_ids,
+                stream.cuda_stream,
+                split_every=self._split_every,
+            )
+            active.parts.append((lane, gen))
 
-    def _poll(self) -> None:
-        now = time.monotonic()
-        outcomes: list[tuple[int, bool, str | None]] = []
-        for job_id, issued in list(self._issued.items()):
+    def _step(self, active: _Active) -> None:
+        """Issue one chunk of ``active`` (or start it, or stop it at its deadline)."""
+        store = active.store
+        if not active.started:
             try:
-                done = issued.done()
-            except Exception as exc:  # a sticky CUDA error surfaces here
-                done = True
-                issued.error = issued.error or f"cuda error: {exc}"
-            if done:
-                del self._issued[job_id]
-                outcomes.append((job_id, issued.error is None, issued.error))
-            elif issued.entry.deadline <= now and issued.error is None:
-                # Copies on a stream cannot be cancelled: the job has failed, but it is
-                # reported only when they end. Reporting it now would let the service free
-                # its host slots (a store) or unpin them (a load), and let the engine reuse
-                # its device blocks, while a DMA still writes into one of them.
-                issued.error = "deadline"
-        if outcomes:
-            self._finish(outcomes)
+                self._start(active)
+            except CopyAborted:
+                active.error = "deadline"
+            except Exception as exc:
+                active.error = self._failure(exc)
+            if active.error is None:
+                return
+        elif active.entry.deadline <= time.monotonic():
+            active.error = active.error or "deadline"
+        if active.error is None and active.part < len(active.parts):
+            lane, gen = active.parts[active.part]
+            stream = lane.streams[store]
+            nbytes: int | None = None
+            try:
+                with torch.cuda.device(lane.index), torch.cuda.stream(stream):
+                    nbytes = next(gen)
+            except StopIteration:
+                active.part += 1
+            except Exception as exc:
+                active.error = self._failure(exc)
+                nbytes = 0  # what was queued before the error must drain: record an event
+            if nbytes is not None:
+                try:
+                    event = _new_event()
+                    event.record(stream)
+                except Exception as exc:
+                    active.error = active.error or self._failure(exc)
+                else:
+                    with self._cond:
+                        lane.inflight[store] += nbytes
+                        active.pending += 1
+                    lane.done[store].put((active, event, nbytes))
+            if active.error is None and active.part < len(active.parts):
+                return
+        # Nothing more to issue: the job ends when its queued chunks do.
+        outcome = None
+        with self._cond:
+            active.issued_all = True
+            if self._active[store] is active:
+                self._active[store] = None
+            if active.pending == 0:
+                outcome = self._outcome_locked(active)
+            self._cond.notify_all()
+        if outcome is not None:
+            self._finish([outcome])
+
+    def _failure(self, exc: BaseException) -> str:
+        reason = f"copy failed: {type(exc).__name__}: {exc}"
+        if is_sticky_cuda_error(exc):
+            self._poison(reason)
+        return reason
+
+    def _outcome_locked(self, active: _Active) -> tuple[int, bool, str | None]:
+        self._inflight_jobs.pop(active.job_id, None)
+        error = active.error
+        if error is None and time.monotonic() > active.entry.deadline:
+            error = "deadline"  # it ended, but too late: the engine has given up on it
+        return (active.job_id, error is None, error)
+
+    # ---------------------------------------------------------------- completion threads
+
+    def _complete_loop(self, lane: _Lane, store: bool) -> None:
+        q = lane.done[store]
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            active, event, nbytes = item
+            error: str | None = None
+            try:
+                event.synchronize()  # sleeps in the driver, GIL released
+            except Exception as exc:
+                error = f"cuda error: {exc}"
+                if is_sticky_cuda_error(exc):
+                    self._poison(error)
+            outcome = None
+            with self._cond:
+                lane.inflight[store] -= nbytes
+                active.pending -= 1
+                if error is not None and active.error is None:
+                    active.error = error
+                if active.issued_all and active.pending == 0:
+                    outcome = self._outcome_locked(active)
+                self._cond.notify_all()
+            if outcome is not None:
+                self._finish([outcome])
+
+    def _poison(self, reason: str) -> None:
+        """A sticky error: refuse new jobs, fail queued ones; running ones fail as they end."""
+        with self._cond:
+            if self._fatal is not None:
+                return
+            self._fatal = reason
+            self._closed = True  # submit refuses from now on
+            queued = [*self._loads, *self._stores]
+            self._loads.clear()
+            self._stores.clear()
+            self._cond.notify_all()
+        log.critical("CUDA context is poisoned; the service must restart: %s", reason)
+        self._finish((j, False, f"cuda fatal: {reason}") for j in queued)
+
+    # ---------------------------------------------------------------- shutdown
 
     def _stop(self, timeout: float) -> None:
         with self._cond:
-            queued = self._queued()
+            queued = [*self._loads, *self._stores]
             self._loads.clear()
             self._stores.clear()
             self._cond.notify_all()
@@ -492,8 +505,31 @@ class CudaTransferWorker(QueueingWorker):
         self._thread.join(timeout)
         if self._thread.is_alive():
             with self._cond:
-                self._abandon = True
+                self._abandon = True  # stop issuing; what is queued on the streams stays
                 self._cond.notify_all()
             self._thread.join()
-        self._issued.clear()
-        self._lanes.clear()
+        # Every stream's queued copies must end before the pool is unpinned or any slot or
+        # device block is given back: wait for them, bounded (a hung GPU must not hang us).
+        end = time.monotonic() + max(0.0, self.sync_timeout_s)
+        with self._cond:
+            while any(lane.inflight[s] for lane in self._lanes.values() for s in (True, False)):
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            self._quiesced = not any(
+                lane.inflight[s] for lane in self._lanes.values() for s in (True, False)
+            )
+        if not self._quiesced:
+            log.error(
+                "CUDA copies still queued after %.1fs; the pool stays pinned until exit",
+                self.sync_timeout_s,
+            )
+        for lane in self._lanes.values():
+            for store in (True, False):
+                lane.done[store].put(None)
+        if self._quiesced:
+            for lane in self._lanes.values():
+                for t in lane.threads:
+                    t.join(1.0)
+            self._lanes.clear()

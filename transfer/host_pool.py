@@ -157,6 +157,7 @@ class HostPool:
         self._pin_chunks = pin_chunks
         self.pin_chunk_blocks = pin_chunk_blocks
         self._closed = False
+        self._keep: object = None
         # A forgotten pool still closes its descriptor when collected.
         self._fd_finalizer = weakref.finalize(self, _close_fd, fd)
 
@@ -263,11 +264,19 @@ class HostPool:
             "pinned": self.pinned,
         }
 
-    def close(self) -> None:
-        """Unpin, drop this pool's mapping and close the descriptor. Idempotent."""
+    def close(self, *, unpin: bool = True) -> None:
+        """Unpin, drop this pool's mapping and close the descriptor. Idempotent.
+
+        ``unpin=False`` leaves the region registered (and so mapped) until the process exits:
+        for a shutdown whose CUDA copies did not end in time (``TransferWorker.quiesced``),
+        since unregistering memory a DMA still writes is undefined behaviour.
+        """
         if self._closed:
             return
         self._closed = True
+        if not unpin:
+            self._keep = (self._pin_chunks, self._tensor)  # never unregistered nor unmapped
+            self._pin_chunks = []
         if self._pin_chunks:
             _unregister(self._pin_chunks)
             self._pin_chunks = []
@@ -300,6 +309,9 @@ def _register(flat: torch.Tensor, chunk: int) -> list[tuple[int, int]]:
             size = -(-min(chunk, total - offset) // _PAGE) * _PAGE
             code = int(rt.cudaHostRegister(base + offset, size, _CUDA_HOST_REGISTER_PORTABLE))
             if code != 0:
+                # The failure stays as this thread's last CUDA error and would fail the next
+                # unrelated call that checks it (a torch op, a kernel launch): clear it.
+                _clear_last_error(rt)
                 raise RuntimeError(f"cudaHostRegister({size} bytes at +{offset}) -> error {code}")
             done.append((base + offset, size))
     except Exception as exc:  # CUDA missing, driver refusal, RLIMIT: all leave it pageable
@@ -307,6 +319,11 @@ def _register(flat: torch.Tensor, chunk: int) -> list[tuple[int, int]]:
         log.warning("host pool stays pageable (not pinned): %s", exc)
         return []
     return done
+
+
+def _clear_last_error(rt: Any) -> None:
+    with contextlib.suppress(Exception):
+        rt.cudaGetLastError()
 
 
 def _unregister(chunks: list[tuple[int, int]]) -> None:

@@ -99,8 +99,10 @@ class JobTracker:
         device_blocks: Sequence[int],
         host_slots: Sequence[int],
         deadline_s: float,
+        wait_event: bytes | None = None,
     ) -> JobRecord:
-        """Submit one job moving ``keys`` (``keys[i]`` lives in ``host_slots[i]``)."""
+        """Submit one job moving ``keys`` (``keys[i]`` lives in ``host_slots[i]``), its copies
+        ordered after ``wait_event`` (a CUDA IPC event handle) when given."""
         keys = list(keys)
         try:
             if direction not in ("store", "load"):
@@ -116,6 +118,7 @@ class JobTracker:
                 host_slots=list(host_slots),
                 deadline_s=deadline_s,
                 req_id=ctx.req_id,
+                wait_event=wait_event,
             )
             worker_id = self.worker.submit(job)
         except Exception:
@@ -167,9 +170,11 @@ class JobTracker:
         device_blocks: Sequence[int],
         host_slots: Sequence[int],
         deadline_s: float,
+        wait_event: bytes | None = None,
     ) -> None:
-        """Start the copy of a deferred load whose keys the caller has pinned (``host_slots``).
-        A refused copy unpins them and fails the job (its reason says why)."""
+        """Start the copy of a deferred load whose keys the caller has pinned (``host_slots``),
+        after ``wait_event`` when given. A refused copy unpins them and fails the job (its
+        reason says why)."""
         job = TransferJob(
             direction="load",
             cache_id=record.cache_id,
@@ -177,6 +182,7 @@ class JobTracker:
             host_slots=list(host_slots),
             deadline_s=deadline_s,
             req_id=record.req_id,
+            wait_event=wait_event,
         )
         try:
             worker_id = self.worker.submit(job)

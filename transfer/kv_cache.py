@@ -37,6 +37,14 @@ Handles (JSON, as sent to ``POST /v1/kv-caches``):
   engine and the service. The engine must keep the tensor alive while it is registered, and
   must have finished writing a block (synchronised its streams) before asking to store it.
 
+Devices: ``device_uuid`` (per cache, or per tensor) names the GPU by its UUID (``nvidia-smi
+-L``); the service opens the handle on the GPU with that UUID in its own numbering, and refuses
+the registration when the opened memory sits on another GPU. Prefer it to ``cuda:N``.
+
+Leases: a registration with ``lease_s`` lives while the engine renews it (``renew``) at least
+every ``lease_s`` seconds; ``expire`` forgets the lapsed ones, so a dead engine's IPC mappings
+(which keep its GPU memory alive) close once no running job holds them.
+
 A tensor may name its own ``device``, so one registration spans an engine's tensor-parallel
 ranks; a host block then holds every rank's slice of the block.
 
@@ -50,13 +58,15 @@ from __future__ import annotations
 
 import base64
 import binascii
+import ctypes
 import math
 import os
 import re
 import secrets
 import stat
 import threading
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +115,9 @@ SHM_ROOT = "/dev/shm"
 _SHOWN_CHARS = 96  # of a caller's path repeated in an error message
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d{1,3})?)$")
 _NAME_RE = re.compile(r"^[\x21-\x7e][\x20-\x7e]*$")
+_UUID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+MAX_LEASE_S = 86400.0
+_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
 _IPC_INT_FIELDS = ("storage_size_bytes", "storage_offset_bytes", "ref_counter_offset")
 _IPC_B64_FIELDS = ("storage_handle", "ref_counter_handle")
 
@@ -118,6 +131,7 @@ class TensorSpec:
     block_dim: int
     handle: dict[str, Any]
     device: str | None = None
+    device_uuid: str | None = None
 
     @property
     def itemsize(self) -> int:
@@ -151,6 +165,8 @@ class KVCacheSpec:
     name: str
     device: str
     tensors: list[TensorSpec]
+    device_uuid: str | None = None
+    lease_s: float | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> KVCacheSpec:
@@ -160,7 +176,7 @@ class KVCacheSpec:
         """
         if not isinstance(d, Mapping):
             raise RegistrationError(f"registration must be an object, got {type(d).__name__}")
-        _no_unknown(d, {"name", "device", "tensors"}, "registration")
+        _no_unknown(d, {"name", "device", "tensors", "device_uuid", "lease_s"}, "registration")
         for key in ("name", "device", "tensors"):
             if key not in d:
                 raise RegistrationError(f"registration is missing {key!r}")
@@ -172,7 +188,9 @@ class KVCacheSpec:
             where = f"tensors[{i}]"
             if not isinstance(t, Mapping):
                 raise RegistrationError(f"{where} must be an object, got {type(t).__name__}")
-            _no_unknown(t, {"shape", "dtype", "block_dim", "handle", "device"}, where)
+            _no_unknown(
+                t, {"shape", "dtype", "block_dim", "handle", "device", "device_uuid"}, where
+            )
             for key in ("shape", "dtype", "block_dim", "handle"):
                 if key not in t:
                     raise RegistrationError(f"{where} is missing {key!r}")
@@ -185,9 +203,16 @@ class KVCacheSpec:
                     block_dim=t["block_dim"],
                     handle=dict(handle) if isinstance(handle, Mapping) else handle,
                     device=t.get("device"),
+                    device_uuid=t.get("device_uuid"),
                 )
             )
-        spec = cls(name=d["name"], device=d["device"], tensors=tensors)
+        spec = cls(
+            name=d["name"],
+            device=d["device"],
+            tensors=tensors,
+            device_uuid=d.get("device_uuid"),
+            lease_s=d.get("lease_s"),
+        )
         spec.validate()
         return spec
 
@@ -200,6 +225,14 @@ class KVCacheSpec:
         if not _NAME_RE.match(self.name):
             raise RegistrationError(f"name must be printable ASCII, got {self.name!r:.80}")
         _check_device(self.device, "device")
+        _check_uuid(self.device_uuid, "device_uuid")
+        lease = self.lease_s
+        if lease is not None and (
+            type(lease) not in (int, float) or not 0 < lease <= MAX_LEASE_S or lease != lease
+        ):
+            raise RegistrationError(
+                f"lease_s must be a number of seconds in (0, {MAX_LEASE_S}], got {lease!r:.40}"
+            )
         if not isinstance(self.tensors, list) or not 0 < len(self.tensors) <= MAX_TENSORS:
             count = len(self.tensors) if isinstance(self.tensors, list) else self.tensors
             raise RegistrationError(f"tensors must list 1..{MAX_TENSORS} tensors, got {count!r}")
@@ -255,6 +288,7 @@ def _check_tensor(t: TensorSpec, i: int, cache_device: str) -> None:
     device = cache_device if t.device is None else t.device
     if t.device is not None:
         _check_device(t.device, f"{where}.device")
+    _check_uuid(t.device_uuid, f"{where}.device_uuid")
     h = t.handle
     if not isinstance(h, dict):
         raise RegistrationError(f"{where}.handle must be an object")
@@ -277,6 +311,21 @@ def _check_tensor(t: TensorSpec, i: int, cache_device: str) -> None:
     else:
         raise RegistrationError(
             f"{where}.handle.kind must be 'shm' or 'cuda_ipc', got {kind!r:.40}"
+        )
+
+
+def normalize_uuid(uuid: str) -> str:
+    """A GPU UUID as compared here: lowercase, without nvidia-smi's ``GPU-`` prefix."""
+    u = uuid.strip().lower()
+    return u[4:] if u.startswith("gpu-") else u
+
+
+def _check_uuid(uuid: object, where: str) -> None:
+    if uuid is None:
+        return
+    if not isinstance(uuid, str) or not _UUID_RE.match(normalize_uuid(uuid)):
+        raise RegistrationError(
+            f"{where} must be a GPU UUID like 'GPU-1b2c3d4e-...' (nvidia-smi -L), got {uuid!r:.60}"
         )
 
 
@@ -419,8 +468,16 @@ class RegisteredCache:
 class KVCacheRegistry:
     """The device KV caches registered against one host pool. Thread-safe."""
 
-    def __init__(self, pool: HostPool, *, shm_root: str = SHM_ROOT) -> None:
+    def __init__(
+        self,
+        pool: HostPool,
+        *,
+        shm_root: str = SHM_ROOT,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.pool = pool
+        self._clock = clock
+        self._leases: dict[str, tuple[float, float]] = {}  # cache_id -> (lease_s, expires)
         self._shm_root = os.path.realpath(shm_root)
         # Messages name the root as configured: its real path is layout too.
         self._shm_name = shm_root.rstrip("/") or "/"
@@ -447,7 +504,8 @@ class KVCacheRegistry:
                     mapped.append(self._map_shm(t, i))
                     devices.append("cpu")
                 else:
-                    tensor = _open_cuda_ipc(t, i, device)
+                    uuid = t.device_uuid if t.device_uuid is not None else spec.device_uuid
+                    tensor = _open_cuda_ipc(t, i, device, uuid)
                     mapped.append(tensor)
                     devices.append(str(tensor.device))
         except BaseException:
@@ -463,7 +521,7 @@ class KVCacheRegistry:
             layouts=layouts,
             tensors=tuple(mapped),
         )
-        self._publish(cache)
+        self._publish(cache, spec.lease_s)
         return cache
 
     def register_tensors(
@@ -533,9 +591,40 @@ class KVCacheRegistry:
             raise UnknownCacheError(cache_id)
         return cache
 
+    def renew(self, cache_id: str) -> float:
+        """Extend ``cache_id``'s lease by its ``lease_s`` from now; the lease in seconds (0.0:
+        the cache has no lease). ``UnknownCacheError`` if unknown (or already expired)."""
+        with self._lock:
+            if cache_id not in self._caches:
+                raise UnknownCacheError(cache_id)
+            lease = self._leases.get(cache_id)
+            if lease is None:
+                return 0.0
+            self._leases[cache_id] = (lease[0], self._clock() + lease[0])
+            return lease[0]
+
+    def lease(self, cache_id: str) -> tuple[float, float] | None:
+        """``(lease_s, seconds left)`` of ``cache_id``'s lease, or None without one."""
+        with self._lock:
+            lease = self._leases.get(cache_id)
+        return None if lease is None else (lease[0], max(0.0, lease[1] - self._clock()))
+
+    def expire(self) -> list[RegisteredCache]:
+        """Forget every cache whose lease passed unrenewed; the caches forgotten. Their
+        mappings close once no running job holds them (fail their queued jobs first:
+        ``TransferWorker.drop_cache``)."""
+        now = self._clock()
+        with self._lock:
+            gone = [cid for cid, (_l, end) in self._leases.items() if end <= now]
+            out = [c for cid in gone if (c := self._caches.pop(cid, None)) is not None]
+            for cid in gone:
+                del self._leases[cid]
+        return out
+
     def unregister(self, cache_id: str) -> RegisteredCache:
         """Forget a cache; its mappings go once no running job holds them."""
         with self._lock:
+            self._leases.pop(cache_id, None)
             cache = self._caches.pop(cache_id, None)
         if cache is None:
             raise UnknownCacheError(cache_id)
@@ -550,16 +639,20 @@ class KVCacheRegistry:
         """Forget every cache. Idempotent."""
         with self._lock:
             self._caches.clear()
+            self._leases.clear()
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._caches)
 
-    def _publish(self, cache: RegisteredCache) -> None:
+    def _publish(self, cache: RegisteredCache, lease_s: float | None = None) -> None:
         with self._lock:
             for old_id in [cid for cid, c in self._caches.items() if c.name == cache.name]:
                 del self._caches[old_id]
+                self._leases.pop(old_id, None)
             self._caches[cache.cache_id] = cache
+            if lease_s is not None:
+                self._leases[cache.cache_id] = (float(lease_s), self._clock() + lease_s)
 
     def _map_shm(self, t: TensorSpec, i: int) -> torch.Tensor:
         where = f"tensors[{i}].handle.path"
@@ -593,16 +686,60 @@ class KVCacheRegistry:
             os.close(fd)
 
 
-def _open_cuda_ipc(t: TensorSpec, i: int, device: str) -> torch.Tensor:
-    where = f"tensors[{i}]"
-    if not torch.cuda.is_available():
-        raise RegistrationError(f"{where}: 'cuda_ipc' handles need CUDA; this node has none")
+def _device_uuids() -> list[str]:
+    """Normalized UUID of each GPU this process sees, by its index here (a seam for tests)."""
+    return [
+        normalize_uuid(str(torch.cuda.get_device_properties(i).uuid))
+        for i in range(torch.cuda.device_count())
+    ]
+
+
+def _pointer_device(ptr: int) -> int | None:
+    """The ordinal of the GPU whose memory ``ptr`` is (``cuPointerGetAttribute``), or None
+    when the driver cannot be asked (a seam for tests)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({ln.split()[-1] for ln in f if "/libcuda.so" in ln})
+    except OSError:
+        return None
+    for path in paths:
+        try:
+            fn = ctypes.CDLL(path).cuPointerGetAttribute
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+        fn.restype = ctypes.c_int
+        ordinal = ctypes.c_int(-1)
+        if fn(ctypes.byref(ordinal), _CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr) == 0:
+            return ordinal.value
+    return None
+
+
+def _ipc_device_index(where: str, device: str, uuid: str | None) -> int:
+    """The GPU to open a handle on, in this process's numbering: by UUID when the engine sent
+    one (``cuda:N`` differs between processes with different ``CUDA_VISIBLE_DEVICES``)."""
+    count = torch.cuda.device_count()
+    if uuid is not None:
+        uuids = _device_uuids()
+        want = normalize_uuid(uuid)
+        if want not in uuids:
+            raise RegistrationError(
+                f"{where}: GPU {uuid!r:.60} is not visible to the service ({count} GPUs seen)"
+            )
+        return uuids.index(want)
     index = torch.device(device).index
     if index is None:
         index = torch.cuda.current_device()
-    count = torch.cuda.device_count()
     if index >= count:
         raise RegistrationError(f"{where}: device {device!r} does not exist ({count} GPUs)")
+    return index
+
+
+def _open_cuda_ipc(t: TensorSpec, i: int, device: str, uuid: str | None = None) -> torch.Tensor:
+    where = f"tensors[{i}]"
+    if not torch.cuda.is_available():
+        raise RegistrationError(f"{where}: 'cuda_ipc' handles need CUDA; this node has none")
+    index = _ipc_device_index(where, device, uuid)
     h = t.handle
     dtype = DTYPES[t.dtype]
     numel = math.prod(t.shape)
@@ -640,6 +777,12 @@ def _open_cuda_ipc(t: TensorSpec, i: int, device: str) -> torch.Tensor:
     except Exception as exc:  # CUDA refuses a stale or foreign handle
         reason = _shown(str(exc).partition("\n")[0])  # torch's first line, cut short
         raise RegistrationError(f"{where}: cannot open the CUDA IPC handle: {reason}") from None
+    actual = _pointer_device(tensor.data_ptr())
+    if actual is not None and actual != index:
+        raise RegistrationError(
+            f"{where}: the memory is on GPU {actual} of this process, not on GPU {index} the "
+            "registration names (send device_uuid, or fix the device)"
+        )
     return tensor.reshape(-1).view(torch.uint8)
 
 

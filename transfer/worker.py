@@ -18,6 +18,16 @@ Primitives (every backend, one contract, one test suite):
   ``"shutdown"``), give running copies up to ``timeout`` seconds, fail what remains with
   ``"shutdown"``, and release threads, streams and buffers. Results stay pollable. Idempotent.
 
+- ``drop_cache(cache_id, reason)``: fail the cache's queued jobs (its registration's lease
+  ended); its running jobs end on their own and keep its mappings alive until then.
+- ``fatal``: None, or why the worker can never copy again (a poisoned CUDA context; the
+  service then reports not ready and exits). ``quiesced``: after ``shutdown``, whether every
+  queued copy ended (only then may the pool be unpinned).
+
+A job's optional ``wait_event`` (a CUDA IPC event handle) orders its copies after the engine's
+kernels; it is refused (``InvalidJobError`` naming ``wait_event``) for a cache without a CUDA
+tensor.
+
 Deadlines: every job carries ``deadline_s`` (relative to submission). A job that raises or
 passes its deadline finishes with ``ok=False`` and a reason (``"deadline"``, the error text).
 A job is reported only once nothing of it runs any more: the CPU backend stops a copy between
@@ -77,6 +87,7 @@ log = logging.getLogger(__name__)
 Direction = Literal["store", "load"]
 OnFinished = Callable[[], None]
 MAX_JOB_BLOCKS = 1 << 20
+IPC_EVENT_HANDLE_BYTES = 64  # sizeof(cudaIpcEventHandle_t)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +100,9 @@ class TransferJob:
     host_slots: list[int]
     deadline_s: float
     req_id: str = ""
+    wait_event: bytes | None = None
+    """A CUDA IPC event handle (64 bytes) the engine recorded after the kernels that wrote (a
+    store) or last read (a load) these blocks; the copies wait on it. CUDA caches only."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +204,18 @@ def make_plan(
     )
 
 
+def _check_wait_event(handle: object, cache: RegisteredCache) -> None:
+    if not isinstance(handle, bytes) or len(handle) != IPC_EVENT_HANDLE_BYTES:
+        raise InvalidJobError(
+            f"wait_event must be a {IPC_EVENT_HANDLE_BYTES}-byte CUDA IPC event handle"
+        )
+    if not any(d.startswith("cuda") for d in cache.devices):
+        raise InvalidJobError(
+            f"wait_event orders copies after a CUDA event, but cache {cache.cache_id} has no "
+            "CUDA tensor (its copies need no event: the engine's writes are already visible)"
+        )
+
+
 class TransferWorker(ABC):
     """The worker contract; see the module docstring."""
 
@@ -207,6 +233,20 @@ class TransferWorker(ABC):
 
     @abstractmethod
     def shutdown(self, timeout: float = 5.0) -> None: ...
+
+    @property
+    def fatal(self) -> str | None:
+        """Why this worker can never copy again (the CUDA backend's sticky errors), or None."""
+        return None
+
+    @property
+    def quiesced(self) -> bool:
+        """After ``shutdown``: True when no copy can still touch the pool (safe to unpin)."""
+        return True
+
+    def drop_cache(self, cache_id: str, reason: str) -> list[int]:
+        """Fail the queued jobs of ``cache_id``; the ids of its jobs still running."""
+        return []
 
     def __enter__(self) -> TransferWorker:
         return self
@@ -265,16 +305,33 @@ class WorkerBase(TransferWorker):
             job.direction, cache, self.pool.num_blocks, job.device_blocks, job.host_slots
         )
         self._check_cache(cache)
+        if job.wait_event is not None:
+            _check_wait_event(job.wait_event, cache)
         return plan
 
     def _check_cache(self, cache: RegisteredCache) -> None:
         """Backends refuse caches on devices they cannot reach."""
 
+    def drop_cache(self, cache_id: str, reason: str) -> list[int]:
+        """Fail the queued jobs of ``cache_id`` with ``reason`` (its lease ended); the ids of
+        its jobs still running, which end on their own and hold its mappings until then."""
+        with self._cond:
+            mine = [j for j, e in self._held.items() if e.plan.cache.cache_id == cache_id]
+            queued = self._unqueue_locked(set(mine))
+        self._finish((j, False, reason) for j in queued)
+        with self._cond:
+            return [j for j in mine if j in self._held]
+
+    def _unqueue_locked(self, job_ids: set[int]) -> list[int]:
+        """Remove those of ``job_ids`` that are queued, not started; return them."""
+        return []
+
     def submit(self, job: TransferJob) -> int:
         plan = self.validate(job)
         with self._cond:
             if self._closed:
-                raise WorkerClosedError(f"{self.backend} transfer worker is shut down")
+                why = f" ({self.fatal})" if self.fatal else ""
+                raise WorkerClosedError(f"{self.backend} transfer worker is shut down{why}")
             job_id = self._next_id
             self._next_id += 1
             entry = HeldJob(job, plan, time.monotonic())
@@ -384,6 +441,14 @@ class QueueingWorker(WorkerBase):
 
     def _accept(self, job_id: int, entry: HeldJob) -> None:
         (self._loads if entry.job.direction == "load" else self._stores).append(job_id)
+
+    def _unqueue_locked(self, job_ids: set[int]) -> list[int]:
+        out = [j for q in (self._loads, self._stores) for j in q if j in job_ids]
+        for q in (self._loads, self._stores):
+            kept = [j for j in q if j not in job_ids]
+            q.clear()
+            q.extend(kept)
+        return out
 
     def _pop_locked(self, now: float, expired: list[int]) -> tuple[int, HeldJob] | None:
         """Next runnable job, loads first; queued jobs past their deadline go to ``expired``."""

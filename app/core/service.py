@@ -106,6 +106,10 @@ class Service:
         self.instance = uuid.uuid4().hex[:16]
         self.state: State = "new"
         self.draining = False
+        # Called once with the reason when the transfer backend fails for good (a poisoned
+        # CUDA context); the server sets it to stop and exit non-zero.
+        self.on_fatal: Callable[[str], None] | None = None
+        self._fatal_reported = False
         self._users = 0
         self._transfers: Transfers | None = None
         # The remote tier behind the pool, while running with one (``--remote-tier``).
@@ -272,9 +276,12 @@ class Service:
         """None when ready, else why not."""
         if self.state != "running":
             return f"service is {self.state}"
+        assert self._transfers is not None
+        fatal = self._transfers.worker.fatal
+        if fatal is not None:
+            return f"transfer backend failed for good (restart needed): {fatal}"
         if self.draining:
             return "shutting down"
-        assert self._transfers is not None
         age = self._transfers.tracker.oldest_running_age()
         if age > self.settings.job_deadline_s:
             deadline = self.settings.job_deadline_s
@@ -413,11 +420,29 @@ class Service:
             await asyncio.sleep(self.settings.lease_check_interval_s)
             try:
                 self.expire_leases()
+                if self._transfers is not None:
+                    self._transfers.expire_caches()
+                self._check_fatal()
                 counts = self.request_counts
                 if counts is not None and len(counts) > counts.limit // 2:
                     counts.prune(r.req_id for r in self.manager.manager.requests())
             except Exception:
                 log.exception("lease sweep failed; retrying")
+
+    def _check_fatal(self) -> None:
+        """A poisoned CUDA context fails every later copy: hand over to ``on_fatal`` (the
+        server stops and exits non-zero for its supervisor to restart it), once."""
+        t = self._transfers
+        if t is None or t.worker.fatal is None or self._fatal_reported:
+            return
+        self._fatal_reported = True
+        log.error(
+            "transfer backend failed for good; the service must restart",
+            extra={"fields": {"reason": t.worker.fatal}},
+        )
+        self.begin_drain()
+        if self.on_fatal is not None:
+            self.on_fatal(t.worker.fatal)
 
     def expire_leases(self) -> list[ReleasedLeases]:
         """Release the leases of requests silent for longer than ``lease_ttl_s`` (the slots of

@@ -13,6 +13,12 @@ It runs the two composite engine operations and everything about jobs and KV cac
   lower tier holds (disk, remote) are brought in first, inside the same job: it answers at once
   (``running``), waits for their promotion, then pins and copies; a key that could not be
   brought in fails the job (nothing pinned, nothing copied). Keys no tier holds: 409 as before.
+- Both take an optional ``wait_event`` (a CUDA IPC event handle the engine recorded after its
+  kernels): the copies wait on it. Refused (``InvalidJobError`` naming it) for a cache with no
+  CUDA tensor, before anything is reserved.
+- Registrations may carry a lease (``lease_s``): ``renew_cache`` extends it, ``expire_caches``
+  (the service's sweep) forgets the lapsed ones and fails their queued jobs, so a dead
+  engine's IPC mappings (its GPU memory) go once its running jobs end.
 - ``wait``: long-poll until none of the given jobs runs, woken by ``collect`` when jobs end, and
   at once while draining or after ``close`` (so it never holds up a shutdown).
 
@@ -42,6 +48,7 @@ from manager import BlockKey, KeyNotReadyError, ManagerError, PrepareStoreOutput
 from transfer import (
     FaultSpec,
     HostPool,
+    InvalidJobError,
     JobRecord,
     JobTracker,
     KVCacheRegistry,
@@ -182,6 +189,7 @@ class Transfers:
                 backend=s.transfer_backend,
                 faults=fault_spec(s),
                 on_finished=on_finished,
+                allow_pageable=s.allow_pageable_pool,
             )
         except BaseException:
             pool.close()
@@ -198,7 +206,8 @@ class Transfers:
         await asyncio.to_thread(self.worker.shutdown, self.settings.shutdown_grace_s)
         finished = self.collect()
         self.registry.close()
-        self.pool.close()
+        # A DMA still queued on a stream must not see its memory unregistered.
+        self.pool.close(unpin=self.worker.quiesced)
         self.closed = True
         self.notify()
         return finished
@@ -260,19 +269,30 @@ class Transfers:
 
     # ------------------------------------------------------------------ engine operations
 
-    def _cache(self, cache_id: str, device_blocks: Sequence[int]) -> RegisteredCache:
+    def _cache(
+        self, cache_id: str, device_blocks: Sequence[int], wait_event: bytes | None = None
+    ) -> RegisteredCache:
         self._open()
         cache = self.registry.get(cache_id)
         bad = [b for b in device_blocks if b >= cache.num_blocks]
         if bad:
             raise DeviceBlockError(cache.cache_id, cache.num_blocks, bad)
+        if wait_event is not None and not any(d.startswith("cuda") for d in cache.devices):
+            raise InvalidJobError(
+                f"wait_event: cache {cache_id} has no CUDA tensor; an event orders nothing here"
+            )
         return cache
 
     def offload(
-        self, req_id: str, cache_id: str, keys: Sequence[BlockKey], device_blocks: Sequence[int]
+        self,
+        req_id: str,
+        cache_id: str,
+        keys: Sequence[BlockKey],
+        device_blocks: Sequence[int],
+        wait_event: bytes | None = None,
     ) -> OffloadStarted:
         """Store device blocks under ``keys`` (module docstring)."""
-        self._cache(cache_id, device_blocks)
+        self._cache(cache_id, device_blocks, wait_event)
         ctx = ReqContext(req_id)
         spec = self.manager.prepare_store(keys, ctx)
         if not spec.keys_to_store:
@@ -290,14 +310,20 @@ class Transfers:
             blocks,
             spec.slots,
             self.settings.job_deadline_s,
+            wait_event,
         )
         return OffloadStarted(job, spec)
 
     def onload(
-        self, req_id: str, cache_id: str, keys: Sequence[BlockKey], device_blocks: Sequence[int]
+        self,
+        req_id: str,
+        cache_id: str,
+        keys: Sequence[BlockKey],
+        device_blocks: Sequence[int],
+        wait_event: bytes | None = None,
     ) -> OnloadStarted:
         """Load ready keys into device blocks (module docstring)."""
-        self._cache(cache_id, device_blocks)
+        self._cache(cache_id, device_blocks, wait_event)
         ctx = ReqContext(req_id)
         try:
             slots = self.manager.prepare_load(keys, ctx)
@@ -309,7 +335,7 @@ class Transfers:
                 raise
             record = self.tracker.defer(ctx, cache_id, keys)
             task = asyncio.get_running_loop().create_task(
-                self._load_after(record, coming, list(device_blocks)),
+                self._load_after(record, coming, list(device_blocks), wait_event),
                 name="kvoffload-onload-after-promotion",
             )
             self._deferred.add(task)
@@ -326,16 +352,21 @@ class Transfers:
             list(device_blocks),
             slots,
             self.settings.job_deadline_s,
+            wait_event,
         )
         return OnloadStarted(job, slots)
 
     async def _load_after(
-        self, record: JobRecord, coming: list[asyncio.Task[None]], device_blocks: list[int]
+        self,
+        record: JobRecord,
+        coming: list[asyncio.Task[None]],
+        device_blocks: list[int],
+        wait_event: bytes | None,
     ) -> None:
         """Wait for the promotions of a deferred load's keys, then pin and copy them."""
         try:
             await asyncio.wait(coming)
-            self._cache(record.cache_id, device_blocks)
+            self._cache(record.cache_id, device_blocks, wait_event)
             slots = self.manager.prepare_load(record.keys, record.ctx)
         except asyncio.CancelledError:
             self.tracker.fail(record, "service stopping")
@@ -345,7 +376,7 @@ class Transfers:
             self.notify()
             return
         left = self.settings.job_deadline_s - (time.monotonic() - record.started)
-        self.tracker.launch(record, device_blocks, slots, max(left, 0.001))
+        self.tracker.launch(record, device_blocks, slots, max(left, 0.001), wait_event)
         self.notify()
 
     # ------------------------------------------------------------------ KV caches and pool
@@ -365,6 +396,32 @@ class Transfers:
         self._open()
         self.registry.get(cache_id)
         self.registry.unregister(cache_id)
+
+    def renew_cache(self, cache_id: str) -> float:
+        """Renew a registration's lease; its ``lease_s`` (0.0: none). ``UnknownCacheError``
+        when unknown or already expired (the engine must register again)."""
+        self._open()
+        return self.registry.renew(cache_id)
+
+    def expire_caches(self) -> list[RegisteredCache]:
+        """Forget the registrations whose lease lapsed and fail their queued jobs; their
+        mappings close once their running jobs end. The caches forgotten."""
+        if self.closed:
+            return []
+        gone = self.registry.expire()
+        for cache in gone:
+            running = self.worker.drop_cache(cache.cache_id, "kv cache lease expired")
+            log.warning(
+                "kv cache lease expired; registration dropped",
+                extra={
+                    "fields": {
+                        "cache_id": cache.cache_id,
+                        "name": cache.name,
+                        "jobs_still_running": len(running),
+                    }
+                },
+            )
+        return gone
 
     def caches(self) -> list[RegisteredCache]:
         """Every registered device KV cache."""

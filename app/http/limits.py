@@ -133,6 +133,7 @@ def body_caps(settings: Settings) -> dict[str, int]:
         "wait_jobs": OP_FIXED_BYTES + MAX_WAIT_JOBS * JOB_ID_ITEM_BYTES,
         "register_kv_cache": OP_FIXED_BYTES + MAX_TENSORS * TENSOR_ITEM_BYTES,
         "unregister_kv_cache": EMPTY_BODY_BYTES,
+        "renew_kv_cache": EMPTY_BODY_BYTES,
         "admin_put_policy": ADMIN_BODY_BYTES,
         "admin_put_log_level": ADMIN_BODY_BYTES,
         "admin_release": EMPTY_BODY_BYTES,

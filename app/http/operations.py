@@ -198,9 +198,15 @@ def _run_complete_store(
     )
 
 
+def _event(wait_event: s.WaitEvent | None) -> bytes | None:
+    return None if wait_event is None else bytes.fromhex(wait_event.handle)
+
+
 def _run_offload(service: Service, req_id: str, body: s.TransferBody) -> tuple[int, str]:
     _limit_keys(service, body.keys)
-    started = service.transfers().offload(req_id, body.cache_id, body.keys, body.device_blocks)
+    started = service.transfers().offload(
+        req_id, body.cache_id, body.keys, body.device_blocks, _event(body.wait_event)
+    )
     job, spec = started.job, started.spec
     return 202, json.dumps(
         {
@@ -215,7 +221,9 @@ def _run_offload(service: Service, req_id: str, body: s.TransferBody) -> tuple[i
 
 def _run_onload(service: Service, req_id: str, body: s.TransferBody) -> tuple[int, str]:
     _limit_keys(service, body.keys)
-    started = service.transfers().onload(req_id, body.cache_id, body.keys, body.device_blocks)
+    started = service.transfers().onload(
+        req_id, body.cache_id, body.keys, body.device_blocks, _event(body.wait_event)
+    )
     job = started.job
     return 202, json.dumps(
         {

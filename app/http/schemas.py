@@ -103,12 +103,25 @@ class CompleteStoreBody(Body):
     success: bool = True
 
 
+class WaitEvent(Body):
+    """An interprocess CUDA event the engine recorded after the kernels that wrote (offload)
+    or last read (onload) the blocks: ``cudaIpcGetEventHandle`` of an event made with
+    ``interprocess=True``, 64 bytes as hex. The copies wait on it; CUDA caches only."""
+
+    kind: Literal["cuda_ipc_event"]
+    handle: Annotated[str, Field(pattern="^[0-9a-fA-F]{128}$")]
+
+
 class TransferBody(Body):
-    """``offload`` / ``onload``: move ``keys[i]`` from/to device block ``device_blocks[i]``."""
+    """``offload`` / ``onload``: move ``keys[i]`` from/to device block ``device_blocks[i]``.
+
+    ``wait_event`` orders the copies after the engine's kernels (a CUDA cache imported over
+    IPC: without it a store may copy blocks the engine's forward pass has not finished)."""
 
     cache_id: Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_CHARS)]
     keys: Keys
     device_blocks: Annotated[list[BlockIndex], Field(fail_fast=True)]
+    wait_event: WaitEvent | None = None
 
     @model_validator(mode="after")
     def _same_length(self) -> TransferBody:
@@ -393,6 +406,7 @@ class TensorSpecBody(BaseModel):
     block_dim: Annotated[int, Field(ge=0, le=15)]
     handle: TensorHandle
     device: Annotated[str, StringConstraints(min_length=1, max_length=32)] | None = None
+    device_uuid: Annotated[str, StringConstraints(min_length=1, max_length=64)] | None = None
 
 
 class KVCacheBody(BaseModel):
@@ -403,6 +417,25 @@ class KVCacheBody(BaseModel):
     name: Annotated[str, StringConstraints(min_length=1, max_length=256)]
     device: Annotated[str, StringConstraints(min_length=1, max_length=32)]
     tensors: Annotated[list[TensorSpecBody], Field(min_length=1, max_length=4096, fail_fast=True)]
+    device_uuid: (
+        Annotated[
+            str,
+            StringConstraints(min_length=1, max_length=64),
+            Field(description="the GPU's UUID (nvidia-smi -L); preferred to a cuda:N device"),
+        ]
+        | None
+    ) = None
+    lease_s: (
+        Annotated[
+            float,
+            Field(
+                gt=0,
+                le=86400,
+                description="forget the cache (and close its mappings) unless renewed within this",
+            ),
+        ]
+        | None
+    ) = None
 
 
 class KVCacheAnswer(Answer):
@@ -413,6 +446,13 @@ class KVCacheAnswer(Answer):
     block_bytes: int
     num_blocks: int
     device: str
+
+
+class KVCacheRenewAnswer(Answer):
+    """A renewed lease: good for ``lease_s`` seconds from now (0: the cache has no lease)."""
+
+    cache_id: str
+    lease_s: float
 
 
 class KVCacheListAnswer(Answer):

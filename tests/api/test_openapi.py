@@ -34,6 +34,7 @@ ENGINE_ROUTES = {
     ("post", "/v1/kv-caches"),
     ("get", "/v1/kv-caches"),
     ("delete", "/v1/kv-caches/{cache_id}"),
+    ("post", "/v1/kv-caches/{cache_id}/renew"),
     ("get", "/v1/pool"),
     ("get", "/livez"),
     ("get", "/readyz"),

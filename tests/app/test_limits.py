@@ -45,6 +45,7 @@ def test_default_caps_are_the_documented_numbers() -> None:
         "wait_jobs": 225280,
         "register_kv_cache": eight_mib,
         "unregister_kv_cache": 1024,
+        "renew_kv_cache": 1024,
         "admin_put_policy": 65536,
         "admin_put_log_level": 65536,
         "admin_release": 1024,

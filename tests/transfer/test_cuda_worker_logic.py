@@ -1,74 +1,50 @@
-"""The CUDA backend's control flow (issue, event polling, deadlines, shutdown) on the CPU.
+"""The CUDA backend's control flow on the CPU: chunked issue, completion threads, deadlines,
+ordering events, sticky errors, the pinned-pool rule and shutdown.
 
-``torch.cuda`` is replaced by fakes: streams and device guards do nothing, and events complete
-when the test opens a gate. The staged copies run on the CPU, so the bytes are real.
+``torch.cuda`` is replaced by fakes (``tests.transfer.fake_cuda``): streams and device guards
+do nothing, events fire when the test opens a gate, and the raw copy calls are ``memmove`` on
+host memory, so the bytes are real.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import threading
+import time
 from typing import Any
 
 import pytest
 import torch
 
+from tests.transfer.fake_cuda import FakeRaw, World, install
 from tests.transfer.helpers import mixed_block_bytes
 from tests.transfer.kvref import host_block, mixed_layout
-from transfer import KVCacheRegistry, TransferJob, cuda_worker
-from transfer.cuda_worker import CudaTransferWorker, StagedCopier
+from transfer import KVCacheRegistry, TransferJob, WorkerClosedError
+from transfer.cuda_copy import DirectCopier, StagedCopier
+from transfer.cuda_worker import CudaTransferWorker, is_sticky_cuda_error
+from transfer.errors import InvalidJobError
 
 N = 24
 SLOTS = 32
+HANDLE = bytes(range(64))
+PATHS = ["staged", "batch", "2d"]
 
 
-class FakeStream:
-    cuda_stream = 0
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.waits = 0
-
-    def wait_stream(self, other: Any) -> None:
-        self.waits += 1
+def fake_raw(path: str) -> FakeRaw | None:
+    return None if path == "staged" else FakeRaw(batch=path == "batch")
 
 
-class FakeEvent:
-    gate = threading.Event()
-    recorded = 0
-
-    def record(self, stream: Any) -> None:
-        FakeEvent.recorded += 1
-
-    def query(self) -> bool:
-        return FakeEvent.gate.is_set()
+@pytest.fixture(params=PATHS)
+def path(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
 
 
 @pytest.fixture
-def fake_cuda(monkeypatch):
-    FakeEvent.gate = threading.Event()
-    FakeEvent.gate.set()
-    FakeEvent.recorded = 0
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "init", lambda: None)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "default_stream", lambda index: FakeStream())
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(cuda_worker, "_new_stream", lambda index, priority: FakeStream())
-    monkeypatch.setattr(cuda_worker, "find_cuda_memcpy", lambda: None)
-    # The copier works on the CPU whatever device it is given.
-    monkeypatch.setattr(
-        cuda_worker,
-        "StagedCopier",
-        lambda device, staging, memcpy: StagedCopier(torch.device("cpu"), staging, memcpy),
-    )
-    return FakeEvent
+def fake(monkeypatch: pytest.MonkeyPatch, path: str) -> World:
+    return install(monkeypatch, fake_raw(path))
 
 
 @pytest.fixture
-def world(fake_cuda, make_pool):
+def world(fake, make_pool):
     pool = make_pool(SLOTS, mixed_block_bytes(N), pin=False)
     registry = KVCacheRegistry(pool)
     gen = torch.Generator().manual_seed(3)
@@ -88,20 +64,31 @@ def world(fake_cuda, make_pool):
     workers: list[CudaTransferWorker] = []
 
     def make(**kwargs: Any) -> CudaTransferWorker:
-        w = CudaTransferWorker(pool, registry, poll_interval_s=0.001, **kwargs)
+        kwargs.setdefault("allow_pageable", True)
+        kwargs.setdefault("sync_timeout_s", 5.0)
+        w = CudaTransferWorker(pool, registry, **kwargs)
         workers.append(w)
         return w
 
     originals = [t.clone() for t in cache.tensors]
     yield pool, cache, layout, originals, make
-    fake_cuda.gate.set()
+    fake.events.gate.set()
     for w in workers:
         w.shutdown(timeout=5)
 
 
-def test_round_trip_through_the_issuing_thread(world) -> None:
+def until(cond: Any, timeout: float = 30.0) -> None:
+    """Wait for a condition another thread makes true (bounded; never asserts on time)."""
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition never became true"
+        time.sleep(0.002)
+
+
+def test_round_trip_through_the_issuing_thread(world, fake, path) -> None:
     pool, cache, layout, originals, make = world
-    w = make(staging_bytes=1000)  # several chunks per job
+    w = make(staging_bytes=1000, chunk_bytes=1000)  # several chunks per job
+    assert w.copy_path == path
     blocks, slots = [4, 9, 1, 17, 23], [30, 2, 3, 4, 11]
     jid = w.submit(TransferJob("store", cache.cache_id, blocks, slots, 30.0))
     [r] = w.wait([jid], timeout=30)
@@ -117,22 +104,24 @@ def test_round_trip_through_the_issuing_thread(world) -> None:
         assert torch.equal(
             host_block(list(cache.tensors), layout, b), host_block(originals, layout, b)
         )
-    assert FakeEvent.recorded == 2  # one event per job (one device)
-    assert w.raw_memcpy is False
+    assert fake.events.recorded >= 4  # an event per chunk, several chunks per job
+    if fake.raw is not None:
+        assert fake.raw.streams == {7}  # every raw copy went on the lane's stream
 
 
 def test_an_issued_job_past_its_deadline_is_reported_failed_only_when_its_copies_end(
-    world, fake_cuda
+    world, fake
 ) -> None:
     """Copies on a stream cannot be cancelled: reporting the job before they end would free
     its slots (or the engine's device blocks) under a running DMA."""
     _pool, cache, _layout, _originals, make = world
     w = make()
-    fake_cuda.gate.clear()  # the "GPU" does not finish
+    fake.events.gate.clear()  # the "GPU" does not finish
     slow = w.submit(TransferJob("store", cache.cache_id, [0], [0], 0.05))
-    assert w.wait([slow], timeout=0.5) == []  # well past its deadline: not reported yet
+    until(lambda: fake.events.recorded >= 1)
+    assert w.wait([slow], timeout=0.3) == []  # past its deadline: not reported yet
     assert [job_id for job_id, _age in w.in_flight()] == [slow]
-    fake_cuda.gate.set()  # the copies end
+    fake.events.gate.set()  # the copies end
     [r] = w.wait([slow], timeout=30)
     assert (r.ok, r.reason) == (False, "deadline")  # failed all the same: it was too late
     assert w.in_flight() == []
@@ -141,41 +130,102 @@ def test_an_issued_job_past_its_deadline_is_reported_failed_only_when_its_copies
     assert r.ok
 
 
-def test_later_jobs_are_not_hidden_by_a_slow_one(world, fake_cuda) -> None:
+def test_a_load_goes_ahead_of_a_queued_store_within_the_in_flight_cap(world, fake) -> None:
+    """One block per chunk and a cap of one block in flight per stream: while the "GPU" holds
+    the store's first chunk, the store issues nothing more, and a load submitted meanwhile is
+    issued at once on its own stream."""
+    _pool, cache, _layout, _originals, make = world
+    bb = cache.block_bytes
+    w = make(chunk_bytes=bb, staging_bytes=bb, max_inflight_bytes=bb)
+    fake.events.gate.clear()
+    store = w.submit(TransferJob("store", cache.cache_id, list(range(6)), list(range(6)), 30.0))
+    until(lambda: fake.events.recorded == 1)
+    load = w.submit(TransferJob("load", cache.cache_id, [20], [20], 30.0))
+    until(lambda: fake.events.recorded == 2)  # the load's chunk, not the store's second
+    assert w._active[True] is not None
+    assert w._active[True].part == 0
+    assert w._lanes[0].inflight == {True: bb, False: bb}
+    fake.events.gate.set()
+    results = {r.job_id: r for r in w.wait([store, load], timeout=30)}
+    assert results[store].ok
+    assert results[load].ok
+    assert fake.events.recorded == 7  # six store chunks and one load chunk
+
+
+def test_the_streams_wait_on_the_engines_ipc_event(world, fake) -> None:
     _pool, cache, _layout, _originals, make = world
     w = make()
-    fake_cuda.gate.clear()
+    jid = w.submit(TransferJob("store", cache.cache_id, [2], [2], 30.0, wait_event=HANDLE))
+    [r] = w.wait([jid], timeout=30)
+    assert r.ok, r.reason
+    assert fake.ipc_opened == [(0, HANDLE)]
+    assert len(w._lanes[0].streams[True].waited_events) == 1
+    with pytest.raises(InvalidJobError, match="wait_event must be a 64-byte"):
+        w.submit(TransferJob("store", cache.cache_id, [2], [2], 30.0, wait_event=b"x"))
+
+
+def test_a_sticky_cuda_error_poisons_the_worker(world, fake) -> None:
+    _pool, cache, _layout, _originals, make = world
+    w = make()
+    fake.events.gate.clear()
+    fake.events.error = RuntimeError("CUDA error: an illegal memory access was encountered")
     first = w.submit(TransferJob("store", cache.cache_id, [0], [0], 30.0))
-    second = w.submit(TransferJob("load", cache.cache_id, [5], [5], 30.0))
-    assert w.wait([first, second], timeout=0.05) == []
-    fake_cuda.gate.set()
-    results = w.wait([first, second], timeout=30)
-    assert sorted(r.job_id for r in results) == [first, second]
+    until(lambda: fake.events.recorded >= 1)
+    fake.events.gate.set()
+    [r] = w.wait([first], timeout=30)
+    assert not r.ok
+    assert "illegal memory access" in (r.reason or "")
+    until(lambda: w.fatal is not None)
+    assert "illegal memory access" in (w.fatal or "")
+    with pytest.raises(WorkerClosedError, match="illegal memory access"):
+        w.submit(TransferJob("store", cache.cache_id, [1], [1], 30.0))
 
 
-def test_shutdown_fails_what_the_gpu_never_finished(world, fake_cuda) -> None:
+def test_sticky_errors_are_told_from_ordinary_ones() -> None:
+    assert is_sticky_cuda_error(RuntimeError("CUDA error: unspecified launch failure"))
+    assert is_sticky_cuda_error(RuntimeError("CUDA error: misaligned address"))
+    assert not is_sticky_cuda_error(RuntimeError("CUDA error: out of memory"))
+    assert not is_sticky_cuda_error(RuntimeError("CUDA error: invalid argument"))
+
+
+def test_shutdown_fails_what_the_gpu_never_finished_and_keeps_the_pool_pinned(world, fake) -> None:
     _pool, cache, _layout, _originals, make = world
-    w = make()
-    fake_cuda.gate.clear()
+    w = make(sync_timeout_s=0.2)
+    fake.events.gate.clear()
     ids = [w.submit(TransferJob("store", cache.cache_id, [i], [i], 60.0)) for i in range(3)]
+    until(lambda: fake.events.recorded >= 1)
     w.shutdown(timeout=0.2)
     results = w.poll_finished()
     assert sorted(r.job_id for r in results) == ids
     assert {(r.ok, r.reason) for r in results} == {(False, "shutdown")}
+    assert w.quiesced is False  # copies still queued: the pool must not be unpinned
 
 
-def test_issue_errors_fail_the_job(world, monkeypatch) -> None:
+def test_shutdown_waits_for_the_streams(world, fake) -> None:
+    _pool, cache, _layout, _originals, make = world
+    w = make()
+    jid = w.submit(TransferJob("store", cache.cache_id, [3], [3], 60.0))
+    w.wait([jid], timeout=30)
+    w.shutdown(timeout=5)
+    assert w.quiesced is True
+    assert w._lanes == {}
+
+
+def test_issue_errors_fail_the_job(world, monkeypatch, path) -> None:
     _pool, cache, _layout, _originals, make = world
     w = make()
 
-    def boom(*args: Any, **kwargs: Any) -> None:
+    def boom(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("CUDA error: out of memory")
+        yield 0
 
-    monkeypatch.setattr(StagedCopier, "issue", boom)
+    cls = StagedCopier if path == "staged" else DirectCopier
+    monkeypatch.setattr(cls, "chunks", boom)
     jid = w.submit(TransferJob("store", cache.cache_id, [0], [0], 30.0))
     [r] = w.wait([jid], timeout=30)
     assert not r.ok
     assert r.reason == "copy failed: RuntimeError: CUDA error: out of memory"
+    assert w.fatal is None  # out of memory does not poison the context
 
 
 def test_refuses_caches_on_missing_gpus(world) -> None:
@@ -186,3 +236,11 @@ def test_refuses_caches_on_missing_gpus(world) -> None:
     )
     with pytest.raises(ValueError, match=r"cuda:3, which this worker cannot reach \(1 GPUs\)"):
         w._check_cache(far)
+
+
+@pytest.mark.parametrize("path", ["batch"])
+def test_an_unpinned_pool_is_refused_naming_the_flag(world) -> None:
+    _pool, _cache, _layout, _originals, make = world
+    with pytest.raises(RuntimeError, match="pass --allow-pageable-pool") as info:
+        make(allow_pageable=False)
+    assert "\n" not in str(info.value)

@@ -188,6 +188,11 @@ class FakeCudart:
         self.registered: list[tuple[int, int, int]] = []
         self.unregistered: list[int] = []
         self.calls = 0
+        self.errors_cleared = 0
+
+    def cudaGetLastError(self) -> int:
+        self.errors_cleared += 1
+        return 0
 
     def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
         self.calls += 1
@@ -231,6 +236,7 @@ def test_failed_registration_rolls_back_and_stays_pageable(make_pool, monkeypatc
     assert [p for p, _s, _f in fake.registered] == fake.unregistered  # both chunks rolled back
     assert len(fake.unregistered) == 2
     assert "stays pageable" in caplog.text
+    assert fake.errors_cleared == 1  # the failed call's sticky-until-read error was cleared
     pool.tensor[15].fill_(1)  # still a working pool
     pool.close()
     assert len(fake.unregistered) == 2  # nothing more to unregister
@@ -268,3 +274,13 @@ def test_chunk_size_falls_on_block_and_page_boundaries() -> None:
     huge = chunk(100 * gib + 1, 64 * gib)  # no common multiple fits: page-aligned chunks
     assert huge % 4096 == 0
     assert huge <= 64 * gib
+
+
+def test_close_without_unpinning_keeps_the_registration(make_pool, monkeypatch) -> None:
+    """A shutdown whose copies did not end leaves the pool registered until the process ends."""
+    fake = FakeCudart()
+    monkeypatch.setattr(host_pool_mod, "_cudart", lambda: fake)
+    pool = make_pool(4, 8192, pin=True)
+    pool.close(unpin=False)
+    assert pool.closed
+    assert fake.unregistered == []

@@ -375,3 +375,92 @@ def test_register_tensors_in_process(make_pool) -> None:
     with pytest.raises(RegistrationError, match=r"is 192, but the host pool's block_bytes"):
         KVCacheRegistry(make_pool(8, 64, pin=False)).register_tensors("bad", [a, b], [1, 0])
     assert registry.list() == [cache]
+
+
+# ----------------------------------------------------------------------- leases
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_lease_lapses_unless_renewed(make_pool, files) -> None:
+    clock = Clock()
+    registry = KVCacheRegistry(make_pool(16, BLOCK_BYTES, pin=False), clock=clock)
+    leased = registry.register(KVCacheSpec.from_dict({**body(files), "lease_s": 10}))
+    forever = registry.register(KVCacheSpec.from_dict({**body(files), "name": "no-lease"}))
+    assert registry.lease(leased.cache_id) == (10.0, 10.0)
+    assert registry.lease(forever.cache_id) is None
+    clock.now += 8
+    assert registry.expire() == []
+    assert registry.renew(leased.cache_id) == 10.0  # good for 10 s from now
+    assert registry.renew(forever.cache_id) == 0.0
+    clock.now += 8
+    assert registry.expire() == []
+    clock.now += 2
+    assert [c.cache_id for c in registry.expire()] == [leased.cache_id]
+    assert [c.cache_id for c in registry.list()] == [forever.cache_id]
+    with pytest.raises(UnknownCacheError):
+        registry.renew(leased.cache_id)
+    with pytest.raises(UnknownCacheError):
+        registry.get(leased.cache_id)
+
+
+@pytest.mark.parametrize("lease", [0, -1, 1e9, "10", True])
+def test_lease_s_is_validated(files, lease) -> None:
+    with pytest.raises(RegistrationError, match="lease_s must be a number of seconds"):
+        KVCacheSpec.from_dict({**body(files), "lease_s": lease})
+
+
+# ----------------------------------------------------------------------- the right GPU
+
+UUIDS = ["1b2c3d4e-0000-1111-2222-333344445555", "9f8e7d6c-aaaa-bbbb-cccc-ddddeeeeffff"]
+
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    """Two "visible GPUs" by UUID; rebuilding an IPC tensor gives a CPU tensor."""
+    from torch.multiprocessing import reductions
+
+    from transfer import kv_cache
+
+    opened: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(kv_cache, "_device_uuids", lambda: list(UUIDS))
+
+    def rebuild(*args: Any) -> torch.Tensor:
+        opened.append(args[6])  # the device index the handle is opened on
+        return torch.zeros(args[1], dtype=args[5])
+
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", rebuild)
+    return opened
+
+
+def test_the_gpu_is_found_by_uuid_not_by_its_index(make_pool, two_gpus, monkeypatch) -> None:
+    from transfer import kv_cache
+
+    monkeypatch.setattr(kv_cache, "_pointer_device", lambda ptr: 1)
+    registry = KVCacheRegistry(make_pool(4, 16 * 64 * 2 // 16, pin=False))
+    spec = {**ipc_body(ipc_handle(), device="cuda:0"), "device_uuid": "GPU-" + UUIDS[1].upper()}
+    cache = registry.register(KVCacheSpec.from_dict(spec))
+    assert two_gpus == [1]  # opened on the GPU with that UUID, whatever cuda:N said
+    assert cache.layouts[0].device == "cpu"  # (the fake gives CPU tensors)
+
+
+def test_a_registration_on_another_gpu_is_refused(make_pool, two_gpus, monkeypatch) -> None:
+    from transfer import kv_cache
+
+    monkeypatch.setattr(kv_cache, "_pointer_device", lambda ptr: 1)
+    registry = KVCacheRegistry(make_pool(4, 16 * 64 * 2 // 16, pin=False))
+    with pytest.raises(RegistrationError, match="on GPU 1 of this process, not on GPU 0"):
+        registry.register(KVCacheSpec.from_dict(ipc_body(ipc_handle(), device="cuda:0")))
+    unknown = {**ipc_body(ipc_handle()), "device_uuid": "GPU-" + "0" * 8 + UUIDS[0][8:]}
+    with pytest.raises(RegistrationError, match="is not visible to the service"):
+        registry.register(KVCacheSpec.from_dict(unknown))
+    with pytest.raises(RegistrationError, match="device_uuid must be a GPU UUID"):
+        KVCacheSpec.from_dict({**ipc_body(ipc_handle()), "device_uuid": "cuda:1"})

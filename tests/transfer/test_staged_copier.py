@@ -1,21 +1,24 @@
-"""The CUDA backend's staged gather/scatter, run on the CPU to check its index arithmetic.
+"""The CUDA backend's copiers, run on the CPU to check their address arithmetic.
 
-``StagedCopier`` is device-agnostic; on the CPU its copies are synchronous, so the bytes it
-writes can be compared with the reference geometry without a GPU.
+``StagedCopier`` is device-agnostic; on the CPU its copies are synchronous. ``DirectCopier``
+calls the raw CUDA entry points, played here by ``FakeRaw`` (``memmove`` on host memory). So
+the bytes either writes can be compared with the reference geometry without a GPU.
 """
 
 from __future__ import annotations
 
 import ctypes
 import random
+from typing import Any
 
 import pytest
 import torch
 
+from tests.transfer.fake_cuda import FakeRaw
 from tests.transfer.helpers import mixed_block_bytes
 from tests.transfer.kvref import device_block, host_block, mixed_layout
 from transfer import KVCacheRegistry
-from transfer.cuda_worker import StagedCopier, find_cuda_memcpy
+from transfer.cuda_copy import DirectCopier, StagedCopier, find_cuda_memcpy, find_raw_cuda
 from transfer.worker import make_plan
 
 N = 32
@@ -57,29 +60,43 @@ class FakeMemcpy:
 @pytest.mark.parametrize("staging_bytes", [1, 3 * 1024, 1 << 20])
 @pytest.mark.parametrize("split_every", [None, 4])
 @pytest.mark.parametrize("tensor_groups", [[[0, 1, 2, 3]], [[0, 2], [1, 3]], [[3], [0, 1, 2]]])
-@pytest.mark.parametrize("raw", ["torch", "raw", "raw-failing"])
+@pytest.mark.parametrize(
+    "raw", ["torch", "raw", "raw-failing", "direct-batch", "direct-2d", "direct-batch-failing"]
+)
 def test_staged_round_trip(world, staging_bytes, split_every, tensor_groups, raw) -> None:
-    """Any chunking, run splitting, split of tensors over "devices" and copy path (torch, raw
-    cudaMemcpyAsync, raw falling back to torch) moves the same bytes."""
+    """Any chunking, run splitting, split of tensors over "devices" and copy path (staged:
+    torch, raw cudaMemcpyAsync, raw falling back to torch; direct: one batch per chunk, 2D
+    copies, a refused batch falling back to 2D) moves the same bytes."""
     pool, cache, layout, originals = world
     rng = random.Random(staging_bytes + (split_every or 0) + len(tensor_groups))
     blocks = rng.sample(range(N), 20)
     # Half the slots in runs, half scattered, so both copy shapes are exercised.
     slots = list(range(5, 15)) + rng.sample(range(20, SLOTS), 10)
     fakes = {"torch": None, "raw": FakeMemcpy(), "raw-failing": FakeMemcpy(fail_from=3)}
-    fake = fakes[raw]
-    copiers = [StagedCopier(torch.device("cpu"), staging_bytes, fake) for _ in tensor_groups]
+    fake = fakes.get(raw)
+    direct = FakeRaw(batch=raw != "direct-2d", fail_batch=raw == "direct-batch-failing")
+    shared = direct.raw()  # one runtime for every copier, as in the worker
+    copiers: list[Any] = [
+        DirectCopier(shared, staging_bytes)
+        if raw.startswith("direct")
+        else StagedCopier(torch.device("cpu"), staging_bytes, fake)
+        for _ in tensor_groups
+    ]
+
+    def issue(plan: Any) -> None:
+        for copier, ids in zip(copiers, tensor_groups, strict=True):
+            for _ in copier.chunks(plan, pool.tensor, ids, 0, split_every=split_every):
+                pass
+
     plan = make_plan("store", cache, SLOTS, blocks, slots)
-    for copier, ids in zip(copiers, tensor_groups, strict=True):
-        copier.issue(plan, pool.tensor, ids, split_every=split_every)
+    issue(plan)
     for b, s in zip(blocks, slots, strict=True):
         assert torch.equal(pool.tensor[s], host_block(originals, layout, b))
     for flat in cache.tensors:
         flat.zero_()
     targets = rng.sample(range(N), 20)
     plan = make_plan("load", cache, SLOTS, targets, slots)
-    for copier, ids in zip(copiers, tensor_groups, strict=True):
-        copier.issue(plan, pool.tensor, ids, split_every=split_every)
+    issue(plan)
     for t, b in zip(targets, blocks, strict=True):
         for flat, orig, (shape, dt, bd) in zip(cache.tensors, originals, layout, strict=True):
             size = getattr(torch, dt).itemsize
@@ -89,6 +106,42 @@ def test_staged_round_trip(world, staging_bytes, split_every, tensor_groups, raw
     if raw == "raw":
         assert fake is not None
         assert fake.kinds == {1, 2}  # both directions went the raw way
+    if raw == "direct-batch":
+        assert direct.calls_2d == 0
+        assert direct.batch_calls > 0
+    if raw == "direct-batch-failing":
+        assert direct.batch_calls == 1  # refused once, then 2D for good
+        assert direct.last_error_resets == 1  # the refusal's error was cleared
+
+
+# vLLM-like: 80 tensors [2, N, 16, 8, 128] bf16 (K and V of each layer, block_dim 1); the
+# launch count does not depend on the inner size, so the test keeps it small.
+VLLM_TENSORS = 80
+
+
+@pytest.mark.parametrize(
+    ("path", "launches"),
+    [
+        ("staged", 1 + 2 * VLLM_TENSORS + 1),  # index upload, 2 kernels per tensor, 1 DMA
+        ("direct-2d", VLLM_TENSORS),  # one DMA per tensor, no kernel
+        ("direct-batch", 1),  # one batched DMA call for the whole chunk
+    ],
+)
+def test_launches_per_block_of_a_vllm_like_layout(make_pool, path, launches) -> None:
+    n = 8
+    inner = [16, 8]  # stands for [16, 8, 128]
+    pool = make_pool(4, VLLM_TENSORS * 2 * 16 * 8 * 2, pin=False)
+    registry = KVCacheRegistry(pool)
+    tensors = [torch.zeros([2, n, *inner], dtype=torch.bfloat16) for _ in range(VLLM_TENSORS)]
+    cache = registry.register_tensors("vllm", tensors, [1] * VLLM_TENSORS)
+    plan = make_plan("store", cache, 4, [5], [2])
+    fake = FakeRaw(batch=path == "direct-batch")
+    copier: Any = (
+        StagedCopier(torch.device("cpu")) if path == "staged" else DirectCopier(fake.raw())
+    )
+    for _ in copier.chunks(plan, pool.tensor, list(range(VLLM_TENSORS)), 0):
+        pass
+    assert copier.launches == launches
 
 
 def test_find_cuda_memcpy_without_a_cuda_runtime(monkeypatch) -> None:
@@ -96,6 +149,7 @@ def test_find_cuda_memcpy_without_a_cuda_runtime(monkeypatch) -> None:
         assert find_cuda_memcpy() is not None
     else:
         assert find_cuda_memcpy() is None
+        assert find_raw_cuda() is None
     monkeypatch.setenv("KVOFFLOAD_CUDA_RAW_MEMCPY", "0")
     assert find_cuda_memcpy() is None
 

@@ -34,7 +34,9 @@ def backend(request) -> str:
 def setup(backend, make_pool, shm_cache):
     if backend.startswith("cuda") and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    pool = make_pool(POOL_BLOCKS, mixed_block_bytes(N_BLOCKS), pin=False)
+    # The cuda backend needs a pinned pool (pin=None: pinned where CUDA is).
+    pin = None if backend.startswith("cuda") else False
+    pool = make_pool(POOL_BLOCKS, mixed_block_bytes(N_BLOCKS), pin=pin)
     registry = KVCacheRegistry(pool)
     cache = shm_cache(registry, N_BLOCKS, device="cuda" if backend == "cuda" else "cpu")
     calls = []
@@ -237,3 +239,25 @@ def test_submit_from_many_threads(setup) -> None:
     results = worker.wait(ids, timeout=30)
     assert sorted(r.job_id for r in results) == sorted(ids)
     assert all(r.ok for r in results)
+
+
+def test_wait_event_is_refused_for_a_cache_without_cuda_tensors(setup, backend) -> None:
+    _pool, _registry, cache, worker, _calls = setup
+    if backend == "cuda":
+        pytest.skip("a CUDA cache takes wait_event")
+    with pytest.raises(InvalidJobError, match="wait_event orders copies after a CUDA event"):
+        worker.submit(
+            TransferJob("store", cache.cache.cache_id, [0], [0], 30.0, wait_event=bytes(64))
+        )
+
+
+def test_drop_cache_fails_its_queued_jobs(setup, backend) -> None:
+    """A lapsed lease fails the cache's queued jobs; those running end on their own."""
+    _pool, _registry, cache, worker, _calls = setup
+    ids = [worker.submit(job(cache, "store", [i], [i])) for i in range(6)]
+    running = worker.drop_cache(cache.cache.cache_id, "kv cache lease expired")
+    results = worker.wait(ids, timeout=30)
+    assert sorted(r.job_id for r in results) == ids
+    for r in results:
+        assert r.ok or r.reason == "kv cache lease expired"
+    assert set(running) <= set(ids)

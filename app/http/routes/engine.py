@@ -266,6 +266,13 @@ async def register_kv_cache(request: Request) -> Response:
     return json_response(json.dumps(_cache_json(cache)), 201)
 
 
+async def renew_kv_cache(
+    request: Request, cache_id: Annotated[str, Path(min_length=1, max_length=256)]
+) -> Response:
+    lease_s = service_of(request).transfers().renew_cache(cache_id)
+    return json_response(json.dumps({"cache_id": cache_id, "lease_s": lease_s}))
+
+
 async def list_kv_caches(request: Request) -> Response:
     caches = service_of(request).transfers().caches()
     return json_response(json.dumps({"kv_caches": [_cache_json(c) for c in caches]}))
@@ -360,6 +367,22 @@ def _add_resource_routes(app: KVOffloadAPI) -> None:
         tags=["kv-caches"],
         response_model=s.KVCacheListAnswer,
         responses=responses(503),
+    )
+    app.add_api_route(
+        "/v1/kv-caches/{cache_id}/renew",
+        renew_kv_cache,
+        methods=["POST"],
+        name="renew_kv_cache",
+        operation_id="renew_kv_cache",
+        summary="Renew a registration's lease (404 once it lapsed: register again)",
+        description=(
+            "A registration made with `lease_s` is forgotten, its queued jobs failed and its "
+            "mappings closed (the engine's GPU memory freed) unless renewed within `lease_s`. "
+            "The client renews by itself."
+        ),
+        tags=["kv-caches"],
+        response_model=s.KVCacheRenewAnswer,
+        responses=responses(404, 422, 503),
     )
     app.add_api_route(
         "/v1/kv-caches/{cache_id}",

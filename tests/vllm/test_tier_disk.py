@@ -1,0 +1,73 @@
+"""A key the service answers ``disk`` for, inside vLLM's real tiering code, against a real
+service whose pool is too small to keep what was stored: the blocks went to its disk tier.
+
+Engine A stores a prefix, then enough other blocks to push it out of the 8-block pool (every
+evicted block is demoted: ``--disk-admit-after 1``). Engine B, with a primary tier of its own,
+looks the prefix up: the tier answers RETRY while the service brings the blocks up from disk
+(its prepare-load's 409 is expected), then HIT, and B loads the bytes A computed. No pin and no
+fault is left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from vllm.v1.kv_offload.base import ReqContext
+
+from app.client import KVOffloadAdminClient
+from tests.e2e.server import TOKEN, ServerProcess
+from tests.vllm.conftest import leases, serve
+from tests.vllm.engine import SimEngine, chunk_bytes, keys_of, kv_transfer_config
+from tests.vllm.test_tier_remote import answered, faults, store_through_tier
+
+POOL_BLOCKS = 8
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    work = tmp_path_factory.mktemp("disk")
+    flags = ["--num-blocks", str(POOL_BLOCKS), "--disk-dir", str(work / "disk")]
+    flags += ["--disk-bytes", str(4 << 20), "--disk-admit-after", "1"]
+    with serve(work, *flags).serving() as s:
+        yield s
+
+
+def disk_stats(srv: ServerProcess) -> dict[str, object]:
+    with KVOffloadAdminClient(srv.admin_url, token=TOKEN) as admin:
+        stats = admin.stats()
+    disk = stats["disk"]
+    assert isinstance(disk, dict)
+    return disk
+
+
+def test_disk_key_is_promoted_and_loaded_with_the_bytes_written(
+    srv: ServerProcess, tmp_path: Path
+) -> None:
+    prefix = keys_of(range(2000, 2006))
+    store_through_tier(srv, prefix)
+    # More blocks than the pool holds: the prefix is evicted, demoted to disk.
+    store_through_tier(srv, keys_of(range(2100, 2100 + 3 * POOL_BLOCKS)))
+    before = disk_stats(srv)
+    assert before["demotions"]["written"] >= len(prefix)  # type: ignore[index]
+    b = SimEngine("t-disk-b", kv_transfer_config(f"unix://{srv.uds}", cpu_chunks=16))
+    try:
+        ctx = ReqContext(req_id="disk-b")
+        b.start(ctx)
+        assert b.prefix_lookup(prefix, ctx) is None  # RETRY: asked of the service
+        seen = answered(b, prefix, ctx)
+        assert seen[-1] == len(prefix)
+        assert all(s is None for s in seen[:-1])  # RETRY until then, never MISS
+        assert b.load(prefix, ctx) == {k: chunk_bytes(k, b.model) for k in prefix}
+        b.finish(ctx)
+        b.step()
+        b.settle()
+        assert faults(b) == {}  # the promotion's 409 is expected
+    finally:
+        b.close()
+    after = disk_stats(srv)
+    promoted = after["promotions"]["loaded"]  # type: ignore[index]
+    assert promoted >= len(prefix)
+    assert after["counters"]["checksum_failures"] == 0  # type: ignore[index]
+    assert leases(srv) == []

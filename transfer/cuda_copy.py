@@ -1,0 +1,612 @@
+"""How the CUDA backend moves a job's bytes: raw CUDA bindings and two copiers.
+
+A host block interleaves every tensor's part of a device block (``transfer.kv_cache``), so a
+block of a tensor is ``outer`` pieces of ``inner_bytes`` on the device, at a pitch of
+``num_blocks * inner_bytes``, and ``outer`` adjacent pieces in the host block. Two copiers:
+
+- ``DirectCopier`` (the default wherever this process's CUDA runtime can be called directly):
+  copy-engine DMA straight between the device tensors (in-process or CUDA IPC memory) and the
+  pinned pool, no staging buffer and no SM kernel, so the engine's kernels keep every SM.
+  Each chunk of a job is **one** ``cuMemcpyBatchAsync`` call over every piece of every block
+  where the driver has it (CUDA >= 12.8); else one ``cudaMemcpy2DAsync`` per tensor and block
+  (a tensor with ``outer == 1`` merges a run of consecutive blocks and slots into one).
+- ``StagedCopier`` (when the runtime cannot be called directly, e.g. a static CUDA build of
+  torch): gathers blocks into a device staging buffer with torch ops (``index_select`` per
+  tensor, SM kernels), then one copy per run of host slots; loads mirror it. Two staging
+  buffers in ping-pong: with ``side_stream`` given (the worker's), the gather of chunk k+1
+  runs on it while chunk k's DMA runs on the copy stream, ordered by events.
+
+Launches per chunk (``launches`` counts them, the tests check it): a 2 MiB block of 80
+tensors ``[2, N, ...]`` costs the direct copier 1 call per chunk (batch) or 80 DMAs (2D, one
+per tensor); the staged copier 160 kernels (two per tensor) plus one DMA per slot run plus
+the index upload, which is what every job cost before the direct copier (162 for one block).
+
+Both copiers are generators of chunks (``chunks``): each ``next`` queues one chunk's copies on
+the given stream and yields its bytes, so the worker can cap bytes in flight per stream and
+slip a load between two chunks of a store. On the CPU (tests) every copy is synchronous.
+
+A raw call that fails (non-zero ``cudaError_t``) clears the thread's last CUDA error
+(``cudaGetLastError``) so the next torch call does not trip over it; a failed batch falls back
+to 2D copies for good (re-issuing the whole chunk, which rewrites the same bytes).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from transfer.kv_cache import RegisteredCache
+from transfer.worker import CopyPlan
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_STAGING_BYTES",
+    "DirectCopier",
+    "RawCuda",
+    "StagedCopier",
+    "find_cuda_memcpy",
+    "find_raw_cuda",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STAGING_BYTES = 32 << 20
+"""Bytes per staging buffer of the staged copier (two per device and direction)."""
+DEFAULT_CHUNK_BYTES = 16 << 20
+"""Bytes per chunk of the direct copier: the unit of in-flight accounting and of preemption."""
+
+MemcpyAsync = Callable[[int, int, int, int, int], int]
+"""``cudaMemcpyAsync(dst, src, nbytes, kind, stream) -> cudaError_t``."""
+Memcpy2DAsync = Callable[[int, int, int, int, int, int, int, int], int]
+"""``cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, stream)``."""
+BatchMemcpy = Callable[[int, int, int, int, int], int]
+"""``(dsts_ptr, srcs_ptr, sizes_ptr, count, stream) -> CUresult``: arrays of uint64."""
+H2D = 1  # cudaMemcpyHostToDevice
+D2H = 2  # cudaMemcpyDeviceToHost
+_WORD_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
+
+@dataclass
+class RawCuda:
+    """The raw entry points of the CUDA runtime (and driver) torch itself loaded."""
+
+    memcpy: MemcpyAsync
+    memcpy2d: Memcpy2DAsync | None
+    batch: BatchMemcpy | None
+    get_last_error: Callable[[], int]
+
+    def clear_error(self) -> int:
+        """Reset the calling thread's last CUDA error (after a failed raw call)."""
+        try:
+            return int(self.get_last_error())
+        except Exception:  # never let the clean-up hide the original failure
+            return -1
+
+
+def _mapped(name: str) -> list[str]:
+    try:
+        with open("/proc/self/maps") as f:
+            return sorted({ln.split()[-1] for ln in f if f"/{name}" in ln})
+    except OSError:
+        return []
+
+
+def _sym(lib: Any, name: str, argtypes: list[Any], restype: Any = ctypes.c_int) -> Any:
+    fn = getattr(lib, name, None)
+    if fn is None:
+        return None
+    fn.argtypes = argtypes
+    fn.restype = restype
+    return fn
+
+
+def _bind_batch(lib: Any, version: int) -> BatchMemcpy | None:
+    """``cuMemcpyBatchAsync`` of ``lib`` for driver ``version``, or None. CUDA 13 exports the
+    call without ``failIdx`` as ``_v2``; 12.8 and 12.9 export it with ``failIdx``."""
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    # CUmemcpyAttributes: srcAccessOrder, srcLocHint{type,id}, dstLocHint{type,id}, flags.
+    attrs = (ctypes.c_int * 6)(1, 0, 0, 0, 0, 0)  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+    attrs_idx = (ctypes.c_size_t * 1)(0)
+    v2 = _sym(lib, "cuMemcpyBatchAsync_v2", [vp, vp, vp, sz, vp, vp, sz, vp])
+    if v2 is not None and version >= 13000:
+
+        def batch_v2(dsts: int, srcs: int, sizes: int, count: int, stream: int) -> int:
+            return int(v2(dsts, srcs, sizes, count, attrs, attrs_idx, 1, stream))
+
+        return batch_v2
+    v1 = _sym(lib, "cuMemcpyBatchAsync", [vp, vp, vp, sz, vp, vp, sz, vp, vp])
+    if v1 is not None and 12080 <= version < 13000:
+        fail_idx = ctypes.c_size_t(0)
+
+        def batch_v1(dsts: int, srcs: int, sizes: int, count: int, stream: int) -> int:
+            idx = ctypes.byref(fail_idx)
+            return int(v1(dsts, srcs, sizes, count, attrs, attrs_idx, 1, idx, stream))
+
+        return batch_v1
+    return None
+
+
+def _find_batch() -> BatchMemcpy | None:
+    """``cuMemcpyBatchAsync`` of the driver already mapped, or None (driver < 12.8, or
+    ``KVOFFLOAD_CUDA_BATCH_MEMCPY=0``)."""
+    if os.environ.get("KVOFFLOAD_CUDA_BATCH_MEMCPY", "1") == "0":
+        return None
+    for path in _mapped("libcuda.so"):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        version = ctypes.c_int(0)
+        get_version = _sym(lib, "cuDriverGetVersion", [ctypes.POINTER(ctypes.c_int)])
+        if get_version is None or get_version(ctypes.byref(version)) != 0:
+            continue
+        batch = _bind_batch(lib, version.value)
+        if batch is not None:
+            return batch
+    return None
+
+
+def find_raw_cuda() -> RawCuda | None:
+    """The CUDA runtime torch itself loaded (found in ``/proc/self/maps``, so it shares torch's
+    state), or None: no runtime mapped (CPU build), a static runtime, or
+    ``KVOFFLOAD_CUDA_RAW_MEMCPY=0``. A ctypes call costs about a microsecond, a torch ``copy_``
+    of two slices several."""
+    if os.environ.get("KVOFFLOAD_CUDA_RAW_MEMCPY", "1") == "0":
+        return None
+    vp, sz, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+    for path in _mapped("libcudart.so"):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        memcpy = _sym(lib, "cudaMemcpyAsync", [vp, vp, sz, i, vp])
+        last = _sym(lib, "cudaGetLastError", [])
+        if memcpy is None or last is None:
+            continue
+        memcpy2d = _sym(lib, "cudaMemcpy2DAsync", [vp, sz, vp, sz, sz, sz, i, vp])
+        return RawCuda(memcpy, memcpy2d, _find_batch(), last)
+    return None
+
+
+def find_cuda_memcpy() -> MemcpyAsync | None:
+    """``cudaMemcpyAsync`` alone (``find_raw_cuda``'s), or None."""
+    raw = find_raw_cuda()
+    return None if raw is None else raw.memcpy
+
+
+# --------------------------------------------------------------------------- geometry
+
+
+@dataclass(frozen=True, slots=True)
+class _Segment:
+    tensor: int  # index into cache.tensors
+    staging_offset: int  # bytes, inside a staging row
+    nbytes: int  # outer * inner_bytes
+    host_offset: int
+    outer: int
+    inner_bytes: int
+    num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Geometry:
+    """How one device's tensors of a cache sit in a staging row and in a host block."""
+
+    segments: tuple[_Segment, ...]
+    row_bytes: int  # staging row: this device's share of a host block
+    groups: tuple[tuple[int, int, int], ...]  # (host_offset, staging_offset, nbytes) contiguous
+    word: int  # bytes per element used by the gather/scatter kernels
+
+
+def _geometry(cache: RegisteredCache, tensor_ids: list[int]) -> _Geometry:
+    segments = []
+    offset = 0
+    for t in tensor_ids:
+        lay = cache.layouts[t]
+        segments.append(
+            _Segment(
+                t,
+                offset,
+                lay.bytes_per_block,
+                lay.host_offset,
+                lay.outer,
+                lay.inner_bytes,
+                lay.num_blocks,
+            )
+        )
+        offset += lay.bytes_per_block
+    groups: list[list[int]] = []
+    for s in segments:
+        if groups and groups[-1][0] + groups[-1][2] == s.host_offset:
+            groups[-1][2] += s.nbytes
+        else:
+            groups.append([s.host_offset, s.staging_offset, s.nbytes])
+    word = 1
+    for size, _dtype in _WORD_DTYPES:
+        if all(
+            s.inner_bytes % size == 0
+            and s.staging_offset % size == 0
+            and cache.tensors[s.tensor].data_ptr() % size == 0
+            and cache.tensors[s.tensor].numel() % size == 0
+            for s in segments
+        ) and (offset % size == 0):
+            word = size
+            break
+    return _Geometry(tuple(segments), offset, tuple((g[0], g[1], g[2]) for g in groups), word)
+
+
+def _word_dtype(word: int) -> torch.dtype:
+    return next(dt for size, dt in _WORD_DTYPES if size == word)
+
+
+class _GeometryCache:
+    def __init__(self) -> None:
+        self._geometry: dict[tuple[str, tuple[int, ...]], _Geometry] = {}
+
+    def geometry(self, cache: RegisteredCache, tensor_ids: list[int]) -> _Geometry:
+        key = (cache.cache_id, tuple(tensor_ids))
+        geo = self._geometry.get(key)
+        if geo is None:
+            if len(self._geometry) > 256:
+                self._geometry.clear()
+            geo = self._geometry[key] = _geometry(cache, tensor_ids)
+        return geo
+
+
+# --------------------------------------------------------------------------- direct DMA
+
+
+class DirectCopier(_GeometryCache):
+    """DMA between device tensors and the pinned pool, no staging; see the module docstring.
+
+    ``raw`` must have ``batch`` or ``memcpy2d``. Chunks hold at most ``chunk_bytes`` of blocks
+    (at least one block) and never cross ``split_every`` (a pinned-chunk boundary of the pool:
+    one copy must stay inside one ``cudaHostRegister`` range).
+    """
+
+    def __init__(self, raw: RawCuda, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        if raw.batch is None and raw.memcpy2d is None:
+            raise ValueError("the direct copier needs cuMemcpyBatchAsync or cudaMemcpy2DAsync")
+        super().__init__()
+        self.raw = raw
+        self.chunk_bytes = chunk_bytes
+        self.launches = 0  # raw calls issued (batches or 2D copies), for tests and benches
+
+    def chunks(
+        self,
+        plan: CopyPlan,
+        pool_tensor: torch.Tensor,
+        tensor_ids: list[int],
+        stream: int,
+        *,
+        split_every: int | None = None,
+    ) -> Iterator[int]:
+        """Queue ``plan``'s copies for ``tensor_ids`` chunk by chunk; yields bytes per chunk."""
+        n = len(plan.device_blocks)
+        if n == 0 or not tensor_ids:
+            return
+        cache = plan.cache
+        geo = self.geometry(cache, tensor_ids)
+        rows = max(1, min(n, self.chunk_bytes // max(1, geo.row_bytes)))
+        block_bytes = pool_tensor.shape[1]
+        pool_base = pool_tensor.data_ptr()
+        bases = [cache.tensors[s.tensor].data_ptr() for s in geo.segments]
+        i0 = 0
+        while i0 < n:
+            i1 = min(n, i0 + rows)
+            if split_every:
+                # Never cross a pinned-chunk boundary within one chunk's host range.
+                limit = (plan.host_slots[i0] // split_every + 1) * split_every
+                i1 = next((i for i in range(i0, i1) if plan.host_slots[i] >= limit), i1)
+            blocks = plan.device_blocks[i0:i1]
+            slots = plan.host_slots[i0:i1]
+            batched = self.raw.batch is not None and self._batch(
+                plan.store, geo, bases, pool_base, block_bytes, blocks, slots, stream
+            )
+            if not batched:
+                self._copy_2d(plan.store, geo, bases, pool_base, block_bytes, blocks, slots, stream)
+            yield (i1 - i0) * geo.row_bytes
+            i0 = i1
+
+    def _batch(
+        self,
+        store: bool,
+        geo: _Geometry,
+        bases: list[int],
+        pool_base: int,
+        block_bytes: int,
+        blocks: list[int],
+        slots: list[int],
+        stream: int,
+    ) -> bool:
+        """One batched call over every piece of every block; False if the driver refused."""
+        dev_base: list[int] = []
+        dev_step: list[int] = []
+        host_off: list[int] = []
+        sizes: list[int] = []
+        for seg, base in zip(geo.segments, bases, strict=True):
+            pitch = seg.num_blocks * seg.inner_bytes
+            for k in range(seg.outer):
+                dev_base.append(base + k * pitch)
+                dev_step.append(seg.inner_bytes)
+                host_off.append(seg.host_offset + k * seg.inner_bytes)
+                sizes.append(seg.inner_bytes)
+        # [pairs, pieces] addresses in host order, built without a Python loop over pieces.
+        b = torch.tensor(blocks, dtype=torch.int64)[:, None]
+        s = torch.tensor(slots, dtype=torch.int64)[:, None]
+        dev = torch.tensor(dev_base, dtype=torch.int64) + b * torch.tensor(dev_step)
+        host = pool_base + s * block_bytes + torch.tensor(host_off, dtype=torch.int64)
+        size = torch.tensor(sizes, dtype=torch.int64).expand(len(blocks), -1).contiguous()
+        src, dst = (dev, host) if store else (host, dev)
+        src, dst = src.contiguous(), dst.contiguous()
+        assert self.raw.batch is not None
+        self.launches += 1
+        code = self.raw.batch(dst.data_ptr(), src.data_ptr(), size.data_ptr(), size.numel(), stream)
+        if code == 0:
+            return True
+        self.raw.clear_error()
+        log.warning("cuMemcpyBatchAsync returned %d; using cudaMemcpy2DAsync from now on", code)
+        self.raw.batch = None
+        return False
+
+    def _copy_2d(
+        self,
+        store: bool,
+        geo: _Geometry,
+        bases: list[int],
+        pool_base: int,
+        block_bytes: int,
+        blocks: list[int],
+        slots: list[int],
+        stream: int,
+    ) -> None:
+        memcpy2d = self.raw.memcpy2d
+        if memcpy2d is None:
+            raise RuntimeError("cuMemcpyBatchAsync failed and cudaMemcpy2DAsync is missing")
+        kind = D2H if store else H2D
+        n = len(blocks)
+        for seg, base in zip(geo.segments, bases, strict=True):
+            inner, pitch = seg.inner_bytes, seg.num_blocks * seg.inner_bytes
+            i = 0
+            while i < n:
+                j = i + 1
+                if seg.outer == 1:  # a run of blocks and slots is one 2D copy
+                    while j < n and blocks[j] == blocks[j - 1] + 1 and slots[j] == slots[j - 1] + 1:
+                        j += 1
+                host = pool_base + slots[i] * block_bytes + seg.host_offset
+                dev = base + blocks[i] * inner
+                if seg.outer == 1:
+                    # rows: blocks; device rows adjacent (pitch inner), host rows a block apart
+                    h_pitch, d_pitch, height = block_bytes, inner, j - i
+                else:
+                    # rows: the outer pieces of one block
+                    h_pitch, d_pitch, height = inner, pitch, seg.outer
+                self.launches += 1
+                if store:
+                    code = memcpy2d(host, h_pitch, dev, d_pitch, inner, height, kind, stream)
+                else:
+                    code = memcpy2d(dev, d_pitch, host, h_pitch, inner, height, kind, stream)
+                if code != 0:
+                    self.raw.clear_error()
+                    raise RuntimeError(f"cudaMemcpy2DAsync returned {code}")
+                i = j
+
+
+# --------------------------------------------------------------------------- staged
+
+
+class StagedCopier(_GeometryCache):
+    """Copies through two device staging buffers in ping-pong; see the module docstring.
+
+    Device-agnostic: on a CUDA device run ``chunks`` inside ``torch.cuda.stream(copy_stream)``
+    with ``side_stream`` the stream the gathers and scatters run on (None: everything on the
+    copy stream, in order); on the CPU everything runs synchronously, which is how the tests
+    check the index arithmetic without a GPU.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        memcpy: MemcpyAsync | None = None,
+        side_stream: Any = None,
+    ) -> None:
+        if staging_bytes <= 0:
+            raise ValueError(f"staging_bytes must be positive, got {staging_bytes}")
+        super().__init__()
+        self.device = device
+        self.staging_bytes = staging_bytes
+        self._memcpy = memcpy
+        self._clear_error: Callable[[], int] | None = None
+        self._side = side_stream
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._free: list[Any] = [None, None]  # event: the buffer's last DMA / scatter ended
+        self._next = 0
+        self.launches = 0
+
+    def _staging(self, which: int, nbytes: int) -> torch.Tensor:
+        nbytes = (nbytes + 7) // 8 * 8
+        buf = self._buffers[which]
+        if buf is None or buf.numel() < nbytes:
+            self._buffers[which] = None  # free the old one first (stream order keeps it safe)
+            buf = self._buffers[which] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return buf
+
+    def issue(
+        self,
+        plan: CopyPlan,
+        pool_tensor: torch.Tensor,
+        tensor_ids: list[int],
+        *,
+        split_every: int | None = None,
+    ) -> None:
+        """Queue every copy of ``plan`` that touches ``tensor_ids`` (all on this device)."""
+        for _ in self.chunks(plan, pool_tensor, tensor_ids, 0, split_every=split_every):
+            pass
+
+    def chunks(
+        self,
+        plan: CopyPlan,
+        pool_tensor: torch.Tensor,
+        tensor_ids: list[int],
+        stream: int,
+        *,
+        split_every: int | None = None,
+    ) -> Iterator[int]:
+        """Queue ``plan``'s copies chunk by chunk (one staging buffer each); yields bytes."""
+        n = len(plan.device_blocks)
+        if n == 0 or not tensor_ids:
+            return
+        cache = plan.cache
+        geo = self.geometry(cache, tensor_ids)
+        rows = max(1, min(n, self.staging_bytes // geo.row_bytes))
+        cuda = self.device.type == "cuda"
+        index_cpu = torch.tensor(plan.device_blocks, dtype=torch.int64)
+        index = index_cpu.pin_memory().to(self.device, non_blocking=True) if cuda else index_cpu
+        self.launches += 1  # the index upload (a copy on a GPU)
+        wdt = _word_dtype(geo.word)
+        w = geo.word
+        views = [
+            cache.tensors[s.tensor].view(wdt).view(s.outer, s.num_blocks, s.inner_bytes // w)
+            for s in geo.segments
+        ]
+        block_bytes = pool_tensor.shape[1]
+        pool_flat = pool_tensor.view(-1)
+        full_block = geo.groups == ((0, 0, block_bytes),)
+        copy_stream = torch.cuda.current_stream(self.device) if cuda else None
+        if copy_stream is not None and not stream:
+            stream = copy_stream.cuda_stream
+        side = self._side if cuda else None
+        if side is not None:
+            side.wait_stream(copy_stream)  # the index upload, and the caller's waits
+        for i0 in range(0, n, rows):
+            i1 = min(n, i0 + rows)
+            count = i1 - i0
+            which = self._next
+            self._next ^= 1
+            buffer = self._staging(which, count * geo.row_bytes)
+            stage_w = buffer[: count * geo.row_bytes].view(count, geo.row_bytes).view(wdt)
+            idx = index[i0:i1]
+            parts = [
+                stage_w[:, s.staging_offset // w : (s.staging_offset + s.nbytes) // w].view(
+                    count, s.outer, s.inner_bytes // w
+                )
+                for s in geo.segments
+            ]
+            if plan.store:
+                with _on(side, self._free[which]):
+                    for view, part in zip(views, parts, strict=True):
+                        part.copy_(view.index_select(1, idx).transpose(0, 1))
+                        self.launches += 2
+                _join(copy_stream, side)
+            elif self._free[which] is not None and copy_stream is not None:
+                copy_stream.wait_event(self._free[which])
+            copies: list[tuple[int, int, int]] = []  # (pool byte, staging byte, bytes)
+            row = geo.row_bytes
+            for c0, s0, length in plan.slot_runs(split_every, i0, i1):
+                c = c0 - i0
+                if full_block:
+                    copies.append((s0 * block_bytes, c * row, length * row))
+                    continue
+                for r in range(length):
+                    host_row = (s0 + r) * block_bytes
+                    stage_row = (c + r) * row
+                    for host_off, stage_off, nbytes in geo.groups:
+                        copies.append((host_row + host_off, stage_row + stage_off, nbytes))
+            self._move(plan.store, pool_flat, buffer, copies, stream)
+            if plan.store:
+                self._free[which] = _record(copy_stream)
+            else:
+                landed = _record(copy_stream)
+                with _on(side, landed):
+                    for view, part in zip(views, parts, strict=True):
+                        view.index_copy_(1, idx, part.transpose(0, 1))
+                        self.launches += 1
+                self._free[which] = _record(side)
+            yield count * geo.row_bytes
+        if not plan.store:
+            _join(copy_stream, side)  # the job's end event follows its last scatter
+
+    def _move(
+        self,
+        store: bool,
+        pool_flat: torch.Tensor,
+        stage_flat: torch.Tensor,
+        copies: list[tuple[int, int, int]],
+        stream: int,
+    ) -> None:
+        """Queue contiguous pool <-> staging copies, raw when possible, else through torch."""
+        done = 0
+        memcpy = self._memcpy
+        self.launches += len(copies)
+        if memcpy is not None and copies:
+            host_base = pool_flat.data_ptr()
+            dev_base = stage_flat.data_ptr()
+            kind = D2H if store else H2D
+            for host_off, dev_off, nbytes in copies:
+                host = host_base + host_off
+                dev = dev_base + dev_off
+                code = (
+                    memcpy(host, dev, nbytes, kind, stream)
+                    if store
+                    else memcpy(dev, host, nbytes, kind, stream)
+                )
+                if code != 0:
+                    if self._clear_error is not None:
+                        self._clear_error()
+                    log.warning(
+                        "cudaMemcpyAsync returned %d; copying through torch from now on", code
+                    )
+                    self._memcpy = None
+                    break
+                done += 1
+        for host_off, dev_off, nbytes in copies[done:]:
+            host_t = pool_flat[host_off : host_off + nbytes]
+            dev_t = stage_flat[dev_off : dev_off + nbytes]
+            if store:
+                host_t.copy_(dev_t, non_blocking=True)
+            else:
+                dev_t.copy_(host_t, non_blocking=True)
+
+
+class _on:
+    """Run the enclosed torch ops on ``stream`` after ``event`` (no-op for a None stream)."""
+
+    def __init__(self, stream: Any, event: Any) -> None:
+        self.stream = stream
+        self.event = event
+        self._ctx: Any = None
+
+    def __enter__(self) -> None:
+        if self.stream is None:
+            return
+        if self.event is not None:
+            self.stream.wait_event(self.event)
+        self._ctx = torch.cuda.stream(self.stream)
+        self._ctx.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
+
+
+def _record(stream: Any) -> Any:
+    if stream is None:
+        return None
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record(stream)
+    return event
+
+
+def _join(waiter: Any, other: Any) -> None:
+    """``waiter`` waits for everything queued on ``other`` so far (None: nothing to do)."""
+    if waiter is not None and other is not None:
+        waiter.wait_stream(other)
