@@ -21,6 +21,8 @@ from tests.app.exposition import (
     catalogue_mismatches,
     parse,
 )
+from tests.deploy.helpers import DASHBOARD, all_rules, dashboard_expressions, load_json
+from tests.deploy.promql import Analysis, analyse
 from transfer.disk import slots_for
 
 pytestmark = pytest.mark.anyio
@@ -150,6 +152,37 @@ async def test_a_demotion_and_a_promotion_show_in_the_disk_metrics(tmp_path: Pat
     assert writes is not None
     assert writes >= 3  # batches of at most two blocks
     assert ex.exemplar_ids("kvoffload_disk_io_duration_seconds_bucket", op="write") == set()
+    assert disk_selectors_not_live(ex) == []
+
+
+def disk_selectors_not_live(ex: Exposition) -> list[str]:
+    """Every disk series a rule or a dashboard panel selects that the scrape lacks, or lacks
+    with a label it matches on or, for ``=``, with that value (``kvoffload_disk_*`` only)."""
+    live: dict[str, list[dict[str, str]]] = {}
+    for _, samples in ex.families.values():
+        for sample in samples:
+            live.setdefault(sample.name, []).append(dict(sample.labels))
+    found: list[tuple[str, Analysis]] = [
+        (f"rule {r.get('alert') or r.get('record')}", analyse(r["expr"])) for r in all_rules()
+    ]
+    found += dashboard_expressions(load_json(DASHBOARD))
+    problems = []
+    for where, analysis in found:
+        for selector in analysis.selectors:
+            name = selector.name
+            if name is None or not name.startswith("kvoffload_disk_"):
+                continue
+            if name not in live:
+                problems.append(f"{where}: {name} not exported")
+                continue
+            for m in selector.matchers:
+                if m.label in ("job", "instance", "tenant"):
+                    continue
+                if not any(m.label in labels for labels in live[name]):
+                    problems.append(f"{where}: {name} has no label {m.label}")
+                elif m.op == "=" and not any(ls.get(m.label) == m.value for ls in live[name]):
+                    problems.append(f"{where}: no live {name}{{{m.label}={m.value!r}}}")
+    return problems
 
 
 async def test_blocks_asked_too_rarely_are_refused_admission(tmp_path: Path) -> None:
