@@ -32,12 +32,27 @@ REMOTE_STATE = {
     "promotions": {"running": 0, "started": 2, "loaded": 1, "failed": 1},
 }
 
+DISK_STATE = {
+    "state": "ok",
+    "counters": {"writes": 5, "reads": 2, "checksum_failures": 1, "bytes_read": 8192},
+    "slots": 16,
+    "blocks": 4,
+    "queue": {"depth": 1, "staging_free": 7, "capacity": 8},
+    "demotions": {"written": 5, "refused_admission": 3, "dropped": {"staging_full": 2}},
+    "evictions": 1,
+    "promotions": {"running": 0, "started": 3, "loaded": 2, "failed": 1},
+}
+
 
 def snapshot_of(
-    m, live: list[LiveRequestRow] | None = None, remote: dict[str, Any] | None = None
+    m,
+    live: list[LiveRequestRow] | None = None,
+    remote: dict[str, Any] | None = None,
+    disk: dict[str, Any] | None = None,
 ) -> ServiceSnapshot:
     return ServiceSnapshot(
         remote=remote,
+        disk=disk,
         stats=m.stats(),
         policy=m.policy,
         block_bytes=4096,
@@ -218,10 +233,11 @@ def test_exported_families_match_the_deploy_catalogue_exactly(manager) -> None:
     met = Metrics(
         reg,
         snapshot=lambda: snapshot_of(
-            manager, [LiveRequestRow("r", 1, 1, 1, 1)], remote=REMOTE_STATE
+            manager, [LiveRequestRow("r", 1, 1, 1, 1)], remote=REMOTE_STATE, disk=DISK_STATE
         ),
         live_request_series=True,
         remote_tier=True,
+        disk_tier=True,
     )
     ctx = ReqContext("r")
     manager.on_new_request(ctx)
@@ -234,6 +250,8 @@ def test_exported_families_match_the_deploy_catalogue_exactly(manager) -> None:
     met.transfer_done("load", False, 0, 0.1, "deadline", "r")
     met.policy_switched("lru", "arc")
     met.remote_call("exists", 0.001, 4, "r")
+    met.disk_io("write", 0.002, 3, None)
+    met.disk_io("read", 0.001, 2, "r")
     register_tenancy(reg, lambda: (2, 1, False))  # with --tenants, the front registry's
     exported = {}
     for family in reg.collect():
@@ -265,3 +283,41 @@ def test_remote_tier_families_follow_its_state() -> None:
     plain = CollectorRegistry()
     Metrics(plain, snapshot=lambda: snapshot_of(manager))
     assert not [f for f in plain.collect() if f.name.startswith("kvoffload_remote")]
+
+
+def test_disk_tier_families_follow_its_state() -> None:
+    manager = create_manager(8)
+    reg = CollectorRegistry()
+    met = Metrics(reg, snapshot=lambda: snapshot_of(manager, disk=DISK_STATE), disk_tier=True)
+    assert reg.get_sample_value("kvoffload_disk_tier_up") == 1
+    assert reg.get_sample_value("kvoffload_disk_writes_total") == 5
+    assert reg.get_sample_value("kvoffload_disk_write_failures_total") == 0
+    assert reg.get_sample_value("kvoffload_disk_checksum_failures_total") == 1
+    assert reg.get_sample_value("kvoffload_disk_bytes_read_total") == 8192
+    assert reg.get_sample_value("kvoffload_disk_blocks") == 4
+    assert reg.get_sample_value("kvoffload_disk_capacity_blocks") == 16
+    assert reg.get_sample_value("kvoffload_disk_queue_depth") == 1
+    assert (
+        reg.get_sample_value("kvoffload_disk_demotions_dropped_total", {"reason": "staging_full"})
+        == 2
+    )
+    assert reg.get_sample_value("kvoffload_disk_admissions_refused_total") == 3
+    assert reg.get_sample_value("kvoffload_disk_evictions_total") == 1
+    assert reg.get_sample_value("kvoffload_disk_promoted_blocks_total") == 2
+    met.disk_io("read", 0.003, 2, "req-7")
+    met.disk_io("write", 0.2, 32, None)
+    text = generate_latest(reg).decode()
+    assert 'kvoffload_disk_io_blocks_total{op="read"} 2.0 # {req_id="req-7"} 2.0' in text
+    assert 'kvoffload_disk_io_blocks_total{op="write"} 32.0\n' in text
+    assert (
+        'kvoffload_disk_io_duration_seconds_bucket{le="0.005",op="read"} 1.0 # {req_id="req-7"}'
+        in text
+    )
+    degraded = CollectorRegistry()
+    Metrics(
+        degraded, snapshot=lambda: snapshot_of(manager, disk={**DISK_STATE, "state": "degraded"})
+    )
+    assert degraded.get_sample_value("kvoffload_disk_tier_up") == 0
+    plain = CollectorRegistry()
+    Metrics(plain, snapshot=lambda: snapshot_of(manager))
+    assert not [f for f in plain.collect() if f.name.startswith("kvoffload_disk")]

@@ -107,6 +107,8 @@ def test_req_id_is_an_exemplar_label_except_on_the_opt_in_live_request_gauge() -
         "kvoffload_transfer_failures_total",
         "kvoffload_remote_call_duration_seconds",
         "kvoffload_remote_call_keys_total",
+        "kvoffload_disk_io_duration_seconds",  # a promotion's read; demotion writes have none
+        "kvoffload_disk_io_blocks_total",
     }
 
 

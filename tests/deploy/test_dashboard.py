@@ -235,3 +235,61 @@ def test_remote_tier_panels(dashboard) -> None:
 
 def _remote(panel: dict[str, Any]) -> bool:
     return any(name.startswith("kvoffload_remote_") for name in _names(panel))
+
+
+def test_disk_tier_panels(dashboard) -> None:
+    (up,) = _panels_using(dashboard, "kvoffload_disk_tier_up")
+    assert up["type"] == "stat"
+    texts = {
+        v["text"] for m in up["fieldConfig"]["defaults"]["mappings"] for v in m["options"].values()
+    }
+    assert texts == {"up", "degraded"}
+    assert _panels_using(dashboard, "kvoffload_disk_blocks", "kvoffload_disk_capacity_blocks")
+    assert _panels_using(dashboard, "kvoffload_disk_promoted_blocks_total")
+    (demotions,) = _panels_using(
+        dashboard,
+        "kvoffload_disk_writes_total",
+        "kvoffload_disk_demotions_dropped_total",
+        "kvoffload_disk_admissions_refused_total",
+    )
+    assert any("by (reason)" in e for e in _exprs(demotions))
+    assert _panels_using(dashboard, "kvoffload_disk_evictions_total")
+    assert _panels_using(dashboard, "kvoffload_disk_checksum_failures_total")
+    assert _panels_using(dashboard, "kvoffload_disk_queue_depth")
+    (throughput,) = _panels_using(
+        dashboard, "kvoffload_disk_bytes_read_total", "kvoffload_disk_bytes_written_total"
+    )
+    assert throughput["fieldConfig"]["defaults"]["unit"] == "Bps"
+    (latency,) = [
+        p
+        for p in _panels_using(dashboard, "kvoffload_disk_io_duration_seconds_bucket")
+        if p["type"] == "timeseries"
+    ]
+    exprs = _exprs(latency)
+    assert {e.split(",")[0] for e in exprs} == {
+        "histogram_quantile(0.5",
+        "histogram_quantile(0.99",
+    }
+    assert all("by (le, op)" in e for e in exprs)
+    assert latency["fieldConfig"]["defaults"]["unit"] == "s"
+    (heatmap,) = [p for p in dashboard_panels(dashboard) if p["type"] == "heatmap" and _disk(p)]
+    (target,) = heatmap["targets"]
+    assert target["exemplar"] is True, "a slow read's req_id leads to its logs"
+    assert 'op="read"' in target["expr"]
+    # One row holds them, between the pool's rows above and the remote tier's row below.
+    (row,) = [p for p in dashboard["panels"] if p["type"] == "row" and "Disk" in p["title"]]
+    (remote_row,) = [
+        p for p in dashboard["panels"] if p["type"] == "row" and "Remote" in p["title"]
+    ]
+    disk = [p for p in dashboard_panels(dashboard) if _disk(p)]
+    assert len(disk) >= 9
+    assert all(row["gridPos"]["y"] < p["gridPos"]["y"] < remote_row["gridPos"]["y"] for p in disk)
+    others = [p for p in dashboard_panels(dashboard) if p["type"] != "row" and not _disk(p)]
+    assert all(
+        p["gridPos"]["y"] < row["gridPos"]["y"] or p["gridPos"]["y"] > remote_row["gridPos"]["y"]
+        for p in others
+    )
+
+
+def _disk(panel: dict[str, Any]) -> bool:
+    return any(name.startswith("kvoffload_disk_") for name in _names(panel))
