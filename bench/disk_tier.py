@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import mmap
 import os
@@ -86,9 +87,12 @@ class Raw:
         self.fd = os.open(
             os.path.join(directory, "raw"), os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600
         )
-        self.src = mmap.mmap(-1, n * block)  # page-aligned
-        self.src[:] = os.urandom(MIB) * (n * block // MIB) if block >= MIB else bytes(n * block)
+        # Page-aligned and pre-faulted, as the pool is (reads into never-touched anonymous
+        # pages ran at half speed here at 256 KiB: 0.39 against 0.90 GB/s).
+        self.src = mmap.mmap(-1, n * block)
+        self.src[:] = os.urandom(MIB) * (n * block // MIB)
         self.dst = mmap.mmap(-1, n * block)
+        self.dst[:] = bytes(n * block)
         self.pool = ThreadPoolExecutor(threads)
 
     def write(self, fresh: bool = False) -> float:
@@ -433,11 +437,13 @@ class Replay:
     def __init__(self, h: Any, cache_id: str) -> None:
         self.h, self.cache_id = h, cache_id
         self.n = 0
+        self.reasons: collections.Counter[str] = collections.Counter()
 
     async def run(
         self, requests: Sequence[list[bytes]], samples: list[int] | None = None
     ) -> dict[str, Any]:
         h = self.h
+        self.reasons = collections.Counter()
         asked = pool_hits = disk_hits = failed = 0
         for i, req_keys in enumerate(requests):
             self.n += 1
@@ -463,7 +469,12 @@ class Replay:
                 ok = False
                 if r.status_code == 202:
                     jid = r.json()["job_id"]
-                    ok = jid is None or (await h.wait(jid, timeout_s=60))["state"] == "done"
+                    job = {"state": "done"} if jid is None else await h.wait(jid, timeout_s=60)
+                    ok = job["state"] == "done"
+                    if not ok:
+                        self.reasons[str(job.get("reason"))] += 1
+                else:
+                    self.reasons[f"HTTP {r.status_code}"] += 1
                 if ok:
                     hp = min(body["hit_prefix"], lead)
                     pool_hits += hp
@@ -487,6 +498,7 @@ class Replay:
             "pool_hits": pool_hits,
             "disk_hits": disk_hits,
             "failed_onloads": failed,
+            "failed_reasons": dict(self.reasons),
         }
 
 
