@@ -626,7 +626,11 @@ def main() -> None:
     ap.add_argument("--pool-blocks", type=int, default=2000)
     ap.add_argument("--disk-blocks", type=int, default=20000)
     ap.add_argument("--dir", default=str(Path(__file__).resolve().parent / ".disk-bench"))
-    ap.add_argument("--quick", action="store_true", help="32 MiB, 3 repeats, 1000+200 requests")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test: 32 MiB, 3 repeats, 1000+200 requests (no disk hits in (c))",
+    )
     ap.add_argument("--out", default=str(RESULTS_DIR / "disk_tier.json"))
     args = ap.parse_args()
     if args.quick:
