@@ -1,0 +1,772 @@
+"""The disk tier (#19): onload and demotion GB/s against raw O_DIRECT; hit ratio after a restart.
+
+Part (a), bytes: for each block size, ``--mib`` MiB of blocks per timed call, medians of
+``--repeats``, raw and tier interleaved in each round, the page cache dropped (``sync``; ``echo 3 >
+/proc/sys/vm/drop_caches``, root only) before every timed read:
+
+- raw O_DIRECT (the baseline): a plain file in the same directory opened ``O_DIRECT``, one
+  ``os.pwrite`` / ``os.preadv`` per block from / into page-aligned buffers, on as many threads as
+  the store has I/O threads (``--threads``, the service default 4);
+- the store: ``DiskStore.write_many`` of blocks already staged (demotion), ``DiskStore.read_many``
+  straight into pool slots with the checksum check (promotion's bytes);
+- the service: an in-process ``Service`` (the API apps over ASGI, as the tests run it) with a disk
+  tier and a registered shm CPU KV cache: one ``onload`` of N keys that only the disk holds, timed
+  to the end of its job (promotion from disk into the pool, then the pool->device copy); and the
+  demotion of N evicted blocks, timed from the ``prepare-store`` that evicts them to the last one
+  written. Target: onload from disk >= 0.8x raw O_DIRECT reads.
+
+Part (c), restart: the shipped trace, each request run as an engine would (lookup; onload of the
+leading keys the pool or the disk holds; prepare/complete-store of the rest) through in-process
+services with a pool of ``--pool-blocks`` and a disk tier of ``--disk-blocks`` 4 KiB blocks. The
+hit ratio (leading blocks served / blocks asked) of the ``--window`` requests after the first
+``--prefix``: served by the service that never restarted (warm), by one stopped after the prefix
+and started again on the same disk directory (restart), and by a fresh service without a disk tier
+(cold). Target: restart >= 0.9x warm. Bytes under the disk directory are sampled against
+``disk_bytes`` throughout.
+
+Usage: ``.venv/bin/python bench/disk_tier.py [--parts a,c] [--quick]``; run as root for the cache
+drops (otherwise reads are still O_DIRECT on both sides, noted in the record).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import mmap
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.harness import RESULTS_DIR, machine, read_trace, write_results
+from transfer.disk import DiskStore, block_checksum, slots_for
+from transfer.host_pool import HostPool
+
+KIB = 1024
+MIB = 1024 * KIB
+PAGE = 4096
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def drop_caches() -> bool:
+    """Write back and drop the page cache; False when not allowed (not root)."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def med(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+class Raw:
+    """A plain O_DIRECT file: one pwrite / preadv per block on ``threads`` threads."""
+
+    def __init__(self, directory: str, block: int, n: int, threads: int) -> None:
+        self.block, self.n = block, n
+        self.fd = os.open(
+            os.path.join(directory, "raw"), os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600
+        )
+        # Page-aligned and pre-faulted, as the pool is (reads into never-touched anonymous
+        # pages ran at half speed here at 256 KiB: 0.39 against 0.90 GB/s).
+        self.src = mmap.mmap(-1, n * block)
+        self.src[:] = os.urandom(MIB) * (n * block // MIB)
+        self.dst = mmap.mmap(-1, n * block)
+        self.dst[:] = bytes(n * block)
+        self.pool = ThreadPoolExecutor(threads)
+
+    def write(self, fresh: bool = False) -> float:
+        """Write the blocks; ``fresh``: into a file emptied first (extents allocated anew, as a
+        disk tier's first fill does), else over the blocks already there."""
+        view = memoryview(self.src)
+        b = self.block
+        if fresh:
+            os.ftruncate(self.fd, 0)
+            os.fsync(self.fd)
+
+        def one(i: int) -> None:
+            assert os.pwrite(self.fd, view[i * b : (i + 1) * b], i * b) == b
+
+        t = time.perf_counter()
+        list(self.pool.map(one, range(self.n)))
+        return time.perf_counter() - t
+
+    def read(self) -> float:
+        view = memoryview(self.dst)
+        b = self.block
+
+        def one(i: int) -> None:
+            assert os.preadv(self.fd, [view[i * b : (i + 1) * b]], i * b) == b
+
+        t = time.perf_counter()
+        list(self.pool.map(one, range(self.n)))
+        return time.perf_counter() - t
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        os.close(self.fd)
+
+
+# ---------------------------------------------------------------------------- part (a): store
+
+
+def part_a_store(base: str, block: int, mib: int, repeats: int, threads: int) -> dict[str, Any]:
+    """Raw O_DIRECT vs DiskStore write_many / read_many, interleaved, medians."""
+    n = mib * MIB // block
+    d = tempfile.mkdtemp(dir=base, prefix=f"store-{block // KIB}k-")
+    pool = HostPool.create(n, block, pin=False)
+    pool.tensor.numpy().reshape(-1)[:] = 7  # any bytes; the checksum covers them
+    for s in range(0, n, max(1, n // 8)):
+        pool.tensor[s].numpy()[:16] = s % 251  # blocks differ
+    store = DiskStore(d, pool, n, staging_blocks=n, io_threads=threads)
+    raw = Raw(d, block, n, threads)
+    assert store.direct, "the store fell back to buffered I/O"
+    keys = [i.to_bytes(8, "big") for i in range(n)]
+    staged = store.stage(list(range(n)))
+    assert staged is not None
+    w_items = [(i, keys[i], staged[i]) for i in range(n)]
+    r_items = [(i, keys[i], i) for i in range(n)]
+    # Warm-up: allocate both files' extents (the timed writes overwrite, as a steady disk does).
+    raw.write()
+    assert all(store.write_many(w_items))
+    out: dict[str, list[float]] = {
+        k: [] for k in ("raw_w", "raw_w_fresh", "store_w", "raw_r", "store_r")
+    }
+    dropped = True
+    for r in range(repeats):
+        order = [("raw", "store"), ("store", "raw")][r % 2]
+        for who in order:
+            os.sync()
+            if who == "raw":
+                out["raw_w_fresh"].append(raw.write(fresh=True))
+                os.sync()
+                out["raw_w"].append(raw.write())
+            else:
+                t = time.perf_counter()
+                ok = store.write_many(w_items)
+                out["store_w"].append(time.perf_counter() - t)
+                assert all(ok)
+        for who in order:
+            dropped &= drop_caches()
+            if who == "raw":
+                out["raw_r"].append(raw.read())
+            else:
+                t = time.perf_counter()
+                ok = store.read_many(r_items)
+                out["store_r"].append(time.perf_counter() - t)
+                assert all(ok), "a read failed its checksum"
+    nbytes = n * block
+    # Profile: what a read does besides the syscall.
+    t = time.perf_counter()
+    for i in range(n):
+        block_checksum(keys[i], pool.tensor[i].numpy().data)
+    checksum_s = time.perf_counter() - t
+    raw.close()
+    store.close()
+    pool.close()
+    shutil.rmtree(d, ignore_errors=True)
+    rec: dict[str, Any] = {
+        "block_bytes": block,
+        "blocks": n,
+        "bytes": nbytes,
+        "threads": threads,
+        "cache_dropped": dropped,
+        "seconds": out,
+        "raw_write_gbps": gbps(nbytes, med(out["raw_w"])),
+        "raw_write_fresh_gbps": gbps(nbytes, med(out["raw_w_fresh"])),
+        "store_write_gbps": gbps(nbytes, med(out["store_w"])),
+        "raw_read_gbps": gbps(nbytes, med(out["raw_r"])),
+        "store_read_gbps": gbps(nbytes, med(out["store_r"])),
+        "checksum_gbps_one_thread": gbps(nbytes, checksum_s),
+    }
+    rec["write_ratio"] = rec["store_write_gbps"] / rec["raw_write_gbps"]
+    rec["read_ratio"] = rec["store_read_gbps"] / rec["raw_read_gbps"]
+    return rec
+
+
+# ---------------------------------------------------------------------------- service harness
+
+
+def hexkey(prefix: int, i: int) -> str:
+    return ((prefix << 40) | i).to_bytes(8, "big").hex()
+
+
+@contextlib.asynccontextmanager
+async def service(**overrides: Any) -> AsyncIterator[Any]:
+    from tests.api.harness import make_settings, running
+
+    base = {
+        "job_deadline_s": 120.0,
+        "disk_timeout_s": 120.0,
+        "max_keys_per_call": 8192,
+        "max_body_bytes": 4 * MIB,
+        "lease_ttl_s": 3600.0,
+        "event_buffer_size": 1 << 16,
+    }
+    base.update(overrides)
+    async with running(make_settings(**base)) as h:
+        yield h
+
+
+async def until(pred: Callable[[], bool], timeout_s: float = 120.0, step: float = 0.002) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met in time")
+        await asyncio.sleep(step)
+
+
+async def store_keys(h: Any, req: str, keys: list[str]) -> None:
+    """Store ``keys`` through the pool (prepare/complete-store; the pool's bytes as they are)."""
+    await h.start(req)
+    r = await h.post(f"/v1/requests/{req}/prepare-store", {"keys": keys})
+    assert r.status_code == 200, r.text
+    r = await h.post(f"/v1/requests/{req}/complete-store", {"keys": keys})
+    assert r.status_code == 200, r.text
+    await h.client.delete(f"/v1/requests/{req}")
+
+
+def demoted(h: Any) -> int:
+    return int(h.service.disk.counts["demoted"])
+
+
+def dropped(h: Any) -> int:
+    return sum(v for k, v in h.service.disk.counts.items() if k.startswith("dropped_"))
+
+
+# ---------------------------------------------------------------------------- part (a): service
+
+
+async def part_a_service(
+    base: str, block: int, mib: int, repeats: int, threads: int
+) -> dict[str, Any]:
+    """End to end: demotion of N evicted blocks, onload of N disk-only keys (one call, one job)."""
+    n = mib * MIB // block
+    chunks = repeats + 2
+    d = tempfile.mkdtemp(dir=base, prefix=f"svc-{block // KIB}k-")
+    disk_bytes = (chunks * n + 16) * (block + 128) + 3 * PAGE
+    settings = {
+        "num_blocks": n,
+        "block_bytes": block,
+        "disk_dir": d,
+        "disk_bytes": disk_bytes,
+        "disk_admit_after": 1,
+        "disk_io_threads": threads,
+        "disk_staging_blocks": n,
+        "disk_batch_blocks": 32,
+    }
+    demote_s: list[float] = []
+    demote_write_s: list[float] = []
+    phases: list[dict[str, float]] = []
+    onload_s: list[float] = []
+    pool_onload_s: list[float] = []
+    raw_s: list[float] = []
+    promote_s: list[float] = []
+    reads: list[tuple[float, int]] = []
+    dropped_ok = True
+    async with service(**settings) as h:
+        disk = h.service.disk
+        assert disk is not None
+        assert disk.store.direct
+        orig_io = disk._on_io
+
+        def on_io(op: str, seconds: float, blocks: int, req_id: str | None) -> None:
+            if op == "read":
+                reads.append((seconds, blocks))
+            if orig_io is not None:
+                orig_io(op, seconds, blocks, req_id)
+
+        disk._on_io = on_io
+        # Phase stamps (profile): the store's calls and the job's launch after the promotion.
+        stamps: list[tuple[str, float]] = []
+        store = disk.store
+        real_read, real_write = store.read_many, store.write_many
+
+        def read_many(items: Any) -> list[bool]:
+            stamps.append(("read0", time.perf_counter()))
+            try:
+                ok: list[bool] = real_read(items)
+                return ok
+            finally:
+                stamps.append(("read1", time.perf_counter()))
+
+        write_s: list[float] = []
+
+        def write_many(items: Any) -> list[bool]:
+            t = time.perf_counter()
+            try:
+                ok: list[bool] = real_write(items)
+                return ok
+            finally:
+                write_s.append(time.perf_counter() - t)
+
+        store.read_many, store.write_many = read_many, write_many
+        tracker = h.service.transfers().tracker
+        real_launch = tracker.launch
+
+        def launch(*a: Any, **k: Any) -> Any:
+            stamps.append(("launch", time.perf_counter()))
+            return real_launch(*a, **k)
+
+        tracker.launch = launch
+        dev, cache_id = await h.device(n)
+        chunk_keys = [[hexkey(c + 1, i) for i in range(n)] for c in range(chunks)]
+        # Fill: chunk c+1's store evicts chunk c from the pool, to disk. The timed demotions
+        # are those of chunks 1.. (chunk 0's store evicts nothing).
+        for c in range(chunks):
+            want = demoted(h) + n
+            write_s.clear()
+            t = time.perf_counter()
+            await store_keys(h, f"fill{c}", chunk_keys[c])
+            if c:
+
+                def all_out(w: int = want) -> bool:
+                    return demoted(h) + dropped(h) >= w
+
+                await until(all_out)
+                demote_s.append(time.perf_counter() - t)
+                demote_write_s.append(sum(write_s))
+        assert dropped(h) == 0, dict(disk.counts)
+        # Warm-up onload of chunk 0: evicts the last chunk (demoted: written now, untimed).
+        blocks = list(range(n))
+
+        async def onload(c: int) -> float:
+            req = f"on{c}"
+            await h.start(req)
+            stamps.clear()
+            t = time.perf_counter()
+            r = await h.post(
+                f"/v1/requests/{req}/onload",
+                {"cache_id": cache_id, "keys": chunk_keys[c], "device_blocks": blocks},
+            )
+            assert r.status_code == 202, r.text
+            job = await h.wait(r.json()["job_id"], timeout_s=120)
+            took = time.perf_counter() - t
+            at = dict(stamps)
+            if {"read0", "read1", "launch"} <= at.keys():
+                phases.append(
+                    {
+                        "to_read": at["read0"] - t,
+                        "read": at["read1"] - at["read0"],
+                        "read_to_launch": at["launch"] - at["read1"],
+                        "job": t + took - at["launch"],
+                    }
+                )
+            assert job["state"] == "done", job
+            await h.client.delete(f"/v1/requests/{req}")
+            return took
+
+        before = demoted(h)
+        await onload(0)
+        await until(lambda: demoted(h) + dropped(h) >= before + n)
+        writes_before = disk.store.health().counters["writes"]
+        phases.clear()
+        raw = Raw(d, block, n, threads)  # the baseline, read in the same rounds
+        raw.write()
+        for c in range(1, chunks - 1):
+            for who in [("raw", "tier"), ("tier", "raw")][c % 2]:
+                dropped_ok &= drop_caches()
+                if who == "raw":
+                    raw_s.append(await asyncio.to_thread(raw.read))
+                    continue
+                reads.clear()
+                onload_s.append(await onload(c))
+                promote_s.append(sum(s for s, _ in reads))
+                # The same keys again, now pool hits: the copy and the calls without the disk.
+                pool_onload_s.append(await onload(c))
+        raw.close()
+        # The timed onloads evicted promoted blocks only (inclusive: on disk already, no write).
+        extra_writes = disk.store.health().counters["writes"] - writes_before
+        counters = disk.store.health().counters
+    dev.close()
+    shutil.rmtree(d, ignore_errors=True)
+    nbytes = n * block
+    return {
+        "block_bytes": block,
+        "blocks": n,
+        "bytes": nbytes,
+        "threads": threads,
+        "cache_dropped": dropped_ok,
+        "seconds": {
+            "demote": demote_s,
+            "demote_in_write_many": demote_write_s,
+            "onload": onload_s,
+            "onload_pool_hits": pool_onload_s,
+            "raw_read": raw_s,
+            "disk_read": promote_s,
+        },
+        "onload_phases_median_s": {
+            k: med([p[k] for p in phases]) for k in ("to_read", "read", "read_to_launch", "job")
+        },
+        "demote_gbps": gbps(nbytes, med(demote_s)),
+        "onload_gbps": gbps(nbytes, med(onload_s)),
+        "raw_read_gbps": gbps(nbytes, med(raw_s)),
+        "onload_pool_hits_gbps": gbps(nbytes, med(pool_onload_s)),
+        "disk_read_gbps": gbps(nbytes, med(promote_s)),
+        "writes_during_timed_onloads": extra_writes,
+        "store_counters": counters,
+    }
+
+
+# ---------------------------------------------------------------------------- part (c)
+
+
+class Replay:
+    """Requests run as an engine would; counts of blocks asked and served."""
+
+    def __init__(self, h: Any, cache_id: str) -> None:
+        self.h, self.cache_id = h, cache_id
+        self.n = 0
+        self.reasons: collections.Counter[str] = collections.Counter()
+
+    async def run(
+        self, requests: Sequence[list[bytes]], samples: list[int] | None = None
+    ) -> dict[str, Any]:
+        h = self.h
+        self.reasons = collections.Counter()
+        asked = pool_hits = disk_hits = failed = 0
+        for i, req_keys in enumerate(requests):
+            self.n += 1
+            req = f"q{self.n}"
+            keys = [k.hex() for k in dict.fromkeys(req_keys)]
+            asked += len(req_keys)
+            await h.start(req)
+            r = await h.post(f"/v1/requests/{req}/lookup", {"keys": keys})
+            body = r.json()
+            results = body["results"]
+            lead = 0
+            while lead < len(results) and results[lead] in ("hit", "disk"):
+                lead += 1
+            if lead:
+                r = await h.post(
+                    f"/v1/requests/{req}/onload",
+                    {
+                        "cache_id": self.cache_id,
+                        "keys": keys[:lead],
+                        "device_blocks": list(range(lead)),
+                    },
+                )
+                ok = False
+                if r.status_code == 202:
+                    jid = r.json()["job_id"]
+                    job = {"state": "done"} if jid is None else await h.wait(jid, timeout_s=60)
+                    ok = job["state"] == "done"
+                    if not ok:
+                        self.reasons[str(job.get("reason"))] += 1
+                else:
+                    self.reasons[f"HTTP {r.status_code}"] += 1
+                if ok:
+                    hp = min(body["hit_prefix"], lead)
+                    pool_hits += hp
+                    disk_hits += lead - hp
+                else:
+                    failed += 1
+                    lead = 0
+            rest = keys[lead:]
+            if rest:
+                r = await h.post(f"/v1/requests/{req}/prepare-store", {"keys": rest})
+                if r.status_code == 200 and r.json()["keys_to_store"]:
+                    await h.post(
+                        f"/v1/requests/{req}/complete-store", {"keys": r.json()["keys_to_store"]}
+                    )
+            await h.client.delete(f"/v1/requests/{req}")
+            if samples is not None and h.service.disk is not None and i % 50 == 0:
+                samples.append(h.service.disk.disk_usage())
+        return {
+            "requests": len(requests),
+            "blocks": asked,
+            "pool_hits": pool_hits,
+            "disk_hits": disk_hits,
+            "failed_onloads": failed,
+            "failed_reasons": dict(self.reasons),
+        }
+
+
+def ratio(c: dict[str, Any]) -> float:
+    return (c["pool_hits"] + c["disk_hits"]) / c["blocks"] if c["blocks"] else 0.0
+
+
+async def part_c(
+    base: str, prefix: int, window: int, pool_blocks: int, disk_blocks: int
+) -> dict[str, Any]:
+    trace = read_trace(limit=prefix + window)
+    head, tail = trace[:prefix], trace[prefix : prefix + window]
+    longest = max(len(r) for r in trace)
+    block = 4 * KIB
+    disk_bytes = HEADER_AND_PROBE + disk_blocks * (block + 128)
+    assert slots_for(disk_bytes, block) == disk_blocks
+    common = {
+        "num_blocks": pool_blocks,
+        "block_bytes": block,
+        "max_keys_per_call": max(8192, longest),
+    }
+    out: dict[str, Any] = {
+        "prefix": prefix,
+        "window": window,
+        "pool_blocks": pool_blocks,
+        "disk_blocks": disk_blocks,
+        "block_bytes": block,
+        "disk_bytes": disk_bytes,
+    }
+    usage: list[int] = []
+
+    async def replay(h: Any, parts: list[Sequence[list[bytes]]], tag: str) -> list[dict[str, Any]]:
+        dev, cache_id = await h.device(longest)
+        rp = Replay(h, cache_id)
+        res = []
+        for p in parts:
+            t = time.perf_counter()
+            c = await rp.run(p, usage)
+            c["seconds"] = round(time.perf_counter() - t, 2)
+            res.append(c)
+            print(f"[c] {tag}: {c['requests']} requests in {c['seconds']} s", flush=True)
+        dev.close()
+        return res
+
+    # Warm: one service with a disk tier, never restarted.
+    d = tempfile.mkdtemp(dir=base, prefix="warm-")
+    async with service(**common, disk_dir=d, disk_bytes=disk_bytes) as h:
+        w_head, w_tail = await replay(h, [head, tail], "warm")
+        out["warm_disk_state"] = _disk_summary(h)
+        usage.append(h.service.disk.disk_usage())
+    shutil.rmtree(d, ignore_errors=True)
+    # Restart: the prefix, a graceful stop, a new service on the same directory, the window.
+    d = tempfile.mkdtemp(dir=base, prefix="restart-")
+    async with service(**common, disk_dir=d, disk_bytes=disk_bytes) as h:
+        (r_head,) = await replay(h, [head], "restart, before")
+        before_stop = h.service.disk.state()["blocks"]
+    usage.append(_dir_usage(d))
+    t = time.perf_counter()
+    async with service(**common, disk_dir=d, disk_bytes=disk_bytes) as h:
+        out["restart_open_s"] = round(time.perf_counter() - t, 3)
+        restored = h.service.disk.restored
+        (r_tail,) = await replay(h, [tail], "restart, after")
+        out["restart_disk_state"] = _disk_summary(h)
+        usage.append(h.service.disk.disk_usage())
+    shutil.rmtree(d, ignore_errors=True)
+    # Cold: a fresh service without a disk tier serves the window.
+    async with service(**common) as h:
+        (c_tail,) = await replay(h, [tail], "cold")
+    out.update(
+        {
+            "warm": {"prefix": w_head, "window": w_tail, "hit_ratio": ratio(w_tail)},
+            "restart": {
+                "prefix": r_head,
+                "window": r_tail,
+                "hit_ratio": ratio(r_tail),
+                "disk_blocks_at_stop": before_stop,
+                "restored_blocks": restored,
+            },
+            "cold": {"window": c_tail, "hit_ratio": ratio(c_tail)},
+            "disk_usage_max": max(usage),
+            "disk_usage_samples": len(usage),
+        }
+    )
+    out["restart_vs_warm"] = out["restart"]["hit_ratio"] / out["warm"]["hit_ratio"]
+    out["cold_vs_warm"] = out["cold"]["hit_ratio"] / out["warm"]["hit_ratio"]
+    return out
+
+
+HEADER_AND_PROBE = 2 * PAGE
+
+
+def _dir_usage(d: str) -> int:
+    total = 0
+    for root, _, files in os.walk(d):
+        for f in files:
+            total += os.stat(os.path.join(root, f)).st_blocks * 512
+    return total
+
+
+def _disk_summary(h: Any) -> dict[str, Any]:
+    s = h.service.disk.state()
+    return {
+        "blocks": s["blocks"],
+        "demoted": s["demotions"]["written"],
+        "refused_admission": s["demotions"]["refused_admission"],
+        "dropped": s["demotions"]["dropped"],
+        "evictions": s["evictions"],
+        "promotions": s["promotions"],
+        "usage_bytes": h.service.disk.disk_usage(),
+    }
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--parts", default="a,c")
+    ap.add_argument("--blocks-kib", default="256,1024")
+    ap.add_argument("--mib", type=int, default=128, help="MiB per timed call (part a)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=4, help="I/O threads, store and raw alike")
+    ap.add_argument("--prefix", type=int, default=3493, help="requests before the restart (c)")
+    ap.add_argument("--window", type=int, default=500)
+    ap.add_argument("--pool-blocks", type=int, default=2000)
+    ap.add_argument("--disk-blocks", type=int, default=20000)
+    ap.add_argument("--dir", default=str(Path(__file__).resolve().parent / ".disk-bench"))
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test: 32 MiB, 3 repeats, 1000+200 requests (no disk hits in (c))",
+    )
+    ap.add_argument("--out", default=str(RESULTS_DIR / "disk_tier.json"))
+    args = ap.parse_args()
+    if args.quick:
+        args.mib, args.repeats, args.prefix, args.window = 32, 3, 1000, 200
+    parts = set(args.parts.split(","))
+    os.makedirs(args.dir, exist_ok=True)
+    base = tempfile.mkdtemp(dir=args.dir)
+    record: dict[str, Any] = {
+        "bench": "disk_tier",
+        "machine": machine(root=os.geteuid() == 0, load_avg=os.getloadavg()),
+        "args": vars(args),
+    }
+    started = time.time()
+    try:
+        if "a" in parts:
+            record["a"] = []
+            for kib in [int(x) for x in args.blocks_kib.split(",")]:
+                block = kib * KIB
+                st = part_a_store(base, block, args.mib, args.repeats, args.threads)
+                sv = asyncio.run(part_a_service(base, block, args.mib, args.repeats, args.threads))
+                row = {"store": st, "service": sv}
+                row["onload_ratio"] = sv["onload_gbps"] / sv["raw_read_gbps"]
+                row["service_demote_ratio"] = sv["demote_gbps"] / st["raw_write_fresh_gbps"]
+                record["a"].append(row)
+                write_results(Path(args.out), record, quiet=True)
+                print_a_row(row)
+        if "c" in parts:
+            record["c"] = asyncio.run(
+                part_c(base, args.prefix, args.window, args.pool_blocks, args.disk_blocks)
+            )
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.rmdir(args.dir)
+    record["machine"]["load_avg_end"] = os.getloadavg()
+    record["seconds"] = round(time.time() - started, 1)
+    print()
+    print_tables(record)
+    write_results(Path(args.out), record)
+
+
+def print_a_row(row: dict[str, Any]) -> None:
+    st, sv = row["store"], row["service"]
+    print(
+        f"[a] {st['block_bytes'] // KIB} KiB: raw r/w "
+        f"{st['raw_read_gbps']:.2f}/{st['raw_write_gbps']:.2f}"
+        f" store r/w {st['store_read_gbps']:.2f}/{st['store_write_gbps']:.2f}"
+        f" service onload {sv['onload_gbps']:.2f} demote {sv['demote_gbps']:.2f}",
+        flush=True,
+    )
+
+
+def print_tables(rec: dict[str, Any]) -> None:
+    if "a" in rec:
+        print("(a) GB/s, medians; ratios to raw O_DIRECT of the same bytes in the same rounds")
+        print(f"{'':>8} | {'store rounds':<27} | service rounds")
+        print(
+            f"{'block':>8} | {'raw read':>8} | {'store read':>10} {'ratio':>5} | {'raw read':>8} | "
+            f"{'onload':>6} {'ratio':>5} {'>=0.8':>5} | {'inside onload: disk read':>24} | "
+            f"{'onload of pool hits':>19}"
+        )
+        for row in rec["a"]:
+            st, sv = row["store"], row["service"]
+            ph = sv["onload_phases_median_s"]
+            print(
+                f"{st['block_bytes'] // KIB:>4} KiB | {st['raw_read_gbps']:>8.2f} | "
+                f"{st['store_read_gbps']:>10.2f} {st['read_ratio']:>5.2f} | "
+                f"{sv['raw_read_gbps']:>8.2f} | "
+                f"{sv['onload_gbps']:>6.2f} {row['onload_ratio']:>5.2f} "
+                f"{'pass' if row['onload_ratio'] >= 0.8 else 'FAIL':>5} | "
+                f"{sv['disk_read_gbps']:>7.2f} ({ph['read'] * 1e3:.0f} of "
+                f"{sum(ph.values()) * 1e3:.0f} ms) | {sv['onload_pool_hits_gbps']:>19.2f}"
+            )
+        print(
+            f"{'block':>8} | {'raw write':>9} | {'store write':>11} {'ratio':>5} | "
+            f"{'raw write, fresh file':>21} | {'service demotion':>16} {'ratio':>5}"
+        )
+        for row in rec["a"]:
+            st, sv = row["store"], row["service"]
+            print(
+                f"{st['block_bytes'] // KIB:>4} KiB | {st['raw_write_gbps']:>9.2f} | "
+                f"{st['store_write_gbps']:>11.2f} {st['write_ratio']:>5.2f} | "
+                f"{st['raw_write_fresh_gbps']:>21.2f} | {sv['demote_gbps']:>16.2f} "
+                f"{row['service_demote_ratio']:>5.2f}"
+            )
+        for row in rec["a"]:
+            st, sv = row["store"], row["service"]
+            ph = sv["onload_phases_median_s"]
+            print(
+                f"  {st['block_bytes'] // KIB} KiB: {st['bytes'] // MIB} MiB per call, "
+                f"{st['threads']} threads; onload phases (ms): to read {ph['to_read'] * 1e3:.1f}, "
+                f"read {ph['read'] * 1e3:.1f}, to job {ph['read_to_launch'] * 1e3:.1f}, "
+                f"job {ph['job'] * 1e3:.1f}; checksum {st['checksum_gbps_one_thread']:.1f} GB/s "
+                f"on one thread; writes in timed onloads {sv['writes_during_timed_onloads']}; "
+                f"cache dropped {st['cache_dropped'] and sv['cache_dropped']}"
+            )
+    if "c" in rec:
+        c = rec["c"]
+        print()
+        print(
+            f"(c) the {c['window']} requests after the first {c['prefix']}: pool "
+            f"{c['pool_blocks']} x 4 KiB, disk {c['disk_blocks']} blocks ({c['disk_bytes']} bytes)"
+        )
+        print(
+            f"{'service':<34} | {'hit ratio':>9} | {'pool hits':>9} | {'disk hits':>9} | "
+            f"{'vs warm':>7}"
+        )
+        rows = [
+            ("warm (never restarted)", c["warm"]),
+            ("restarted on the same disk dir", c["restart"]),
+            ("cold start, no disk tier", c["cold"]),
+        ]
+        for name, r in rows:
+            w = r["window"]
+            print(
+                f"{name:<34} | {r['hit_ratio']:>9.3f} | {w['pool_hits']:>9} | "
+                f"{w['disk_hits']:>9} | "
+                f"{r['hit_ratio'] / c['warm']['hit_ratio']:>7.2f}"
+            )
+        verdict = "pass" if c["restart_vs_warm"] >= 0.9 else "FAIL"
+        print(
+            f"  restart / warm {c['restart_vs_warm']:.3f} (target >= 0.9: {verdict}); "
+            f"restored {c['restart']['restored_blocks']} blocks "
+            f"(index listed {c['restart']['disk_blocks_at_stop']} at stop); "
+            f"bytes on disk max {c['disk_usage_max']} <= disk_bytes {c['disk_bytes']}: "
+            f"{c['disk_usage_max'] <= c['disk_bytes']}"
+        )
+        ws = c["warm_disk_state"]
+        print(
+            f"  warm service: {ws['demoted']} blocks demoted, dropped {ws['dropped']}, "
+            f"{ws['refused_admission']} refused admission; failed onloads warm "
+            f"{c['warm']['window']['failed_onloads']}, restart "
+            f"{c['restart']['window']['failed_onloads']} (window); restart opened in "
+            f"{c['restart_open_s']} s"
+        )
+
+
+if __name__ == "__main__":
+    main()
