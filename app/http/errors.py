@@ -11,6 +11,7 @@ raised                        status  code
 ============================  ======  ==========================
 malformed JSON / body         400     malformed_body
 client hung up mid-body       400     client_disconnected
+two Authorization / namespace 400     ambiguous_credentials
 no / wrong admin token        401/403 unauthorized / forbidden
 AuthenticationError           401     its reason: missing_token, malformed_authorization,
                                       unknown_token, revoked_token
