@@ -27,6 +27,7 @@ import ipaddress
 import json
 import os
 import re
+import stat
 import tomllib
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -271,12 +272,27 @@ class AdminAuth(BaseSettings):
 
 def read_token_file(path: Path) -> str:
     """The admin token held in ``path`` (surrounding whitespace dropped); ``ConfigError`` when
-    the file cannot be read or holds nothing."""
+    the file cannot be read, holds nothing, or is readable or writable by others (as the
+    tenants files: ``app.core.tenants``)."""
     try:
-        token = path.read_text(encoding="utf-8").strip()
+        with open(path, "rb") as fh:
+            mode = os.fstat(fh.fileno()).st_mode  # of the file read, not of the path now
+            if mode & (stat.S_IROTH | stat.S_IWOTH):
+                raise config_error(
+                    "admin_token_file",
+                    path,
+                    f"readable or writable by others (mode {stat.S_IMODE(mode):04o}); it holds "
+                    "the admin token: accepted: chmod o-rwx (a Kubernetes secret: defaultMode "
+                    "0440 or 0400)",
+                )
+            token = fh.read().decode("utf-8").strip()
     except OSError as exc:
         raise config_error(
             "admin_token_file", path, f"cannot read it ({exc.strerror}); accepted: a readable file"
+        ) from None
+    except UnicodeDecodeError:
+        raise config_error(
+            "admin_token_file", path, "not UTF-8 text; accepted: a file holding the token"
         ) from None
     if not token:
         raise config_error(
