@@ -9,6 +9,7 @@ the framework's own floor, while ``app.http.openapi`` documents the same models.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
@@ -150,6 +151,8 @@ class _BatchRunner:
         ops = self.validated(await read_body(request))
         outcomes: list[tuple[str, int]] = []
         parts: list[str] = []
+        errors: Counter[tuple[int, str]] = Counter()
+        traced = False
         remote = service.remote is not None
         for op in ops:
             try:
@@ -160,8 +163,13 @@ class _BatchRunner:
                     status, text = operation.run(service, op.req_id, op)
             except Exception as exc:  # one op's failure must not abort the others
                 err = error_for(exc)
-                if err.status >= 500:
+                # A refusal (4xx, 503, 507) is expected and counted on the call's one line; only
+                # a bug (500) is traced, once per call: a batch of 1,024 ops must not write
+                # 1,024 tracebacks.
+                if err.status == 500 and not traced:
+                    traced = True
                     log.error("batch op failed", exc_info=exc, extra={"fields": {"op": op.op}})
+                errors[err.status, err.code] += 1
                 outcomes.append((op.op, err.status))
                 parts.append(_op_error(err))
                 continue
@@ -170,6 +178,7 @@ class _BatchRunner:
         if info is not None:
             info.ops = outcomes
             info.batch_req_ids = list(dict.fromkeys(op.req_id for op in ops))
+            info.op_errors = dict(errors) if errors else None
         return json_response(f'{{"results":[{",".join(parts)}]}}')
 
 
