@@ -331,6 +331,12 @@ class Settings(AdminAuth):
         description="the engine API's tenants, their namespaces and tokens: a TOML file or a "
         "directory of NAME.toml files (re-read on SIGHUP or change); required off loopback",
     )
+    registration_by_name: bool = Field(
+        default=False,
+        description="with tenants: also register KV caches named by a /dev/shm path or CUDA IPC "
+        "handle, which the service opens with its own rights (only if every caller is trusted; "
+        "else pass descriptors over the pool socket)",
+    )
     admin_host: str = Field(default="127.0.0.1", description="admin API address")
     admin_port: int = Field(default=8001, ge=0, le=65535, description="admin port (0: any)")
 

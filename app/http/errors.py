@@ -17,6 +17,7 @@ AuthenticationError           401     its reason: missing_token, malformed_autho
                                       unknown_token, revoked_token
 PermissionDeniedError         403     its reason: namespace_denied, namespace_required,
                                       unknown_namespace
+HandleNotHeldError            403     handle_not_held
 QuotaExceededError            429/507 quota_exceeded (507 for blocks, 429 pins / requests)
 UnknownRequestError           404     unknown_request
 UnknownJobError               404     unknown_job
@@ -61,6 +62,7 @@ from starlette.responses import Response
 from app.core.errors import (
     AuthenticationError,
     DeviceBlockError,
+    HandleNotHeldError,
     NoSpaceError,
     PermissionDeniedError,
     QuotaExceededError,
@@ -176,6 +178,7 @@ _MAPPED: tuple[tuple[type[Exception], int, str], ...] = (
     (NoSpaceError, 507, "no_space"),
     (UnknownJobError, 404, "unknown_job"),
     (DeviceBlockError, 422, "invalid_field"),
+    (HandleNotHeldError, 403, "handle_not_held"),
 )
 
 

@@ -54,7 +54,6 @@ BATCH_REQ_IDS = 64
 _HIT, _PENDING = LookupResult.HIT, LookupResult.PENDING
 
 
-
 _LEVELS: tuple[CallLevel, ...] = ("debug", "info", "warning", "error")
 
 
@@ -69,6 +68,7 @@ def _outcome(status: int, route: str) -> tuple[str, CallLevel]:
     if status == 507:
         return "refused", "warning"
     return "error", ("warning" if status == 503 else "error")
+
 
 class HitRatioWindow:
     """Leading hits over keys looked up, over the last ``size`` lookups (empty ones skipped)."""

@@ -264,7 +264,7 @@ def foreign(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if os.geteuid() == 0:
         os.chown(path, 4242, -1)
     else:
-        monkeypatch.setattr(tenants_module.os, "geteuid", lambda: os.getuid() + 4242)
+        monkeypatch.setattr(os, "geteuid", lambda: os.getuid() + 4242)
 
 
 @pytest.mark.parametrize("layout", ["directory", "file"])

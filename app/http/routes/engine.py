@@ -18,8 +18,9 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 
 from app.core.events import event_json
+from app.core.handles import check_registration
 from app.http import schemas as s
-from app.http.deps import service_of
+from app.http.deps import service_of, tenancy_of
 from app.http.errors import BODY_ERRORS, APIError, error_for, responses, too_many
 from app.http.limits import batch_exceeds_ops, transfer_params_error
 from app.http.middleware import call_info
@@ -271,7 +272,11 @@ def _cache_json(cache: RegisteredCache) -> dict[str, Any]:
 async def register_kv_cache(request: Request) -> Response:
     raw = await read_body(request)
     _parse_cache(raw)  # shape and types; the transfer layer checks sizes and handles
-    cache = service_of(request).transfers().register_cache(json.loads(raw))
+    spec = json.loads(raw)
+    tenancy = tenancy_of(request)
+    # Before anything is opened: with tenants, no path or handle the caller only names.
+    check_registration(spec, tenants=tenancy.enabled, trusted=tenancy.settings.registration_by_name)
+    cache = service_of(request).transfers().register_cache(spec)
     return json_response(json.dumps(_cache_json(cache)), 201)
 
 
@@ -356,6 +361,11 @@ def _add_resource_routes(app: KVOffloadAPI) -> None:
         status_code=201,
         response_model=s.KVCacheAnswer,
         responses=responses(BODY_ERRORS, 503),
+        description=(
+            "With tenants, a handle the caller only names (an `shm` path, a `cuda_ipc` handle) "
+            "is refused (403 `handle_not_held`) before anything is opened: register over the "
+            "pool socket, passing the files' descriptors (`app.pool_share.register_kv_cache`)."
+        ),
         openapi_extra=app.json_body(s.KVCacheBody),
         route_class_override=RawRoute,
     )
