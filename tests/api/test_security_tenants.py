@@ -16,13 +16,25 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from app.client import AsyncKVOffloadClient
+from app.core.tenancy import Tenancy
+from app.core.tenants import Credentials
+from app.http.apps import create_app
 from app.pool_share import PoolShareError, PoolShareServer, register_kv_cache
 from app.server import pool_of, register_over_socket
-from tests.api.harness import BLOCK, hexkeys
-from tests.api.test_tenancy import ALPHA, BETA, NS, Tenants, tenants_running
+from tests.api.harness import BLOCK, hexkeys, make_settings
+from tests.api.test_tenancy import (
+    ALPHA,
+    BETA,
+    NS,
+    TENANTS,
+    Tenants,
+    tenants_running,
+    write_tenants,
+)
 from tests.shm_device import ShmDevice
 
 pytestmark = pytest.mark.anyio
@@ -273,3 +285,70 @@ async def test_the_client_registers_by_descriptor_with_its_own_credentials(tmp_p
         assert cache.name == "via-client"
         mine = (await t.call(ALPHA, "GET", "/v1/kv-caches", None, "a2")).json()["kv_caches"]
         assert [c["cache_id"] for c in mine] == [cache.cache_id]
+
+
+# --------------------------------------------------------------------------- item 7: /metrics
+
+OPENMETRICS = {"Accept": "application/openmetrics-text; version=1.0.0"}
+SCRAPE = "scrape-token-0123456789abcdef"
+
+
+@contextlib.asynccontextmanager
+async def engine_with(tmp_path: Path, **overrides: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """The engine app of a service with the two tenants and these settings."""
+    path = tmp_path / "tenants.toml"
+    write_tenants(path, TENANTS)
+    settings = make_settings(**overrides)
+    tenancy = Tenancy(settings, credentials=Credentials(path))
+    app = create_app(settings, tenancy=tenancy)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://e") as client,
+    ):
+        yield client
+
+
+async def lookups(client: httpx.AsyncClient, req_id: str) -> None:
+    headers = {"Authorization": f"Bearer {ALPHA}", NS: "a1"}
+    r = await client.put(f"/v1/requests/{req_id}", json={}, headers=headers)
+    assert r.status_code == 201, r.text
+    body = {"keys": hexkeys(1)}
+    r = await client.post(f"/v1/requests/{req_id}/lookup", json=body, headers=headers)
+    assert r.status_code == 200, r.text
+
+
+async def test_open_metrics_of_a_service_with_tenants_carry_no_request_ids(
+    tmp_path: Path,
+) -> None:
+    async with engine_with(tmp_path) as client:
+        await lookups(client, "alpha-secret-request-42")
+        r = await client.get("/metrics", headers=OPENMETRICS)
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("application/openmetrics-text")
+        assert "kvoffload_http_requests_total" in r.text
+        assert 'tenant="alpha"' in r.text  # names and counts stay
+        assert "alpha-secret-request-42" not in r.text
+        assert " # {" not in r.text  # no exemplar at all
+
+
+async def test_a_scrape_token_guards_metrics_and_brings_exemplars_back(tmp_path: Path) -> None:
+    token_file = tmp_path / "scrape-token"
+    token_file.write_text(SCRAPE + "\n")
+    token_file.chmod(0o640)
+    async with engine_with(tmp_path, metrics_token_file=token_file) as client:
+        await lookups(client, "alpha-request-7")
+        r = await client.get("/metrics", headers=OPENMETRICS)
+        assert r.status_code == 401
+        assert r.headers["www-authenticate"] == "Bearer"
+        r = await client.get(
+            "/metrics", headers={**OPENMETRICS, "Authorization": f"Bearer {ALPHA}"}
+        )
+        assert r.status_code == 403
+        assert ALPHA not in r.text
+        r = await client.get(
+            "/metrics", headers={**OPENMETRICS, "Authorization": f"Bearer {SCRAPE}"}
+        )
+        assert r.status_code == 200
+        assert 'req_id="alpha-request-7"' in r.text
+        assert SCRAPE not in r.text
+        assert (await client.get("/livez")).status_code == 200  # health stays open

@@ -129,12 +129,12 @@ def test_invalid_settings_are_refused(overrides: dict[str, object]) -> None:
         Settings(**overrides)  # type: ignore[arg-type]
 
 
-def test_every_setting_but_the_token_is_a_flag() -> None:
+def test_every_setting_but_the_tokens_is_a_flag() -> None:
     args = _build_parser().parse_args(["serve"])
     assert vars(args) == {"command": "serve"}  # unset flags stay unset (env/file/defaults apply)
     flags = {a.dest for a in _serve_parser()._actions if a.dest not in ("help",)}
     dests = flags
-    assert set(Settings.model_fields) - {"admin_token"} <= dests
+    assert set(Settings.model_fields) - {"admin_token", "metrics_token"} <= dests
 
 
 def test_invalid_flag_value_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
