@@ -296,9 +296,7 @@ def read_token_file(path: Path, field: str = "admin_token_file") -> str:
             field, path, "not UTF-8 text; accepted: a file holding the token"
         ) from None
     if not token:
-        raise config_error(
-            field, path, "the file is empty; accepted: a file holding the token"
-        )
+        raise config_error(field, path, "the file is empty; accepted: a file holding the token")
     return token
 
 

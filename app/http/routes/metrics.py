@@ -65,9 +65,7 @@ def register_metrics_route(
         if expected is not None:
             values = request.headers.getlist("authorization")
             if len(values) > 1:
-                raise APIError(
-                    400, "ambiguous_credentials", "more than one Authorization header"
-                )
+                raise APIError(400, "ambiguous_credentials", "more than one Authorization header")
             scheme, _, presented = (values[0] if values else "").partition(" ")
             if scheme.lower() != "bearer" or not presented:
                 raise APIError(
