@@ -113,6 +113,8 @@ bench: setup
 	$(PY) bench/http_bench.py
 	$(PY) bench/body_limits.py
 	$(PY) bench/tenant_isolation.py
+	$(PY) bench/log_flood.py
+	$(PY) bench/pool_idle.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis bench/results

@@ -27,6 +27,7 @@ op that failed carries its ``KVOffloadError``; the others still ran).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -38,7 +39,8 @@ from urllib.parse import quote
 
 import httpx
 
-from app.pool_share import POOL_HEADER
+from app.pool_share import POOL_HEADER, default_pool_socket
+from app.pool_share import register_kv_cache as _register_over_socket
 
 T = TypeVar("T")
 JobState = Literal["running", "done", "failed"]
@@ -142,6 +144,33 @@ def _credential_headers(
             raise ValueError(f"namespace {namespace!r}: not a namespace name")
         headers[NAMESPACE_HEADER] = namespace
     return headers
+
+
+class _SocketAuth:
+    """What a client needs to register over the pool socket: its token, namespace and engine
+    socket (the token as the headers carry it; never shown)."""
+
+    def __init__(self, headers: Mapping[str, str], uds: str | None) -> None:
+        bearer = headers.get("authorization")
+        self._token = None if bearer is None else bearer.removeprefix("Bearer ")
+        self._namespace = headers.get(NAMESPACE_HEADER)
+        self._uds = uds
+
+    def __repr__(self) -> str:
+        return "_SocketAuth(...)"
+
+    def register(
+        self, spec: Mapping[str, Any], fds: Sequence[int], pool_socket: str | None
+    ) -> dict[str, Any]:
+        """``app.pool_share.register_kv_cache`` with this client's credentials."""
+        path = pool_socket
+        if path is None and self._uds is not None:
+            path = default_pool_socket(self._uds)
+        if path is None:
+            raise ValueError("descriptors go over the pool socket: give pool_socket= (or uds=)")
+        return _register_over_socket(
+            path, dict(spec), list(fds), token=self._token, namespace=self._namespace
+        )
 
 
 # --------------------------------------------------------------------------- answers
@@ -672,6 +701,7 @@ class KVOffloadClient(_SyncClient):
             base_url=url, timeout=timeout, transport=transport, headers=headers
         )
         self._namespace = namespace
+        self._socket_auth = _SocketAuth(headers, uds)
         self.last_pool_id: str | None = None
 
     @property
@@ -767,13 +797,30 @@ class KVOffloadClient(_SyncClient):
         return self._call(_Engine.events(after, limit))
 
     def register_kv_cache(
-        self, spec: Mapping[str, Any], lease_s: float | None = None, *, renew: bool = True
+        self,
+        spec: Mapping[str, Any],
+        fds: Sequence[int] | None = None,
+        *,
+        lease_s: float | None = None,
+        renew: bool = True,
+        pool_socket: str | None = None,
     ) -> KVCache:
-        """Register a device KV cache. With ``lease_s`` the service forgets it (and closes
-        its mappings) unless renewed within ``lease_s``; with ``renew`` a daemon thread renews
-        it every ``lease_s / 3`` until ``unregister_kv_cache``, ``close``, or the service
-        answering that it is gone."""
-        cache = self._call(_Engine.register_kv_cache(spec, lease_s))
+        """Register a device KV cache.
+
+        Without ``fds``: ``POST /v1/kv-caches`` (``shm`` handles name a path: a service
+        without tenants). With ``fds``: over the pool socket (``pool_socket``, else the engine
+        socket's path plus ``.pool``), passing the descriptors, which ``{"kind": "shm", "fd":
+        K}`` handles name by index: how a service with tenants takes them
+        (``app.pool_share.register_kv_cache``; its ``PoolShareError`` on a refusal).
+
+        With ``lease_s`` the service forgets it (and closes its mappings) unless renewed within
+        ``lease_s``; with ``renew`` a daemon thread renews it every ``lease_s / 3`` until
+        ``unregister_kv_cache``, ``close``, or the service answering that it is gone."""
+        if fds is None:
+            cache = self._call(_Engine.register_kv_cache(spec, lease_s))
+        else:
+            full = dict(spec) if lease_s is None else {**spec, "lease_s": float(lease_s)}
+            cache = KVCache(**self._socket_auth.register(full, fds, pool_socket))
         if lease_s is not None and renew:
             self._start_renewing(cache.cache_id, lease_s / 3)
         return cache
@@ -852,6 +899,7 @@ class AsyncKVOffloadClient:
             base_url=url, timeout=timeout, transport=transport, headers=headers
         )
         self._namespace = namespace
+        self._socket_auth = _SocketAuth(headers, uds)
 
     @property
     def namespace(self) -> str | None:
@@ -960,11 +1008,21 @@ class AsyncKVOffloadClient:
         return await self._call(_Engine.events(after, limit))
 
     async def register_kv_cache(
-        self, spec: Mapping[str, Any], lease_s: float | None = None
+        self,
+        spec: Mapping[str, Any],
+        fds: Sequence[int] | None = None,
+        *,
+        lease_s: float | None = None,
+        pool_socket: str | None = None,
     ) -> KVCache:
-        """Register a device KV cache, with a lease when ``lease_s`` is given (renew it with
-        ``renew_kv_cache`` at least that often)."""
-        return await self._call(_Engine.register_kv_cache(spec, lease_s))
+        """Register a device KV cache (``KVOffloadClient.register_kv_cache``; the pool socket
+        exchange runs in a worker thread), with a lease when ``lease_s`` is given (renew it
+        with ``renew_kv_cache`` at least that often)."""
+        if fds is None:
+            return await self._call(_Engine.register_kv_cache(spec, lease_s))
+        full = dict(spec) if lease_s is None else {**spec, "lease_s": float(lease_s)}
+        answer = await asyncio.to_thread(self._socket_auth.register, full, fds, pool_socket)
+        return KVCache(**answer)
 
     async def renew_kv_cache(self, cache_id: str) -> float:
         """Renew a registration's lease; its ``lease_s`` (404 once it lapsed)."""

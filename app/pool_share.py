@@ -15,6 +15,15 @@ Protocol (one exchange per connection), in one of two modes the server is starte
   client that sends no whole line within ``REQUEST_TIMEOUT_S``, a longer one, or one that is
   not such an object is refused (``request_timeout``, ``request_too_large``, ``bad_request``)
   and dropped.
+- **Registration** (tenant mode): the request line also holds ``"register_kv_cache": SPEC``
+  (the body of ``POST /v1/kv-caches``) and comes with the KV cache files' descriptors
+  (``SCM_RIGHTS``; ``{"kind": "shm", "fd": K}`` names the K-th). The answer is one line,
+  ``{"kv_cache": {...}}`` or ``{"error": "<code>", "message": "..."}`` (the message only once
+  the credentials were accepted: what it says is about the caller's own descriptors). Such a
+  line may be up to ``MAX_REGISTER_BYTES`` long once a descriptor came with its first bytes,
+  with at most ``MAX_REGISTER_FDS`` descriptors. Client: ``register_kv_cache``. This is how a
+  service with tenants takes a KV cache: it maps a file the caller proved it holds, never a
+  path it would open with its own rights (``app.core.handles``).
 
 The answer is one line of JSON, ``PROTOCOL`` plus the layout (``pool_id``, ``num_blocks``,
 ``block_bytes``, ``offset``: byte offset of block 0 in the file), ended by ``\n`` and at most
@@ -34,8 +43,10 @@ socket (and ``reason``, the service's code, for a refusal); no descriptor is lea
 Service: ``PoolShareServer`` answers connections on a listening socket from the event loop
 without ever blocking it (a header of a few hundred bytes fits in a fresh socket's send buffer;
 a send that would block drops that connection, and that client gets a ``PoolShareError``). In
-tenant mode each connection waits for its request in a task of its own, at most
-``MAX_WAITING_REQUESTS`` at once (more are dropped at once). Refusals are logged with the
+tenant mode each connection waits for its request in a task of its own, with a deadline of its
+own; idle connections cannot starve the others: one peer process holds at most
+``MAX_WAITING_PER_PEER`` waiting connections and all together ``MAX_WAITING_REQUESTS``, and past
+either bound the oldest waiting one is dropped, never the new one. Refusals are logged with the
 peer's pid, uid and gid and the reason; the token never is.
 
 Restart detection: ``pool_id`` is new for every pool. The engine API answers carry it in the
@@ -64,7 +75,10 @@ from typing import Any, Literal, overload
 
 __all__ = [
     "MAX_HEADER_BYTES",
+    "MAX_REGISTER_BYTES",
+    "MAX_REGISTER_FDS",
     "MAX_REQUEST_BYTES",
+    "MAX_WAITING_PER_PEER",
     "MAX_WAITING_REQUESTS",
     "POOL_HEADER",
     "POOL_SOCKET_SUFFIX",
@@ -75,17 +89,26 @@ __all__ = [
     "SharedPool",
     "default_pool_socket",
     "receive_pool",
+    "register_kv_cache",
 ]
 
 PROTOCOL = "kvoffload-pool/1"
 """The ``protocol`` value of every header; another value is not a pool this client can map."""
 MAX_HEADER_BYTES = 4096
 MAX_REQUEST_BYTES = 4096
-"""Longest request line (tenant mode), newline included."""
+"""Longest pool request line (tenant mode), newline included."""
+MAX_REGISTER_BYTES = 256 * 1024
+"""Longest registration request line (tenant mode), newline included."""
+MAX_REGISTER_FDS = 512
+"""Most descriptors one registration may pass (``SCM_RIGHTS``: at most ``_FDS_PER_MESSAGE`` per
+message, so a registration of more is sent over several)."""
 REQUEST_TIMEOUT_S = 2.0
 """How long a tenant-mode server waits for a connection's request line."""
-MAX_WAITING_REQUESTS = 64
-"""Connections a tenant-mode server waits on at once; one more is dropped unanswered."""
+MAX_WAITING_REQUESTS = 1024
+"""Connections a tenant-mode server waits on at once; one more drops the oldest waiting one."""
+MAX_WAITING_PER_PEER = 8
+"""Connections of one peer process a tenant-mode server waits on at once; one more drops that
+peer's oldest waiting one."""
 POOL_HEADER = "X-KVOffload-Pool"
 """Response header of the engine API: the ``pool_id`` of the pool the service holds."""
 POOL_SOCKET_SUFFIX = ".pool"
@@ -95,6 +118,9 @@ log = logging.getLogger("kvoffload.pool_share")
 
 # Room for a few descriptors: more than one is a protocol error, but each must be closed.
 _FDS_SPACE = socket.CMSG_SPACE(4 * array.array("i").itemsize)
+# The kernel's limit of descriptors in one message (SCM_MAX_FD), and room to receive them.
+_FDS_PER_MESSAGE = 253
+_REGISTER_FDS_SPACE = socket.CMSG_SPACE(_FDS_PER_MESSAGE * array.array("i").itemsize)
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -195,6 +221,93 @@ def receive_pool(
             with contextlib.suppress(OSError):
                 os.close(fd)
         raise
+
+
+def register_kv_cache(
+    socket_path: str | os.PathLike[str],
+    spec: dict[str, Any],
+    fds: list[int],
+    timeout_s: float = 5.0,
+    *,
+    token: str | None = None,
+    namespace: str | None = None,
+) -> dict[str, Any]:
+    """Register a KV cache by passing its files' descriptors over the pool socket.
+
+    ``spec`` is the body ``POST /v1/kv-caches`` takes, except that a shared-memory tensor's
+    handle is ``{"kind": "shm", "fd": K}``: the K-th of ``fds`` (each a regular file open
+    read-write, e.g. a ``/dev/shm`` file or a memfd, at least the tensor's size). The service
+    maps the descriptors it receives, never a path: holding the descriptor is the proof that
+    the caller may use the file. ``fds`` stay the caller's (the service gets copies).
+
+    Returns the registered cache (``cache_id``, ``name``, ``block_bytes``, ``num_blocks``,
+    ``device``). ``PoolShareError`` on any failure: a refusal carries the service's ``reason``
+    (``invalid_registration``, ``unknown_token``, ``namespace_denied``, ...) and its message,
+    ``reason="no_tenants"`` when the service has no tenants (its pool socket takes no
+    registrations: register by path with ``POST /v1/kv-caches`` there).
+    """
+    path = os.fspath(socket_path)
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+    if not fds or len(fds) > MAX_REGISTER_FDS:
+        raise ValueError(f"pass 1 to {MAX_REGISTER_FDS} descriptors, got {len(fds)}")
+    body = {"token": token, "namespace": namespace, "register_kv_cache": spec}
+    line = json.dumps(body, separators=(",", ":")).encode() + b"\n"
+    if len(line) > MAX_REGISTER_BYTES:
+        raise ValueError(f"the registration is over {MAX_REGISTER_BYTES} bytes as JSON")
+    # The descriptors go with the line's first bytes, _FDS_PER_MESSAGE to a message (one byte
+    # of the line at least carries each batch).
+    batches = [fds[i : i + _FDS_PER_MESSAGE] for i in range(0, len(fds), _FDS_PER_MESSAGE)]
+    deadline = time.monotonic() + timeout_s
+    got: list[int] = []
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout_s)
+            _connect(sock, path, timeout_s)
+            try:
+                for i, batch in enumerate(batches):
+                    last = i == len(batches) - 1
+                    chunk = line[i:] if last else line[i : i + 1]
+                    rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", batch))]
+                    sent = sock.sendmsg([chunk], rights, socket.MSG_NOSIGNAL)
+                    if sent < len(chunk):
+                        sock.sendall(chunk[sent:], socket.MSG_NOSIGNAL)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # an open-mode service answered with the pool at once: read it below
+            except TimeoutError:
+                raise PoolShareError(
+                    f"sending the registration to {path} took over {timeout_s} s"
+                ) from None
+            except OSError as exc:
+                raise PoolShareError(f"writing to {path}: {exc.strerror or exc}") from None
+            answer = _read_header(sock, path, got, deadline, timeout_s)
+        return _registered(answer, path)
+    finally:
+        for fd in got:  # an open-mode service's pool, or anything else: not asked for
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _registered(line: bytes, path: str) -> dict[str, Any]:
+    try:
+        answer: Any = json.loads(line)
+    except ValueError:
+        answer = None
+    if isinstance(answer, dict) and isinstance(answer.get("kv_cache"), dict):
+        cache: dict[str, Any] = answer["kv_cache"]
+        return cache
+    if isinstance(answer, dict) and "protocol" in answer:
+        raise PoolShareError(
+            f"{path} belongs to a service without tenants: its pool socket takes no "
+            "registrations; register by path (POST /v1/kv-caches)",
+            "no_tenants",
+        )
+    if isinstance(answer, dict) and "error" in answer:
+        reason = str(answer["error"])[:100]
+        message = str(answer.get("message", ""))[:2000]
+        text = f"{path} refused the registration: {reason}" + (f": {message}" if message else "")
+        raise PoolShareError(text, reason)
+    raise PoolShareError(f"{path} answered something that is not a registration answer")
 
 
 def _connect(sock: socket.socket, path: str, timeout_s: float) -> None:
@@ -336,7 +449,18 @@ class PoolShareServer:
     module docstring) and ``current(request)`` is called with ``{"token": str | None,
     "namespace": str | None}``; it returns the pool of that namespace, or raises to refuse: the
     exception's ``reason`` attribute (a code such as ``unknown_token``; ``refused`` when it has
-    none) is answered and logged, never its message.
+    none) is answered and logged, never its message. A request with ``register_kv_cache`` goes
+    to ``register(request, fds)`` instead (``request`` then holds the registration too, ``fds``
+    the descriptors that came with the line, closed by the server afterwards): it returns the
+    answer object, or raises like ``current`` (its ``public_message`` attribute, when a string,
+    is answered too). Without ``register``, such a request is refused (``bad_request``).
+
+    Waiting connections (tenant mode) are bounded without letting idle ones starve the others:
+    each has ``request_timeout_s`` to send its line, one peer process holds at most
+    ``MAX_WAITING_PER_PEER`` of them and all peers ``MAX_WAITING_REQUESTS``; past either bound
+    the *oldest* waiting connection (of that peer, or of all) is dropped, never the new one. A
+    legitimate client sends its line as soon as it connects and is answered at once, so it is
+    never the oldest for long; a connection that sends nothing is.
 
     The pool's ``fd`` stays the caller's: the server never closes it. ``start()`` runs the server
     on the running event loop; ``stop()`` ends it and closes the socket (the caller removes the
@@ -349,7 +473,7 @@ class PoolShareServer:
         sock: socket.socket,
         current: Callable[[], SharedPool],
         *,
-        backlog: int = 64,
+        backlog: int = 1024,
         read_request: Literal[False] = False,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
     ) -> None: ...
@@ -360,9 +484,10 @@ class PoolShareServer:
         sock: socket.socket,
         current: Callable[[dict[str, Any]], SharedPool],
         *,
-        backlog: int = 64,
+        backlog: int = 1024,
         read_request: Literal[True],
         request_timeout_s: float = REQUEST_TIMEOUT_S,
+        register: Callable[[dict[str, Any], list[int]], dict[str, Any]] | None = None,
     ) -> None: ...
 
     def __init__(
@@ -370,17 +495,23 @@ class PoolShareServer:
         sock: socket.socket,
         current: Callable[..., SharedPool],
         *,
-        backlog: int = 64,
+        backlog: int = 1024,
         read_request: bool = False,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
+        register: Callable[[dict[str, Any], list[int]], dict[str, Any]] | None = None,
     ) -> None:
         self._sock = sock
         self._current = current
+        self._register = register
         self._backlog = backlog
         self._read_request = read_request
         self._request_timeout_s = request_timeout_s
         self._task: asyncio.Task[None] | None = None
-        self._waiting: set[asyncio.Task[None]] = set()
+        # Waiting connections and their peer, oldest first (a dict keeps insertion order).
+        self._waiting: dict[asyncio.Task[None], tuple[int, int]] = {}
+        self._conns: dict[asyncio.Task[None], socket.socket] = {}
+        self.dropped = 0
+        """Waiting connections dropped to make room for newer ones (since start)."""
 
     def start(self) -> None:
         """Start answering connections (call from the event loop that will run the server)."""
@@ -396,7 +527,7 @@ class PoolShareServer:
         """Stop answering, drop connections still waiting, close the listening socket.
         Idempotent."""
         task, self._task = self._task, None
-        for t in [task, *self._waiting]:
+        for t in [task, *self._conns]:
             if t is not None:
                 t.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -415,17 +546,35 @@ class PoolShareServer:
             if not self._read_request:
                 with conn:
                     self._open_answer(conn)
-            elif len(self._waiting) >= MAX_WAITING_REQUESTS:
-                log.warning(
-                    "pool request dropped: %d connections already waiting",
-                    len(self._waiting),
-                    extra={"fields": _peer(conn)},
-                )
-                conn.close()
-            else:
-                waiting = loop.create_task(self._tenant_answer(conn))
-                self._waiting.add(waiting)
-                waiting.add_done_callback(self._waiting.discard)
+                continue
+            peer = _peer(conn)
+            key = (peer.get("peer_pid", 0), peer.get("peer_uid", -1))
+            self._make_room(key)
+            waiting = loop.create_task(self._tenant_answer(conn, peer))
+            self._waiting[waiting] = key
+            self._conns[waiting] = conn
+            waiting.add_done_callback(self._forget)
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        self._waiting.pop(task, None)
+        # Closed here too: a task cancelled before it ran never reached its own ``with conn``.
+        self._conns.pop(task).close()
+
+    def _make_room(self, key: tuple[int, int]) -> None:
+        """Drop the oldest waiting connection of peer ``key`` when it is at its bound, else the
+        oldest of all when every slot is taken: a new connection is always waited on."""
+        mine = [t for t, k in self._waiting.items() if k == key]
+        if len(mine) >= MAX_WAITING_PER_PEER:
+            victim = mine[0]
+        elif len(self._waiting) >= MAX_WAITING_REQUESTS:
+            victim = next(iter(self._waiting))
+        else:
+            return
+        self._waiting.pop(victim)
+        victim.cancel()  # its task closes the connection, unanswered
+        self.dropped += 1
+        # Debug only: an idle flood must not turn into a log flood (``dropped`` counts them).
+        log.debug("pool request dropped for a newer connection", extra={"fields": {"key": key}})
 
     def _open_answer(self, conn: socket.socket) -> None:
         peer = _peer(conn)
@@ -436,47 +585,111 @@ class PoolShareServer:
             return
         _send_pool(conn, pool, peer)
 
-    async def _tenant_answer(self, conn: socket.socket) -> None:
-        with conn:
-            peer = _peer(conn)
-            try:
-                async with asyncio.timeout(self._request_timeout_s):
-                    line = await _read_request(conn)
-            except TimeoutError:
-                _refuse(conn, "request_timeout", peer)
-                return
-            except OSError as exc:  # the peer reset the connection, or closed it without a line
-                log.warning("pool request not read: %s", exc, extra={"fields": peer})
-                return
-            if len(line) >= MAX_REQUEST_BYTES:
-                _refuse(conn, "request_too_large", peer)
-                return
-            request = _parse_request(line)
-            if request is None:
-                _refuse(conn, "bad_request", peer)
-                return
-            try:
+    async def _tenant_answer(self, conn: socket.socket, peer: dict[str, int]) -> None:
+        fds: list[int] = []
+        try:
+            with conn:
+                await self._answer(conn, peer, fds)
+        finally:
+            for fd in fds:  # whatever came along; a registration mapped what it kept
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    async def _answer(self, conn: socket.socket, peer: dict[str, int], fds: list[int]) -> None:
+        conn.setblocking(False)  # read with recvmsg as the loop says it is readable
+        try:
+            async with asyncio.timeout(self._request_timeout_s):
+                line = await _read_request(conn, fds)
+        except TimeoutError:
+            _refuse(conn, "request_timeout", peer)
+            return
+        except _TooManyDescriptors:
+            _refuse(conn, "too_many_descriptors", peer)
+            return
+        except OSError as exc:  # the peer reset the connection, or closed it without a line
+            log.info("pool request not read: %s", exc, extra={"fields": peer})
+            return
+        if len(line) >= (MAX_REGISTER_BYTES if fds else MAX_REQUEST_BYTES):
+            _refuse(conn, "request_too_large", peer)
+            return
+        request = _parse_request(line)
+        registration = request is not None and "register_kv_cache" in request
+        if request is None or (fds and not registration):  # a pool request passes nothing
+            _refuse(conn, "bad_request", peer)
+            return
+        try:
+            if registration:
+                if self._register is None:
+                    raise _Refusal("bad_request")
+                answer = self._register(request, fds)
+            else:
                 pool = self._current(request)
-            except Exception as exc:
-                reason = getattr(exc, "reason", None)
-                if not isinstance(reason, str) or not reason:
-                    # Not a refusal but a failure: its type only (its text is not ours to log).
-                    log.warning("pool resolver failed: %s", type(exc).__name__)
-                    reason = "refused"
-                _refuse(conn, reason, peer)
-                return
-            _send_pool(conn, pool, peer)
+        except Exception as exc:
+            reason = getattr(exc, "reason", None)
+            if not isinstance(reason, str) or not reason:
+                # Not a refusal but a failure: its type only (its text is not ours to log).
+                log.warning("pool resolver failed: %s", type(exc).__name__)
+                reason = "refused"
+            message = getattr(exc, "public_message", None)
+            _refuse(conn, reason, peer, message if isinstance(message, str) else None)
+            return
+        if registration:
+            _send_line(conn, {"kv_cache": answer}, peer)
+            return
+        _send_pool(conn, pool, peer)
 
 
-async def _read_request(conn: socket.socket) -> bytes:
-    """The request line without its newline, or, when none came in ``MAX_REQUEST_BYTES``,
-    those bytes (too long: the caller refuses them)."""
+class _Refusal(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _TooManyDescriptors(Exception):
+    """A request passed more descriptors than ``MAX_REGISTER_FDS`` (or the kernel cut some)."""
+
+
+async def _readable(conn: socket.socket) -> None:
+    """Wait until ``conn`` has something to read (or is closed)."""
     loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(conn.fileno(), wake)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(conn.fileno())
+
+
+async def _read_request(conn: socket.socket, fds: list[int]) -> bytes:
+    """The request line without its newline, or, when none came within the limit, those bytes
+    (too long: the caller refuses them). Descriptors passed with it (``SCM_RIGHTS``) are appended
+    to ``fds`` as they come, close-on-exec, for the caller to close. The limit is
+    ``MAX_REQUEST_BYTES``, or ``MAX_REGISTER_BYTES`` once descriptors came (a registration
+    passes its first ones with its first bytes): a peer that passes none is held to a short
+    line."""
     buf = b""
     while b"\n" not in buf:
-        if len(buf) >= MAX_REQUEST_BYTES:
-            return buf[:MAX_REQUEST_BYTES]
-        data = await loop.sock_recv(conn, MAX_REQUEST_BYTES - len(buf))
+        limit = MAX_REGISTER_BYTES if fds else MAX_REQUEST_BYTES
+        if len(buf) >= limit:
+            return buf[:limit]
+        try:
+            # Never past the short limit before a descriptor came: the rest stays unread.
+            data, ancillary, flags, _ = conn.recvmsg(
+                limit - len(buf), _REGISTER_FDS_SPACE, socket.MSG_CMSG_CLOEXEC
+            )
+        except BlockingIOError:
+            await _readable(conn)
+            continue
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.extend(array.array("i", payload[: len(payload) - len(payload) % 4]))
+        if flags & socket.MSG_CTRUNC or len(fds) > MAX_REGISTER_FDS:
+            raise _TooManyDescriptors
         if not data:
             raise ConnectionAbortedError("the peer closed the connection without a request")
         buf += data
@@ -484,7 +697,8 @@ async def _read_request(conn: socket.socket) -> bytes:
 
 
 def _parse_request(line: bytes) -> dict[str, Any] | None:
-    """``{"token", "namespace"}`` of a request line, or None when it is not a valid one."""
+    """``{"token", "namespace"}`` of a request line (and ``register_kv_cache``, an object, when
+    it has one), or None when it is not a valid one."""
     try:
         body: Any = json.loads(line)
     except ValueError:  # JSONDecodeError and UnicodeDecodeError
@@ -494,6 +708,10 @@ def _parse_request(line: bytes) -> dict[str, Any] | None:
     request = {"token": body.get("token"), "namespace": body.get("namespace")}
     if not all(value is None or isinstance(value, str) for value in request.values()):
         return None
+    if "register_kv_cache" in body:
+        if not isinstance(body["register_kv_cache"], dict):
+            return None
+        request["register_kv_cache"] = body["register_kv_cache"]
     return request
 
 
@@ -510,12 +728,31 @@ def _send_pool(conn: socket.socket, pool: SharedPool, peer: dict[str, int]) -> N
     log.info("pool handed out", extra={"fields": {**peer, "pool_id": pool.pool_id}})
 
 
-def _refuse(conn: socket.socket, reason: str, peer: dict[str, int]) -> None:
-    """Answer a refusal line (best effort: the peer may be gone) and log it."""
+def _refuse(
+    conn: socket.socket, reason: str, peer: dict[str, int], message: str | None = None
+) -> None:
+    """Answer a refusal line (best effort: the peer may be gone) and log it (the reason only)."""
     log.warning("pool request refused: %s", reason, extra={"fields": {**peer, "reason": reason}})
-    line = json.dumps({"error": reason}, separators=(",", ":")).encode() + b"\n"
-    with contextlib.suppress(OSError):
-        conn.send(line, socket.MSG_NOSIGNAL)
+    body: dict[str, str] = {"error": reason}
+    if message is not None:
+        body["message"] = message
+    _send_line(conn, body, peer, quiet=True)
+
+
+def _send_line(
+    conn: socket.socket, body: dict[str, Any], peer: dict[str, int], *, quiet: bool = False
+) -> None:
+    """Send one JSON line (best effort: the peer may be gone). An answer is small and the
+    socket's send buffer fresh: it is written whole or the peer is dropped, never waited on."""
+    line = json.dumps(body, separators=(",", ":")).encode() + b"\n"
+    try:
+        sent = conn.send(line, socket.MSG_NOSIGNAL | socket.MSG_DONTWAIT)
+    except OSError as exc:
+        if not quiet:
+            log.info("pool socket answer not sent: %s", exc, extra={"fields": peer})
+        return
+    if sent != len(line) and not quiet:
+        log.info("pool socket answer cut short", extra={"fields": {**peer, "sent": sent}})
 
 
 def _peer(conn: socket.socket) -> dict[str, int]:

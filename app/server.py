@@ -42,10 +42,12 @@ from typing import Any
 
 import uvicorn
 
+from app.core.handles import check_registration
 from app.core.tenancy import Tenancy
 from app.core.tenants import Credentials
 from app.core.transfers import check_machine
 from app.http.apps import create_admin_app, create_app
+from app.http.errors import error_for
 from app.pool_share import PoolShareServer, SharedPool
 from app.settings import Settings, config_error
 from app.telemetry.calls import host_port
@@ -221,6 +223,52 @@ def pool_of(tenancy: Tenancy, ask: Mapping[str, Any] | None) -> SharedPool:
     return shared_pool(space.service.transfers().pool)
 
 
+class SocketRefusal(Exception):
+    """A refusal the pool socket answers: ``reason`` (the HTTP API's error code for the same
+    refusal) and ``public_message`` (its message, for a caller that proved who it is)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.public_message = message
+
+
+def register_over_socket(
+    tenancy: Tenancy, ask: Mapping[str, Any], fds: list[int]
+) -> dict[str, Any]:
+    """A registration that came over the pool socket with its descriptors ``fds``: run in the
+    namespace the caller's token and ``namespace`` lead to, as ``POST /v1/kv-caches`` would
+    (the same rule on named handles: ``app.core.handles``), answered as that route answers.
+
+    Credentials refused: their reason only (as ``pool_of``). Once the caller is known, a
+    refusal carries the route's code and message (``SocketRefusal``): every file it can be
+    about came as one of the caller's own descriptors."""
+    token, namespace = ask.get("token"), ask.get("namespace")
+    authorization = f"Bearer {token}" if isinstance(token, str) else None
+    trusted = tenancy.settings.uds_auth == "file-mode"
+    space = tenancy.resolve(
+        authorization, namespace if isinstance(namespace, str) else None, trusted=trusted
+    )
+    spec = ask["register_kv_cache"]
+    try:
+        check_registration(
+            spec, tenants=tenancy.enabled, trusted=tenancy.settings.registration_by_name
+        )
+        cache = space.service.transfers().register_cache(spec, fds)
+    except Exception as exc:
+        err = error_for(exc)
+        if err.status >= 500 and err.code == "internal":
+            log.error("registration over the pool socket failed", exc_info=exc)
+        raise SocketRefusal(err.code, err.message) from None
+    return {
+        "cache_id": cache.cache_id,
+        "name": cache.name,
+        "block_bytes": cache.block_bytes,
+        "num_blocks": cache.num_blocks,
+        "device": str(cache.device),
+    }
+
+
 def _address(sock: socket.socket) -> str:
     name = sock.getsockname()
     if sock.family == socket.AF_UNIX:
@@ -307,7 +355,10 @@ async def serve(
     if pool_socks:
         if tenancy.enabled:
             pool_share = PoolShareServer(
-                pool_socks[0], lambda ask: pool_of(tenancy, ask), read_request=True
+                pool_socks[0],
+                lambda ask: pool_of(tenancy, ask),
+                read_request=True,
+                register=lambda ask, fds: register_over_socket(tenancy, ask, fds),
             )
         else:
             pool_share = PoolShareServer(pool_socks[0], lambda: pool_of(tenancy, None))

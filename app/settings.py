@@ -27,6 +27,7 @@ import ipaddress
 import json
 import os
 import re
+import stat
 import tomllib
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -51,9 +52,9 @@ LogFormat = Literal["auto", "json", "console"]
 ENV_PREFIX = "KVOFFLOAD_"
 # Settings set without a flag of their own (a token on the command line would show in ``ps``),
 # and flags not named after their field.
-_NO_FLAG = frozenset({"admin_token"})
+_NO_FLAG = frozenset({"admin_token", "metrics_token"})
 _FLAG_NAMES = {"policy_params": "--policy-param"}
-_HIDDEN = frozenset({"admin_token"})
+_HIDDEN = frozenset({"admin_token", "metrics_token"})
 # File modes: written and shown in octal (0600), as chmod takes them.
 OCTAL_SETTINGS = frozenset({"uds_mode"})
 _OCTAL_MODE = re.compile(r"(0o)?([0-7]{1,4})")
@@ -269,19 +270,33 @@ class AdminAuth(BaseSettings):
         return None if self.admin_token is None else self.admin_token.get_secret_value()
 
 
-def read_token_file(path: Path) -> str:
-    """The admin token held in ``path`` (surrounding whitespace dropped); ``ConfigError`` when
-    the file cannot be read or holds nothing."""
+def read_token_file(path: Path, field: str = "admin_token_file") -> str:
+    """The token held in ``path`` (surrounding whitespace dropped), for the setting ``field``
+    (``admin_token_file``, ``metrics_token_file``); ``ConfigError`` when the file cannot be
+    read, holds nothing, or is readable or writable by others (as the tenants files:
+    ``app.core.tenants``)."""
     try:
-        token = path.read_text(encoding="utf-8").strip()
+        with open(path, "rb") as fh:
+            mode = os.fstat(fh.fileno()).st_mode  # of the file read, not of the path now
+            if mode & (stat.S_IROTH | stat.S_IWOTH):
+                raise config_error(
+                    field,
+                    path,
+                    f"readable or writable by others (mode {stat.S_IMODE(mode):04o}); it holds "
+                    "a token: accepted: chmod o-rwx (a Kubernetes secret: defaultMode "
+                    "0440 or 0400)",
+                )
+            token = fh.read().decode("utf-8").strip()
     except OSError as exc:
         raise config_error(
-            "admin_token_file", path, f"cannot read it ({exc.strerror}); accepted: a readable file"
+            field, path, f"cannot read it ({exc.strerror}); accepted: a readable file"
+        ) from None
+    except UnicodeDecodeError:
+        raise config_error(
+            field, path, "not UTF-8 text; accepted: a file holding the token"
         ) from None
     if not token:
-        raise config_error(
-            "admin_token_file", path, "the file is empty; accepted: a file holding the token"
-        )
+        raise config_error(field, path, "the file is empty; accepted: a file holding the token")
     return token
 
 
@@ -314,6 +329,21 @@ class Settings(AdminAuth):
         default=None,
         description="the engine API's tenants, their namespaces and tokens: a TOML file or a "
         "directory of NAME.toml files (re-read on SIGHUP or change); required off loopback",
+    )
+    metrics_token: SecretStr | None = Field(
+        default=None, description="bearer token GET /metrics requires (a scrape credential)"
+    )
+    metrics_token_file: Path | None = Field(
+        default=None,
+        description="file with the bearer token GET /metrics requires (Prometheus: the scrape "
+        "config's authorization credentials_file); with tenants, without it /metrics carries "
+        "no exemplars (they name every tenant's requests)",
+    )
+    registration_by_name: bool = Field(
+        default=False,
+        description="with tenants: also register KV caches named by a /dev/shm path or CUDA IPC "
+        "handle, which the service opens with its own rights (only if every caller is trusted; "
+        "else pass descriptors over the pool socket)",
     )
     admin_host: str = Field(default="127.0.0.1", description="admin API address")
     admin_port: int = Field(default=8001, ge=0, le=65535, description="admin port (0: any)")
@@ -586,6 +616,23 @@ class Settings(AdminAuth):
         if self.uds is not None:
             return Path(default_pool_socket(str(self.uds)))
         return None
+
+    @model_validator(mode="after")
+    def _read_metrics_token(self) -> Settings:
+        if self.metrics_token is not None and self.metrics_token_file is not None:
+            raise config_error(
+                "metrics_token_file",
+                self.metrics_token_file,
+                f"{ENV_PREFIX}METRICS_TOKEN is set too; accepted: one of the two",
+            )
+        if self.metrics_token_file is not None:
+            # Read once, at startup, as the admin token is.
+            token = read_token_file(self.metrics_token_file, "metrics_token_file")
+            self.metrics_token = SecretStr(token)
+            self.metrics_token_file = None
+        if self.metrics_token is not None and not self.metrics_token.get_secret_value():
+            raise config_error("metrics_token", "", "accepted: a token that is not empty")
+        return self
 
     @model_validator(mode="after")
     def _check_combination(self) -> Settings:

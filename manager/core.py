@@ -996,6 +996,17 @@ class OffloadManager:
         else:
             raise InvalidArgumentError(f"event kind must be stored or removed, got {kind!r}")
 
+    def new_pins(self, keys: Iterable[BlockKey]) -> int:
+        """How many distinct blocks of ``keys`` no request holds pinned: how much a
+        ``prepare_load`` of them would add to ``num_pinned`` (a block pinned already, by any
+        request, counts once there). ``InvalidArgumentError`` for a key that is no key."""
+        refs = self._refs
+        try:
+            distinct = set(keys)
+        except TypeError:
+            raise _bad_key(keys) from None
+        return len(distinct) if not refs else len(distinct - refs.keys())
+
     @property
     def num_pinned(self) -> int:
         """How many distinct blocks some request has pinned (``stats().pinned``, without

@@ -11,6 +11,11 @@ summed over the tensors must equal the pool's ``block_bytes``. Tensors must be c
 
 Handles (JSON, as sent to ``POST /v1/kv-caches``):
 
+- ``{"kind": "shm", "fd": 0}`` for a CPU "device", registered over the pool socket
+  (``app.pool_share.register_kv_cache``): the K-th descriptor passed with the registration
+  (``SCM_RIGHTS``), a regular file open read-write holding at least ``prod(shape) * itemsize``
+  bytes. The service maps that descriptor, never a path: the caller proved it holds the file,
+  so a refusal may say what is wrong with it. With tenants this is the only ``shm`` handle.
 - ``{"kind": "shm", "path": "/dev/shm/engine0-layer0"}`` for a CPU "device": a shared-memory
   file the engine owns and writes. The path must resolve (symlinks and ``..`` followed) to a
   regular file inside ``/dev/shm`` holding at least ``prod(shape) * itemsize`` bytes. The
@@ -59,7 +64,9 @@ from __future__ import annotations
 import base64
 import binascii
 import ctypes
+import fcntl
 import math
+import mmap
 import os
 import re
 import secrets
@@ -294,10 +301,21 @@ def _check_tensor(t: TensorSpec, i: int, cache_device: str) -> None:
         raise RegistrationError(f"{where}.handle must be an object")
     kind = h.get("kind")
     if kind == "shm":
-        _no_unknown(h, {"kind", "path"}, f"{where}.handle")
-        path = h.get("path")
-        if not isinstance(path, str) or not path or "\x00" in path or len(path) > 4096:
-            raise RegistrationError(f"{where}.handle.path must be a file path, got {path!r:.80}")
+        _no_unknown(h, {"kind", "path", "fd"}, f"{where}.handle")
+        if "fd" in h:
+            if "path" in h:
+                raise RegistrationError(f"{where}.handle: give path or fd, not both")
+            if not _is_int(h["fd"]) or not 0 <= h["fd"] < MAX_TENSORS:
+                raise RegistrationError(
+                    f"{where}.handle.fd must be the index of a passed descriptor, got "
+                    f"{h['fd']!r:.40}"
+                )
+        else:
+            path = h.get("path")
+            if not isinstance(path, str) or not path or "\x00" in path or len(path) > 4096:
+                raise RegistrationError(
+                    f"{where}.handle.path must be a file path, got {path!r:.80}"
+                )
         if device != "cpu":
             raise RegistrationError(
                 f"{where}: a 'shm' handle needs device 'cpu', got {device!r} (use 'cuda_ipc')"
@@ -484,8 +502,12 @@ class KVCacheRegistry:
         self._caches: dict[str, RegisteredCache] = {}
         self._lock = threading.Lock()
 
-    def register(self, spec: KVCacheSpec) -> RegisteredCache:
-        """Validate ``spec``, map every tensor, and publish the cache; all-or-nothing."""
+    def register(self, spec: KVCacheSpec, fds: Sequence[int] | None = None) -> RegisteredCache:
+        """Validate ``spec``, map every tensor, and publish the cache; all-or-nothing.
+
+        ``fds``: the descriptors passed with the registration (``{"kind": "shm", "fd": K}``
+        names the K-th); None when none could be (``POST /v1/kv-caches``): an ``fd`` handle is
+        then refused. They stay the caller's to close (a mapping keeps what it needs)."""
         spec.validate()
         per_block = spec.bytes_per_block
         if per_block != self.pool.block_bytes:
@@ -500,7 +522,10 @@ class KVCacheRegistry:
         try:
             for i, t in enumerate(spec.tensors):
                 device = spec.device if t.device is None else t.device
-                if t.handle["kind"] == "shm":
+                if t.handle["kind"] == "shm" and "fd" in t.handle:
+                    mapped.append(_map_fd(t, i, fds))
+                    devices.append("cpu")
+                elif t.handle["kind"] == "shm":
                     mapped.append(self._map_shm(t, i))
                     devices.append("cpu")
                 else:
@@ -684,6 +709,38 @@ class KVCacheRegistry:
             )
         finally:
             os.close(fd)
+
+
+def _map_fd(t: TensorSpec, i: int, fds: Sequence[int] | None) -> torch.Tensor:
+    """Map the passed descriptor a tensor's ``fd`` handle names, shared and read-write.
+
+    The descriptor itself is mapped (``mmap`` keeps a copy of it): reopening it by
+    ``/proc/self/fd`` would open the file again with the service's rights, which is what a
+    descriptor handle exists to avoid. It must be open read-write: a read-only one proves no
+    right to write the file."""
+    where = f"tensors[{i}].handle.fd"
+    k = t.handle["fd"]
+    if fds is None:
+        raise RegistrationError(
+            f"{where}: a descriptor handle is passed over the pool socket "
+            "(app.pool_share.register_kv_cache), not named in an HTTP call"
+        )
+    if k >= len(fds):
+        raise RegistrationError(f"{where} is {k}, but {len(fds)} descriptor(s) came")
+    fd = fds[k]
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise RegistrationError(f"{where}: descriptor {k} is not a regular file")
+    if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
+        raise RegistrationError(f"{where}: descriptor {k} is not open for reading and writing")
+    if st.st_size < t.nbytes:
+        raise RegistrationError(
+            f"{where}: descriptor {k} holds {st.st_size} bytes, but shape {t.shape} of "
+            f"{t.dtype} needs {t.nbytes}"
+        )
+    mapped = mmap.mmap(fd, t.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    # The tensor holds the mapping alive (torch.frombuffer keeps a reference to its buffer).
+    return torch.frombuffer(mapped, dtype=torch.uint8)
 
 
 def _device_uuids() -> list[str]:

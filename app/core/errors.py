@@ -9,6 +9,7 @@ Hierarchy::
     ├── DeviceBlockError          a device block index outside the registered KV cache
     ├── AuthenticationError       no, malformed, unknown or revoked engine token (who are you?)
     ├── PermissionDeniedError     a known tenant asked for a namespace that is not its own
+    ├── HandleNotHeldError        with tenants, a KV cache named by a path or handle, not passed
     └── QuotaExceededError        a tenant's quota (blocks, pins, requests) would be exceeded
 
 The core raises these and the library errors (``manager.errors``, ``transfer.errors``); the
@@ -81,6 +82,21 @@ class PermissionDeniedError(ServiceError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class HandleNotHeldError(ServiceError):
+    """With tenants, a KV-cache registration named memory by a path or a CUDA IPC handle
+    instead of passing its descriptor; nothing was opened. The message names the tensor and
+    the way to register, never anything about the file named."""
+
+    def __init__(self, where: str, kind: str) -> None:
+        super().__init__(
+            f"{where}: this service has tenants and opens no {kind} a caller names; pass the "
+            "file's descriptor over the pool socket instead (app.pool_share.register_kv_cache, "
+            "KVOffloadClient.register_kv_cache(spec, fds=...))"
+        )
+        self.where = where
+        self.kind = kind
 
 
 class QuotaExceededError(ServiceError):

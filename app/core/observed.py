@@ -105,7 +105,7 @@ class ObservedManager:
     def prepare_load(self, keys: Sequence[BlockKey], ctx: ReqContext) -> list[int]:
         """Pin ready keys; their host slots."""
         if self.quota is not None:
-            self._call("prepare_load", ctx.req_id, self.quota.check_pins, len(keys))
+            self._call("prepare_load", ctx.req_id, self.quota.check_pins, self.manager, keys)
         if self.disk is not None:
             self.disk.asked(keys)
         try:

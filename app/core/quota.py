@@ -3,15 +3,18 @@
 A tenant's namespaces are separate spaces (each its own ``Service``, manager and host pool), so
 its block quota is the sum of their pools and holds by construction. ``TenantQuota`` holds the
 two that cut across them: ``max_pins`` (distinct blocks pinned for loads, summed over its
-namespaces) and ``max_requests`` (requests tracked, live or finished with leases). Checks run
-before the manager call, so a refused call changes nothing; they read counters the managers keep
-anyway (no scan), and a refusal is a ``QuotaExceededError`` naming the quota.
+namespaces: a block pinned by two of its requests is one) and ``max_requests`` (requests
+tracked, live or finished with leases). Checks run before the manager call, so a refused call
+changes nothing; they read counters the managers keep anyway, plus one set difference over the
+call's keys for ``max_pins``, and a refusal is a ``QuotaExceededError`` naming the quota.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from app.core.errors import QuotaExceededError
-from manager import OffloadManager
+from manager import BlockKey, OffloadManager
 
 
 class TenantQuota:
@@ -36,17 +39,22 @@ class TenantQuota:
         """Requests tracked now, over the tenant's namespaces."""
         return sum(m.num_requests for m in self.members)
 
-    def check_pins(self, adding: int) -> None:
-        """Refuse a load that could pin ``adding`` more blocks past ``max_pins``.
+    def check_pins(self, manager: OffloadManager, keys: Sequence[BlockKey]) -> None:
+        """Refuse a load of ``keys`` in ``manager`` (one of ``members``) that would take the
+        distinct blocks pinned past ``max_pins``.
 
-        ``adding`` is the call's key count: an upper bound (some may be pinned already), so the
-        check never lets the tenant past its limit.
+        Only blocks no request of that namespace pins yet count (``new_pins``): a block another
+        request already pins, of this tenant or of the same request, is one block, as
+        ``pins`` counts it, so loading it again never counts against the quota.
         """
         limit = self.max_pins
-        if limit is not None and adding:
+        if limit is not None and keys:
+            adding = manager.new_pins(keys)
+            if not adding:
+                return
             held = self.pins()
             if held + adding > limit:
-                detail = f"{held} blocks pinned, this load could pin {adding} more"
+                detail = f"{held} blocks pinned, this load would pin {adding} more"
                 raise QuotaExceededError(self.tenant, "pins", limit, detail)
 
     def check_new_request(self) -> None:

@@ -9,9 +9,13 @@ name = blocks, or name = { blocks = N, disk_bytes = M } to give a namespace its 
 budget, or a list of names whose sizes the service chooses) and optional ``max_pins`` and
 ``max_requests``. Names match ``NAME``. ``load_tenants`` refuses the whole file on the first
 problem (an unknown key, a bad name, a short or repeated token, a namespace of two tenants, a
-count that is not a positive integer, a tenant without namespaces, a file readable by others, no
-tenant at all) with a ``TenantsConfigError``: one line naming the file and the tenant, never a
-token.
+count that is not a positive integer, a tenant without namespaces, a file readable or writable
+by others, a directory others may write to, no tenant at all) with a ``TenantsConfigError``: one
+line naming the file and the tenant, never a token. A directory writable by others (the tenants
+directory, or the one holding the tenants file) is accepted only with its sticky bit (``/tmp``;
+a Kubernetes secret volume is mounted 1777), where nobody can rename or remove another's file,
+and then every tenant file must belong to the service's user or to root: anyone else could
+otherwise add a tenant of their own.
 
 **Tokens.** Only SHA-256 digests of the tokens are kept. ``Credentials.authenticate`` digests
 the presented token and looks the digest up: the time it takes depends on the digest, never on
@@ -117,9 +121,9 @@ def load_tenants(path: Path) -> tuple[TenantTable, dict[bytes, str]]:
     """The tenants of the file or directory ``path`` and the tenant name of each token digest
     (``token_digest``); ``TenantsConfigError`` on any problem (module docstring)."""
     if path.is_dir():
-        tenants = _read_directory(path)
+        tenants = _read_directory(path, _owners_checked(path, path))
     else:
-        data = _read_toml(path, path, None)
+        data = _read_toml(path, path, None, _owners_checked(path, path.parent))
         unknown = sorted(set(data) - {"tenants"})
         if unknown:
             raise _refused(path, None, f"unknown key(s) {_names(unknown)}; accepted: tenants")
@@ -171,7 +175,27 @@ def load_credentials(settings: Settings) -> Credentials | None:
     return None if settings.tenants is None else Credentials(settings.tenants)
 
 
-def _read_directory(root: Path) -> list[tuple[str, str, dict[str, Any]]]:
+def _owners_checked(root: Path, directory: Path) -> bool:
+    """Whether the files in ``directory`` must belong to the service's user or root (it is
+    writable by others and sticky); refused when it is writable by others without the sticky
+    bit (anyone could replace a tenant file there)."""
+    try:
+        mode = os.stat(directory).st_mode
+    except OSError as exc:
+        raise _refused(root, None, f"cannot stat {directory} ({exc.strerror})") from None
+    if not mode & stat.S_IWOTH:
+        return False
+    if not mode & stat.S_ISVTX:
+        raise _refused(
+            root,
+            None,
+            f"{directory} is writable by others (mode {stat.S_IMODE(mode):04o}): anyone could "
+            "put tenants in it; accepted: chmod o-w (or the sticky bit, +t)",
+        )
+    return True
+
+
+def _read_directory(root: Path, owners_checked: bool) -> list[tuple[str, str, dict[str, Any]]]:
     tenants = []
     try:
         entries = sorted(os.scandir(root), key=lambda e: e.name)
@@ -181,7 +205,8 @@ def _read_directory(root: Path) -> list[tuple[str, str, dict[str, Any]]]:
         if not _counts(entry.name) or not entry.is_file():  # is_file follows links
             continue
         name = entry.name.removesuffix(".toml")
-        tenants.append((name, entry.name, _read_toml(root, Path(entry.path), entry.name)))
+        data = _read_toml(root, Path(entry.path), entry.name, owners_checked)
+        tenants.append((name, entry.name, data))
     if not tenants:
         raise _refused(root, None, "no NAME.toml file in the directory; accepted: one per tenant")
     return tenants
@@ -192,19 +217,34 @@ def _counts(filename: str) -> bool:
     return filename.endswith(".toml") and not filename.startswith(".")
 
 
-def _read_toml(root: Path, path: Path, label: str | None) -> dict[str, Any]:
+def _read_toml(root: Path, path: Path, label: str | None, owners_checked: bool) -> dict[str, Any]:
+    """The TOML table of the tenant file ``path``; refused unless it is a regular file that
+    others can neither read (it holds tokens) nor write (they would give themselves a token),
+    owned by the service's user or root when ``owners_checked`` (``_owners_checked``)."""
     try:
         # Non-blocking: a FIFO given by mistake is refused below instead of hanging the start.
         with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as fh:
-            mode = os.fstat(fh.fileno()).st_mode  # of what was opened, not of what the path is now
+            st = os.fstat(fh.fileno())  # of what was opened, not of what the path is now
+            mode = st.st_mode
             if not stat.S_ISREG(mode):
                 raise _refused(root, label, "not a regular file; accepted: a TOML file")
-            if mode & stat.S_IROTH:
+            for bit, what, why in (
+                (stat.S_IROTH, "readable", "it holds tokens"),
+                (stat.S_IWOTH, "writable", "anyone could add a token"),
+            ):
+                if mode & bit:
+                    raise _refused(
+                        root,
+                        label,
+                        f"{what} by others (mode {stat.S_IMODE(mode):04o}); {why}: accepted: "
+                        "chmod o-rwx (a Kubernetes secret: defaultMode 0440 or 0400)",
+                    )
+            if owners_checked and st.st_uid not in (os.geteuid(), 0):
                 raise _refused(
                     root,
                     label,
-                    f"readable by others (mode {stat.S_IMODE(mode):04o}); it holds tokens: "
-                    "accepted: chmod o-rwx (a Kubernetes secret: defaultMode 0440 or 0400)",
+                    f"owned by uid {st.st_uid} in a directory anyone may write to; accepted: a "
+                    "file of the service's user or of root",
                 )
             raw = fh.read()
     except OSError as exc:

@@ -381,10 +381,13 @@ class Transfers:
 
     # ------------------------------------------------------------------ KV caches and pool
 
-    def register_cache(self, spec: dict[str, Any]) -> RegisteredCache:
-        """Register a device KV cache (``RegistrationError`` when it does not fit the pool)."""
+    def register_cache(
+        self, spec: dict[str, Any], fds: Sequence[int] | None = None
+    ) -> RegisteredCache:
+        """Register a device KV cache (``RegistrationError`` when it does not fit the pool);
+        ``fds``: the descriptors passed with it over the pool socket (None: an HTTP call)."""
         self._open()
-        cache = self.registry.register(KVCacheSpec.from_dict(spec))
+        cache = self.registry.register(KVCacheSpec.from_dict(spec), fds)
         log.info(
             "kv cache registered",
             extra={"fields": {"cache_id": cache.cache_id, "name": cache.name}},

@@ -147,7 +147,14 @@ def create_app(
     register_health_routes(app)
     exposition = metrics_registry(tenancy)
     if exposition is not None:
-        register_metrics_route(app, exposition)
+        token = settings.metrics_token
+        register_metrics_route(
+            app,
+            exposition,
+            token=None if token is None else token.get_secret_value(),
+            # An open /metrics of a service with tenants tells no tenant another's req_ids.
+            exemplars=token is not None or not tenancy.enabled,
+        )
     add_docs_routes(app)
     _install_middleware(app, settings, tenancy, hooks, ENGINE_REQUEST_PREFIX, engine=True)
     return app

@@ -3,6 +3,8 @@
 ``SpaceMiddleware`` (pure ASGI, inside ``CallContextMiddleware`` and outside everything else)
 resolves every engine call's space (``app.core.tenancy.Tenancy.resolve``) from its
 ``Authorization`` and ``X-KVOffload-Namespace`` headers before any other check reads the call:
+a call with two of either is refused (400 ``ambiguous_credentials``: which one counts would
+depend on who reads the headers, the service or a proxy in front of it), and
 a caller without good credentials gets 401 (or 403 for a namespace that is not its own) whatever
 its path, query or body, and so learns nothing from validation. The space goes in the scope
 (``SPACE_KEY``) for ``app.http.deps.service_of``; with tenants the call's ``CallInfo`` gets the
@@ -18,7 +20,7 @@ from app.client import NAMESPACE_HEADER
 from app.core.errors import AuthenticationError, PermissionDeniedError
 from app.core.service import DEFAULT_NAMESPACE
 from app.core.tenancy import Space, Tenancy
-from app.http.errors import error_for
+from app.http.errors import APIError, error_for
 from app.http.middleware import call_info, refuse
 
 SPACE_KEY = "kvoffload.space"
@@ -28,15 +30,27 @@ _AUTHORIZATION = b"authorization"
 _NAMESPACE = NAMESPACE_HEADER.lower().encode()
 
 
+def ambiguous(header: str) -> APIError:
+    """400 ``ambiguous_credentials``: the call carries ``header`` more than once."""
+    return APIError(
+        400, "ambiguous_credentials", f"more than one {header} header; accepted: one at most"
+    )
+
+
 def resolve_scope(tenancy: Tenancy, scope: Scope) -> Space:
     """The space of the call ``scope`` (``Tenancy.resolve`` on its headers); the Unix socket
-    is trusted by its file mode when ``--uds-auth file-mode`` says so."""
+    is trusted by its file mode when ``--uds-auth file-mode`` says so. ``APIError`` 400
+    (``ambiguous``) when either header comes twice, whatever the values."""
     authorization: str | None = None
     namespace: str | None = None
     for name, value in scope["headers"]:
         if name == _NAMESPACE:
+            if namespace is not None:
+                raise ambiguous(NAMESPACE_HEADER)
             namespace = value.decode("latin-1")
         elif name == _AUTHORIZATION:
+            if authorization is not None:
+                raise ambiguous("Authorization")
             authorization = value.decode("latin-1")
     if tenancy.single is not None and namespace is None:  # no tenants: the common case
         return tenancy.spaces[DEFAULT_NAMESPACE]
@@ -61,7 +75,7 @@ class SpaceMiddleware:
             return
         try:
             space = resolve_scope(self.tenancy, scope)
-        except (AuthenticationError, PermissionDeniedError) as exc:
+        except (APIError, AuthenticationError, PermissionDeniedError) as exc:
             err = error_for(exc)
             await refuse(send, err.status, err.code, err.message, err.headers)
             return

@@ -11,11 +11,13 @@ raised                        status  code
 ============================  ======  ==========================
 malformed JSON / body         400     malformed_body
 client hung up mid-body       400     client_disconnected
+two Authorization / namespace 400     ambiguous_credentials
 no / wrong admin token        401/403 unauthorized / forbidden
 AuthenticationError           401     its reason: missing_token, malformed_authorization,
                                       unknown_token, revoked_token
 PermissionDeniedError         403     its reason: namespace_denied, namespace_required,
                                       unknown_namespace
+HandleNotHeldError            403     handle_not_held
 QuotaExceededError            429/507 quota_exceeded (507 for blocks, 429 pins / requests)
 UnknownRequestError           404     unknown_request
 UnknownJobError               404     unknown_job
@@ -60,6 +62,7 @@ from starlette.responses import Response
 from app.core.errors import (
     AuthenticationError,
     DeviceBlockError,
+    HandleNotHeldError,
     NoSpaceError,
     PermissionDeniedError,
     QuotaExceededError,
@@ -175,6 +178,7 @@ _MAPPED: tuple[tuple[type[Exception], int, str], ...] = (
     (NoSpaceError, 507, "no_space"),
     (UnknownJobError, 404, "unknown_job"),
     (DeviceBlockError, 422, "invalid_field"),
+    (HandleNotHeldError, 403, "handle_not_held"),
 )
 
 

@@ -30,6 +30,9 @@ class CallInfo:
     ops: list[tuple[str, int]] | None = None
     # For a batch: the engine request ids its ops named, each once, in order of first use.
     batch_req_ids: list[str] | None = None
+    # For a batch: how many ops answered each (status, error code), for the one call line
+    # (a refused op gets no line of its own: 1,024 of them would be a log flood).
+    op_errors: dict[tuple[int, str], int] | None = None
     duration_s: float = 0.0
     # What the log line and exemplars say ``req_id`` is: the safe form of the path's engine
     # request id on a request-scoped path, else ``request_id``.

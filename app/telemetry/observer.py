@@ -54,6 +54,22 @@ BATCH_REQ_IDS = 64
 _HIT, _PENDING = LookupResult.HIT, LookupResult.PENDING
 
 
+_LEVELS: tuple[CallLevel, ...] = ("debug", "info", "warning", "error")
+
+
+def _outcome(status: int, route: str) -> tuple[str, CallLevel]:
+    """The ``result`` and log level a call (or a batch op) answering ``status`` deserves: an
+    expected refusal is no server error (507: the documented answer of a full pool, a warning;
+    503: unavailable for now, a warning), only other 5xx are errors."""
+    if status < 400:
+        return "ok", ("debug" if route in QUIET_ROUTES else "info")
+    if status < 500:
+        return "error", "info"
+    if status == 507:
+        return "refused", "warning"
+    return "error", ("warning" if status == 503 else "error")
+
+
 class HitRatioWindow:
     """Leading hits over keys looked up, over the last ``size`` lookups (empty ones skipped)."""
 
@@ -272,16 +288,7 @@ class Observer:
         status = info.status
         if self.metrics is not None:
             self.metrics.http_call(route, info.method, status, info.duration_s, info.log_id)
-        result: str
-        level: CallLevel
-        if status < 400:
-            result, level = "ok", ("debug" if route in QUIET_ROUTES else "info")
-        elif status < 500:
-            result, level = "error", "info"
-        elif status == 507:
-            result, level = "refused", "warning"
-        else:
-            result, level = "error", ("warning" if status == 503 else "error")
+        result, level = _outcome(status, route)
         fields: dict[str, Any] = {
             "route": route,
             "method": info.method,
@@ -304,6 +311,12 @@ class Observer:
         if info.ops is not None:
             fields["ops"] = len(info.ops)
             fields["ops_failed"] = sum(1 for _, s in info.ops if s >= 400)
+        if info.op_errors:
+            # A batch's refused ops: a count per status and code, and the line at the level
+            # of the gravest of them (a 507 op warns as a 507 call would).
+            fields["op_errors"] = {f"{st} {code}": n for (st, code), n in info.op_errors.items()}
+            worst = max(_LEVELS.index(_outcome(st, route)[1]) for st, _ in info.op_errors)
+            level = _LEVELS[max(worst, _LEVELS.index(level))]
         if info.batch_req_ids:
             # The engine requests a batch served (an engine's scheduler step), so each one can
             # be followed in the log; safe forms, at most BATCH_REQ_IDS of them.

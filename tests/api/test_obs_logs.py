@@ -104,6 +104,33 @@ async def test_batch_line_counts_ops_and_failures(h: Harness, lines: Lines) -> N
     assert "req_ids_more" not in batch
 
 
+async def test_a_batch_of_refused_ops_writes_one_line_with_a_count_per_code(
+    h: Harness, lines: Lines
+) -> None:
+    # Issue #21: 1,024 prepare-stores into a full pool wrote 1,024 error records with
+    # tracebacks. A 507 is the documented answer: one warning line, counts, no traceback.
+    keys = hexkeys(*range(1, 33))  # the harness pool: 32 blocks, all pinned below
+    await h.start("w")
+    for step in ("prepare-store", "complete-store", "prepare-load"):
+        assert (await h.post(f"/v1/requests/w/{step}", {"keys": keys})).status_code == 200
+    await h.start("s")
+    ops: list[dict[str, Any]] = [
+        {"op": "prepare_store", "req_id": "s", "keys": hexkeys(100 + i)} for i in range(200)
+    ]
+    ops.append({"op": "lookup", "req_id": "ghost", "keys": hexkeys(1)})
+    r = await h.post("/v1/batch", {"ops": ops})
+    assert r.status_code == 200
+    assert [x["status"] for x in r.json()["results"]] == [507] * 200 + [404]
+    found = lines()
+    (batch,) = [c for c in calls(found) if c["op"] == "batch"]
+    assert batch["level"] == "warning"
+    assert batch["op_errors"] == {"507 no_space": 200, "404 unknown_request": 1}
+    assert (batch["ops"], batch["ops_failed"]) == (201, 201)
+    others = [line for line in found if line["event"] != CALL_EVENT and line["level"] != "info"]
+    assert others == []
+    assert not any("exception" in line for line in found)
+
+
 async def test_batch_line_names_its_requests_safely_and_bounded(h: Harness, lines: Lines) -> None:
     from app.telemetry.observer import BATCH_REQ_IDS
 

@@ -96,6 +96,7 @@ def test_admin_token_from_env_or_file(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.delenv("KVOFFLOAD_ADMIN_TOKEN")
     token_file = tmp_path / "token"
     token_file.write_text("from-file\n")
+    token_file.chmod(0o600)
     assert parse_serve("--admin-token-file", str(token_file)).admin_token_value() == "from-file"
     with pytest.raises(ValidationError, match="KVOFFLOAD_ADMIN_TOKEN is set too"):
         Settings(admin_token=SecretStr("a"), admin_token_file=token_file)
@@ -128,12 +129,12 @@ def test_invalid_settings_are_refused(overrides: dict[str, object]) -> None:
         Settings(**overrides)  # type: ignore[arg-type]
 
 
-def test_every_setting_but_the_token_is_a_flag() -> None:
+def test_every_setting_but_the_tokens_is_a_flag() -> None:
     args = _build_parser().parse_args(["serve"])
     assert vars(args) == {"command": "serve"}  # unset flags stay unset (env/file/defaults apply)
     flags = {a.dest for a in _serve_parser()._actions if a.dest not in ("help",)}
     dests = flags
-    assert set(Settings.model_fields) - {"admin_token"} <= dests
+    assert set(Settings.model_fields) - {"admin_token", "metrics_token"} <= dests
 
 
 def test_invalid_flag_value_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
@@ -141,3 +142,15 @@ def test_invalid_flag_value_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert main(["serve", "--num-blocks", "lots"]) == 2
     assert "--num-blocks / KVOFFLOAD_NUM_BLOCKS = 'lots'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o604, 0o602, 0o606, 0o666])
+def test_an_admin_token_file_others_can_read_or_write_is_refused(tmp_path: Path, mode: int) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("from-file-0123456789\n")
+    token_file.chmod(mode)
+    with pytest.raises(ValidationError, match=f"by others \\(mode {mode:04o}\\)") as caught:
+        Settings(admin_token_file=token_file)
+    assert "from-file-0123456789" not in str(caught.value)
+    token_file.chmod(mode & 0o770)
+    assert Settings(admin_token_file=token_file).admin_token_value() == "from-file-0123456789"

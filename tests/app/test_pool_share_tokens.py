@@ -13,7 +13,6 @@ import logging
 import os
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,6 @@ import pytest
 
 from app.pool_share import (
     MAX_REQUEST_BYTES,
-    MAX_WAITING_REQUESTS,
     PoolShareError,
     PoolShareServer,
     SharedPool,
@@ -281,26 +279,42 @@ def test_an_unreadable_request_is_refused(sock_path: str, pools, line: bytes) ->
         assert refusal(conn) == "bad_request"
 
 
-def test_waiting_connections_are_bounded(sock_path: str, pools) -> None:
+def test_seventy_idle_connections_do_not_starve_a_client(sock_path: str, pools) -> None:
+    # Issue #21: 70 connections that send nothing made every receive_pool fail at once
+    # (dropped) until they timed out. Now a new connection is always waited on: one peer holds
+    # at most MAX_WAITING_PER_PEER waiting connections, its oldest dropped for a newer one.
     with tenant_server(sock_path, pools, request_timeout_s=30):
-        idle = [connect(sock_path) for _ in range(MAX_WAITING_REQUESTS)]
+        idle = [connect(sock_path) for _ in range(70)]
         try:
-            with connect(sock_path) as one_more:
-                assert answer_of(one_more) == (b"", 0)  # dropped unanswered
+            for _ in range(5):  # each served at once, the idle ones still open
+                got = receive_pool(sock_path, timeout_s=5, token=TOKEN_A)
+                assert written_through(got, pools["a"])
+            # This process's oldest idle connections were dropped unanswered, its newest wait.
+            assert answer_of(idle[0]) == (b"", 0)
+            idle[-1].sendall(json.dumps({"token": TOKEN_B, "namespace": "b2"}).encode() + b"\n")
+            data, fds = answer_of(idle[-1])
+            assert (json.loads(data)["pool_id"], fds) == ("pool-b2", 1)
         finally:
             for conn in idle:
                 conn.close()
-        # Their slots free up as the service sees them go (a moment later): it serves again.
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                got = receive_pool(sock_path, timeout_s=5, token=TOKEN_A)
-                break
-            except PoolShareError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.01)
-        os.close(got.fd)
+
+
+def test_a_long_line_is_read_only_after_a_descriptor(sock_path: str, pools) -> None:
+    with tenant_server(sock_path, pools, register=lambda request, fds: {"n": len(fds)}):
+        # No descriptor: held to MAX_REQUEST_BYTES, refused as soon as that much came.
+        with connect(sock_path) as conn:
+            conn.sendall(b'{"register_kv_cache": {"x": "' + b"x" * MAX_REQUEST_BYTES)
+            assert refusal(conn) == "request_too_large"
+        # With one, a registration may be longer; the descriptors reach the handler.
+        line = json.dumps({"register_kv_cache": {"x": "x" * 3 * MAX_REQUEST_BYTES}}).encode()
+        with connect(sock_path) as conn, open(os.devnull, "rb") as f:
+            socket.send_fds(conn, [line + b"\n"], [f.fileno(), f.fileno()])
+            data, fds = answer_of(conn)
+            assert (json.loads(data), fds) == ({"kv_cache": {"n": 2}}, 0)
+        # A pool request passes no descriptor.
+        with connect(sock_path) as conn, open(os.devnull, "rb") as f:
+            socket.send_fds(conn, [json.dumps({"token": TOKEN_A}).encode() + b"\n"], [f.fileno()])
+            assert refusal(conn) == "bad_request"
 
 
 def test_stop_drops_the_connections_still_waiting(sock_path: str, pools) -> None:

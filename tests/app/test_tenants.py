@@ -263,8 +263,68 @@ def test_a_file_that_is_not_utf8_is_refused(tmp_path: Path) -> None:
 def test_a_file_others_can_read_is_refused(tmp_path: Path, mode: int) -> None:
     path = write(tmp_path / "tenants.toml", TWO_TENANTS, mode=mode)
     assert f"readable by others (mode {mode:04o})" in refusal(path)
-    path.chmod(mode & ~0o004)
+    path.chmod(mode & ~0o006)
     load_tenants(path)
+
+
+@pytest.mark.parametrize("mode", [0o602, 0o622, 0o642])
+def test_a_file_others_can_write_is_refused_at_start_and_on_reload(
+    tmp_path: Path, mode: int
+) -> None:
+    path = write(tmp_path / "tenants.toml", TWO_TENANTS, mode=mode)
+    assert f"writable by others (mode {mode:04o})" in refusal(path)
+    path.chmod(0o600)
+    creds = Credentials(path)
+    path.chmod(mode)
+    assert creds.changed()
+    with pytest.raises(TenantsConfigError, match="writable by others"):
+        creds.reload()
+
+
+def foreign(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make ``path`` belong to someone other than the service's user and root."""
+    if os.geteuid() == 0:
+        os.chown(path, 4242, -1)
+    else:
+        monkeypatch.setattr(os, "geteuid", lambda: os.getuid() + 4242)
+
+
+@pytest.mark.parametrize("layout", ["directory", "file"])
+def test_a_directory_others_can_write_is_refused_unless_sticky_and_owned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str
+) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    one = write(shared / "team-a.toml", f'tokens = ["{TOKEN_A}"]\nnamespaces = ["a"]\n')
+    path = shared if layout == "directory" else one
+    if layout == "file":
+        write(one, TWO_TENANTS)
+    shared.chmod(0o777)
+    line = refusal(path)
+    assert f"{shared} is writable by others (mode 0777)" in line
+    with pytest.raises(TenantsConfigError, match="writable by others"):
+        Credentials(path)
+    # Sticky (/tmp, a Kubernetes secret volume): nobody renames or removes another's file,
+    # so files of the service's user (or root) are accepted, and only those.
+    shared.chmod(0o1777)
+    load_tenants(path)
+    foreign(one, monkeypatch)
+    assert "owned by uid" in refusal(path)
+    shared.chmod(0o755)
+    load_tenants(path)
+
+
+def test_a_kubernetes_secret_volume_mounted_1777_is_accepted(tmp_path: Path) -> None:
+    kubernetes_secret(
+        tmp_path,
+        "2026_12_01_06_00_00.1",
+        {"team-a.toml": f'tokens = ["{TOKEN_A}"]\nnamespaces = ["a"]\n'},
+    )
+    tmp_path.chmod(0o1777)
+    try:
+        assert Credentials(tmp_path).authenticate(f"Bearer {TOKEN_A}").name == "team-a"
+    finally:
+        tmp_path.chmod(0o700)
 
 
 def test_directory_problems_name_the_file(tmp_path: Path) -> None:

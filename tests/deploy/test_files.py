@@ -117,15 +117,33 @@ def test_compose_shm_holds_the_default_pool(compose) -> None:
     assert pool <= parse_bytes(compose_default(kv["shm_size"]))
 
 
-def test_compose_admin_token_is_a_secret(compose) -> None:
+@pytest.mark.parametrize(
+    ("variable", "secret"),
+    [
+        ("KVOFFLOAD_ADMIN_TOKEN", "kvoffload_admin_token"),
+        ("KVOFFLOAD_METRICS_TOKEN", "kvoffload_metrics_token"),
+    ],
+)
+def test_compose_tokens_are_secrets(compose, variable: str, secret: str) -> None:
     kv = compose["services"]["kvoffload"]
-    (secret,) = kv["secrets"]
-    assert kv["environment"]["KVOFFLOAD_ADMIN_TOKEN_FILE"] == f"/run/secrets/{secret}"
+    assert secret in kv["secrets"]
+    assert kv["environment"][f"{variable}_FILE"] == f"/run/secrets/{secret}"
     assert "file" in compose["secrets"][secret]
-    assert "KVOFFLOAD_ADMIN_TOKEN" not in kv["environment"], "no token in plain env"
+    assert variable not in kv["environment"], "no token in plain env"
     gitignore = (DEPLOY / ".gitignore").read_text(encoding="utf-8")
     secret_dir = Path(compose["secrets"][secret]["file"]).parent.name
     assert f"/{secret_dir}/" in gitignore
+
+
+def test_compose_prometheus_scrapes_with_the_metrics_token(compose) -> None:
+    # Issue #21: with tenants, /metrics is guarded by a scrape token; Prometheus sends it.
+    assert "kvoffload_metrics_token" in compose["services"]["prometheus"]["secrets"]
+    config = load_yaml(DEPLOY / "prometheus" / "prometheus.yml")
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "kvoffload"]
+    assert job["authorization"] == {
+        "type": "Bearer",
+        "credentials_file": "/run/secrets/kvoffload_metrics_token",
+    }
 
 
 def test_compose_engine_api_has_tenants_from_the_secrets_directory(compose) -> None:
@@ -186,7 +204,7 @@ def test_docker_compose_config_validates(tmp_path, compose_file: str) -> None:
     project = tmp_path / "deploy"
     shutil.copytree(DEPLOY, project)
     (project / "secrets").mkdir(exist_ok=True)
-    for name in ("kvoffload_admin_token", "grafana_admin_password"):
+    for name in ("kvoffload_admin_token", "kvoffload_metrics_token", "grafana_admin_password"):
         (project / "secrets" / name).write_text("test\n")
     proc = subprocess.run(
         ["docker", "compose", "-f", str(project / compose_file), "config", "--quiet"],

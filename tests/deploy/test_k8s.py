@@ -142,7 +142,7 @@ def test_admin_token_comes_from_the_secret(objects, daemonset, container) -> Non
     pod = daemonset["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in pod["volumes"] if "secret" in v}
     token_file = _env(container)["KVOFFLOAD_ADMIN_TOKEN_FILE"]
-    (mount,) = [m for m in container["volumeMounts"] if m["name"] in volumes]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "admin-token"]
     assert mount["readOnly"] is True
     secret_ref = volumes[mount["name"]]["secret"]
     (item,) = secret_ref["items"]
@@ -153,6 +153,27 @@ def test_admin_token_comes_from_the_secret(objects, daemonset, container) -> Non
     readme = README.read_text(encoding="utf-8")
     assert "create secret generic kvoffload-admin-token" in readme
     assert _env(container)["KVOFFLOAD_ADMIN_HOST"] == "0.0.0.0"
+
+
+def test_the_scrape_token_comes_from_a_secret_prometheus_sends(
+    objects, daemonset, container
+) -> None:
+    # Issue #21: /metrics needs a bearer token; the ServiceMonitor sends the same Secret's key.
+    pod = daemonset["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "metrics-token")["secret"]
+    (item,) = volume["items"]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "metrics-token"]
+    assert mount["readOnly"] is True
+    assert volume["defaultMode"] == 0o440
+    token_file = _env(container)["KVOFFLOAD_METRICS_TOKEN_FILE"]
+    assert token_file == f"{mount['mountPath']}/{item['path']}"
+    secret = objects[("Secret", volume["secretName"])]
+    assert "REPLACE-ME" in secret["stringData"][item["key"]], "keep an obvious placeholder"
+    (endpoint,) = objects[("ServiceMonitor", "kvoffload")]["spec"]["endpoints"]
+    assert endpoint["authorization"] == {
+        "type": "Bearer",
+        "credentials": {"name": volume["secretName"], "key": item["key"]},
+    }
 
 
 def test_services_reach_the_pods(objects, daemonset, container) -> None:
@@ -407,8 +428,11 @@ def test_daemonset_settings_are_valid(
     _, volume = _tenants_volume(daemonset, container)
     write_secret_volume(tmp_path / "tenants", _tenant_files(objects), 0o440)
     monkeypatch.setenv("KVOFFLOAD_TENANTS", str(tmp_path / "tenants"))
-    (tmp_path / "admin-token").write_text("test-admin-token\n")
+    for name in ("admin-token", "metrics-token"):  # as the secret volumes mount them
+        (tmp_path / name).write_text(f"test-{name}\n")
+        (tmp_path / name).chmod(0o440)
     monkeypatch.setenv("KVOFFLOAD_ADMIN_TOKEN_FILE", str(tmp_path / "admin-token"))
+    monkeypatch.setenv("KVOFFLOAD_METRICS_TOKEN_FILE", str(tmp_path / "metrics-token"))
     # The image's entrypoint listens on 0.0.0.0: valid only with the tenants file.
     settings = Settings(host="0.0.0.0")
     assert settings.uds_mode == 0o660

@@ -48,8 +48,17 @@ def _test_files() -> list[Path]:
 
 
 @needs_promtool
-def test_promtool_check_config() -> None:
-    out = _promtool("check", "config", PROMETHEUS_CONFIG)
+def test_promtool_check_config(tmp_path: Path) -> None:
+    # The scrape token's file is a compose secret, there only in the container: checked on a
+    # copy of the configuration (rules beside it) naming a throwaway file there instead.
+    shutil.copytree(PROMETHEUS_CONFIG.parent, tmp_path / "prometheus")
+    config = tmp_path / "prometheus" / PROMETHEUS_CONFIG.name
+    token = tmp_path / "metrics-token"
+    token.write_text("test\n")
+    text = config.read_text(encoding="utf-8")
+    assert "/run/secrets/kvoffload_metrics_token" in text
+    config.write_text(text.replace("/run/secrets/kvoffload_metrics_token", str(token)))
+    out = _promtool("check", "config", config)
     assert "SUCCESS" in out
     assert "kvoffload.rules.yml" in out
 

@@ -78,6 +78,8 @@ def _settings(env: dict[str, str], tenants: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("KVOFFLOAD_TENANTS", str(tenants))
     monkeypatch.setenv("KVOFFLOAD_ADMIN_TOKEN", "t" * 32)
     monkeypatch.delenv("KVOFFLOAD_ADMIN_TOKEN_FILE", raising=False)
+    monkeypatch.setenv("KVOFFLOAD_METRICS_TOKEN", "m" * 32)  # its file is a mounted secret
+    monkeypatch.delenv("KVOFFLOAD_METRICS_TOKEN_FILE", raising=False)
     return Settings(host="0.0.0.0")  # the image's entrypoint; refused without tenants
 
 
@@ -144,9 +146,11 @@ def test_compose_nodes_have_tenants_secrets_and_loopback_ports(compose) -> None:
         (source,) = [s for s, target in mounts.items() if target == env["KVOFFLOAD_TENANTS"]]
         assert source.startswith("./secrets/"), "tenants files hold tokens: keep them in secrets/"
         assert compose_default(node["group_add"][0]).isdigit()
-        (secret,) = node["secrets"]
-        assert env["KVOFFLOAD_ADMIN_TOKEN_FILE"] == f"/run/secrets/{secret}"
-        assert "file" in compose["secrets"][secret]
+        assert sorted(node["secrets"]) == ["kvoffload_admin_token", "kvoffload_metrics_token"]
+        for secret in node["secrets"]:
+            variable = secret.removeprefix("kvoffload_").upper()
+            assert env[f"KVOFFLOAD_{variable}_FILE"] == f"/run/secrets/{secret}"
+            assert "file" in compose["secrets"][secret]
         pool = int(compose_default(env["KVOFFLOAD_NUM_BLOCKS"])) * int(
             compose_default(env["KVOFFLOAD_BLOCK_BYTES"])
         )

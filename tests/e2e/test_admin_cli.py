@@ -42,6 +42,7 @@ def admin(
 def token_file(tmp_path: Path) -> Path:
     path = tmp_path / "admin-token"
     path.write_text(TOKEN + "\n")
+    path.chmod(0o600)
     return path
 
 
@@ -68,6 +69,7 @@ def test_the_token_comes_from_every_source_the_server_reads(
 
     wrong = tmp_path / "wrong-token"
     wrong.write_text("nope")
+    wrong.chmod(0o600)
     flag_wins = admin(
         server,
         "--admin-token-file",

@@ -102,6 +102,7 @@ def test_admin_cli_talks_to_the_admin_api(server: ServerProcess, tmp_path: Path)
 
     token_file = tmp_path / "wrong-token"
     token_file.write_text("nope")
+    token_file.chmod(0o600)  # a token file others can read is refused before any call
     denied = cli("--token-file", str(token_file), "stats")
     assert denied.returncode == 1
     assert "403" in denied.stderr

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -205,3 +206,42 @@ def test_the_admin_cli_names_a_namespace_and_lists_tenants(server: ServerProcess
     assert [(r["tenant"], r["requests"]) for r in rows] == [("alpha", 0), ("beta", 1)]
     assert ALPHA not in listed.stdout
     assert BETA not in listed.stdout
+
+
+def test_kv_caches_register_by_descriptor_and_idle_clients_starve_nobody(
+    server: ServerProcess,
+) -> None:
+    # Issue #21 against the real server (uvloop, both sockets): beta cannot register alpha's
+    # file by path (on TCP or the Unix socket) and learns nothing; alpha registers it by passing
+    # its descriptor over the pool socket; 70 idle connections on that socket starve nobody.
+    from tests.shm_device import ShmDevice
+
+    pool_socket = default_pool_socket(str(server.uds))
+    with ShmDevice(4, BLOCK, name="alpha-kv") as dev:
+        for beta in (
+            KVOffloadClient(server.url, token=BETA),
+            KVOffloadClient(uds=str(server.uds), token=BETA),
+        ):
+            with beta, pytest.raises(KVOffloadError) as refused:
+                beta.register_kv_cache(dev.spec())
+            assert (refused.value.status, refused.value.code) == (403, "handle_not_held")
+            assert dev.path not in str(refused.value)
+        fd = os.open(dev.path, os.O_RDWR | os.O_CLOEXEC)
+        idle = []
+        try:
+            spec = dev.spec()
+            spec["tensors"][0]["handle"] = {"kind": "shm", "fd": 0}
+            with KVOffloadClient(uds=str(server.uds), token=ALPHA) as alpha:
+                cache = alpha.register_kv_cache(spec, fds=[fd])
+                assert [c.cache_id for c in alpha.kv_caches()] == [cache.cache_id]
+            for _ in range(70):
+                conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                conn.connect(pool_socket)
+                idle.append(conn)
+            got = receive_pool(pool_socket, timeout_s=5, token=BETA)
+            os.close(got.fd)
+        finally:
+            os.close(fd)
+            for conn in idle:
+                conn.close()
+    assert "Traceback" not in server.log()

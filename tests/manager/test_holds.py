@@ -81,3 +81,17 @@ def test_events_about_another_medium_join_the_numbered_stream() -> None:
     assert [e.medium for e in events] == ["CPU", "REMOTE", "REMOTE"]
     with pytest.raises(InvalidArgumentError):
         m.record_event("moved", [b"a"], REMOTE_MEDIUM)
+
+
+def test_new_pins_counts_distinct_blocks_nobody_pins_yet() -> None:
+    m = create_manager(4)
+    stored(m, "w", [b"a", b"b", b"c"])
+    assert m.new_pins([b"a", b"a", b"b"]) == 2  # nothing pinned: distinct keys
+    ctx = ReqContext("r")
+    m.on_new_request(ctx)
+    m.prepare_load([b"a"], ctx)
+    m.hold([b"b"])
+    assert m.new_pins([b"a", b"b", b"c", b"c"]) == 1  # a pinned by r, b held: only c is new
+    assert m.num_pinned + m.new_pins([b"a", b"b", b"c"]) == 3
+    with pytest.raises(InvalidArgumentError):
+        m.new_pins([[b"a"]])  # type: ignore[list-item]

@@ -464,3 +464,43 @@ def test_a_registration_on_another_gpu_is_refused(make_pool, two_gpus, monkeypat
         registry.register(KVCacheSpec.from_dict(unknown))
     with pytest.raises(RegistrationError, match="device_uuid must be a GPU UUID"):
         KVCacheSpec.from_dict({**ipc_body(ipc_handle()), "device_uuid": "cuda:1"})
+
+
+def test_a_passed_descriptor_is_mapped_shared_and_no_path_is_opened(registry, files) -> None:
+    spec = body(files)
+    fds = [os.open(path, os.O_RDWR | os.O_CLOEXEC) for path in files]
+    try:
+        for i, tensor in enumerate(spec["tensors"]):
+            tensor["handle"] = {"kind": "shm", "fd": 1 - i}  # any order
+        fds.reverse()
+        for path in files:
+            os.rename(path, path + ".moved")  # the service never looks the names up
+        cache = registry.register(KVCacheSpec.from_dict(spec), fds)
+    finally:
+        for fd in fds:
+            os.close(fd)  # the registry keeps its own mapping
+    cache.tensors[1][5] = 42
+    with open(files[1] + ".moved", "rb") as f:
+        f.seek(5)
+        assert f.read(1) == b"\x2a"
+
+
+def test_a_descriptor_handle_needs_its_descriptor(registry, files) -> None:
+    spec = body(files)
+    for tensor in spec["tensors"]:
+        tensor["handle"] = {"kind": "shm", "fd": 0}
+    with pytest.raises(RegistrationError, match="passed over the pool socket"):
+        registry.register(KVCacheSpec.from_dict(spec))  # an HTTP call: none can come
+    fd = os.open(files[0], os.O_RDWR | os.O_CLOEXEC)
+    try:
+        spec["tensors"][1]["handle"] = {"kind": "shm", "fd": 1}
+        with pytest.raises(RegistrationError, match=r"tensors\[1\].handle.fd is 1, but 1"):
+            registry.register(KVCacheSpec.from_dict(spec), [fd])
+    finally:
+        os.close(fd)
+    spec["tensors"][0]["handle"] = {"kind": "shm", "fd": 0, "path": files[0]}
+    with pytest.raises(RegistrationError, match="path or fd, not both"):
+        KVCacheSpec.from_dict(spec)
+    spec["tensors"][0]["handle"] = {"kind": "shm", "fd": -1}
+    with pytest.raises(RegistrationError, match="index of a passed descriptor"):
+        KVCacheSpec.from_dict(spec)

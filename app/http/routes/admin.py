@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.core.admin import Admin
 from app.http import schemas as s
+from app.http.auth import ambiguous
 from app.http.deps import ServiceDep, tenancy_of
 from app.http.errors import BODY_ERRORS, APIError, responses
 from app.http.middleware import call_info
@@ -174,9 +175,12 @@ async def require_admin(
 ) -> str:
     """Check the bearer token against the app's; return the caller (for the audit log).
 
-    401 without a token, 403 with a wrong one (constant-time comparison). An app without a
-    token (loopback only) lets every caller in.
+    401 without a token, 403 with a wrong one (constant-time comparison), 400
+    ``ambiguous_credentials`` with two ``Authorization`` headers. An app without a token
+    (loopback only) lets every caller in.
     """
+    if len(request.headers.getlist("authorization")) > 1:
+        raise ambiguous("Authorization")
     client = request.client
     actor = f"{client.host}:{client.port}" if client is not None else "unknown"
     expected: bytes | None = getattr(request.app.state, _TOKEN_STATE, None)

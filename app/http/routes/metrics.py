@@ -5,24 +5,76 @@ Content negotiation follows prometheus_client (``choose_encoder``): OpenMetrics 
 stores exemplars; only this format carries them), the classic text format otherwise. The route
 answers on ``/metrics`` itself (no redirect to ``/metrics/``, unlike a mounted ASGI app). The
 registry is read on the event loop, so the state collector sees the manager between two calls.
+
+Who may read it. With a scrape token (``--metrics-token-file``, or ``KVOFFLOAD_METRICS_TOKEN``)
+every scrape needs ``Authorization: Bearer <token>`` (what Prometheus's scrape
+``authorization`` setting sends): 401 without it, 403 with another (constant-time comparison).
+Without one, ``/metrics`` is open; and with tenants it then carries no exemplars, since an
+exemplar names an engine request (``req_id``) of whichever tenant made the last observation, so
+an open endpoint would tell every tenant every other tenant's request ids. Names and counts stay
+(restrict them by network, or give the endpoint a token).
 """
 
 from __future__ import annotations
+
+import hmac
+from collections.abc import Iterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import Metric
+
+from app.http.errors import APIError
 
 _TEXT_SCHEMA = {"type": "string"}
 
 
-def register_metrics_route(app: FastAPI, registry: CollectorRegistry) -> None:
-    """Add ``GET /metrics`` serving ``registry``."""
+class WithoutExemplars:
+    """``registry``'s metrics with every sample's exemplar left out (a collector-like view the
+    encoders read as they read a registry)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        """Every family of ``registry``, its samples without exemplars."""
+        for family in self.registry.collect():
+            family.samples = [
+                s if s.exemplar is None else s._replace(exemplar=None) for s in family.samples
+            ]
+            yield family
+
+
+def register_metrics_route(
+    app: FastAPI,
+    registry: CollectorRegistry,
+    *,
+    token: str | None = None,
+    exemplars: bool = True,
+) -> None:
+    """Add ``GET /metrics`` serving ``registry``; with ``token``, only to callers bearing it
+    (401 / 403); without ``exemplars``, every exemplar left out (module docstring)."""
+    expected = None if token is None else token.encode()
+    source: CollectorRegistry | WithoutExemplars = (
+        registry if exemplars else WithoutExemplars(registry)
+    )
 
     async def metrics(request: Request) -> Response:
+        if expected is not None:
+            values = request.headers.getlist("authorization")
+            if len(values) > 1:
+                raise APIError(400, "ambiguous_credentials", "more than one Authorization header")
+            scheme, _, presented = (values[0] if values else "").partition(" ")
+            if scheme.lower() != "bearer" or not presented:
+                raise APIError(
+                    401, "unauthorized", "scrape token required", {"WWW-Authenticate": "Bearer"}
+                )
+            if not hmac.compare_digest(presented.encode(), expected):
+                raise APIError(403, "forbidden", "wrong scrape token")
         encode, content_type = choose_encoder(request.headers.get("accept", ""))
-        return Response(encode(registry), headers={"content-type": content_type})
+        return Response(encode(source), headers={"content-type": content_type})
 
     app.add_api_route(
         "/metrics",
@@ -33,7 +85,9 @@ def register_metrics_route(app: FastAPI, registry: CollectorRegistry) -> None:
         summary="Prometheus metrics (OpenMetrics with exemplars when Accept asks for it)",
         description=(
             "Classic Prometheus text format by default; OpenMetrics 1.0 (with `req_id` "
-            "exemplars) when `Accept` names `application/openmetrics-text`."
+            "exemplars) when `Accept` names `application/openmetrics-text`. With a scrape "
+            "token (`--metrics-token-file`) it needs `Authorization: Bearer <token>`; a "
+            "service with tenants and no scrape token serves no exemplars."
         ),
         tags=["health"],
         response_class=Response,
@@ -44,6 +98,8 @@ def register_metrics_route(app: FastAPI, registry: CollectorRegistry) -> None:
                     "text/plain": {"schema": _TEXT_SCHEMA},
                     "application/openmetrics-text": {"schema": _TEXT_SCHEMA},
                 },
-            }
+            },
+            401: {"description": "No scrape token (only when the service has one)"},
+            403: {"description": "Another scrape token"},
         },
     )
