@@ -24,7 +24,8 @@ returns them oldest write first. A header of another block size starts the direc
 
 Bytes under the directory never exceed ``disk_bytes``: ``slots_for(disk_bytes, block_bytes)``
 sizes the slot count so that ``blocks`` (at most ``slots x slot_bytes``), ``index``
-(4 KiB + 128 B per slot) and ``probe`` (4 KiB) fit.
+(4 KiB + 128 B per slot, rounded up to whole pages as the filesystem allocates it) and
+``probe`` (4 KiB) fit.
 
 Faults: an ``OSError`` on a write (disk full, read-only, I/O error) or a read marks the store
 ``degraded`` (``health()``); the failed blocks are reported failed, nothing raises out of the
@@ -98,7 +99,16 @@ class DiskError(TransferError):
 def slots_for(disk_bytes: int, block_bytes: int) -> int:
     """How many block slots fit in ``disk_bytes`` with the index and the probe page."""
     slot = _slot_bytes(block_bytes)
-    return max(0, (disk_bytes - HEADER_BYTES - PAGE) // (slot + ENTRY_BYTES))
+    n = max(0, (disk_bytes - HEADER_BYTES - PAGE) // (slot + ENTRY_BYTES))
+    # The index takes whole pages on disk (``du``), not its 128 B per slot: at most one page
+    # more than the estimate, so at most a slot or two less.
+    while n > 0 and n * slot + _index_pages(n) + PAGE > disk_bytes:
+        n -= 1
+    return n
+
+
+def _index_pages(num_slots: int) -> int:
+    return -(-(HEADER_BYTES + num_slots * ENTRY_BYTES) // PAGE) * PAGE
 
 
 def _slot_bytes(block_bytes: int) -> int:
