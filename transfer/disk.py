@@ -10,7 +10,8 @@ service namespace, so keys of two namespaces never meet):
   per slot: key, the block's checksum (xxh3-64 of its bytes, seeded with a hash of the key, so a
   block read back under another key fails too), a write sequence number and the entry's own
   checksum. Written buffered, never read on the data path: the entries live in memory.
-- ``probe``: one page, rewritten to tell whether writes work again after a fault.
+- ``probe``: one page, written afresh (and freed again) to tell whether writes work again
+  after a fault.
 - ``lock``: ``flock``-ed while open, so two processes never share a directory.
 
 Writing a block: its entry is cleared, the bytes are written, then the entry is written. A block
@@ -414,13 +415,17 @@ class DiskStore:
             return DiskHealth(self._state, self._since, self._last_error, dict(self._counters))
 
     def probe(self) -> bool:
-        """Try a real write (the probe page, synced); back to ``ok`` when it works. Blocks."""
+        """Try a real write (the probe page, synced); back to ``ok`` when it works. Blocks.
+
+        The page is a new one each time (the file is emptied after each probe): rewriting a
+        page already allocated works on a full disk, so it would call a full disk ``ok``."""
         path = os.path.join(self.directory, "probe")
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
                 os.pwrite(fd, os.urandom(64).ljust(PAGE, b"\0"), 0)
                 os.fsync(fd)
+                os.ftruncate(fd, 0)
             finally:
                 os.close(fd)
         except OSError as exc:
