@@ -1,0 +1,512 @@
+"""The disk tier through the engine and admin APIs: one in-process service over a real directory.
+
+The pool is small (32 blocks of 4 KiB) so a few dozen stores overflow it and the evicted blocks
+are demoted to the disk; every test reads the bytes back and compares them with what was stored.
+The fault tests use a tmpfs of their own (mounted here: root only) for a disk that really fills
+up or turns read-only, and the store's ``pwrite``/``preadv`` seams for I/O errors. No call
+through the HTTP API may answer 5xx in any of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import app.core.disk as disk_module
+from app.core.disk import DiskLink
+from tests.api.harness import BLOCK, Harness, hexkeys, make_settings, running
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(autouse=True)
+def fast_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(disk_module, "PROBE_S", 0.05)
+
+
+@contextlib.asynccontextmanager
+async def disk_node(directory: Path, **overrides: Any) -> AsyncIterator[Harness]:
+    settings: dict[str, Any] = {
+        "disk_dir": directory,
+        "disk_bytes": 8192 + 64 * (4096 + 128) + 4096,  # 64 slots
+        "disk_admit_after": 1,
+        "disk_batch_blocks": 8,
+        **overrides,
+    }
+    async with running(make_settings(**settings)) as h:
+        yield h
+
+
+def link(h: Harness) -> DiskLink:
+    assert h.service.disk is not None
+    return h.service.disk
+
+
+def pool_bytes(h: Harness, slot: int) -> bytes:
+    return bytes(h.service.transfers().pool.tensor[slot].numpy())
+
+
+async def store(h: Harness, req: str, keys: list[str]) -> dict[str, bytes]:
+    """Store ``keys`` through the pool, random bytes each (8 at a time); their bytes."""
+    await h.start(req)
+    written: dict[str, bytes] = {}
+    pool = h.service.transfers().pool
+    for at in range(0, len(keys), 8):
+        chunk = keys[at : at + 8]
+        r = await h.post(f"/v1/requests/{req}/prepare-store", {"keys": chunk})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        for key, slot in zip(body["keys_to_store"], body["slots"], strict=True):
+            data = os.urandom(BLOCK)
+            pool.tensor[slot].numpy()[:] = memoryview(data)
+            written[key] = data
+        r = await h.post(f"/v1/requests/{req}/complete-store", {"keys": chunk})
+        assert r.status_code == 200, r.text
+    return written
+
+
+async def stats(h: Harness) -> dict[str, Any]:
+    r = await h.admin.get("/admin/v1/stats")
+    assert r.status_code == 200, r.text
+    disk: dict[str, Any] = r.json()["disk"]
+    return disk
+
+
+async def until(predicate: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+async def demoted(h: Harness, count: int) -> None:
+    async def done() -> bool:
+        return bool((await stats(h))["demotions"]["written"] >= count)
+
+    await until(done)
+
+
+async def lookup(h: Harness, req: str, keys: list[str]) -> list[str]:
+    r = await h.post(f"/v1/requests/{req}/lookup", {"keys": keys})
+    assert r.status_code == 200, r.text
+    results: list[str] = r.json()["results"]
+    return results
+
+
+async def events(h: Harness) -> list[dict[str, Any]]:
+    r = await h.client.get("/v1/events", params={"limit": 1000})
+    assert r.status_code == 200, r.text
+    out: list[dict[str, Any]] = r.json()["events"]
+    return out
+
+
+def disk_events(evs: list[dict[str, Any]], kind: str) -> set[str]:
+    return {
+        k for e in evs if e["type"] == kind and e["medium"] == "DISK" for k in e["block_hashes"]
+    }
+
+
+def invariants(h: Harness) -> None:
+    """The pool and the disk index at rest: nothing pinned, pending or held by a promotion."""
+    manager = h.service.manager.manager
+    assert manager.num_pinned == 0
+    assert manager.stats().pending == 0
+    d = link(h)
+    assert d.promotions.in_flight == 0
+    assert d.index.index.num_pinned == 0
+    assert d.index.index.stats().pending == 0
+    assert not d.store.held_slots()
+
+
+# --------------------------------------------------------------------------- the happy path
+
+
+async def test_evicted_blocks_demote_and_onload_in_one_call_with_identical_bytes(
+    tmp_path: Path,
+) -> None:
+    async with disk_node(tmp_path) as h:
+        keys = hexkeys(*range(1, 49))
+        data = await store(h, "w", keys)
+        await demoted(h, 16)  # 48 stored, 32 fit: the 16 oldest went down
+        assert await lookup(h, "w", keys[:16]) == ["disk"] * 16
+        assert disk_events(await events(h), "BlockStored") == set(keys[:16])
+
+        dev, cache_id = await h.device(16)
+        await h.start("r")
+        body = {"cache_id": cache_id, "keys": keys[:8], "device_blocks": list(range(8))}
+        r = await h.post("/v1/requests/r/onload", body)
+        assert r.status_code == 202, r.text  # one call: no 409 round trip
+        job = await h.wait(r.json()["job_id"])
+        assert job["state"] == "done", job
+        assert [dev.read(i) for i in range(8)] == [data[k] for k in keys[:8]]
+
+        # The batch API: same, in one op.
+        op = {"op": "onload", "req_id": "r", "cache_id": cache_id}
+        r = await h.post(
+            "/v1/batch", {"ops": [{**op, "keys": keys[8:16], "device_blocks": list(range(8, 16))}]}
+        )
+        result = r.json()["results"][0]
+        assert result["status"] == 202, result
+        job = await h.wait(result["result"]["job_id"])
+        assert job["state"] == "done", job
+        assert [dev.read(8 + i) for i in range(8)] == [data[k] for k in keys[8:16]]
+
+        # A key on no tier: still a 409 at onload, whichever way.
+        bad = {"cache_id": cache_id, "keys": [keys[0], hexkeys(999)[0]], "device_blocks": [0, 1]}
+        r = await h.post("/v1/requests/r/onload", bad)
+        assert r.status_code == 409, r.text
+        assert r.json()["error"]["code"] == "key_not_ready"
+        r = await h.post("/v1/batch", {"ops": [{**op, **bad}]})
+        assert r.json()["results"][0]["status"] == 409
+
+        assert (await h.client.delete("/v1/requests/r")).status_code == 200
+        assert (await h.client.delete("/v1/requests/w")).status_code == 200
+
+        async def settled() -> bool:
+            return h.service.manager.manager.num_pinned == 0
+
+        await until(settled)
+        s = await stats(h)
+        assert s["promotions"]["loaded"] >= 16
+        assert s["state"] == "ok"
+        assert s["corrupt_dropped"] == 0
+
+
+async def test_prepare_load_of_a_disk_key_is_409_then_pending_then_hit(tmp_path: Path) -> None:
+    async with disk_node(tmp_path) as h:
+        keys = hexkeys(*range(1, 41))
+        data = await store(h, "w", keys)
+        await demoted(h, 8)
+        cold = keys[:4]
+        assert await lookup(h, "w", cold) == ["disk"] * 4
+        await h.start("r")
+        # Slow the read down so "pending" can be seen.
+        store_ = link(h).store
+        real = store_.preadv
+
+        def slow(fd: int, bufs: list[memoryview], off: int) -> int:
+            time.sleep(0.2)
+            return real(fd, bufs, off)
+
+        store_.preadv = slow
+        r = await h.post("/v1/requests/r/prepare-load", {"keys": cold})
+        assert r.status_code == 409
+        assert r.json()["error"]["code"] == "key_not_ready"
+        assert "pending" in await lookup(h, "r", cold)
+
+        async def hit() -> bool:
+            return await lookup(h, "r", cold) == ["hit"] * 4
+
+        await until(hit)
+        store_.preadv = real
+        r = await h.post("/v1/requests/r/prepare-load", {"keys": cold})
+        assert r.status_code == 200, r.text
+        assert [pool_bytes(h, s) for s in r.json()["slots"]] == [data[k] for k in cold]
+        await h.post("/v1/requests/r/complete-load", {"keys": cold})
+        await h.client.delete("/v1/requests/r")
+        await h.client.delete("/v1/requests/w")
+        invariants(h)
+
+
+# --------------------------------------------------------------------------- events
+
+
+async def test_disk_events_stored_on_demotion_removed_on_eviction_and_on_corruption(
+    tmp_path: Path,
+) -> None:
+    # 8 disk slots: demoting more than 8 evicts the disk's own oldest blocks.
+    async with disk_node(tmp_path, disk_bytes=8192 + 8 * (4096 + 128) + 4096) as h:
+        assert link(h).index.num_slots == 8
+        keys = hexkeys(*range(1, 45))  # 12 demoted into 8 slots: 4 evicted from disk
+        await store(h, "w", keys)
+        await demoted(h, 12)
+        evs = await events(h)
+        # Which blocks the pool evicts is its policy's choice (the deepest of a prefix first):
+        # the events say which; 12 went down, the disk's LRU evicted 4 of them.
+        stored = disk_events(evs, "BlockStored")
+        evicted = disk_events(evs, "BlockRemoved")
+        assert len(stored) == 12
+        assert len(evicted) == 4
+        assert evicted < stored
+        assert (await stats(h))["evictions"] == 4
+        on_disk = sorted(stored - evicted)
+        assert await lookup(h, "w", on_disk) == ["disk"] * 8
+        assert await lookup(h, "w", sorted(evicted)) == ["miss"] * 4
+
+        # Corrupt one block on disk: its promotion fails, it is dropped, a DISK removal.
+        d = link(h)
+        victim = on_disk[0]
+        (slot,) = [s for k, s in d.store.listed() if k == bytes.fromhex(victim)]
+        with open(tmp_path / h.service.namespace / "blocks", "r+b") as f:
+            f.seek(slot * d.store.slot_bytes + 100)
+            f.write(b"\xff" * 16)
+        dev, cache_id = await h.device(4)
+        await h.start("r")
+        before = dev.read(0)
+        body = {"cache_id": cache_id, "keys": [victim], "device_blocks": [0]}
+        r = await h.post("/v1/requests/r/onload", body)
+        assert r.status_code == 202, r.text
+        job = await h.wait(r.json()["job_id"])
+        assert job["state"] == "failed", job
+        assert dev.read(0) == before  # never the torn bytes
+        assert victim in disk_events(await events(h), "BlockRemoved")
+        assert await lookup(h, "r", [victim]) == ["miss"]
+        s = await stats(h)
+        assert s["corrupt_dropped"] == 1
+        assert s["counters"]["checksum_failures"] == 1
+        # Unlisted on disk too: a restart does not bring it back.
+        assert bytes.fromhex(victim) not in {k for k, _ in d.store.listed()}
+        await h.client.delete("/v1/requests/r")
+        await h.client.delete("/v1/requests/w")
+        invariants(h)
+
+
+# --------------------------------------------------------------------------- faults
+
+
+async def test_io_errors_degrade_the_tier_and_a_failed_read_is_a_miss(tmp_path: Path) -> None:
+    async with disk_node(tmp_path) as h:
+        keys = hexkeys(*range(1, 41))
+        data = await store(h, "w", keys)
+        await demoted(h, 8)
+        d = link(h)
+
+        def eio(*_: object) -> int:
+            raise OSError(errno.EIO, "Input/output error")
+
+        # A failing device fails the probe's write too; until it is back, so does the probe.
+        real_probe = d.store.probe
+        d.store.probe = lambda: False  # type: ignore[method-assign]
+        d.store.preadv = eio
+        dev, cache_id = await h.device(8)
+        await h.start("r")
+        for i in range(8):
+            dev.write(i, b"\0" * BLOCK)
+        body = {"cache_id": cache_id, "keys": keys[:2], "device_blocks": [0, 1]}
+        r = await h.post("/v1/requests/r/onload", body)
+        assert r.status_code == 202, r.text
+        job = await h.wait(r.json()["job_id"])
+        assert job["state"] == "failed", job
+        assert [dev.read(0), dev.read(1)] == [b"\0" * BLOCK] * 2
+        ready = await h.client.get("/readyz")
+        assert ready.status_code == 200
+        assert "Input/output error" in ready.json()["details"]["disk_tier"]
+        s = await stats(h)
+        assert s["state"] == "degraded"
+        assert s["counters"]["read_failures"] == 2
+        # A failed read drops the block (it could be bad): a miss, never wrong bytes.
+        assert await lookup(h, "r", keys[:2]) == ["miss", "miss"]
+        # Degraded: demotions are dropped and counted, the pool keeps serving.
+        await store(h, "w2", hexkeys(*range(100, 116)))
+        s = await stats(h)
+        assert s["demotions"]["dropped"].get("degraded", 0) >= 1, s
+        assert await lookup(h, "w2", hexkeys(*range(100, 116))) == ["hit"] * 16
+        d.store.preadv = os.preadv
+        d.store.probe = real_probe  # type: ignore[method-assign]
+
+        async def recovered() -> bool:
+            return bool((await stats(h))["state"] == "ok")
+
+        await until(recovered)
+        assert "disk_tier" not in (await h.client.get("/readyz")).json().get("details", {})
+        body = {"cache_id": cache_id, "keys": keys[2:4], "device_blocks": [2, 3]}
+        r = await h.post("/v1/requests/r/onload", body)
+        job = await h.wait(r.json()["job_id"])
+        assert job["state"] == "done", job
+        assert [dev.read(2), dev.read(3)] == [data[k] for k in keys[2:4]]
+        assert all(c.status < 500 for c in h.calls)
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Path]:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], check=False)
+    if done.returncode != 0:
+        pytest.skip("mount -t tmpfs refused here (no CAP_SYS_ADMIN in this container)")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def fill_up(mnt: Path) -> Path:
+    """Another process fills the filesystem until ENOSPC; the filler file."""
+    filler = mnt / "filler"
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={filler}", "bs=64k", "count=1000"],
+        check=False,
+        capture_output=True,
+    )
+    st = os.statvfs(mnt)
+    assert st.f_bavail == 0, st
+    return filler
+
+
+async def test_a_full_disk_degrades_drops_demotions_and_recovers_without_restart(
+    tmpfs: Path,
+) -> None:
+    # 6 MiB of slots: room for the demotions, until another process takes it all.
+    async with disk_node(tmpfs / "d", disk_bytes=6 * 1024 * 1024) as h:
+        d = link(h)
+        keys = hexkeys(*range(1, 41))
+        await store(h, "w", keys)
+        await demoted(h, 8)
+        filler = fill_up(tmpfs)
+        more = hexkeys(*range(100, 140))
+        data = await store(h, "w2", more)  # 40 more: everything older goes down, and fails
+
+        async def degraded() -> bool:
+            return bool((await stats(h))["state"] == "degraded")
+
+        await until(degraded)
+        ready = await h.client.get("/readyz")
+        assert ready.status_code == 200
+        assert "No space left on device" in ready.json()["details"]["disk_tier"]
+        s = await stats(h)
+        dropped = s["demotions"]["dropped"]
+        assert sum(dropped.values()) >= 1, s
+        assert s["counters"]["write_failures"] >= 1
+        # Still degraded a few probe periods later: the probe must not call a full disk ok.
+        await asyncio.sleep(5 * disk_module.PROBE_S)
+        assert (await stats(h))["state"] == "degraded"
+        # The pool keeps serving; the blocks already on disk are still hits.
+        assert await lookup(h, "w2", more[-8:]) == ["hit"] * 8
+        assert await lookup(h, "w2", keys[:8]) == ["disk"] * 8
+        dev, cache_id = await h.device(8)
+        await h.start("r")
+        r = await h.post(
+            "/v1/requests/r/onload",
+            {"cache_id": cache_id, "keys": more[-2:], "device_blocks": [0, 1]},
+        )
+        assert (await h.wait(r.json()["job_id"]))["state"] == "done"
+        assert [dev.read(0), dev.read(1)] == [data[k] for k in more[-2:]]
+
+        filler.unlink()
+
+        async def recovered() -> bool:
+            return bool((await stats(h))["state"] == "ok")
+
+        await until(recovered)
+        written = (await stats(h))["demotions"]["written"]
+        await store(h, "w3", hexkeys(*range(200, 216)))
+        await demoted(h, written + 1)  # demoting again
+        assert d.store.health().ok
+
+        # Full a second time (the probe's page now exists): degraded again, and it stays so
+        # while the disk is full.
+        filler = fill_up(tmpfs)
+        await store(h, "w4", hexkeys(*range(300, 340)))
+        await until(degraded)
+        incidents = (await stats(h))["counters"]["incidents"]
+        for _ in range(5):
+            await asyncio.sleep(disk_module.PROBE_S)
+            await store(h, "w4", hexkeys(*range(400 + 8 * _, 408 + 8 * _)))
+        s = await stats(h)
+        assert s["state"] == "degraded", s
+        assert s["counters"]["incidents"] == incidents, s
+        filler.unlink()
+        await until(recovered)
+        assert all(c.status < 500 for c in h.calls)
+
+
+@pytest.fixture
+def ext4(tmp_path: Path) -> Iterator[tuple[Path, str]]:
+    """A 32 MiB ext4 on a loop device, mounted errors=remount-ro; (mount point, device)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a loop device needs root")
+    image, mnt = tmp_path / "ext4.img", tmp_path / "ext4"
+    mnt.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(32 * 1024 * 1024)
+    made = subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=False)
+    opts = "loop,errors=remount-ro"
+    mounted = subprocess.run(["mount", "-o", opts, str(image), str(mnt)], check=False)
+    if made.returncode or mounted.returncode:
+        pytest.skip("no mkfs.ext4 or no loop device here")
+    source = subprocess.run(
+        ["findmnt", "-n", "-o", "SOURCE", str(mnt)], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    try:
+        yield mnt, os.path.basename(source)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+async def test_a_disk_gone_read_only_still_serves_its_hits(ext4: tuple[Path, str]) -> None:
+    """``mount -o remount,ro`` is refused (EBUSY) while the service holds its files open for
+    writing; a filesystem goes read-only under a live service when the kernel does it, as ext4
+    does on an error with ``errors=remount-ro`` (triggered here through sysfs). It cannot be
+    made writable again without an unmount (``emergency_ro``): recovery is the other tests'."""
+    mnt, dev = ext4
+    trigger = Path(f"/sys/fs/ext4/{dev}/trigger_fs_error")
+    if not trigger.exists():
+        pytest.skip(f"no {trigger}")
+    async with disk_node(mnt / "d", disk_bytes=6 * 1024 * 1024) as h:
+        keys = hexkeys(*range(1, 41))
+        data = await store(h, "w", keys)
+        await demoted(h, 8)
+        ro = subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=False)
+        assert ro.returncode != 0  # busy: the service writes there
+        trigger.write_text("1")
+        await store(h, "w2", hexkeys(*range(100, 120)))
+
+        async def degraded() -> bool:
+            return bool((await stats(h))["state"] == "degraded")
+
+        await until(degraded)
+        ready = await h.client.get("/readyz")
+        assert ready.status_code == 200
+        assert "Read-only file system" in ready.json()["details"]["disk_tier"]
+        await asyncio.sleep(5 * disk_module.PROBE_S)
+        assert (await stats(h))["state"] == "degraded"  # the probe cannot write either
+        dev_, cache_id = await h.device(8)
+        await h.start("r")
+        r = await h.post(
+            "/v1/requests/r/onload",
+            {"cache_id": cache_id, "keys": keys[:4], "device_blocks": [0, 1, 2, 3]},
+        )
+        assert r.status_code == 202, r.text
+        assert (await h.wait(r.json()["job_id"]))["state"] == "done"
+        assert [dev_.read(i) for i in range(4)] == [data[k] for k in keys[:4]]
+        s = await stats(h)
+        assert (
+            s["demotions"]["dropped"].get("degraded", 0)
+            + s["demotions"]["dropped"].get("write_failed", 0)
+            >= 1
+        ), s
+        assert all(c.status < 500 for c in h.calls)
+
+
+# --------------------------------------------------------------------------- restart
+
+
+async def test_a_restart_restores_the_disk_and_loads_identical_bytes(tmp_path: Path) -> None:
+    async with disk_node(tmp_path) as h:
+        keys = hexkeys(*range(1, 49))
+        data = await store(h, "w", keys)
+        await demoted(h, 16)
+    async with disk_node(tmp_path) as h:
+        s = await stats(h)
+        assert s["restored"] >= 16
+        await h.start("r")
+        assert await lookup(h, "r", keys[:16]) == ["disk"] * 16
+        dev, cache_id = await h.device(16)
+        r = await h.post(
+            "/v1/requests/r/onload",
+            {"cache_id": cache_id, "keys": keys[:16], "device_blocks": list(range(16))},
+        )
+        assert r.status_code == 202, r.text
+        assert (await h.wait(r.json()["job_id"]))["state"] == "done"
+        assert [dev.read(i) for i in range(16)] == [data[k] for k in keys[:16]]
