@@ -217,7 +217,16 @@ class DiskLink:
         batch: list[tuple[BlockKey, int]] = []
         while self._queue and len(batch) < self.batch_blocks:
             batch.append(self._queue.popleft())
-        staged = dict(batch)
+        # A key queued twice (evicted, stored again, evicted again before the writer got to
+        # it): its newest copy is written, the older buffer goes back now.
+        staged: dict[BlockKey, int] = {}
+        for key, buf in batch:
+            old = staged.pop(key, None)
+            if old is not None:
+                self.store.unstage([old])
+                self._count_dropped("duplicate", 1)
+            staged[key] = buf
+        batch = list(staged.items())
         if not self.store.health().ok:
             self._count_dropped("degraded", len(batch))
             self.store.unstage(list(staged.values()))
