@@ -510,3 +510,126 @@ async def test_a_restart_restores_the_disk_and_loads_identical_bytes(tmp_path: P
         assert r.status_code == 202, r.text
         assert (await h.wait(r.json()["job_id"]))["state"] == "done"
         assert [dev.read(i) for i in range(16)] == [data[k] for k in keys[:16]]
+
+
+# --------------------------------------------------------------------------- concurrency
+
+
+async def test_promotion_while_the_disk_evicts_under_store_pressure(tmp_path: Path) -> None:
+    """Key K is being read up from disk (its read held at a gate) while the pool is under
+    store pressure and the disk, full, must evict to take the pool's victims: K is pinned on
+    disk, so the disk evicts the others; with every disk block pinned the demotions are
+    dropped (no room), never waited for. The read then ends: K's bytes are the ones stored,
+    nothing stays pinned, pending or held."""
+    import threading
+
+    async with disk_node(tmp_path, disk_bytes=8192 + 16 * (4096 + 128) + 4096) as h:
+        d = link(h)
+        keys = hexkeys(*range(1, 41))
+        data = await store(h, "w", keys)
+        await demoted(h, 8)
+        on_disk = sorted(disk_events(await events(h), "BlockStored"))
+        assert len(on_disk) == 8
+        gate = threading.Event()
+        real = d.store.preadv
+
+        def gated(fd: int, bufs: list[memoryview], off: int) -> int:
+            gate.wait(10)
+            return real(fd, bufs, off)
+
+        d.store.preadv = gated
+        k = on_disk[0]
+        await h.start("r")
+        r = await h.post("/v1/requests/r/prepare-load", {"keys": [k]})
+        assert r.status_code == 409
+        # Store pressure: 24 more blocks, 24 victims to demote into a 16-slot disk holding 8.
+        more = hexkeys(*range(100, 124))
+        data.update(await store(h, "w2", more))
+        await demoted(h, 32)
+        assert (await stats(h))["evictions"] >= 16
+        assert d.found([bytes.fromhex(k)]) == [True]  # pinned: not evicted under its read
+        assert await lookup(h, "r", [k]) == ["pending"]
+
+        # Now pin every disk block with reads of their own, and push more victims down.
+        await h.start("r2")
+        rest = [
+            x
+            for x in sorted(disk_events(await events(h), "BlockStored"))
+            if d.found([bytes.fromhex(x)])[0] and x != k
+        ]
+        r = await h.post("/v1/requests/r2/prepare-load", {"keys": rest})
+        assert r.status_code == 409
+        assert d.index.index.num_pinned == 16
+        data.update(await store(h, "w3", hexkeys(*range(200, 216))))
+
+        async def no_room() -> bool:
+            return bool((await stats(h))["demotions"]["dropped"].get("no_room", 0) >= 1)
+
+        await until(no_room)
+        gate.set()
+
+        async def hit() -> bool:
+            return await lookup(h, "r", [k]) == ["hit"]
+
+        await until(hit)
+        for req, ks in (("r", [k]), ("r2", rest)):
+            r = await h.post(f"/v1/requests/{req}/prepare-load", {"keys": ks})
+            assert r.status_code == 200, r.text
+            assert [pool_bytes(h, s) for s in r.json()["slots"]] == [data[x] for x in ks]
+            await h.post(f"/v1/requests/{req}/complete-load", {"keys": ks})
+        for req in ("r", "r2", "w", "w2", "w3"):
+            assert (await h.client.delete(f"/v1/requests/{req}")).status_code == 200
+        invariants(h)
+        assert d.store.staging_free == d.store.staging_blocks
+        assert all(c.status < 500 for c in h.calls)
+
+
+async def test_a_block_evicted_twice_before_it_is_written_leaks_no_staging_buffer(
+    tmp_path: Path,
+) -> None:
+    """The pool evicts K, K is queued for the disk; the engine stores K again and the pool
+    evicts it again before the writer reached the first copy: K is queued twice. Both staging
+    buffers come back, K is written once, with its bytes."""
+    import threading
+
+    async with disk_node(tmp_path) as h:
+        d = link(h)
+        keys = hexkeys(*range(1, 33))
+        data = await store(h, "w", keys)
+        gate = threading.Event()
+        real = d.store.pwrite
+
+        def gated(fd: int, buf: object, off: int) -> int:
+            gate.wait(10)
+            return real(fd, buf, off)
+
+        d.store.pwrite = gated
+        # A first batch in flight (held at the gate), so the writer leaves the queue alone.
+        await store(h, "w2", hexkeys(*range(100, 108)))
+
+        async def in_flight() -> bool:
+            return bool(d.index.index.stats().pending == 8)
+
+        await until(in_flight)
+        pool = h.service.manager.manager
+        k = bytes.fromhex(keys[-1])
+        slot = pool.slot_of(k)
+        assert slot is not None
+        # The listener, as the pool calls it on two evictions of K (between them the engine
+        # stored K again, same bytes, in another slot).
+        d.on_evicted([k], [slot])
+        d.on_evicted([k], [slot])
+        assert d.store.staging_free == d.store.staging_blocks - 8 - 2
+        gate.set()
+
+        async def settled() -> bool:
+            return d.store.staging_free == d.store.staging_blocks and not d._queue
+
+        await until(settled)
+        assert d.found([k]) == [True]
+        (on_disk,) = [s for key, s in d.store.listed() if key == k]
+        assert d.store.read_many([(on_disk, k, slot)]) == [True]  # same bytes, same slot
+        assert pool_bytes(h, slot) == data[keys[-1]]
+        s = await stats(h)
+        assert s["demotions"]["written"] == 9
+        assert s["demotions"]["dropped"]["duplicate"] == 1
