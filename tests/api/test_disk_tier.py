@@ -676,3 +676,42 @@ async def test_an_onload_of_pool_and_disk_keys_survives_store_pressure_during_pr
         job = await h.wait(r.json()["job_id"])
         assert job["state"] == "done", job
         assert [dev.read(0), dev.read(1)] == [data[p], data[dk]]
+
+
+# --------------------------------------------------------------------------- admission, lock
+
+
+async def test_only_blocks_asked_for_often_enough_go_to_disk(tmp_path: Path) -> None:
+    """``disk_admit_after=2``: a store is one ask, a lookup another. Of the blocks the pool
+    evicts, exactly those also looked up once are demoted; the others are refused."""
+    async with disk_node(tmp_path, disk_admit_after=2) as h:
+        keys = hexkeys(*range(1, 33))
+        await store(h, "w", keys)
+        asked_twice = set(keys[::2])
+        await lookup(h, "w", sorted(asked_twice))
+        await store(h, "w2", hexkeys(*range(100, 116)))  # 16 victims
+        evs = await events(h)
+        victims = {
+            k
+            for e in evs
+            if e["type"] == "BlockRemoved" and e["medium"] == "CPU"
+            for k in e["block_hashes"]
+        }
+        assert len(victims) == 16
+        want = victims & asked_twice
+        await demoted(h, len(want))
+        assert disk_events(await events(h), "BlockStored") == want
+        s = await stats(h)
+        assert s["demotions"]["refused_admission"] == len(victims - asked_twice)
+
+
+async def test_a_second_service_on_the_same_disk_directory_refuses_to_start(
+    tmp_path: Path,
+) -> None:
+    from app.settings import ConfigError
+
+    async with disk_node(tmp_path) as h:
+        assert link(h).store.directory.startswith(str(tmp_path))
+        with pytest.raises(ConfigError, match="in use by another process"):
+            async with disk_node(tmp_path):
+                pass
