@@ -715,3 +715,112 @@ async def test_a_second_service_on_the_same_disk_directory_refuses_to_start(
         with pytest.raises(ConfigError, match="in use by another process"):
             async with disk_node(tmp_path):
                 pass
+
+
+async def test_a_read_past_its_timeout_is_a_miss_and_keeps_its_slots_until_it_ends(
+    tmp_path: Path,
+) -> None:
+    """A disk read held past ``disk_timeout_s``: the promotion ends as a miss (409 stays a
+    409, never a 5xx), the tier is marked degraded, and the pool slots the read still writes
+    into stay reserved until it lets go; then everything is released and the block, whole on
+    disk, loads again."""
+    import threading
+
+    async with disk_node(tmp_path, disk_timeout_s=0.2) as h:
+        d = link(h)
+        real_probe = d.store.probe
+        d.store.probe = lambda: False  # type: ignore[method-assign]
+        keys = hexkeys(*range(1, 41))
+        data = await store(h, "w", keys)
+        await demoted(h, 8)
+        k = sorted(disk_events(await events(h), "BlockStored"))[0]
+        gate = threading.Event()
+        real = d.store.preadv
+
+        def gated(fd: int, bufs: list[memoryview], off: int) -> int:
+            gate.wait(10)
+            return real(fd, bufs, off)
+
+        d.store.preadv = gated
+        await h.start("r")
+        r = await h.post("/v1/requests/r/prepare-load", {"keys": [k]})
+        assert r.status_code == 409
+        pool = h.service.manager.manager
+
+        async def timed_out() -> bool:
+            return bool((await stats(h))["state"] == "degraded")
+
+        await until(timed_out)
+        assert "past 0.2s" in (await h.client.get("/readyz")).json()["details"]["disk_tier"]
+        held = d.store.held_slots()
+        assert len(held) == 1
+        assert pool.stats().pending == 1  # still reserved: the read writes there
+        assert d.writing() == {"r"}
+        gate.set()
+
+        async def released() -> bool:
+            return not d.store.held_slots() and pool.stats().pending == 0
+
+        await until(released)
+        assert await lookup(h, "r", [k]) == ["disk"]  # a timeout says nothing of the block
+        d.store.preadv = real
+        d.store.probe = real_probe  # type: ignore[method-assign]
+
+        async def recovered() -> bool:
+            return bool((await stats(h))["state"] == "ok")
+
+        await until(recovered)
+        dev, cache_id = await h.device(2)
+        r = await h.post(
+            "/v1/requests/r/onload", {"cache_id": cache_id, "keys": [k], "device_blocks": [0]}
+        )
+        assert r.status_code == 202, r.text
+        assert (await h.wait(r.json()["job_id"]))["state"] == "done"
+        assert dev.read(0) == data[k]
+        await h.client.delete("/v1/requests/r")
+        await h.client.delete("/v1/requests/w")
+        invariants(h)
+        assert all(c.status < 500 for c in h.calls)
+
+
+async def test_an_abort_during_a_disk_read_keeps_the_slots_until_it_ends(tmp_path: Path) -> None:
+    import threading
+
+    async with disk_node(tmp_path, lease_ttl_s=6.0) as h:
+        d = link(h)
+        keys = hexkeys(*range(1, 41))
+        data = await store(h, "w", keys)
+        await demoted(h, 8)
+        two = sorted(disk_events(await events(h), "BlockStored"))[:2]
+        gate = threading.Event()
+        real = d.store.preadv
+
+        def gated(fd: int, bufs: list[memoryview], off: int) -> int:
+            gate.wait(10)
+            return real(fd, bufs, off)
+
+        d.store.preadv = gated
+        await h.start("r")
+        assert (await h.post("/v1/requests/r/prepare-load", {"keys": two})).status_code == 409
+        r = await h.client.delete("/v1/requests/r", params={"abort": "true"})
+        assert r.status_code == 200
+        pool = h.service.manager.manager
+        assert pool.stats().pending == 2  # still reserved while the read writes there
+        gate.set()
+
+        async def settled() -> bool:
+            return d.promotions.in_flight == 0 and pool.stats().pending == 0
+
+        await until(settled)
+        # The read ended whole: whatever the pool kept of it holds the right bytes.
+        for key in two:
+            slot = pool.slot_of(bytes.fromhex(key))
+            if slot is not None:
+                assert pool_bytes(h, slot) == data[key]
+        await h.client.delete("/v1/requests/w")
+
+        async def unheld() -> bool:
+            return pool.num_pinned == 0
+
+        await until(unheld)
+        invariants(h)
