@@ -157,6 +157,7 @@ class DiskLink:
                     "failed": promoted["promoted_failed"],
                 },
                 "corrupt_dropped": self.counts["corrupt_dropped"],
+                "read_timeouts": self.counts["read_timeouts"],
             }
         )
         return health

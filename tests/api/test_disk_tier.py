@@ -752,6 +752,7 @@ async def test_a_read_past_its_timeout_is_a_miss_and_keeps_its_slots_until_it_en
 
         await until(timed_out)
         assert "past 0.2s" in (await h.client.get("/readyz")).json()["details"]["disk_tier"]
+        assert (await stats(h))["read_timeouts"] == 1
         held = d.store.held_slots()
         assert len(held) == 1
         assert pool.stats().pending == 1  # still reserved: the read writes there
