@@ -227,15 +227,30 @@ class DiskLink:
                 self.store.unstage([old])
                 self._count_dropped("duplicate", 1)
             staged[key] = buf
-        batch = list(staged.items())
+        # Queued twice across batches: on disk (or being written) already, nothing to write.
+        for key in [k for k in staged if self.index.index.slot_of(k) is not None]:
+            self.store.unstage([staged.pop(key)])
+        if not staged:
+            return
         if not self.store.health().ok:
-            self._count_dropped("degraded", len(batch))
+            self._count_dropped("degraded", len(staged))
             self.store.unstage(list(staged.values()))
             return
-        op = self.index.reserve([k for k, _ in batch])
-        if op is None:  # every disk block pinned or being written: no room now
-            self._count_dropped("no_room", len(batch))
-            self.store.unstage(list(staged.values()))
+        keys = list(staged)
+        op = self.index.reserve(keys)
+        # Fewer evictable disk slots than the batch (a disk smaller than a batch, blocks
+        # pinned by reads): as many as fit, the last evicted (the warmest) first; a refused
+        # reserve changes nothing.
+        n = len(keys)
+        while op is None and n > 1:
+            n //= 2
+            op = self.index.reserve(keys[-n:])
+        taken = set() if op is None else set(op.keys)
+        left = [k for k in keys if k not in taken]
+        if left:  # every disk block pinned or being written: no room now
+            self._count_dropped("no_room", len(left))
+            self.store.unstage([staged.pop(k) for k in left])
+        if op is None:
             return
         if op.evicted:
             self._removed(op.evicted, "evicted")
