@@ -825,3 +825,37 @@ async def test_an_abort_during_a_disk_read_keeps_the_slots_until_it_ends(tmp_pat
 
         await until(unheld)
         invariants(h)
+
+
+async def test_a_disk_smaller_than_a_write_batch_still_takes_the_victims(tmp_path: Path) -> None:
+    """8 disk slots, write batches of up to 32 blocks (the default): 16 victims queued at once
+    must not be refused as a whole for want of room: the disk takes the 8 warmest (the last
+    evicted), the 8 others are dropped as no room; nothing stays pinned."""
+    small = 8192 + 8 * (4096 + 128) + 4096
+    async with disk_node(tmp_path, disk_bytes=small, disk_batch_blocks=32) as h:
+        d = link(h)
+        keys = hexkeys(*range(1, 33))
+        await store(h, "w", keys)
+        await h.start("w2")
+        more = hexkeys(*range(100, 116))
+        r = await h.post("/v1/requests/w2/prepare-store", {"keys": more})  # 16 victims at once
+        assert r.status_code == 200, r.text
+        assert len(r.json()["evicted_keys"]) == 16
+        await h.post("/v1/requests/w2/complete-store", {"keys": more})
+
+        async def full() -> bool:
+            return len(d.index.index.resident_keys()) == 8 and not d._queue
+
+        await until(full)
+        s = await stats(h)
+        assert s["demotions"]["written"] == 8, s
+        assert s["demotions"]["dropped"].get("no_room", 0) == 8, s
+        evs = await events(h)
+        victims = [
+            k
+            for e in evs
+            if e["type"] == "BlockRemoved" and e["medium"] == "CPU"
+            for k in e["block_hashes"]
+        ]
+        assert disk_events(evs, "BlockStored") == set(victims[-8:])
+        invariants(h)
