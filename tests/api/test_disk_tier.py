@@ -457,7 +457,9 @@ async def test_a_disk_gone_read_only_still_serves_its_hits(ext4: tuple[Path, str
         keys = hexkeys(*range(1, 41))
         data = await store(h, "w", keys)
         await demoted(h, 8)
-        ro = subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=False)
+        ro = subprocess.run(
+            ["mount", "-o", "remount,ro", str(mnt)], capture_output=True, check=False
+        )
         assert ro.returncode != 0  # busy: the service writes there
         trigger.write_text("1")
         await store(h, "w2", hexkeys(*range(100, 120)))
