@@ -345,7 +345,7 @@ class DiskLink:
             by_key = dict(zip(pin.keys, pin.slots, strict=True))
             self.store.forget([by_key[k] for k in dropped])
             self.counts["corrupt_dropped"] += len(dropped)
-            self._removed(dropped, "dropped_bad")
+            self._removed(dropped, "removed_bad")
 
     def loaded(self, req_id: str, keys: Sequence[BlockKey]) -> None:
         """Request ``req_id`` pinned ``keys`` with its own load (promoted blocks let go)."""
