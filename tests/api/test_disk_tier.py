@@ -263,6 +263,7 @@ async def test_disk_events_stored_on_demotion_removed_on_eviction_and_on_corrupt
         s = await stats(h)
         assert s["corrupt_dropped"] == 1
         assert s["counters"]["checksum_failures"] == 1
+        assert "bad" not in s["demotions"]["dropped"]  # a dropped block is no dropped demotion
         # Unlisted on disk too: a restart does not bring it back.
         assert bytes.fromhex(victim) not in {k for k, _ in d.store.listed()}
         await h.client.delete("/v1/requests/r")
