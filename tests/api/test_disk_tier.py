@@ -125,6 +125,15 @@ def invariants(h: Harness) -> None:
     assert d.index.index.num_pinned == 0
     assert d.index.index.stats().pending == 0
     assert not d.store.held_slots()
+    for m in (manager, d.index.index):
+        st = m.stats()
+        assert st.free + st.pending + st.ready == st.num_blocks
+    # The disk index and the store's entries agree: each block on disk is listed at its slot.
+    entries = d.store._entries
+    for key in d.index.index.resident_keys():
+        slot = d.index.index.slot_of(key)
+        assert slot is not None
+        assert entries[slot].key == key
 
 
 # --------------------------------------------------------------------------- the happy path
