@@ -155,6 +155,7 @@ class DiskLink:
                     "started": promoted["promoted_keys"],
                     "loaded": promoted["promoted_ready"],
                     "failed": promoted["promoted_failed"],
+                    "abandoned": promoted["promoted_abandoned"],
                 },
                 "corrupt_dropped": self.counts["corrupt_dropped"],
                 "read_timeouts": self.counts["read_timeouts"],
