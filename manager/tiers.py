@@ -96,8 +96,10 @@ class DiskIndex:
         on_disk = [k for k in victims if index.is_ready(k)]
         if on_disk:
             self._touch(on_disk)
-        chosen = [k for k in victims if index.slot_of(k) is None and self.admits(k)]
-        self.refused += len(victims) - len(on_disk) - len(chosen)
+        absent = [k for k in victims if index.slot_of(k) is None]
+        chosen = [k for k in absent if self.admits(k)]
+        # Refused: absent and not admitted (a victim still being written is neither).
+        self.refused += len(absent) - len(chosen)
         return chosen
 
     # ------------------------------------------------------------------ writes

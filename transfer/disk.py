@@ -10,7 +10,8 @@ service namespace, so keys of two namespaces never meet):
   per slot: key, the block's checksum (xxh3-64 of its bytes, seeded with a hash of the key, so a
   block read back under another key fails too), a write sequence number and the entry's own
   checksum. Written buffered, never read on the data path: the entries live in memory.
-- ``probe``: one page, rewritten to tell whether writes work again after a fault.
+- ``probe``: one page, written afresh (and freed again) to tell whether writes work again
+  after a fault.
 - ``lock``: ``flock``-ed while open, so two processes never share a directory.
 
 Writing a block: its entry is cleared, the bytes are written, then the entry is written. A block
@@ -24,7 +25,8 @@ returns them oldest write first. A header of another block size starts the direc
 
 Bytes under the directory never exceed ``disk_bytes``: ``slots_for(disk_bytes, block_bytes)``
 sizes the slot count so that ``blocks`` (at most ``slots x slot_bytes``), ``index``
-(4 KiB + 128 B per slot) and ``probe`` (4 KiB) fit.
+(4 KiB + 128 B per slot, rounded up to whole pages as the filesystem allocates it) and
+``probe`` (4 KiB) fit.
 
 Faults: an ``OSError`` on a write (disk full, read-only, I/O error) or a read marks the store
 ``degraded`` (``health()``); the failed blocks are reported failed, nothing raises out of the
@@ -98,7 +100,16 @@ class DiskError(TransferError):
 def slots_for(disk_bytes: int, block_bytes: int) -> int:
     """How many block slots fit in ``disk_bytes`` with the index and the probe page."""
     slot = _slot_bytes(block_bytes)
-    return max(0, (disk_bytes - HEADER_BYTES - PAGE) // (slot + ENTRY_BYTES))
+    n = max(0, (disk_bytes - HEADER_BYTES - PAGE) // (slot + ENTRY_BYTES))
+    # The index takes whole pages on disk (``du``), not its 128 B per slot: at most one page
+    # more than the estimate, so at most a slot or two less.
+    while n > 0 and n * slot + _index_pages(n) + PAGE > disk_bytes:
+        n -= 1
+    return n
+
+
+def _index_pages(num_slots: int) -> int:
+    return -(-(HEADER_BYTES + num_slots * ENTRY_BYTES) // PAGE) * PAGE
 
 
 def _slot_bytes(block_bytes: int) -> int:
@@ -404,13 +415,17 @@ class DiskStore:
             return DiskHealth(self._state, self._since, self._last_error, dict(self._counters))
 
     def probe(self) -> bool:
-        """Try a real write (the probe page, synced); back to ``ok`` when it works. Blocks."""
+        """Try a real write (the probe page, synced); back to ``ok`` when it works. Blocks.
+
+        The page is a new one each time (the file is emptied after each probe): rewriting a
+        page already allocated works on a full disk, so it would call a full disk ``ok``."""
         path = os.path.join(self.directory, "probe")
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
                 os.pwrite(fd, os.urandom(64).ljust(PAGE, b"\0"), 0)
                 os.fsync(fd)
+                os.ftruncate(fd, 0)
             finally:
                 os.close(fd)
         except OSError as exc:

@@ -155,8 +155,10 @@ class DiskLink:
                     "started": promoted["promoted_keys"],
                     "loaded": promoted["promoted_ready"],
                     "failed": promoted["promoted_failed"],
+                    "abandoned": promoted["promoted_abandoned"],
                 },
                 "corrupt_dropped": self.counts["corrupt_dropped"],
+                "read_timeouts": self.counts["read_timeouts"],
             }
         )
         return health
@@ -217,15 +219,39 @@ class DiskLink:
         batch: list[tuple[BlockKey, int]] = []
         while self._queue and len(batch) < self.batch_blocks:
             batch.append(self._queue.popleft())
-        staged = dict(batch)
+        # A key queued twice (evicted, stored again, evicted again before the writer got to
+        # it): its newest copy is written, the older buffer goes back now.
+        staged: dict[BlockKey, int] = {}
+        for key, buf in batch:
+            old = staged.pop(key, None)
+            if old is not None:
+                self.store.unstage([old])
+                self._count_dropped("duplicate", 1)
+            staged[key] = buf
+        # Queued twice across batches: on disk (or being written) already, nothing to write.
+        for key in [k for k in staged if self.index.index.slot_of(k) is not None]:
+            self.store.unstage([staged.pop(key)])
+        if not staged:
+            return
         if not self.store.health().ok:
-            self._count_dropped("degraded", len(batch))
+            self._count_dropped("degraded", len(staged))
             self.store.unstage(list(staged.values()))
             return
-        op = self.index.reserve([k for k, _ in batch])
-        if op is None:  # every disk block pinned or being written: no room now
-            self._count_dropped("no_room", len(batch))
-            self.store.unstage(list(staged.values()))
+        keys = list(staged)
+        op = self.index.reserve(keys)
+        # Fewer evictable disk slots than the batch (a disk smaller than a batch, blocks
+        # pinned by reads): as many as fit, the last evicted (the warmest) first; a refused
+        # reserve changes nothing.
+        n = len(keys)
+        while op is None and n > 1:
+            n //= 2
+            op = self.index.reserve(keys[-n:])
+        taken = set() if op is None else set(op.keys)
+        left = [k for k in keys if k not in taken]
+        if left:  # every disk block pinned or being written: no room now
+            self._count_dropped("no_room", len(left))
+            self.store.unstage([staged.pop(k) for k in left])
+        if op is None:
             return
         if op.evicted:
             self._removed(op.evicted, "evicted")
@@ -320,7 +346,7 @@ class DiskLink:
             by_key = dict(zip(pin.keys, pin.slots, strict=True))
             self.store.forget([by_key[k] for k in dropped])
             self.counts["corrupt_dropped"] += len(dropped)
-            self._removed(dropped, "dropped_bad")
+            self._removed(dropped, "removed_bad")
 
     def loaded(self, req_id: str, keys: Sequence[BlockKey]) -> None:
         """Request ``req_id`` pinned ``keys`` with its own load (promoted blocks let go)."""

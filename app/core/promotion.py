@@ -94,13 +94,17 @@ class Promotions:
 
     def _complete(self, ctx: ReqContext, good: list[BlockKey], bad: list[BlockKey]) -> None:
         manager = self.manager
-        with contextlib.suppress(ManagerError):  # the request was forgotten meanwhile
+        settled = 0
+        try:
             if bad:
                 manager.complete_store(bad, ctx, success=False)
                 self.counts["promoted_failed"] += len(bad)
+                settled += len(bad)
             if good:
                 done = manager.complete_store(good, ctx, success=True).completed
                 self.counts["promoted_ready"] += len(done)
+                settled += len(good)
+                self.counts["promoted_abandoned"] += len(good) - len(done)
                 if done:
                     slots = manager.hold(done)
                     held = [k for k, slot in zip(done, slots, strict=True) if slot is not None]
@@ -108,6 +112,8 @@ class Promotions:
                     asyncio.get_running_loop().call_later(
                         self.hold_s, self.let_go, ctx.req_id, held
                     )
+        except ManagerError:  # the request was forgotten meanwhile: its stores went with it
+            self.counts["promoted_abandoned"] += len(good) + len(bad) - settled
         self._on_event()
 
     def loaded(self, req_id: str, keys: Sequence[BlockKey]) -> None:
