@@ -441,7 +441,7 @@ class Settings(AdminAuth):
     disk_admit_after: int = Field(
         default=2,
         ge=1,
-        description="an evicted block goes to disk once asked for this many times (1: every one)",
+        description="an evicted block goes to disk once this many requests asked for it (1: all)",
     )
     disk_policy: str = Field(default="lru", description="the disk tier's eviction policy")
     disk_io_threads: int = Field(default=4, gt=0, le=64, description="disk I/O threads")

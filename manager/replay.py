@@ -457,7 +457,7 @@ class _TwoLevels:
         """Serve one request (``ctx`` already begun, not finished); its prefix hits."""
         pool, disk = self.pool, self.disk
         results = pool.lookup(keys, ctx).results
-        disk.asked(keys)
+        disk.asked(keys, ctx.req_id)
         # in_pool[i]: prefix key i is a pool hit (else it is on disk).
         in_pool: list[bool] = []
         for key, result in zip(keys, results, strict=True):
@@ -469,7 +469,7 @@ class _TwoLevels:
                 break
         prefix = list(keys[: len(in_pool)])
         if prefix:
-            disk.asked(prefix)  # the engine's prepare-load of everything it was told is there
+            disk.asked(prefix, ctx.req_id)  # the engine's prepare-load of what it was told
         if not all(in_pool):
             promoted = self._promote(prefix, in_pool, ctx)
             # The prefix ends at the first disk key the pool took no slot for.
@@ -487,7 +487,7 @@ class _TwoLevels:
         self.disk_hits += hits - from_pool
         rest = keys[hits:]
         if rest:
-            disk.asked(rest)
+            disk.asked(rest, ctx.req_id)
             out = pool.prepare_store(rest, ctx)
             if out is not None and out.keys_to_store:
                 pool.complete_store(out.keys_to_store, ctx, True)

@@ -9,9 +9,10 @@ replay predicts is what the service does.
   a block being written is a pending store (not loadable until it is whole on disk).
 - **Admission** (``admit_after``): a block the pool evicts is demoted only once it has been
   asked for (looked up, loaded or stored: ``asked``) at least ``admit_after`` times while
-  tracked, so one-off prefixes never reach the SSD. ``admit_after=1`` demotes every evicted
-  block. The ask counts live in a bounded tracker (``ReuseFilter``, least recently asked
-  forgotten first).
+  tracked, so one-off prefixes never reach the SSD. An ask names its request: the calls of one
+  request (an engine looks a block up, then stores it) count once, so ``admit_after=2`` means
+  two requests wanted the block. ``admit_after=1`` demotes every evicted block. The counts live
+  in a bounded tracker (least recently asked forgotten first).
 - **Inclusive**: a block promoted back into the pool keeps its disk copy, so evicting it again
   costs no write (``select`` only touches it there).
 
@@ -23,13 +24,13 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from manager.core import OffloadManager
 from manager.errors import InvalidArgumentError
-from manager.reuse import ReuseFilter
 from manager.spec import BlockKey, ReqContext
 
 #: How many keys the ask tracker remembers per disk slot (bounded memory, ~100 B a key).
@@ -69,8 +70,13 @@ class DiskIndex:
             num_slots, policy, policy_params, clock=clock, enable_events=False
         )
         self.admit_after = admit_after
-        tracked = max_tracked if max_tracked is not None else TRACKED_PER_SLOT * num_slots
-        self._asks = ReuseFilter(admit_after, tracked) if admit_after >= 2 else None
+        self._max_tracked = max_tracked if max_tracked is not None else TRACKED_PER_SLOT * num_slots
+        if self._max_tracked <= 0:
+            raise InvalidArgumentError(f"max_tracked must be positive, got {self._max_tracked}")
+        # key -> (asks, the request that asked last); None when every block is admitted.
+        self._asks: OrderedDict[BlockKey, tuple[int, str | None]] | None = (
+            OrderedDict() if admit_after >= 2 else None
+        )
         self._ids = itertools.count()
         self.refused = 0  # evicted blocks not admitted (asked too few times)
 
@@ -80,14 +86,28 @@ class DiskIndex:
 
     # ------------------------------------------------------------------ admission
 
-    def asked(self, keys: Sequence[BlockKey]) -> None:
-        """Count one ask (lookup, load or store) of each key."""
-        if self._asks is not None and keys:
-            self._asks.record(keys)
+    def asked(self, keys: Sequence[BlockKey], asker: str | None = None) -> None:
+        """Count one ask (lookup, load or store) of each key by request ``asker``: a key
+        asked again by the request that asked it last is not counted again (None: every
+        call counts)."""
+        asks = self._asks
+        if asks is None or not keys:
+            return
+        for key in keys:
+            count, last = asks.pop(key, (0, None))
+            if asker is None or last != asker:
+                count += 1
+            asks[key] = (count, asker)
+        while len(asks) > self._max_tracked:
+            asks.popitem(last=False)
+
+    def asks(self, key: BlockKey) -> int:
+        """Asks counted for ``key`` (0 when untracked or every block is admitted)."""
+        return 0 if self._asks is None else self._asks.get(key, (0, None))[0]
 
     def admits(self, key: BlockKey) -> bool:
         """Whether ``key`` has been asked for often enough to be demoted."""
-        return self._asks is None or self._asks.offers(key) >= self.admit_after
+        return self._asks is None or self.asks(key) >= self.admit_after
 
     def select(self, victims: Sequence[BlockKey]) -> list[BlockKey]:
         """Of blocks the pool evicts, those to write to disk: admitted and not on disk yet

@@ -169,9 +169,9 @@ class DiskLink:
 
     # ------------------------------------------------------------------ admission and lookups
 
-    def asked(self, keys: Sequence[BlockKey]) -> None:
+    def asked(self, keys: Sequence[BlockKey], req_id: str) -> None:
         """An engine asked for ``keys`` (lookup, load or store): count it for admission."""
-        self.index.asked(keys)
+        self.index.asked(keys, req_id)
 
     def found(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Per key, whether the disk holds it, loadable (in memory: never reads the disk)."""
@@ -288,9 +288,12 @@ class DiskLink:
 
     # ------------------------------------------------------------------ promotion
 
-    def promote(self, keys: Sequence[BlockKey], req_id: str) -> asyncio.Task[None] | None:
+    def promote(
+        self, keys: Sequence[BlockKey], req_id: str, protect: Sequence[BlockKey] = ()
+    ) -> asyncio.Task[None] | None:
         """Start reading the keys on disk that the pool lacks into it for ``req_id``; the task
-        that settles it, or None when none of them is on disk or the pool has no room."""
+        that settles it, or None when none of them is on disk or the pool has no room.
+        ``protect``: the load's other keys, not evicted to make room."""
         pool = self.manager
         on_disk = [k for k in dict.fromkeys(keys) if pool.slot_of(k) is None]
         on_disk = [k for k, there in zip(on_disk, self.index.found(on_disk), strict=True) if there]
@@ -307,7 +310,7 @@ class DiskLink:
             finally:
                 self._unpin(pin, bad)
 
-        task = self.promotions.start(on_disk, req_id, read)
+        task = self.promotions.start(on_disk, req_id, read, protect)
         if task is None:
             self.index.unpin(pin)
         return task

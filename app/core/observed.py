@@ -98,7 +98,7 @@ class ObservedManager:
         """Per-key state and ``hit_prefix``."""
         out = self._call("lookup", ctx.req_id, self.manager.lookup, keys, ctx)
         if self.disk is not None:
-            self.disk.asked(keys)
+            self.disk.asked(keys, ctx.req_id)
         self.observer.lookup(ctx.req_id, out)
         return out
 
@@ -107,12 +107,12 @@ class ObservedManager:
         if self.quota is not None:
             self._call("prepare_load", ctx.req_id, self.quota.check_pins, self.manager, keys)
         if self.disk is not None:
-            self.disk.asked(keys)
+            self.disk.asked(keys, ctx.req_id)
         try:
             slots = self._call("prepare_load", ctx.req_id, self.manager.prepare_load, keys, ctx)
         except KeyNotReadyError as exc:
             if exc.missing:
-                self.promote(exc.missing, ctx.req_id)  # pending, then hit
+                self.promote(exc.missing, ctx.req_id, keys)  # pending, then hit
             raise
         for tier in (self.disk, self.remote):
             if tier is not None:
@@ -120,18 +120,21 @@ class ObservedManager:
         self.observer.prepare_load(ctx.req_id, len(slots))
         return slots
 
-    def promote(self, keys: Sequence[BlockKey], req_id: str) -> list[asyncio.Task[None]]:
+    def promote(
+        self, keys: Sequence[BlockKey], req_id: str, protect: Sequence[BlockKey] = ()
+    ) -> list[asyncio.Task[None]]:
         """Start bringing ``keys`` the pool lacks into it for ``req_id`` from the lower tiers,
         disk first, then remote for the rest; the promotions started (each task ends when its
-        blocks are ready or dropped)."""
+        blocks are ready or dropped). ``protect``: the load's other keys, never evicted to
+        make room for these."""
         started: list[asyncio.Task[None]] = []
         if self.disk is not None:
-            task = self.disk.promote(keys, req_id)
+            task = self.disk.promote(keys, req_id, protect)
             if task is not None:
                 started.append(task)
                 keys = [k for k in keys if self.manager.slot_of(k) is None]
         if self.remote is not None and keys:
-            task = self.remote.promote(keys, req_id)
+            task = self.remote.promote(keys, req_id, protect)
             if task is not None:
                 started.append(task)
         return started
@@ -163,7 +166,7 @@ class ObservedManager:
         """Reserve slots for the new keys; ``NoSpaceError`` when no room can be made."""
         out = self._call("prepare_store", ctx.req_id, self.manager.prepare_store, keys, ctx)
         if self.disk is not None:
-            self.disk.asked(keys)
+            self.disk.asked(keys, ctx.req_id)
         self.observer.prepare_store(ctx.req_id, len(keys), out)
         if out is None:
             if self.quota is not None:

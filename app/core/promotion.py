@@ -1,12 +1,16 @@
 """Bringing blocks up from a lower tier (disk, remote) into the pool for a request: one mechanism.
 
-A promotion reserves pool slots for the keys as stores pending for the engine's request
-(``PENDING`` to every lookup, not evictable), runs the tier's read into those slots off the loop,
+A promotion reserves pool slots for the keys as stores pending for an internal request of its
+own (``PENDING`` to every lookup, not evictable; never the engine's request, whose own
+``complete-store`` of the same keys would otherwise make them ready before their bytes are in),
+runs the tier's read into those slots off the loop,
 then completes the stores: each key read in full becomes ready (then ``HIT``) and is *held* for
 that request (``OffloadManager.hold``) until the request pins it with its own load (``loaded``)
 or ``hold_s`` passes, so it is still there when the engine comes back for it; a key not read is
 dropped (``MISS``). Bytes not read in full are never made loadable. While a read may still write
-into its slots, the request is in ``writing()``, so no lease expiry frees them under it.
+into its slots, its internal request is in ``writing()``, so no lease expiry frees them under
+it. The load's keys the pool already holds are offered along (``protect``), so making room for
+the promoted blocks never evicts the blocks the same load is about to pin.
 
 ``Promotions.start`` returns an ``asyncio.Task`` that ends when the read is settled: an ``onload``
 waits on it and then loads in the same job (no 409 round trip); a ``prepare-load`` does not.
@@ -17,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 from collections.abc import Awaitable, Callable, Sequence
 
 from app.telemetry.logging import get_logger
@@ -40,36 +45,52 @@ class Promotions:
         self.tier = tier
         self._on_event = on_event
         self._held_for: dict[str, set[BlockKey]] = {}
-        self._running: dict[str, set[asyncio.Task[None]]] = {}
+        self._running: dict[str, set[asyncio.Task[None]]] = {}  # by the engine's request
+        self._internal: dict[str, str] = {}  # internal request -> the engine's, in flight
+        self._ids = itertools.count()
         self.counts: collections.Counter[str] = collections.Counter()
 
-    def start(self, keys: Sequence[BlockKey], req_id: str, read: Read) -> asyncio.Task[None] | None:
+    def start(
+        self,
+        keys: Sequence[BlockKey],
+        req_id: str,
+        read: Read,
+        protect: Sequence[BlockKey] = (),
+    ) -> asyncio.Task[None] | None:
         """Reserve pool slots for ``keys`` (those the pool lacks) and start ``read`` into
-        them; the task that settles it, or None when nothing was started (no room, no key)."""
+        them for request ``req_id``; the task that settles it, or None when nothing was
+        started (no room, no key). ``protect``: other keys of the same load, not evicted to
+        make the room."""
         manager = self.manager
         wanted = [k for k in dict.fromkeys(keys) if manager.slot_of(k) is None]
         if not wanted:
             return None
-        ctx = ReqContext(req_id)
+        # Resident keys in an offer are skipped and kept from eviction by prepare_store.
+        shield = [k for k in protect if manager.slot_of(k) is not None]
+        ctx = ReqContext(f"kvoffload-{self.tier}-promote-{next(self._ids)}")
+        manager.on_new_request(ctx)
         try:
-            out = manager.prepare_store(wanted, ctx)
+            out = manager.prepare_store(wanted + shield, ctx)
         except ManagerError:
-            return None
+            out = None
         if out is None or not out.keys_to_store:
+            manager.on_request_finished(ctx)
             return None
         if out.evicted_keys:
             self._on_event()
         self.counts["promoted_keys"] += len(out.keys_to_store)
         task = asyncio.get_running_loop().create_task(
-            self._settle(ctx, out.keys_to_store, out.slots, read),
+            self._settle(ctx, req_id, out.keys_to_store, out.slots, read),
             name=f"kvoffload-{self.tier}-promote",
         )
+        self._internal[ctx.req_id] = req_id
         tasks = self._running.setdefault(req_id, set())
         tasks.add(task)
-        task.add_done_callback(lambda t: self._done(req_id, t))
+        task.add_done_callback(lambda t: self._done(req_id, ctx.req_id, t))
         return task
 
-    def _done(self, req_id: str, task: asyncio.Task[None]) -> None:
+    def _done(self, req_id: str, internal: str, task: asyncio.Task[None]) -> None:
+        self._internal.pop(internal, None)
         tasks = self._running.get(req_id)
         if tasks is not None:
             tasks.discard(task)
@@ -81,18 +102,24 @@ class Promotions:
         return list(self._running.get(req_id, ()))
 
     async def _settle(
-        self, ctx: ReqContext, keys: list[BlockKey], slots: list[int], read: Read
+        self, ctx: ReqContext, req_id: str, keys: list[BlockKey], slots: list[int], read: Read
     ) -> None:
         try:
-            ok = await read(keys, slots, ctx.req_id)
+            ok = await read(keys, slots, req_id)
             good = [k for k, g in zip(keys, ok, strict=True) if g]
             bad = [k for k, g in zip(keys, ok, strict=True) if not g]
         except Exception:
             log.exception(f"{self.tier} promotion failed; its blocks are dropped")
             good, bad = [], keys
-        self._complete(ctx, good, bad)
+        try:
+            self._complete(ctx, req_id, good, bad)
+        finally:
+            with contextlib.suppress(ManagerError):
+                self.manager.on_request_finished(ctx)
 
-    def _complete(self, ctx: ReqContext, good: list[BlockKey], bad: list[BlockKey]) -> None:
+    def _complete(
+        self, ctx: ReqContext, req_id: str, good: list[BlockKey], bad: list[BlockKey]
+    ) -> None:
         manager = self.manager
         settled = 0
         try:
@@ -108,10 +135,8 @@ class Promotions:
                 if done:
                     slots = manager.hold(done)
                     held = [k for k, slot in zip(done, slots, strict=True) if slot is not None]
-                    self._held_for.setdefault(ctx.req_id, set()).update(held)
-                    asyncio.get_running_loop().call_later(
-                        self.hold_s, self.let_go, ctx.req_id, held
-                    )
+                    self._held_for.setdefault(req_id, set()).update(held)
+                    asyncio.get_running_loop().call_later(self.hold_s, self.let_go, req_id, held)
         except ManagerError:  # the request was forgotten meanwhile: its stores went with it
             self.counts["promoted_abandoned"] += len(good) + len(bad) - settled
         self._on_event()
@@ -135,8 +160,9 @@ class Promotions:
             del self._held_for[req_id]
 
     def writing(self) -> set[str]:
-        """Requests with a promotion in flight: their pending stores are being written."""
-        return set(self._running)
+        """The internal requests of the promotions in flight: their pending stores are being
+        written."""
+        return set(self._internal)
 
     @property
     def in_flight(self) -> int:

@@ -173,13 +173,16 @@ class RemoteLink:
 
     # ------------------------------------------------------------------ promotion
 
-    def promote(self, keys: Sequence[BlockKey], req_id: str) -> asyncio.Task[None] | None:
+    def promote(
+        self, keys: Sequence[BlockKey], req_id: str, protect: Sequence[BlockKey] = ()
+    ) -> asyncio.Task[None] | None:
         """Start bringing the keys the pool lacks into it for request ``req_id``
         (``app.core.promotion``); the task that settles it, or None when nothing started (the
-        tier is degraded or the pool has no room: the keys stay not ready)."""
+        tier is degraded or the pool has no room: the keys stay not ready). ``protect``: the
+        load's other keys, not evicted to make room."""
         if not self.tier.health().ok:
             return None
-        return self.promotions.start(keys, req_id, self._read)
+        return self.promotions.start(keys, req_id, self._read, protect)
 
     async def _read(self, keys: list[BlockKey], slots: list[int], req_id: str) -> list[bool]:
         started = time.perf_counter()

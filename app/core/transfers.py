@@ -334,8 +334,11 @@ class Transfers:
             if not coming or any(pool.slot_of(k) is None for k in exc.missing):
                 raise
             record = self.tracker.defer(ctx, cache_id, keys)
+            # The load's keys already in the pool wait, held, for the others to come up.
+            ready = [k for k in dict.fromkeys(keys) if pool.is_ready(k)]
+            held = [k for k, s in zip(ready, pool.hold(ready), strict=True) if s is not None]
             task = asyncio.get_running_loop().create_task(
-                self._load_after(record, coming, list(device_blocks), wait_event),
+                self._load_after(record, coming, list(device_blocks), wait_event, held),
                 name="kvoffload-onload-after-promotion",
             )
             self._deferred.add(task)
@@ -362,8 +365,10 @@ class Transfers:
         coming: list[asyncio.Task[None]],
         device_blocks: list[int],
         wait_event: bytes | None,
+        held: list[BlockKey],
     ) -> None:
-        """Wait for the promotions of a deferred load's keys, then pin and copy them."""
+        """Wait for the promotions of a deferred load's keys, then pin and copy them (the
+        ``held`` keys, its pool hits, are let go once pinned, or when it fails)."""
         try:
             await asyncio.wait(coming)
             self._cache(record.cache_id, device_blocks, wait_event)
@@ -375,6 +380,8 @@ class Transfers:
             self.tracker.fail(record, f"not loadable after promotion: {type(exc).__name__}")
             self.notify()
             return
+        finally:
+            self.manager.manager.release_hold(held)
         left = self.settings.job_deadline_s - (time.monotonic() - record.started)
         self.tracker.launch(record, device_blocks, slots, max(left, 0.001), wait_event)
         self.notify()

@@ -238,13 +238,6 @@ async def test_a_corrupt_block_is_a_checksum_failure_never_a_hit(tmp_path: Path)
     assert ex.value("kvoffload_disk_tier_up") == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="app/core/disk.py counts a corrupt block dropped from the disk as counts['dropped_bad']"
-    " and state() reports every 'dropped_*' count as a dropped demotion: "
-    'kvoffload_disk_demotions_dropped_total{reason="bad"} (not a demotion, not a catalogue '
-    "reason). Remove this mark once the owner renames that count.",
-)
 async def test_a_corrupt_block_is_not_a_dropped_demotion(tmp_path: Path) -> None:
     ex = await corrupt_read(tmp_path)
     reasons = {s.labels["reason"] for s in ex.samples("kvoffload_disk_demotions_dropped_total")}

@@ -66,9 +66,10 @@ class PoolOverDisk(RuleBasedStateMachine):
         admitted = [k for k in victims if k_asks == 1 or self.asks[k] >= k_asks]
         fresh = [k for k in admitted if k not in self.loadable and k not in self.writing]
         assert chosen == fresh
-        # Every victim not written whole and not chosen counts as refused (one being written
-        # among them too: DiskIndex does not tell the two apart).
-        self.refused += len(victims) - len([k for k in victims if k in self.loadable]) - len(chosen)
+        # Refused: victims absent from the disk (neither written whole nor being written)
+        # that were not chosen.
+        absent = [k for k in victims if k not in self.loadable and k not in self.writing]
+        self.refused += len(absent) - len(chosen)
         if not chosen:
             return
         op = disk.reserve(chosen)
