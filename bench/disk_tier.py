@@ -15,6 +15,20 @@ Part (a), bytes: for each block size, ``--mib`` MiB of blocks per timed call, me
   demotion of N evicted blocks, timed from the ``prepare-store`` that evicts them to the last one
   written. Target: onload from disk >= 0.8x raw O_DIRECT reads.
 
+Part (b), inside vLLM (needs vLLM 0.33, ``.venv-vllm``): the trace's first ``--b-requests``
+requests alternating over two engines, each vLLM 0.33's own ``TieringOffloadingManager`` with a
+``--b-primary-chunks`` CPU primary tier, driven as vLLM's scheduler drives it
+(``bench/vllm_tier.py``'s replay, ``tests/vllm/engine.py``), with as secondary tier: a real
+``kvoffload serve`` of ``--b-pool-blocks`` 4 KiB blocks alone; the same with its disk tier
+(``--disk-dir`` under ``--dir``, ``--disk-bytes`` for ``--b-disk-blocks`` blocks, one row per
+``--b-admit-after``, and one row with room for every distinct block, ``--b-big-disk-blocks``);
+and vLLM's own ``fs`` tier (a directory under ``--dir``, same filesystem) instead of kvoffload:
+vLLM cannot put ``fs`` below kvoffload, its secondary tiers are siblings that each receive every
+stored chunk. Per configuration: prefix hit ratio, scheduler-thread time in the secondary tier
+per step (p50 / p99 over every step of both engines), bytes on disk (st_blocks of the directory
+tree, directories included) sampled every ``--b-sample-every`` requests, against the bound (the
+fs tier has none).
+
 Part (c), restart: the shipped trace, each request run as an engine would (lookup; onload of the
 leading keys the pool or the disk holds; prepare/complete-store of the rest) through in-process
 services with a pool of ``--pool-blocks`` and a disk tier of ``--disk-blocks`` 4 KiB blocks. The
@@ -24,7 +38,8 @@ and started again on the same disk directory (restart), and by a fresh service w
 (cold). Target: restart >= 0.9x warm. Bytes under the disk directory are sampled against
 ``disk_bytes`` throughout.
 
-Usage: ``.venv/bin/python bench/disk_tier.py [--parts a,c] [--quick]``; run as root for the cache
+Usage: ``.venv/bin/python bench/disk_tier.py [--parts a,c] [--quick]`` (part (b) needs vLLM:
+``.venv-vllm/bin/python bench/disk_tier.py --parts b``); run as root for the cache
 drops (otherwise reads are still O_DIRECT on both sides, noted in the record).
 """
 
@@ -611,6 +626,174 @@ def _disk_summary(h: Any) -> dict[str, Any]:
     }
 
 
+# ---------------------------------------------------------------------------- part (b): vLLM
+
+
+def _tree_usage(d: str) -> tuple[int, int, int]:
+    """Bytes allocated under ``d`` (st_blocks of every file and directory, ``d`` included), the
+    part of it in files, and the number of files."""
+    total = in_files = files = 0
+    for root, _, names in os.walk(d):
+        with contextlib.suppress(FileNotFoundError):
+            total += os.stat(root).st_blocks * 512
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):  # a store's temp file, renamed
+                used = os.stat(os.path.join(root, name)).st_blocks * 512
+                total, in_files, files = total + used, in_files + used, files + 1
+    return total, in_files, files
+
+
+def _listing(d: str) -> dict[str, int]:
+    """Allocated bytes per file under ``d`` (the disk tier has a few)."""
+    out = {}
+    for root, _, names in os.walk(d):
+        for name in names:
+            path = os.path.join(root, name)
+            with contextlib.suppress(FileNotFoundError):
+                out[os.path.relpath(path, d)] = os.stat(path).st_blocks * 512
+    return out
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def part_b(
+    base: str,
+    n_requests: int,
+    primary_chunks: int,
+    pool_blocks: int,
+    disk_blocks: int,
+    admits: list[int],
+    fs_threads: int,
+    sample_every: int,
+    big_disk_blocks: int = 0,
+) -> dict[str, Any]:
+    """The trace's first ``n_requests`` through two vLLM 0.33 engines (``bench/vllm_tier.py``'s
+    replay): kvoffload's pool alone, pool + its disk tier (one row per ``--disk-admit-after``),
+    and vLLM's own ``fs`` tier as the engines' only secondary tier (vLLM does not chain tiers:
+    every secondary tier receives every stored chunk and is looked up side by side)."""
+    # vLLM is needed here only (.venv-vllm); parts (a) and (c) run without it.
+    from app.client import KVOffloadAdminClient
+    from bench import vllm_tier
+    from tests.e2e.server import TOKEN, ServerProcess
+    from tests.vllm.engine import kv_transfer_config
+
+    requests = vllm_tier.load_trace(n_requests)
+    block = 4 * KIB
+    disk_bytes = HEADER_AND_PROBE + disk_blocks * (block + 128)
+    assert slots_for(disk_bytes, block) == disk_blocks
+    serve_flags = [
+        *("--block-bytes", str(block), "--num-blocks", str(pool_blocks)),
+        *("--log-level", "warning", "--shadow-enabled", "false"),
+    ]
+    distinct = len({h for r in requests for h in r})
+    out: dict[str, Any] = {
+        "requests": len(requests),
+        "block_refs": sum(len(r) for r in requests),
+        "distinct_blocks": distinct,
+        "primary_chunks_per_engine": primary_chunks,
+        "pool_blocks": pool_blocks,
+        "disk_blocks": disk_blocks,
+        "disk_bytes": disk_bytes,
+        "fs_threads": fs_threads,
+        "rows": [],
+    }
+
+    def run(name: str, cfg: dict[str, Any], disk_dir: str | None) -> dict[str, Any]:
+        growth: list[tuple[int, int]] = []
+
+        def sample(n: int) -> None:
+            if disk_dir is not None and (n + 1) % sample_every == 0:
+                growth.append((n + 1, _tree_usage(disk_dir)[0]))
+
+        t = time.monotonic()
+        hit, engines, _ = vllm_tier.replay(requests, cfg, name.split()[0], sample)
+        seconds = time.monotonic() - t
+        step_us = [ns / 1000 for e in engines for ns in e.step_tier_ns]
+        for e in engines:
+            e.close()  # the fs tier's close waits for its writes
+        row: dict[str, Any] = {
+            "name": name,
+            "hit_ratio": hit,
+            "steps": len(step_us),
+            "step_us_p50": _pct(step_us, 0.50),
+            "step_us_p99": _pct(step_us, 0.99),
+            "step_us_mean": statistics.fmean(step_us) if step_us else float("nan"),
+            "replay_s": round(seconds, 1),
+        }
+        if disk_dir is not None:
+            usage, in_files, files = _tree_usage(disk_dir)
+            row.update(disk_usage=usage, disk_usage_files=in_files, files=files, growth=growth)
+        print(
+            f"[b] {name}: hit {hit:.3f}, step p50/p99 {row['step_us_p50']:.1f}/"
+            f"{row['step_us_p99']:.1f} us, {seconds:.1f} s"
+            + (f", {row['disk_usage']} bytes on disk" if disk_dir else ""),
+            flush=True,
+        )
+        return row
+
+    def kvoffload(
+        name: str, *extra: str, disk_dir: str | None = None, bound: int = disk_bytes
+    ) -> dict[str, Any]:
+        started = time.monotonic()
+        with tempfile.TemporaryDirectory(dir=base) as tmp:
+            with ServerProcess(Path(tmp), *serve_flags, *extra).serving() as srv:
+                cfg = kv_transfer_config(f"unix://{srv.uds}", cpu_chunks=primary_chunks)
+                row = run(name, cfg, disk_dir)
+                if disk_dir is not None:
+                    with KVOffloadAdminClient(srv.admin_url, token=TOKEN) as admin:
+                        d = admin.stats()["disk"]
+                    row["disk_state"] = {
+                        "blocks": d["blocks"],
+                        "demoted": d["demotions"]["written"],
+                        "refused_admission": d["demotions"]["refused_admission"],
+                        "dropped": d["demotions"]["dropped"],
+                        "promoted": d["promotions"]["loaded"],
+                        "promotions_failed": d["promotions"]["failed"],
+                    }
+                    row["disk_usage_stopped"] = None
+            if disk_dir is not None:  # after the stop (the index written)
+                row["disk_usage_stopped"] = _tree_usage(disk_dir)[0]
+                row["files_at_stop"] = _listing(disk_dir)
+                row["bound"] = bound
+                shutil.rmtree(disk_dir, ignore_errors=True)
+        row["wall_s"] = round(time.monotonic() - started, 1)  # server start and stop included
+        return row
+
+    out["rows"].append(kvoffload("kvoffload pool alone"))
+    for k in admits:
+        d = os.path.join(base, f"kvoffload-disk-{k}")
+        flags = ("--disk-dir", d, "--disk-bytes", str(disk_bytes), "--disk-admit-after", str(k))
+        out["rows"].append(kvoffload(f"pool + disk tier, admit after {k}", *flags, disk_dir=d))
+    if big_disk_blocks:  # room for every distinct block: capacity as the fs tier's
+        big = HEADER_AND_PROBE + big_disk_blocks * (block + 128)
+        d = os.path.join(base, "kvoffload-disk-big")
+        flags = ("--disk-dir", d, "--disk-bytes", str(big), "--disk-admit-after", str(admits[0]))
+        row = kvoffload(
+            f"pool + disk of {big_disk_blocks}, admit {admits[0]}", *flags, disk_dir=d, bound=big
+        )
+        out["rows"].append(row)
+    fs_dir = tempfile.mkdtemp(dir=base, prefix="vllm-fs-")
+    cfg = kv_transfer_config("unix:///unused", cpu_chunks=primary_chunks)
+    cfg["kv_connector_extra_config"]["secondary_tiers"] = [
+        {
+            "type": "fs",
+            "root_dir": fs_dir,
+            "n_read_threads": fs_threads,
+            "n_write_threads": fs_threads,
+        }
+    ]
+    started = time.monotonic()
+    row = run("vLLM fs tier alone", cfg, fs_dir)
+    row["bound"] = None
+    row["wall_s"] = round(time.monotonic() - started, 1)
+    out["rows"].append(row)
+    shutil.rmtree(fs_dir, ignore_errors=True)
+    return out
+
+
 # ---------------------------------------------------------------------------- main
 
 
@@ -625,6 +808,19 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=500)
     ap.add_argument("--pool-blocks", type=int, default=2000)
     ap.add_argument("--disk-blocks", type=int, default=20000)
+    ap.add_argument("--b-requests", type=int, default=1500, help="trace prefix replayed (b)")
+    ap.add_argument("--b-primary-chunks", type=int, default=500, help="per engine (b)")
+    ap.add_argument("--b-pool-blocks", type=int, default=2000, help="kvoffload pool (b)")
+    ap.add_argument("--b-disk-blocks", type=int, default=6000, help="kvoffload disk tier (b)")
+    ap.add_argument(
+        "--b-big-disk-blocks",
+        type=int,
+        default=28000,
+        help="one more (b) row: a disk tier this large (0: none)",
+    )
+    ap.add_argument("--b-admit-after", default="1,2", help="one (b) row per value")
+    ap.add_argument("--b-fs-threads", type=int, default=4, help="fs tier read and write threads")
+    ap.add_argument("--b-sample-every", type=int, default=250, help="requests (b)")
     ap.add_argument("--dir", default=str(Path(__file__).resolve().parent / ".disk-bench"))
     ap.add_argument(
         "--quick",
@@ -635,6 +831,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.mib, args.repeats, args.prefix, args.window = 32, 3, 1000, 200
+        args.b_requests = min(args.b_requests, 300)
     parts = set(args.parts.split(","))
     os.makedirs(args.dir, exist_ok=True)
     base = tempfile.mkdtemp(dir=args.dir)
@@ -657,6 +854,19 @@ def main() -> None:
                 record["a"].append(row)
                 write_results(Path(args.out), record, quiet=True)
                 print_a_row(row)
+        if "b" in parts:
+            record["b"] = part_b(
+                base,
+                args.b_requests,
+                args.b_primary_chunks,
+                args.b_pool_blocks,
+                args.b_disk_blocks,
+                [int(k) for k in args.b_admit_after.split(",")],
+                args.b_fs_threads,
+                args.b_sample_every,
+                args.b_big_disk_blocks,
+            )
+            write_results(Path(args.out), record, quiet=True)
         if "c" in parts:
             record["c"] = asyncio.run(
                 part_c(base, args.prefix, args.window, args.pool_blocks, args.disk_blocks)
@@ -727,6 +937,8 @@ def print_tables(rec: dict[str, Any]) -> None:
                 f"on one thread; writes in timed onloads {sv['writes_during_timed_onloads']}; "
                 f"cache dropped {st['cache_dropped'] and sv['cache_dropped']}"
             )
+    if "b" in rec:
+        print_b(rec["b"])
     if "c" in rec:
         c = rec["c"]
         print()
@@ -766,6 +978,41 @@ def print_tables(rec: dict[str, Any]) -> None:
             f"{c['restart']['window']['failed_onloads']} (window); restart opened in "
             f"{c['restart_open_s']} s"
         )
+
+
+def print_b(b: dict[str, Any]) -> None:
+    print()
+    print(
+        f"(b) the trace's first {b['requests']} requests ({b['block_refs']} block references, "
+        f"{b['distinct_blocks']} distinct) over two vLLM 0.33 engines; primary "
+        f"{b['primary_chunks_per_engine']} chunks each; kvoffload pool {b['pool_blocks']} x "
+        f"4 KiB, disk tier {b['disk_blocks']} blocks ({b['disk_bytes']} bytes); fs tier "
+        f"{b['fs_threads']}+{b['fs_threads']} threads"
+    )
+    print(
+        f"{'configuration':<34} | {'hit ratio':>9} | {'steps':>6} | {'p50 us':>7} | "
+        f"{'p99 us':>8} | {'bytes on disk':>13} | {'bound':>10} | replay s"
+    )
+    for r in b["rows"]:
+        usage = f"{r['disk_usage']:>13}" if "disk_usage" in r else f"{'-':>13}"
+        bound = r.get("bound")
+        print(
+            f"{r['name']:<34} | {r['hit_ratio']:>9.3f} | {r['steps']:>6} | "
+            f"{r['step_us_p50']:>7.1f} | {r['step_us_p99']:>8.1f} | {usage} | "
+            f"{bound if bound else 'none':>10} | {r['replay_s']} ({r['wall_s']})"
+        )
+    for r in b["rows"]:
+        if "growth" in r:
+            extra = ""
+            if "disk_state" in r:
+                extra = (
+                    f"; in files {r['disk_usage_files']}; after the stop "
+                    f"{r['disk_usage_stopped']} {r['files_at_stop']}; {r['disk_state']}"
+                )
+            else:
+                extra = f"; {r['files']} files, {r['disk_usage_files']} bytes in them"
+            growth = ", ".join(f"{n}: {u}" for n, u in r["growth"])
+            print(f"  {r['name']}: bytes on disk by request {growth}{extra}")
 
 
 if __name__ == "__main__":

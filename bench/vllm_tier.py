@@ -21,6 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +45,13 @@ def load_trace(limit: int) -> list[list[int]]:
 
 
 def replay(
-    requests: list[list[int]], config: dict[str, Any], tag: str
+    requests: list[list[int]],
+    config: dict[str, Any],
+    tag: str,
+    after_request: Callable[[int], None] | None = None,
 ) -> tuple[float, list[SimEngine], int]:
-    """Hit ratio over every chunk of every request, the engines, and the steps run."""
+    """Hit ratio over every chunk of every request, the engines, and the steps run.
+    ``after_request(n)``, if given, is called after request ``n`` settled (between steps)."""
     engines = [SimEngine(f"bench-{tag}-{i}", config) for i in range(2)]
     hits = total = steps = 0
     for n, hash_ids in enumerate(requests):
@@ -56,6 +61,8 @@ def replay(
         total += len(hash_ids)
         steps += outcome.steps + 1
         engine.settle(pause_s=0.0005)
+        if after_request is not None:
+            after_request(n)
     return hits / total, engines, steps
 
 

@@ -10,8 +10,9 @@ the primary tier's memory itself: a "computed" chunk is written straight into it
 slot, a "loaded" chunk is read from it.
 
 Shared by ``tests/vllm`` and ``bench/vllm_tier.py``. ``step_tier_ns`` is the time spent inside
-the kvoffload tier's methods on the calling (scheduler) thread in each step, ``step_calls`` the
-tiers' batch calls made so far at the end of each step.
+the secondary tiers' methods (kvoffload's, or vLLM's own such as ``fs``) on the calling
+(scheduler) thread in each step, ``step_calls`` the kvoffload tiers' batch calls made so far at
+the end of each step.
 """
 
 from __future__ import annotations
@@ -179,8 +180,14 @@ class SimEngine:
         self._new_req_ids = []
         self.step_tier_ns.append(self.tier_time_ns)
         self.tier_time_ns = 0
-        if self.tiers:
-            self.step_calls.append(sum(t.counters.snapshot().get(CALLS, 0) for t in self.tiers))
+        if self.tiers:  # kvoffload tiers' calls (vLLM's own tiers, e.g. ``fs``, count none)
+            self.step_calls.append(
+                sum(
+                    t.counters.snapshot().get(CALLS, 0)
+                    for t in self.tiers
+                    if hasattr(t, "counters")
+                )
+            )
 
     def start(self, ctx: ReqContext) -> None:
         with self.manager.lock:
