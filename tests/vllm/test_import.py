@@ -39,4 +39,4 @@ def test_tier_imports_without_server_dependencies():
     )
     assert out.returncode == 0, out.stderr
     loaded = out.stdout.strip().splitlines()[-1].split(",")
-    assert set(loaded) == {"app", "app.client", "app.pool_share", "app.vllm_tier"}
+    assert set(loaded) == {"app", "app.block_copy", "app.client", "app.pool_share", "app.vllm_tier"}
