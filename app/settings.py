@@ -445,12 +445,15 @@ class Settings(AdminAuth):
     )
     disk_policy: str = Field(default="lru", description="the disk tier's eviction policy")
     disk_io_threads: int = Field(default=4, gt=0, le=64, description="disk I/O threads")
-    disk_staging_blocks: int = Field(
-        default=64,
+    disk_staging_bytes: int = Field(
+        default=128 << 20,
         gt=0,
-        description="evicted blocks held in memory on their way to disk (more: demotion dropped)",
+        description="memory for evicted blocks on their way to disk, per namespace (at least "
+        "one block; more evicted than fits: dropped, counted)",
     )
-    disk_batch_blocks: int = Field(default=32, gt=0, description="blocks per disk write batch")
+    disk_batch_bytes: int = Field(
+        default=16 << 20, gt=0, description="bytes per disk write batch (at least one block)"
+    )
     disk_timeout_s: float = Field(
         default=10.0, gt=0, description="a disk read slower than this is a miss (tier degraded)"
     )
@@ -666,14 +669,14 @@ class Settings(AdminAuth):
                         + ("host:port" if field == "mooncake_master" else "a URL"),
                     )
         if self.disk_dir is not None:
-            from transfer.disk import slots_for
+            from transfer.disk import min_disk_bytes, slots_for
 
             if slots_for(self.disk_bytes, self.block_bytes) < 1:
                 raise config_error(
                     "disk_bytes",
                     self.disk_bytes,
                     f"holds no block of {self.block_bytes} bytes with its index; accepted: at "
-                    f"least {self.block_bytes + 3 * 4096} with {setting_names('disk_dir')}",
+                    f"least {min_disk_bytes(self.block_bytes)} with {setting_names('disk_dir')}",
                 )
             if self.disk_policy not in available_policies():
                 raise config_error(

@@ -64,7 +64,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import RESULTS_DIR, machine, read_trace, write_results
-from transfer.disk import DiskStore, block_checksum, slots_for
+from transfer.disk import DiskStore, block_checksum, disk_bytes_for, slots_for
 from transfer.host_pool import HostPool
 
 KIB = 1024
@@ -279,7 +279,7 @@ async def part_a_service(
     n = mib * MIB // block
     chunks = repeats + 2
     d = tempfile.mkdtemp(dir=base, prefix=f"svc-{block // KIB}k-")
-    disk_bytes = (chunks * n + 16) * (block + 128) + 3 * PAGE
+    disk_bytes = disk_bytes_for(chunks * n + 16, block)
     settings = {
         "num_blocks": n,
         "block_bytes": block,
@@ -287,8 +287,8 @@ async def part_a_service(
         "disk_bytes": disk_bytes,
         "disk_admit_after": 1,
         "disk_io_threads": threads,
-        "disk_staging_blocks": n,
-        "disk_batch_blocks": 32,
+        "disk_staging_bytes": n * block,
+        "disk_batch_bytes": 32 * block,
     }
     demote_s: list[float] = []
     demote_write_s: list[float] = []
@@ -528,7 +528,7 @@ async def part_c(
     head, tail = trace[:prefix], trace[prefix : prefix + window]
     longest = max(len(r) for r in trace)
     block = 4 * KIB
-    disk_bytes = HEADER_AND_PROBE + disk_blocks * (block + 128)
+    disk_bytes = disk_bytes_for(disk_blocks, block)
     assert slots_for(disk_bytes, block) == disk_blocks
     common = {
         "num_blocks": pool_blocks,
@@ -600,9 +600,6 @@ async def part_c(
     out["restart_vs_warm"] = out["restart"]["hit_ratio"] / out["warm"]["hit_ratio"]
     out["cold_vs_warm"] = out["cold"]["hit_ratio"] / out["warm"]["hit_ratio"]
     return out
-
-
-HEADER_AND_PROBE = 2 * PAGE
 
 
 def _dir_usage(d: str) -> int:
@@ -682,7 +679,7 @@ def part_b(
 
     requests = vllm_tier.load_trace(n_requests)
     block = 4 * KIB
-    disk_bytes = HEADER_AND_PROBE + disk_blocks * (block + 128)
+    disk_bytes = disk_bytes_for(disk_blocks, block)
     assert slots_for(disk_bytes, block) == disk_blocks
     serve_flags = [
         *("--block-bytes", str(block), "--num-blocks", str(pool_blocks)),
@@ -768,7 +765,7 @@ def part_b(
         flags = ("--disk-dir", d, "--disk-bytes", str(disk_bytes), "--disk-admit-after", str(k))
         out["rows"].append(kvoffload(f"pool + disk tier, admit after {k}", *flags, disk_dir=d))
     if big_disk_blocks:  # room for every distinct block: capacity as the fs tier's
-        big = HEADER_AND_PROBE + big_disk_blocks * (block + 128)
+        big = disk_bytes_for(big_disk_blocks, block)
         d = os.path.join(base, "kvoffload-disk-big")
         flags = ("--disk-dir", d, "--disk-bytes", str(big), "--disk-admit-after", str(admits[0]))
         row = kvoffload(

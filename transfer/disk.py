@@ -62,10 +62,15 @@ __all__ = [
     "DiskHealth",
     "DiskStore",
     "block_checksum",
+    "disk_bytes_for",
     "slots_for",
 ]
 
 PAGE = 4096
+#: Bytes of contiguous slots read or written in one system call: large enough to amortize the
+#: call and let the device stream, small enough to spread a batch over the I/O threads.
+RUN_BYTES = 4 << 20
+_IOV_MAX = 1024  # Linux's limit of buffers per readv/writev
 ENTRY_BYTES = 128
 HEADER_BYTES = PAGE
 _MAGIC = b"KVODISK1"
@@ -98,14 +103,30 @@ class DiskError(TransferError):
 
 
 def slots_for(disk_bytes: int, block_bytes: int) -> int:
-    """How many block slots fit in ``disk_bytes`` with the index and the probe page."""
+    """How many block slots fit in ``disk_bytes`` with the index, the probe page and the
+    directory's own page."""
     slot = _slot_bytes(block_bytes)
-    n = max(0, (disk_bytes - HEADER_BYTES - PAGE) // (slot + ENTRY_BYTES))
+    n = max(0, (disk_bytes - HEADER_BYTES - _FIXED) // (slot + ENTRY_BYTES))
     # The index takes whole pages on disk (``du``), not its 128 B per slot: at most one page
     # more than the estimate, so at most a slot or two less.
-    while n > 0 and n * slot + _index_pages(n) + PAGE > disk_bytes:
+    while n > 0 and n * slot + _index_pages(n) + _FIXED > disk_bytes:
         n -= 1
     return n
+
+
+#: Pages besides the blocks and the index: the probe's and the namespace directory's own.
+_FIXED = 2 * PAGE
+
+
+def disk_bytes_for(slots: int, block_bytes: int) -> int:
+    """The smallest ``disk_bytes`` that holds ``slots`` blocks of ``block_bytes`` (the
+    inverse of ``slots_for``)."""
+    return slots * _slot_bytes(block_bytes) + _index_pages(slots) + _FIXED
+
+
+def min_disk_bytes(block_bytes: int) -> int:
+    """The smallest ``disk_bytes`` that holds one block of ``block_bytes``."""
+    return disk_bytes_for(1, block_bytes)
 
 
 def _index_pages(num_slots: int) -> int:
@@ -217,7 +238,7 @@ class DiskStore:
         self._counters = dict.fromkeys(DISK_COUNTERS, 0)
         self._closed = False
         # Test seam: the syscalls that move bytes (a fault test swaps in failing ones).
-        self.pwrite: Callable[[int, object, int], int] = os.pwrite  # type: ignore[assignment]
+        self.pwritev: Callable[[int, list[memoryview], int], int] = os.pwritev
         self.preadv: Callable[[int, list[memoryview], int], int] = os.preadv
 
     # ------------------------------------------------------------------ opening
@@ -307,37 +328,65 @@ class DiskStore:
 
     def write_many(self, items: Sequence[tuple[int, bytes, int]]) -> list[bool]:
         """Write staged blocks: ``(disk_slot, key, staging_id)`` each; per item, whether the
-        block is whole on disk and listed. Blocks; runs the items on the I/O threads."""
-        return list(self._pool.map(self._write_one, items)) if items else []
+        block is whole on disk and listed. Blocks; runs of contiguous slots go to the I/O
+        threads, one system call each (``RUN_BYTES`` at most)."""
+        results = [False] * len(items)
+        good = [
+            i
+            for i, (slot, key, _) in enumerate(items)
+            if len(key) <= _MAX_KEY and 0 <= slot < self.num_slots
+        ]
+        runs = _runs(good, lambda i: items[i][0], self._run_blocks(self.slot_bytes))
+        done = self._pool.map(lambda r: self._write_run([items[i] for i in r]), runs)
+        for run, oks in zip(runs, done, strict=True):
+            for i, ok in zip(run, oks, strict=True):
+                results[i] = ok
+        return results
 
-    def _write_one(self, item: tuple[int, bytes, int]) -> bool:
-        slot, key, buf = item
-        if self._closed or len(key) > _MAX_KEY or not 0 <= slot < self.num_slots:
-            return False
-        view = memoryview(self._staging)[buf * self.slot_bytes : (buf + 1) * self.slot_bytes]
+    def _write_run(self, run: list[tuple[int, bytes, int]]) -> list[bool]:
+        """Write blocks to contiguous slots: entries cleared, bytes written in one call, then
+        the entries written (see the module docstring for why this order)."""
+        if self._closed:
+            return [False] * len(run)
+        sb, first = self.slot_bytes, run[0][0]
+        staging = memoryview(self._staging)
+        views = [staging[buf * sb : (buf + 1) * sb] for _, _, buf in run]
+        entries_at = HEADER_BYTES + first * ENTRY_BYTES
         try:
-            entry_at = HEADER_BYTES + slot * ENTRY_BYTES
-            if slot in self._entries:
-                os.pwrite(self._index_fd, _EMPTY, entry_at)
-                self._entries.pop(slot, None)
-            written = self.pwrite(self._data_fd, view, slot * self.slot_bytes)
-            if written != self.slot_bytes:
-                raise OSError(errno.EIO, f"short write ({written} of {self.slot_bytes} bytes)")
-            checksum = block_checksum(key, view[: self.block_bytes])
+            if any(slot in self._entries for slot, _, _ in run):
+                os.pwrite(self._index_fd, _EMPTY * len(run), entries_at)
+                for slot, _, _ in run:
+                    self._entries.pop(slot, None)
+            written = self.pwritev(self._data_fd, views, first * sb)
+            if written != sb * len(run):
+                raise OSError(errno.EIO, f"short write ({written} of {sb * len(run)} bytes)")
+            sums = [
+                block_checksum(key, v[: self.block_bytes])
+                for (_, key, _), v in zip(run, views, strict=True)
+            ]
             with self._mutex:
-                self._seq += 1
-                seq = self._seq
-            os.pwrite(self._index_fd, _pack_entry(key, checksum, seq), entry_at)
+                seqs = range(self._seq + 1, self._seq + 1 + len(run))
+                self._seq += len(run)
+            packed = b"".join(
+                _pack_entry(key, s, q) for (_, key, _), s, q in zip(run, sums, seqs, strict=True)
+            )
+            os.pwrite(self._index_fd, packed, entries_at)
         except OSError as exc:
             self._failed("write", exc)
-            self._count("write_failures", 1)
-            return False
+            self._count("write_failures", len(run))
+            return [False] * len(run)
         finally:
-            view.release()
-        self._entries[slot] = _Entry(key, checksum, seq)
-        self._count("writes", 1)
-        self._count("bytes_written", self.slot_bytes)
-        return True
+            for v in views:
+                v.release()
+            staging.release()
+        for (slot, key, _), s, q in zip(run, sums, seqs, strict=True):
+            self._entries[slot] = _Entry(key, s, q)
+        self._count("writes", len(run))
+        self._count("bytes_written", sb * len(run))
+        return [True] * len(run)
+
+    def _run_blocks(self, block_bytes: int) -> int:
+        return max(1, min(_IOV_MAX, RUN_BYTES // block_bytes))
 
     def forget(self, slots: Sequence[int]) -> None:
         """Unlist slots whose blocks the caller dropped (evicted from the disk index or found
@@ -357,14 +406,31 @@ class DiskStore:
     def read_many(self, items: Sequence[tuple[int, bytes, int]]) -> list[bool]:
         """Read blocks straight into pool slots: ``(disk_slot, key, pool_slot)`` each; per
         item, True only when the whole block was read and matches its key and checksum (a
-        False pool slot holds undefined bytes). Blocks; runs on the I/O threads."""
+        False pool slot holds undefined bytes). Blocks; runs of contiguous slots go to the
+        I/O threads, one system call each (``RUN_BYTES`` at most)."""
         if not items:
             return []
         with self._mutex:
             for _, _, pool_slot in items:
                 self._held[pool_slot] = self._held.get(pool_slot, 0) + 1
         try:
-            return list(self._pool.map(self._read_one, items))
+            results = [False] * len(items)
+            listed = []
+            for i, (slot, key, _) in enumerate(items):
+                entry = self._entries.get(slot)
+                if entry is None or entry.key != key:
+                    self._count("read_failures", 1)
+                else:
+                    listed.append(i)
+            # Blocks of a run land in separate pool slots; padding between them on disk (a
+            # block size that is not whole pages) keeps them one block a call.
+            cap = self._run_blocks(self.slot_bytes) if self.slot_bytes == self.block_bytes else 1
+            runs = _runs(listed, lambda i: items[i][0], cap)
+            done = self._pool.map(lambda r: self._read_run([items[i] for i in r]), runs)
+            for run, oks in zip(runs, done, strict=True):
+                for i, ok in zip(run, oks, strict=True):
+                    results[i] = ok
+            return results
         finally:
             with self._mutex:
                 for _, _, pool_slot in items:
@@ -374,32 +440,35 @@ class DiskStore:
                     else:
                         del self._held[pool_slot]
 
-    def _read_one(self, item: tuple[int, bytes, int]) -> bool:
-        slot, key, pool_slot = item
-        entry = self._entries.get(slot)
-        if self._closed or entry is None or entry.key != key:
-            self._count("read_failures", 1)
-            return False
-        dest = self.pool.tensor[pool_slot].numpy().data
+    def _read_run(self, run: list[tuple[int, bytes, int]]) -> list[bool]:
+        """Read contiguous slots straight into their pool slots in one call (O_DIRECT: the
+        pool slots are page-aligned whole pages, as ``direct`` requires), then check each."""
+        if self._closed:
+            self._count("read_failures", len(run))
+            return [False] * len(run)
+        pool = self.pool.tensor
+        dests = [pool[pool_slot].numpy().data for _, _, pool_slot in run]
+        want = self.block_bytes * len(run)
         try:
-            # Straight into the pool slot (O_DIRECT: page-aligned, whole pages, as
-            # ``direct`` requires block_bytes to be a multiple of the page).
-            got = self.preadv(self._data_fd, [dest], slot * self.slot_bytes)
-            if got != self.block_bytes:
-                raise OSError(errno.EIO, f"short read ({got} of {self.block_bytes} bytes)")
-            good = block_checksum(key, dest) == entry.checksum
+            got = self.preadv(self._data_fd, dests, run[0][0] * self.slot_bytes)
+            if got != want:
+                raise OSError(errno.EIO, f"short read ({got} of {want} bytes)")
+            ok = []
+            for (slot, key, _), dest in zip(run, dests, strict=True):
+                entry = self._entries.get(slot)
+                ok.append(entry is not None and block_checksum(key, dest) == entry.checksum)
         except OSError as exc:
             self._failed("read", exc)
-            self._count("read_failures", 1)
-            return False
+            self._count("read_failures", len(run))
+            return [False] * len(run)
         finally:
-            dest.release()
-        if not good:
-            self._count("checksum_failures", 1)
-            return False
-        self._count("reads", 1)
-        self._count("bytes_read", self.block_bytes)
-        return True
+            for dest in dests:
+                dest.release()
+        good = ok.count(True)
+        self._count("checksum_failures", len(run) - good)
+        self._count("reads", good)
+        self._count("bytes_read", self.block_bytes * good)
+        return ok
 
     def held_slots(self) -> frozenset[int]:
         """Pool slots a read still writes into (a caller that gave up waiting must not reuse
@@ -438,8 +507,11 @@ class DiskStore:
         return True
 
     def disk_usage(self) -> int:
-        """Bytes the store's files take on disk now (allocated blocks, not apparent size)."""
+        """Bytes the store's files and directory take on disk now (allocated blocks, not
+        apparent size)."""
         total = 0
+        with contextlib.suppress(OSError):
+            total += os.stat(self.directory).st_blocks * 512
         for name in ("blocks", "index", "probe", "lock"):
             with contextlib.suppress(OSError):
                 total += os.stat(os.path.join(self.directory, name)).st_blocks * 512
@@ -483,6 +555,17 @@ class DiskStore:
                 with contextlib.suppress(OSError):
                     os.close(fd)
                 setattr(self, name, -1)
+
+
+def _runs(order: list[int], slot_of: Callable[[int], int], cap: int) -> list[list[int]]:
+    """Item indices grouped into runs of consecutive disk slots (ascending, ``cap`` at most)."""
+    runs: list[list[int]] = []
+    for i in sorted(order, key=slot_of):
+        if runs and len(runs[-1]) < cap and slot_of(runs[-1][-1]) + 1 == slot_of(i):
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
 
 
 def _pack_entry(key: bytes, checksum: int, seq: int) -> bytes:

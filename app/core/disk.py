@@ -376,7 +376,7 @@ def open_disk(settings: Settings, pool: HostPool, namespace: str) -> tuple[DiskS
         os.path.join(str(s.disk_dir), namespace),
         pool,
         slots,
-        staging_blocks=s.disk_staging_blocks,
+        staging_blocks=max(1, s.disk_staging_bytes // s.block_bytes),
         io_threads=s.disk_io_threads,
         direct=None if s.disk_direct_io else False,
     )

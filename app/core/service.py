@@ -315,7 +315,7 @@ class Service:
             store,
             index,
             self.manager.manager,
-            batch_blocks=s.disk_batch_blocks,
+            batch_blocks=max(1, s.disk_batch_bytes // store.slot_bytes),
             timeout_s=s.disk_timeout_s,
             hold_s=s.lease_ttl_s,
             on_event=self.drain_events,

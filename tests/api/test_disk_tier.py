@@ -3,7 +3,7 @@
 The pool is small (32 blocks of 4 KiB) so a few dozen stores overflow it and the evicted blocks
 are demoted to the disk; every test reads the bytes back and compares them with what was stored.
 The fault tests use a tmpfs of their own (mounted here: root only) for a disk that really fills
-up or turns read-only, and the store's ``pwrite``/``preadv`` seams for I/O errors. No call
+up or turns read-only, and the store's ``pwritev``/``preadv`` seams for I/O errors. No call
 through the HTTP API may answer 5xx in any of them.
 """
 
@@ -24,6 +24,7 @@ import pytest
 import app.core.disk as disk_module
 from app.core.disk import DiskLink
 from tests.api.harness import BLOCK, Harness, hexkeys, make_settings, running
+from transfer.disk import disk_bytes_for
 
 pytestmark = pytest.mark.anyio
 
@@ -37,9 +38,9 @@ def fast_probe(monkeypatch: pytest.MonkeyPatch) -> None:
 async def disk_node(directory: Path, **overrides: Any) -> AsyncIterator[Harness]:
     settings: dict[str, Any] = {
         "disk_dir": directory,
-        "disk_bytes": 8192 + 64 * (4096 + 128) + 4096,  # 64 slots
+        "disk_bytes": disk_bytes_for(64, 4096),
         "disk_admit_after": 1,
-        "disk_batch_blocks": 8,
+        "disk_batch_bytes": 8 * 4096,
         **overrides,
     }
     async with running(make_settings(**settings)) as h:
@@ -233,7 +234,7 @@ async def test_disk_events_stored_on_demotion_removed_on_eviction_and_on_corrupt
     tmp_path: Path,
 ) -> None:
     # 8 disk slots: demoting more than 8 evicts the disk's own oldest blocks.
-    async with disk_node(tmp_path, disk_bytes=8192 + 8 * (4096 + 128) + 4096) as h:
+    async with disk_node(tmp_path, disk_bytes=disk_bytes_for(8, 4096)) as h:
         assert link(h).index.num_slots == 8
         keys = hexkeys(*range(1, 45))  # 12 demoted into 8 slots: 4 evicted from disk
         await store(h, "w", keys)
@@ -535,7 +536,7 @@ async def test_promotion_while_the_disk_evicts_under_store_pressure(tmp_path: Pa
     nothing stays pinned, pending or held."""
     import threading
 
-    async with disk_node(tmp_path, disk_bytes=8192 + 16 * (4096 + 128) + 4096) as h:
+    async with disk_node(tmp_path, disk_bytes=disk_bytes_for(16, 4096)) as h:
         d = link(h)
         keys = hexkeys(*range(1, 41))
         data = await store(h, "w", keys)
@@ -609,13 +610,13 @@ async def test_a_block_evicted_twice_before_it_is_written_leaks_no_staging_buffe
         keys = hexkeys(*range(1, 33))
         data = await store(h, "w", keys)
         gate = threading.Event()
-        real = d.store.pwrite
+        real = d.store.pwritev
 
-        def gated(fd: int, buf: object, off: int) -> int:
+        def gated(fd: int, bufs: list[memoryview], off: int) -> int:
             gate.wait(10)
-            return real(fd, buf, off)
+            return real(fd, bufs, off)
 
-        d.store.pwrite = gated
+        d.store.pwritev = gated
         # A first batch in flight (held at the gate), so the writer leaves the queue alone.
         await store(h, "w2", hexkeys(*range(100, 108)))
 
@@ -844,8 +845,8 @@ async def test_a_disk_smaller_than_a_write_batch_still_takes_the_victims(tmp_pat
     """8 disk slots, write batches of up to 32 blocks (the default): 16 victims queued at once
     must not be refused as a whole for want of room: the disk takes the 8 warmest (the last
     evicted), the 8 others are dropped as no room; nothing stays pinned."""
-    small = 8192 + 8 * (4096 + 128) + 4096
-    async with disk_node(tmp_path, disk_bytes=small, disk_batch_blocks=32) as h:
+    small = disk_bytes_for(8, 4096)
+    async with disk_node(tmp_path, disk_bytes=small, disk_batch_bytes=32 * 4096) as h:
         d = link(h)
         keys = hexkeys(*range(1, 33))
         await store(h, "w", keys)
@@ -891,8 +892,8 @@ async def test_mixed_concurrent_stores_onloads_and_loads_never_serve_wrong_bytes
     rng = random.Random(seed)
     universe = hexkeys(*range(1, 81))
     content = {k: rng.randbytes(BLOCK) for k in universe}
-    small = 8192 + 24 * (4096 + 128) + 4096
-    async with disk_node(tmp_path, disk_bytes=small, disk_batch_blocks=8) as h:
+    small = disk_bytes_for(24, 4096)
+    async with disk_node(tmp_path, disk_bytes=small, disk_batch_bytes=8 * 4096) as h:
         d = link(h)
         real = d.store.preadv
 

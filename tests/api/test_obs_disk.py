@@ -37,7 +37,7 @@ def disk_settings(disk_dir: Path, **overrides: Any) -> Any:
         "disk_dir": disk_dir,
         "disk_bytes": DISK_BYTES,
         "disk_admit_after": 1,
-        "disk_batch_blocks": 2,  # two write batches for the four demotions
+        "disk_batch_bytes": 2 * 4096,  # two write batches for the four demotions
     }
     base.update(overrides)
     return make_settings(**base)

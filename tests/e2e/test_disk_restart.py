@@ -21,6 +21,7 @@ import pytest
 from app.client import KVOffloadAdminClient, KVOffloadClient
 from tests.e2e.server import TOKEN, ServerProcess
 from tests.shm_device import ShmDevice
+from transfer.disk import disk_bytes_for
 
 BLOCK = 4096
 POOL = 32
@@ -31,12 +32,12 @@ BIG = 64 * 1024
 
 
 def disk_server(workdir: Path, disk_dir: Path, block: int = BLOCK) -> ServerProcess:
-    disk_bytes = 8192 + SLOTS * (block + 128) + 4096
+    disk_bytes = disk_bytes_for(SLOTS, block)
     return ServerProcess(
         workdir,
         *("--num-blocks", str(POOL), "--block-bytes", str(block)),
         *("--disk-dir", str(disk_dir), "--disk-bytes", str(disk_bytes)),
-        *("--disk-admit-after", "1", "--disk-batch-blocks", "16"),
+        *("--disk-admit-after", "1", "--disk-batch-bytes", str(16 * block)),
     )
 
 
