@@ -12,7 +12,9 @@ is timed ``--reps`` times in this same run, the ways taking turns within each ro
 - ``memmove_per_block``: one ``memmove`` per block at the promotion's own scattered addresses
   (the floor of any copy of this job on one thread);
 - ``numpy_per_block``: what the tier did before, ``primary[chunk] = pool[slot]`` per block;
-- ``torch_per_block``: ``Tensor.copy_`` per block on torch's threads (if torch is installed);
+- ``torch_per_block``: ``Tensor.copy_`` per block on torch's threads (if torch is installed),
+  timed in rounds of its own after the others (its OpenMP threads spin on after a copy and
+  would slow the next way down) and scaled to the baseline timed beside it;
 - ``block_copier_1t``, ``block_copier_2t`` and ``block_copier``: ``app.block_copy.BlockCopier``
   (runs merged into one memmove each, GIL released) on one thread, on two, and on its default
   threads (half the cores, 1 to 4: one thread on a 2-core machine).
@@ -149,6 +151,14 @@ def main(argv: list[str] | None = None) -> int:
         "memmove_per_block": memmove_per_block,
         "numpy_per_block": numpy_per_block,
     }
+    ways["block_copier_1t"] = lambda: copier1.copy(primary, chunks, pool, slots)
+    ways["block_copier_2t"] = lambda: copier2.copy(primary, chunks, pool, slots)
+    ways["block_copier"] = lambda: copier.copy(primary, chunks, pool, slots)
+
+    nbytes = n * bb
+    times = interleaved(ways, args.reps)
+    # torch last and apart: its OpenMP threads spin on after each copy and would slow down
+    # whichever way ran next in a round.
     torch_threads = None
     try:
         import torch
@@ -160,15 +170,16 @@ def main(argv: list[str] | None = None) -> int:
             for s, c in zip(slots, chunks, strict=True):
                 tq[c].copy_(tp[s])
 
-        ways["torch_per_block"] = torch_per_block
+        alone = interleaved({"one_memmove": one_memmove, "torch": torch_per_block}, args.reps)
+        # Its ratios against the baseline timed beside it, in the same rounds.
+        times["torch_per_block"] = [
+            t * base_now / base_then
+            for t, base_now, base_then in zip(
+                alone["torch"], times["one_memmove"], alone["one_memmove"], strict=True
+            )
+        ]
     except ImportError:
         pass
-    ways["block_copier_1t"] = lambda: copier1.copy(primary, chunks, pool, slots)
-    ways["block_copier_2t"] = lambda: copier2.copy(primary, chunks, pool, slots)
-    ways["block_copier"] = lambda: copier.copy(primary, chunks, pool, slots)
-
-    nbytes = n * bb
-    times = interleaved(ways, args.reps)
     copier.close()
     copier1.close()
     copier2.close()
