@@ -264,7 +264,7 @@ def test_drop_cache_reaches_jobs_queued_in_the_real_backend(world) -> None:
     pool, registry, cache, _worker = world
 
     def hanging(on_finished):  # a backend whose jobs stay queued until their deadline
-        inner = create_worker(pool, registry, "cpu", copy_threads=1)
+        inner = CpuTransferWorker(pool, registry, copy_threads=1)
         return FaultyWorker(lambda cb: inner, FaultSpec(hang_rate=1.0), on_finished=on_finished)
 
     w = FaultyWorker(hanging, FaultSpec(seed=1))
