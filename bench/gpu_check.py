@@ -136,6 +136,12 @@ def info(section: str, what: str, measured: str) -> Row:
     return Row(section, what, measured, "-", "INFO")
 
 
+def error_row(section: str, what: str, exc: BaseException) -> Row:
+    """What broke, in the table: the exception's first line, cut to 100 characters."""
+    first = (f"{type(exc).__name__}: {exc}".splitlines() or [type(exc).__name__])[0]
+    return Row(section, what, first[:100], "runs", "ERROR")
+
+
 def format_table(rows: Sequence[Row]) -> str:
     """The rows as one fixed-width text table."""
     head = ("section", "check", "measured", "target", "result")
@@ -237,8 +243,7 @@ def run_section(
     except Exception as exc:
         result = {"error": traceback.format_exc()}
         print(result["error"], flush=True)
-        line = f"{type(exc).__name__}: {exc}".splitlines()[0][:100]
-        got = [Row(name, "section", line, "runs", "ERROR")]
+        got = [error_row(name, "section", exc)]
     finally:
         with contextlib.suppress(Exception):
             gc.collect()
@@ -418,22 +423,33 @@ def check_round_trip(staging_bytes: int, raw_memcpy: bool) -> dict[str, Any]:
 def correctness() -> dict[str, Any]:
     from transfer.cuda_worker import DEFAULT_STAGING_BYTES
 
-    runs = {
-        "default staging, raw": check_round_trip(DEFAULT_STAGING_BYTES, True),
-        "tiny staging, raw": check_round_trip(3000, True),
-        "default staging, torch copies": check_round_trip(DEFAULT_STAGING_BYTES, False),
+    ways = {
+        "default staging, raw": (DEFAULT_STAGING_BYTES, True),
+        "tiny staging, raw": (3000, True),
+        "default staging, torch copies": (DEFAULT_STAGING_BYTES, False),
     }
-    rows = [
-        gate(
-            "correctness",
-            f"round trip, {name}",
-            f"{'bytes equal' if r['ok'] else 'MISMATCH'} [{r['copy_path']}, "
-            f"{'pinned' if r['pinned'] else 'pageable'}]",
-            "every byte",
-            r["ok"],
+    runs: dict[str, Any] = {}
+    rows = []
+    for name, (staging, raw) in ways.items():
+        try:
+            r = runs[name] = check_round_trip(staging, raw)
+        except SectionTimeout:
+            raise
+        except Exception as exc:  # one way failing leaves the others checked
+            print(traceback.format_exc(), flush=True)
+            runs[name] = {"error": traceback.format_exc()}
+            rows.append(error_row("correctness", f"round trip, {name}", exc))
+            continue
+        rows.append(
+            gate(
+                "correctness",
+                f"round trip, {name}",
+                f"{'bytes equal' if r['ok'] else 'MISMATCH'} [{r['copy_path']}, "
+                f"{'pinned' if r['pinned'] else 'pageable'}]",
+                "every byte",
+                r["ok"],
+            )
         )
-        for name, r in runs.items()
-    ]
     return {"runs": runs, "rows": rows_of(*rows)}
 
 
@@ -676,15 +692,23 @@ def bandwidth(total: int, reps: int, sizes: list[int]) -> dict[str, Any]:
     base = pinned_baseline(dev_big, reps)
     print(f"   pinned copy baseline: D2H {base[0]:.1f} GB/s, H2D {base[1]:.1f} GB/s", flush=True)
     rows: list[dict[str, Any]] = []
+    broken: list[Row] = []
     runs = [(bb, "4") for bb in sizes] + [(vllm_block_bytes(n), n) for n in VLLM_LAYOUTS]
     for bb, layout in runs:
-        rows += bandwidth_for(bb, dev_big, base, reps, layout)
+        try:
+            rows += bandwidth_for(bb, dev_big, base, reps, layout)
+        except SectionTimeout:
+            raise
+        except Exception as exc:  # one layout failing leaves the others measured
+            print(traceback.format_exc(), flush=True)
+            broken.append(error_row("bandwidth", f"layout {layout}, {bb} B blocks", exc))
         REPORT["sections"]["bandwidth_partial"] = {"baseline": base, "rows": rows}
         save()
     REPORT["sections"].pop("bandwidth_partial", None)
     table = [
         info("bandwidth", "pinned copy baseline", f"D2H {base[0]:.1f}, H2D {base[1]:.1f} GB/s"),
         *bandwidth_rows(rows),
+        *broken,
     ]
     return {
         "target_ratio": TARGET,

@@ -230,3 +230,19 @@ def test_small_jobs_concurrent_and_deadline_sections_run_on_the_fakes() -> None:
     assert by[("concurrent", "store + load together")].status in ("PASS", "FAIL")
     assert by[("deadline", "streams idle when the failure is reported")].status == "PASS"
     assert any(r.section == "deadline" and "shutdown" in r.what for r in table)
+
+
+def test_one_way_failing_inside_a_section_leaves_the_others_checked(
+    report: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def round_trip(staging: int, raw: bool) -> dict[str, Any]:
+        if staging == 3000:
+            raise RuntimeError("CUDA error: out of memory")
+        return {"ok": True, "copy_path": "batch", "pinned": True}
+
+    monkeypatch.setattr(gpu_check, "check_round_trip", round_trip)
+    table: list[Row] = []
+    gpu_check.run_section("correctness", gpu_check.correctness, 30, table)
+    assert [r.status for r in table] == ["PASS", "ERROR", "PASS"]
+    assert table[1].measured == "RuntimeError: CUDA error: out of memory"
+    assert gpu_check.verdict(table)[0] == 1
