@@ -106,6 +106,7 @@ Layout = Sequence[tuple[list[int], str, int]]  # (shape, dtype, block_dim) per t
 
 REPORT: dict[str, Any] = {"benchmark": "gpu_check", "sections": {}}
 OUT_PATH = OUT_DEFAULT
+SHM_DIR = Path("/dev/shm")
 STATUSES = ("PASS", "FAIL", "ERROR", "SKIP", "INFO")
 
 
@@ -296,6 +297,19 @@ def random_tensors(layout: Layout, seed: int, device: str) -> list[torch.Tensor]
     ]
 
 
+def new_pool(num_blocks: int, bb: int, **kwargs: Any) -> HostPool:
+    """A host pool in ``SHM_DIR`` (``--shm-dir``), pinned unless ``pin=False``."""
+    return HostPool.create(num_blocks, bb, shm_dir=str(SHM_DIR), **kwargs)
+
+
+def shm_free(path: Path) -> int | None:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 def run_job(worker: Any, job: TransferJob, timeout: float = 60.0) -> Any:
     jid = worker.submit(job)
     results = worker.wait([jid], timeout=timeout)
@@ -367,7 +381,7 @@ def check_round_trip(staging_bytes: int, raw_memcpy: bool) -> dict[str, Any]:
     n, slots_n = 96, 128
     layout = layout_for(n)
     bb = block_bytes(layout)
-    pool = HostPool.create(slots_n, bb)
+    pool = new_pool(slots_n, bb)
     worker = None
     try:
         registry = KVCacheRegistry(pool)
@@ -473,7 +487,7 @@ def ipc() -> dict[str, Any]:
         spec = json.loads(read_line(proc, 60))["spec"]
         handle_keys = sorted(spec["tensors"][0]["handle"])
         layout = [(t["shape"], t["dtype"], t["block_dim"]) for t in spec["tensors"]]
-        pool = HostPool.create(slots_n, block_bytes(layout))
+        pool = new_pool(slots_n, block_bytes(layout))
         registry = KVCacheRegistry(pool)
         cache = registry.register(KVCacheSpec.from_dict(spec))
         worker = CudaTransferWorker(pool, registry)
@@ -601,7 +615,7 @@ def bandwidth_for(
     total = dev_big.numel()
     n = total // bb
     rows = []
-    pool = HostPool.create(n, bb)
+    pool = new_pool(n, bb)
     worker = None
     try:
         pool_d2h, pool_h2d = copy_rates(pool.tensor.view(-1)[: n * bb], dev_big[: n * bb], reps)
@@ -727,7 +741,7 @@ def concurrent(reps: int, bb: int = 2 << 20, n: int = 512) -> dict[str, Any]:
     from transfer.cuda_worker import CudaTransferWorker
 
     half = n // 2
-    pool = HostPool.create(n, bb)
+    pool = new_pool(n, bb)
     worker = None
     try:
         registry = KVCacheRegistry(pool)
@@ -804,7 +818,7 @@ def small_jobs(count: int, burst: int, bb: int = 64 << 10, n: int = 256) -> dict
     """1-block jobs: latency one at a time (submit to result), then a burst's throughput."""
     from transfer.cuda_worker import CudaTransferWorker
 
-    pool = HostPool.create(n, bb)
+    pool = new_pool(n, bb)
     worker = None
     try:
         registry = KVCacheRegistry(pool)
@@ -876,7 +890,7 @@ def deadline_in_flight(bb: int = 2 << 20, n: int = 512) -> dict[str, Any]:
     ended; a shutdown with copies queued waits for them before the pool may be unpinned."""
     from transfer.cuda_worker import CudaTransferWorker
 
-    pool = HostPool.create(n, bb)
+    pool = new_pool(n, bb)
     workers: list[Any] = []
     try:
         registry = KVCacheRegistry(pool)
@@ -980,6 +994,7 @@ async def _engine_killed(bb: int, n: int, tensors: int, lease_s: float) -> dict[
         num_blocks=n,
         block_bytes=bb,
         device="cuda:0",
+        shm_dir=SHM_DIR,
         lease_check_interval_s=0.1,
         job_deadline_s=30.0,
         lease_ttl_s=120.0,
@@ -1145,7 +1160,7 @@ def remap() -> dict[str, Any]:
     proc, hello = start_engine(
         {"blocks": n, "inner_bytes": bb // tensors, "tensors": tensors, "name": "remap"}, env
     )
-    pool = HostPool.create(n, bb)
+    pool = new_pool(n, bb)
     worker = None
     try:
         registry = KVCacheRegistry(pool)
@@ -1209,7 +1224,7 @@ def _time_pool(size: int, bb: int) -> dict[str, Any]:
     from transfer import host_pool
 
     t0 = time.perf_counter()
-    pool = HostPool.create(size // bb, bb, pin=False)
+    pool = new_pool(size // bb, bb, pin=False)
     t1 = time.perf_counter()
     try:
         flat = pool.tensor.view(-1)
@@ -1235,12 +1250,8 @@ def pool_registration(cap_s: float) -> dict[str, Any]:
     bb = 2 << 20
     want = POOL_GIB << 30
     avail = _meminfo_available()
-    try:
-        st = os.statvfs("/dev/shm")
-        shm_free: int | None = st.f_bavail * st.f_frsize
-    except OSError:
-        shm_free = None
-    size, note = pool_size_for(want, avail, shm_free)
+    free = shm_free(SHM_DIR)
+    size, note = pool_size_for(want, avail, free)
     if size < (1 << 30):
         row = Row(
             "pool_registration",
@@ -1249,7 +1260,7 @@ def pool_registration(cap_s: float) -> dict[str, Any]:
             "needs memory",
             "SKIP",
         )
-        return {"available": avail, "shm_free": shm_free, "rows": rows_of(row)}
+        return {"available": avail, "shm_free": free, "rows": rows_of(row)}
     probe = _time_pool(1 << 30, bb)
     per_gib = probe["alloc_s"] + probe["pin_s"] + probe["unpin_s"]
     fits = int(max(1.0, (cap_s * 0.6 - per_gib) / max(per_gib, 1e-3)))
@@ -1287,7 +1298,7 @@ def pool_registration(cap_s: float) -> dict[str, Any]:
         rows.append(info("pool_registration", "note", note))
     return {
         "available": avail,
-        "shm_free": shm_free,
+        "shm_free": free,
         "note": note,
         "probe_1gib": probe,
         "timed": timed_pool,
@@ -1346,14 +1357,20 @@ def no_device_line() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global OUT_PATH
+    global OUT_PATH, SHM_DIR
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller run")
     parser.add_argument("--out", default=str(OUT_DEFAULT))
     parser.add_argument("--budget", type=float, default=470.0, help="watchdog, seconds")
     parser.add_argument("--strict", action="store_true", help="a skipped check fails the run")
+    parser.add_argument(
+        "--shm-dir",
+        default=str(SHM_DIR),
+        help="where the pools live (a container's /dev/shm is often 64 MB: give a larger tmpfs)",
+    )
     args = parser.parse_args(argv)
     OUT_PATH = Path(args.out)
+    SHM_DIR = Path(args.shm_dir)
     REPORT["quick"] = args.quick
     if not torch.cuda.is_available():
         # A device run must never pass vacuously: no device is a failure, in one line.
@@ -1374,7 +1391,17 @@ def main(argv: list[str] | None = None) -> int:
         "cpus": os.cpu_count(),
     }
     machine = REPORT["machine"]
-    print(f"gpu_check on {machine['gpu']} (torch {machine['torch']}, CUDA {machine['cuda']})")
+    avail, free = _meminfo_available(), shm_free(SHM_DIR)
+    machine.update(mem_available=avail, shm_dir=str(SHM_DIR), shm_free=free)
+    gib = 1 << 30
+    print(
+        f"gpu_check on {machine['gpu']} x{machine['gpus']} (torch {machine['torch']}, CUDA "
+        f"{machine['cuda']}); memory available "
+        f"{'?' if avail is None else f'{avail / gib:.0f} GiB'}, {SHM_DIR} free "
+        f"{'?' if free is None else f'{free / gib:.1f} GiB'}"
+    )
+    if free is not None and free < 6 * gib:
+        print(f"   warning: {SHM_DIR} holds under 6 GiB: pools will not fit; pass --shm-dir")
     save()
     q = args.quick
     total = (256 << 20) if q else (1 << 30)
