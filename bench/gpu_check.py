@@ -49,7 +49,8 @@ failed or errored (``--strict``: and none was skipped), 1 otherwise, and 2 with 
 no CUDA device is visible (a device run never passes vacuously). Meant to finish in under eight
 minutes on one H200; ``--budget`` seconds (470) stop it (partial results written).
 
-Run: ``.venv/bin/python bench/gpu_check.py`` (``--quick`` for a smaller run).
+Run: ``.venv/bin/python bench/gpu_check.py`` (``--quick`` for a smaller run, ``--shm-dir`` for
+the pools when ``/dev/shm`` is small, ``--strict`` to fail on a skipped check).
 """
 
 from __future__ import annotations

@@ -246,3 +246,51 @@ def test_one_way_failing_inside_a_section_leaves_the_others_checked(
     assert [r.status for r in table] == ["PASS", "ERROR", "PASS"]
     assert table[1].measured == "RuntimeError: CUDA error: out of memory"
     assert gpu_check.verdict(table)[0] == 1
+
+
+@pytest.mark.parametrize(
+    ("available_gib", "cap_s", "timed_gib", "note"),
+    [
+        (128, 90.0, 64, None),
+        (20, 90.0, 15, "available memory"),
+        (128, 10.0, 6, "scaled to 6 GiB to fit the section's time cap"),
+    ],
+)
+def test_pool_registration_scales_and_says_so(
+    report: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    available_gib: int,
+    cap_s: float,
+    timed_gib: int,
+    note: str | None,
+) -> None:
+    gib = 1 << 30
+    timed: list[int] = []
+
+    def fake_time_pool(size: int, bb: int) -> dict[str, Any]:
+        timed.append(size)
+        g = size / gib
+        return {
+            "bytes": size,
+            "alloc_s": 0.5 * g,
+            "pin_s": 0.2 * g,
+            "unpin_s": 0.1 * g,
+            "pinned": True,
+            "chunks": 1,
+        }
+
+    monkeypatch.setattr(gpu_check, "_time_pool", fake_time_pool)
+    monkeypatch.setattr(gpu_check, "_meminfo_available", lambda: available_gib * gib)
+    monkeypatch.setattr(gpu_check, "shm_free", lambda path: 200 * gib)
+    result = gpu_check.pool_registration(cap_s)
+    assert timed == [gib, timed_gib * gib]  # a 1 GiB probe, then the pool timed
+    got = [Row(**r) for r in result["rows"]]
+    assert [r.status for r in got[:3]] == ["INFO", "PASS", "PASS"]
+    assert got[2].measured == "12.8 s"  # 0.2 s per GiB, at 64 GiB
+    if note is None:
+        assert result["note"] is None
+        assert got[1].what == "64 GiB: cudaHostRegister"
+    else:
+        assert note in result["note"]
+        assert "(scaled, see note)" in got[1].what
+        assert got[-1].what == "note"
