@@ -296,3 +296,24 @@ def test_fatal_and_quiesced_are_the_real_backend_s(world, monkeypatch) -> None:
     monkeypatch.setattr(CpuTransferWorker, "quiesced", property(lambda self: False))
     assert w.fatal == reason
     assert not w.quiesced
+
+
+def test_a_forgotten_cache_s_mappings_go_once_its_jobs_ended(world, shm_cache) -> None:
+    import gc
+    import weakref
+
+    _pool, registry, _cache, worker = world
+    cache = shm_cache(registry, N).cache  # only this test holds it
+    w = worker()
+    ids = [
+        w.submit(store(cache, [1, 2], [5, 6])),
+        w.submit(TransferJob("load", cache.cache_id, [3, 4], [5, 6], 30.0)),
+    ]
+    assert all(r.ok for r in w.wait(ids, timeout=30))
+    refs = [weakref.ref(t) for t in registry.unregister(cache.cache_id).tensors]
+    del cache
+    end = time.monotonic() + 10
+    while any(r() is not None for r in refs):
+        assert time.monotonic() < end, "the worker still holds the cache's mappings"
+        gc.collect()
+        time.sleep(0.01)
