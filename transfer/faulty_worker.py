@@ -168,12 +168,15 @@ class FaultyWorker(WorkerBase):
                 inner_ready, self._inner_ready = self._inner_ready, False
                 if not (expired or failed or release or inner_ready):
                     timeout = None if wake_at == float("inf") else max(0.0, wake_at - now)
+                    entry = None  # hold no job while waiting (its plan holds the mappings)
                     self._cond.wait(timeout)
                     continue
             self._finish([(j, False, "deadline") for j in expired])
             self._finish([(j, False, INJECTED) for j in failed])
             for job_id, entry in release:
                 self._start(job_id, entry)
+            entry = None
+            release = []
             self._drain_inner()
 
     def _start(self, job_id: int, entry: HeldJob) -> None:

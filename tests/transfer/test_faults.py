@@ -298,13 +298,14 @@ def test_fatal_and_quiesced_are_the_real_backend_s(world, monkeypatch) -> None:
     assert not w.quiesced
 
 
-def test_a_forgotten_cache_s_mappings_go_once_its_jobs_ended(world, shm_cache) -> None:
+@pytest.mark.parametrize("faulty", [False, True])
+def test_a_forgotten_cache_s_mappings_go_once_its_jobs_ended(world, shm_cache, faulty) -> None:
     import gc
     import weakref
 
     _pool, registry, _cache, worker = world
     cache = shm_cache(registry, N).cache  # only this test holds it
-    w = worker()
+    w = worker(faults=FaultSpec(seed=1)) if faulty else worker()
     ids = [
         w.submit(store(cache, [1, 2], [5, 6])),
         w.submit(TransferJob("load", cache.cache_id, [3, 4], [5, 6], 30.0)),
