@@ -28,6 +28,7 @@ op that failed carries its ``KVOffloadError``; the others still ran).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -900,6 +901,7 @@ class AsyncKVOffloadClient:
         )
         self._namespace = namespace
         self._socket_auth = _SocketAuth(headers, uds)
+        self._renewers: dict[str, asyncio.Task[None]] = {}
 
     @property
     def namespace(self) -> str | None:
@@ -914,7 +916,8 @@ class AsyncKVOffloadClient:
         return _read(call, response, ok_statuses)
 
     async def aclose(self) -> None:
-        """Close the connection pool."""
+        """Close the connection pool (and stop renewing any lease)."""
+        await self._stop_renewing()
         await self._http.aclose()
 
     async def __aenter__(self) -> AsyncKVOffloadClient:
@@ -1013,16 +1016,58 @@ class AsyncKVOffloadClient:
         fds: Sequence[int] | None = None,
         *,
         lease_s: float | None = None,
+        renew: bool = True,
         pool_socket: str | None = None,
     ) -> KVCache:
-        """Register a device KV cache (``KVOffloadClient.register_kv_cache``; the pool socket
-        exchange runs in a worker thread), with a lease when ``lease_s`` is given (renew it
-        with ``renew_kv_cache`` at least that often)."""
+        """Register a device KV cache (``KVOffloadClient.register_kv_cache``: by path over
+        HTTP, or with ``fds`` over the pool socket in a worker thread). With ``lease_s`` the
+        service forgets it (and closes its mappings) unless renewed within ``lease_s``; with
+        ``renew`` a task on this event loop renews it every ``lease_s / 3`` until
+        ``unregister_kv_cache``, ``aclose``, or the service answering that it is gone."""
         if fds is None:
-            return await self._call(_Engine.register_kv_cache(spec, lease_s))
-        full = dict(spec) if lease_s is None else {**spec, "lease_s": float(lease_s)}
-        answer = await asyncio.to_thread(self._socket_auth.register, full, fds, pool_socket)
-        return KVCache(**answer)
+            cache = await self._call(_Engine.register_kv_cache(spec, lease_s))
+        else:
+            full = dict(spec) if lease_s is None else {**spec, "lease_s": float(lease_s)}
+            answer = await asyncio.to_thread(self._socket_auth.register, full, fds, pool_socket)
+            cache = KVCache(**answer)
+        if lease_s is not None and renew:
+            await self._stop_renewing(cache.cache_id)
+            self._renewers[cache.cache_id] = asyncio.create_task(
+                self._renew_loop(cache.cache_id, lease_s / 3),
+                name=f"kvoffload-renew-{cache.cache_id}",
+            )
+        return cache
+
+    async def _renew_loop(self, cache_id: str, every_s: float) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await self.renew_kv_cache(cache_id)
+            except KVOffloadError as exc:
+                if exc.status == 404:
+                    break  # lapsed or unregistered: the engine must register again
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a closed client, a transient network error: retry
+                if self._http.is_closed:
+                    break
+        if self._renewers.get(cache_id) is asyncio.current_task():
+            del self._renewers[cache_id]
+
+    async def _stop_renewing(self, cache_id: str | None = None) -> None:
+        ids = [cache_id] if cache_id is not None else list(self._renewers)
+        for cid in ids:
+            task = self._renewers.pop(cid, None)
+            if task is None or task is asyncio.current_task():
+                continue
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    @property
+    def renewing(self) -> list[str]:
+        """The registrations whose lease this client renews now."""
+        return [c for c, t in self._renewers.items() if not t.done()]
 
     async def renew_kv_cache(self, cache_id: str) -> float:
         """Renew a registration's lease; its ``lease_s`` (404 once it lapsed)."""
@@ -1033,7 +1078,8 @@ class AsyncKVOffloadClient:
         return await self._call(_Engine.kv_caches())
 
     async def unregister_kv_cache(self, cache_id: str) -> None:
-        """Forget a device KV cache."""
+        """Forget a device KV cache (and stop renewing its lease)."""
+        await self._stop_renewing(cache_id)
         await self._call(_Engine.unregister_kv_cache(cache_id))
 
     async def pool(self) -> Pool:

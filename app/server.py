@@ -362,20 +362,20 @@ async def serve(
             )
         else:
             pool_share = PoolShareServer(pool_socks[0], lambda: pool_of(tenancy, None))
+    # A poisoned CUDA context fails every later copy: stop, and exit non-zero
+    # (TransferBackendFailed) for the supervisor to start a fresh process. Set before the
+    # services start, and inherited by the namespaces a tenants reload adds.
+    fatal: list[str] = []
+
+    def on_fatal(reason: str) -> None:
+        if not fatal:
+            fatal.append(reason)
+            tenancy.begin_drain()
+            stop_servers()
+
+    tenancy.set_on_fatal(on_fatal)
     try:
         async with tenancy.running():
-            # A poisoned CUDA context fails every later copy: stop, and exit non-zero
-            # (TransferBackendFailed) for the supervisor to start a fresh process.
-            fatal: list[str] = []
-
-            def on_fatal(reason: str) -> None:
-                if not fatal:
-                    fatal.append(reason)
-                    tenancy.begin_drain()
-                    stop_servers()
-
-            for svc in tenancy.services():
-                svc.on_fatal = on_fatal
             if pool_share is not None:
                 pool_share.start()
             tasks = [

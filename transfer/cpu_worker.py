@@ -103,6 +103,9 @@ class CpuTransferWorker(QueueingWorker):
             job_id, entry = picked
             ok, reason = self._execute(entry)
             self._finish([(job_id, ok, reason)])
+            # Hold no job while waiting: its plan holds the cache's mappings, which must go
+            # once a forgotten registration's jobs ended.
+            del picked, entry
 
     def _execute(self, entry: HeldJob) -> tuple[bool, str | None]:
         plan = entry.plan

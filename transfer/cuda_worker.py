@@ -291,6 +291,8 @@ class CudaTransferWorker(QueueingWorker):
     # ---------------------------------------------------------------- the issuing thread
 
     def _run(self) -> None:
+        active: _Active | None
+        picked: tuple[int, HeldJob] | None
         while True:
             expired: list[int] = []
             with self._cond:
@@ -321,6 +323,9 @@ class CudaTransferWorker(QueueingWorker):
                 self._finish((j, False, "deadline") for j in expired)
             if work is not None:
                 self._step(work)
+            # Hold no job while waiting: its plan holds the cache's mappings, and a lapsed
+            # registration's GPU memory must go once its jobs ended.
+            work = active = picked = None
 
     def _pop_one_locked(self, q: Any, now: float, expired: list[int]) -> tuple[int, HeldJob] | None:
         while q:
@@ -478,6 +483,8 @@ class CudaTransferWorker(QueueingWorker):
                 self._cond.notify_all()
             if outcome is not None:
                 self._finish([outcome])
+            # Let go of the job before waiting for the next chunk (see ``_run``).
+            del item, active, event, outcome
 
     def _poison(self, reason: str) -> None:
         """A sticky error: refuse new jobs, fail queued ones; running ones fail as they end."""

@@ -14,7 +14,9 @@ submission order from ``random.Random(seed)``:
 
 Validation is the real backend's, so bad jobs still raise at ``submit``. Job ids, results,
 ``wait`` and ``in_flight`` follow the common contract (``transfer.worker``); results of the real
-backend are translated to this worker's ids.
+backend are translated to this worker's ids. ``fatal`` and ``quiesced`` are the real backend's
+(a wrapped CUDA worker's sticky error still stops the service), and ``drop_cache`` fails the
+cache's jobs still held here (delayed or hanging) as well as those queued in the real backend.
 """
 
 from __future__ import annotations
@@ -91,6 +93,35 @@ class FaultyWorker(WorkerBase):
     def validate(self, job: TransferJob) -> CopyPlan:
         return self.inner.validate(job)
 
+    @property
+    def fatal(self) -> str | None:
+        return self.inner.fatal
+
+    @property
+    def quiesced(self) -> bool:
+        return self.inner.quiesced
+
+    def _unqueue_locked(self, job_ids: set[int]) -> list[int]:
+        """Jobs not handed to the real backend yet (delayed or hanging) leave the queue."""
+        out = [j for j in self._pending if j in job_ids]
+        for j in out:
+            del self._pending[j]
+        return out
+
+    def drop_cache(self, cache_id: str, reason: str) -> list[int]:
+        running = super().drop_cache(cache_id, reason)
+        if not running:
+            return running
+        # Those already handed over: the real backend fails its queued ones (their results
+        # come back through ``_drain_inner``) and reports which of them still run.
+        still = set(self.inner.drop_cache(cache_id, reason))
+        with self._cond:
+            ours = {inner: mine for inner, mine in self._inner_ids.items() if mine in running}
+            self._cond.notify_all()
+        self._drain_inner()
+        with self._cond:
+            return [ours[i] for i in still if i in ours and ours[i] in self._held]
+
     def _accept(self, job_id: int, entry: HeldJob) -> None:
         draw = self._rng.random()
         f = self.faults
@@ -137,12 +168,15 @@ class FaultyWorker(WorkerBase):
                 inner_ready, self._inner_ready = self._inner_ready, False
                 if not (expired or failed or release or inner_ready):
                     timeout = None if wake_at == float("inf") else max(0.0, wake_at - now)
+                    entry = None  # hold no job while waiting (its plan holds the mappings)
                     self._cond.wait(timeout)
                     continue
             self._finish([(j, False, "deadline") for j in expired])
             self._finish([(j, False, INJECTED) for j in failed])
             for job_id, entry in release:
                 self._start(job_id, entry)
+            entry = None
+            release = []
             self._drain_inner()
 
     def _start(self, job_id: int, entry: HeldJob) -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
@@ -90,6 +90,7 @@ class Tenancy:
         self._reload_lock = asyncio.Lock()
         self._users = 0
         self._watcher: asyncio.Task[None] | None = None
+        self._on_fatal: Callable[[str], None] | None = None
         if credentials is None:
             svc = service if service is not None else Service(settings, registry=registry)
             self.single: Service | None = svc
@@ -133,8 +134,16 @@ class Tenancy:
         settings = self._settings_of(ns)
         quota = self.quotas[tenant]
         service = Service(settings, registry=CollectorRegistry(), namespace=ns.name, quota=quota)
+        service.on_fatal = self._on_fatal
         quota.members.append(service.manager.manager)
         return Space(tenant, ns.name, service)
+
+    def set_on_fatal(self, callback: Callable[[str], None] | None) -> None:
+        """Who hears of a transfer backend failed for good (``Service.on_fatal``): every
+        space's service now, and those a tenants reload adds later."""
+        self._on_fatal = callback
+        for service in self.services():
+            service.on_fatal = callback
 
     @property
     def enabled(self) -> bool:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+
 import httpx
 import pytest
 
@@ -62,3 +65,50 @@ async def test_async_client_covers_a_request_life(h: Harness) -> None:
         with pytest.raises(KVOffloadError) as info:
             await c.job(999)
         assert info.value.code == "unknown_job"
+
+
+async def test_async_client_renews_a_lease_until_unregistered_or_gone(h: Harness) -> None:
+    await h.start()
+    dev, _ = await h.device(8)
+    renewals: list[str] = []
+
+    class Counting(httpx.ASGITransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            if request.url.path.endswith("/renew"):
+                renewals.append(request.url.path)
+            return await super().handle_async_request(request)
+
+    async def eventually(cond: Callable[[], bool]) -> None:
+        for _ in range(1000):
+            if cond():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("condition never became true")
+
+    async with AsyncKVOffloadClient("http://engine", transport=Counting(h.app)) as c:
+        cache = await c.register_kv_cache(dev.spec(), lease_s=0.3)
+        assert c.renewing == [cache.cache_id]
+        # Several leases' worth of renewals: the registration is still there.
+        await eventually(lambda: len(renewals) >= 8)
+        assert [x.cache_id for x in await c.kv_caches()] == [cache.cache_id]
+        await c.unregister_kv_cache(cache.cache_id)
+        assert c.renewing == []
+        # Gone behind the client's back: the renewer hears 404 and stops.
+        other = await c.register_kv_cache({**dev.spec(), "name": "other"}, lease_s=0.3)
+        r = await h.client.delete(f"/v1/kv-caches/{other.cache_id}")
+        assert r.status_code in (200, 204), r.text
+        await eventually(lambda: c.renewing == [])
+        # Without renew the lease lapses; aclose stops a renewer still running.
+        kept = await c.register_kv_cache({**dev.spec(), "name": "kept"}, lease_s=30.0)
+        lapsing = await c.register_kv_cache({**dev.spec(), "name": "l"}, lease_s=0.2, renew=False)
+        assert c.renewing == [kept.cache_id]
+
+        async def lapsed() -> bool:
+            return lapsing.cache_id not in [x.cache_id for x in await c.kv_caches()]
+
+        for _ in range(1000):
+            if await lapsed():
+                break
+            await asyncio.sleep(0.01)
+        assert await lapsed()
+    assert c.renewing == []

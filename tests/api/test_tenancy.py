@@ -7,6 +7,7 @@ what leaked (lookups, events, pool ids, admin views), with the same block hashes
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 from collections.abc import AsyncIterator
@@ -419,3 +420,28 @@ async def test_a_namespace_that_cannot_start_leaves_the_others_serving(tmp_path:
         assert r.status_code == 403
         r = await t.call(BETA, "PUT", "/v1/requests/x", {}, "b1")
         assert r.status_code == 201
+
+
+async def test_a_namespace_added_by_a_reload_reports_a_failed_backend_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transfer.cpu_worker import CpuTransferWorker
+
+    async with tenants_running(tmp_path) as t:
+        asked: list[str] = []
+        t.tenancy.set_on_fatal(asked.append)
+        write_tenants(t.path, TENANTS.replace('namespaces = ["b1"]', 'namespaces = ["b1", "b2"]'))
+        assert await t.tenancy.reload()
+        added = t.tenancy.spaces["b2"].service
+        assert added.on_fatal == asked.append
+        reason = "copy failed: CUDA error: an illegal memory access was encountered"
+        monkeypatch.setattr(CpuTransferWorker, "fatal", property(lambda self: reason))
+        # Every namespace's sweep reports it once: the one the reload added among them.
+        for _ in range(500):
+            if len(asked) == len(t.tenancy.spaces):
+                break
+            await asyncio.sleep(0.02)
+        assert asked == [reason] * 4
+        assert added._fatal_reported
+        r = await t.call(BETA, "GET", "/readyz")
+        assert r.status_code == 503

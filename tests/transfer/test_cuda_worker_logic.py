@@ -244,3 +244,32 @@ def test_an_unpinned_pool_is_refused_naming_the_flag(world) -> None:
     with pytest.raises(RuntimeError, match="pass --allow-pageable-pool") as info:
         make(allow_pageable=False)
     assert "\n" not in str(info.value)
+
+
+def test_a_forgotten_cache_s_memory_is_let_go_once_its_jobs_ended(world, fake) -> None:
+    """A lapsed registration's mappings hold the engine's GPU memory: once its jobs ended,
+    nothing in the worker (an idle thread's last job, a lane's last chunk) may keep them."""
+    import gc
+    import weakref
+
+    _pool, cache, _layout, _originals, make = world
+    w = make(chunk_bytes=1000)
+    registry = w.registry
+    own = dataclasses.replace(
+        cache, cache_id="kvc-leased", tensors=tuple(t.clone() for t in cache.tensors)
+    )
+    registry._caches[own.cache_id] = own
+    refs = [weakref.ref(t) for t in own.tensors]
+    ids = [
+        w.submit(TransferJob("store", own.cache_id, [1, 2], [5, 6], 30.0)),
+        w.submit(TransferJob("load", own.cache_id, [3, 4], [5, 6], 30.0)),
+    ]
+    assert all(r.ok for r in w.wait(ids, timeout=30))
+    registry.unregister(own.cache_id)
+    del own
+
+    def let_go() -> bool:
+        gc.collect()
+        return all(r() is None for r in refs)
+
+    until(let_go, timeout=10.0)

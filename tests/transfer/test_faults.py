@@ -246,3 +246,75 @@ def test_cpu_backend_refuses_device_caches(world) -> None:
     )
     with pytest.raises(ValueError, match="copies only host-memory caches"):
         w._check_cache(fake)
+
+
+def test_drop_cache_fails_jobs_still_held_by_the_injector(world) -> None:
+    pool, _registry, cache, worker = world
+    pool.tensor[5].fill_(0xEE)
+    w = worker(faults=FaultSpec(hang_rate=1.0, seed=1))
+    ids = [w.submit(store(cache, [i], [i + 4], deadline_s=60.0)) for i in range(3)]
+    assert w.drop_cache(cache.cache_id, "lease expired") == []  # none of them runs
+    results = w.wait(ids, timeout=10)
+    assert [(r.ok, r.reason) for r in results] == [(False, "lease expired")] * 3
+    assert w.in_flight() == []
+    assert int(pool.tensor[5].min()) == 0xEE  # never copied
+
+
+def test_drop_cache_reaches_jobs_queued_in_the_real_backend(world) -> None:
+    pool, registry, cache, _worker = world
+
+    def hanging(on_finished):  # a backend whose jobs stay queued until their deadline
+        inner = CpuTransferWorker(pool, registry, copy_threads=1)
+        return FaultyWorker(lambda cb: inner, FaultSpec(hang_rate=1.0), on_finished=on_finished)
+
+    w = FaultyWorker(hanging, FaultSpec(seed=1))
+    try:
+        job_id = w.submit(store(cache, [0], [0], deadline_s=60.0))
+
+        def handed_over() -> bool:
+            return bool(w._inner_ids)
+
+        end = time.monotonic() + 10
+        while not handed_over():
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        assert w.drop_cache(cache.cache_id, "lease expired") == []
+        [result] = w.wait([job_id], timeout=10)
+        assert (result.ok, result.reason) == (False, "lease expired")
+    finally:
+        w.shutdown(timeout=5)
+
+
+def test_fatal_and_quiesced_are_the_real_backend_s(world, monkeypatch) -> None:
+    _pool, _registry, _cache, worker = world
+    w = worker(faults=FaultSpec(fail_rate=0.5, seed=1))
+    assert isinstance(w, FaultyWorker)
+    assert w.fatal is None
+    assert w.quiesced
+    reason = "copy failed: CUDA error: an illegal memory access was encountered"
+    monkeypatch.setattr(CpuTransferWorker, "fatal", property(lambda self: reason))
+    monkeypatch.setattr(CpuTransferWorker, "quiesced", property(lambda self: False))
+    assert w.fatal == reason
+    assert not w.quiesced
+
+
+@pytest.mark.parametrize("faulty", [False, True])
+def test_a_forgotten_cache_s_mappings_go_once_its_jobs_ended(world, shm_cache, faulty) -> None:
+    import gc
+    import weakref
+
+    _pool, registry, _cache, worker = world
+    cache = shm_cache(registry, N).cache  # only this test holds it
+    w = worker(faults=FaultSpec(seed=1)) if faulty else worker()
+    ids = [
+        w.submit(store(cache, [1, 2], [5, 6])),
+        w.submit(TransferJob("load", cache.cache_id, [3, 4], [5, 6], 30.0)),
+    ]
+    assert all(r.ok for r in w.wait(ids, timeout=30))
+    refs = [weakref.ref(t) for t in registry.unregister(cache.cache_id).tensors]
+    del cache
+    end = time.monotonic() + 10
+    while any(r() is not None for r in refs):
+        assert time.monotonic() < end, "the worker still holds the cache's mappings"
+        gc.collect()
+        time.sleep(0.01)
