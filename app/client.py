@@ -475,6 +475,11 @@ def _wait_event(handle: bytes) -> dict[str, str]:
     return {"kind": "cuda_ipc_event", "handle": handle.hex()}
 
 
+def _with_lease(spec: Mapping[str, Any], lease_s: float | None) -> dict[str, Any]:
+    """A registration's body: ``spec``, with ``lease_s`` when given."""
+    return dict(spec) if lease_s is None else {**spec, "lease_s": float(lease_s)}
+
+
 class _Engine:
     """The engine API's calls, as descriptions both clients execute."""
 
@@ -583,7 +588,7 @@ class _Engine:
 
     @staticmethod
     def register_kv_cache(spec: Mapping[str, Any], lease_s: float | None) -> _Call[KVCache]:
-        body = dict(spec) if lease_s is None else {**spec, "lease_s": float(lease_s)}
+        body = _with_lease(spec, lease_s)
         return _Call("POST", "/v1/kv-caches", body, lambda d: KVCache(**d))
 
     @staticmethod
@@ -820,7 +825,7 @@ class KVOffloadClient(_SyncClient):
         if fds is None:
             cache = self._call(_Engine.register_kv_cache(spec, lease_s))
         else:
-            full = dict(spec) if lease_s is None else {**spec, "lease_s": float(lease_s)}
+            full = _with_lease(spec, lease_s)
             cache = KVCache(**self._socket_auth.register(full, fds, pool_socket))
         if lease_s is not None and renew:
             self._start_renewing(cache.cache_id, lease_s / 3)
@@ -1027,7 +1032,7 @@ class AsyncKVOffloadClient:
         if fds is None:
             cache = await self._call(_Engine.register_kv_cache(spec, lease_s))
         else:
-            full = dict(spec) if lease_s is None else {**spec, "lease_s": float(lease_s)}
+            full = _with_lease(spec, lease_s)
             answer = await asyncio.to_thread(self._socket_auth.register, full, fds, pool_socket)
             cache = KVCache(**answer)
         if lease_s is not None and renew:

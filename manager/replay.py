@@ -398,20 +398,7 @@ def replay(
         m.on_request_finished(ctx)
         if progress is not None and (index % 256 == 255 or index == total - 1):
             progress(index + 1, total)
-    stats = m.stats()
-    return ReplayResult(
-        policy=policy,
-        params=dict(params or {}),
-        capacity=capacity,
-        store_threshold=store_threshold,
-        requests=total,
-        blocks=blocks,
-        prefix_hits=prefix_hits,
-        hit_ratio=prefix_hits / blocks if blocks else 0.0,
-        stores=stats.stores_completed,
-        refused=stats.stores_refused,
-        evictions=stats.evictions,
-    )
+    return _result(m, policy, params, capacity, store_threshold, total, blocks, prefix_hits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -570,21 +557,10 @@ def _replay_two_levels(
         pool.on_request_finished(ctx)
         if progress is not None and (index_ % 256 == 255 or index_ == total - 1):
             progress(index_ + 1, total)
-    stats = pool.stats()
-    return ReplayResult(
-        policy=policy,
-        params=dict(params or {}),
-        capacity=capacity,
-        store_threshold=store_threshold,
-        requests=total,
-        blocks=blocks,
-        prefix_hits=prefix_hits,
-        hit_ratio=prefix_hits / blocks if blocks else 0.0,
-        stores=stats.stores_completed,
-        refused=stats.stores_refused,
-        evictions=stats.evictions,
+    return _result(
+        pool, policy, params, capacity, store_threshold, total, blocks, prefix_hits,
         disk=tiers.result(blocks),
-    )
+    )  # fmt: skip
 
 
 def _belady_admit(
@@ -634,3 +610,32 @@ def _horizon_admit(
         if distance != math.inf and distance <= reach:
             admitted.append(key)
     return admitted
+
+
+def _result(
+    m: OffloadManager,
+    policy: str,
+    params: Mapping[str, Any] | None,
+    capacity: int,
+    store_threshold: int,
+    requests: int,
+    blocks: int,
+    prefix_hits: int,
+    disk: DiskReplay | None = None,
+) -> ReplayResult:
+    """A replay's row from its counts and the pool's statistics."""
+    stats = m.stats()
+    return ReplayResult(
+        policy=policy,
+        params=dict(params or {}),
+        capacity=capacity,
+        store_threshold=store_threshold,
+        requests=requests,
+        blocks=blocks,
+        prefix_hits=prefix_hits,
+        hit_ratio=prefix_hits / blocks if blocks else 0.0,
+        stores=stats.stores_completed,
+        refused=stats.stores_refused,
+        evictions=stats.evictions,
+        disk=disk,
+    )

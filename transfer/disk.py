@@ -48,12 +48,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
 import xxhash
 
 from transfer.errors import TransferError
+from transfer.health import TierHealth, TierState
 from transfer.host_pool import HostPool
 
 __all__ = [
@@ -83,7 +83,7 @@ _ENTRY_SUM = struct.Struct("<Q")
 _EMPTY = bytes(ENTRY_BYTES)
 _MAX_KEY = 64
 
-DiskState = Literal["ok", "degraded"]
+DiskState = TierState
 
 DISK_COUNTERS = (
     "writes",  # blocks written whole
@@ -142,28 +142,8 @@ def block_checksum(key: bytes, data: object) -> int:
     return xxhash.xxh3_64_intdigest(data, seed=xxhash.xxh3_64_intdigest(key))  # type: ignore[arg-type]
 
 
-@dataclass(frozen=True)
-class DiskHealth:
-    """A snapshot of the store: state, since when (``time.time()``), the last error (kept
-    after recovery), and counters (at least ``DISK_COUNTERS``)."""
-
-    state: DiskState
-    since: float
-    last_error: str | None = None
-    counters: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return self.state == "ok"
-
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "state": self.state,
-            "since": self.since,
-            "seconds_in_state": max(0.0, time.time() - self.since),
-            "last_error": self.last_error,
-            "counters": dict(self.counters),
-        }
+#: The store's state and counters (at least ``DISK_COUNTERS``): ``transfer.health.TierHealth``.
+DiskHealth = TierHealth
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,12 +25,11 @@ out of range, one slot named twice) raise ``InvalidJobError`` before anything mo
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Protocol
 
 from transfer.errors import InvalidJobError
+from transfer.health import TierHealth, TierState
 
 __all__ = [
     "COUNTERS",
@@ -41,7 +40,7 @@ __all__ = [
     "remote_name",
 ]
 
-RemoteState = Literal["ok", "degraded"]
+RemoteState = TierState
 
 # Every backend reports these counters (and may add its own).
 COUNTERS = (
@@ -61,33 +60,8 @@ COUNTERS = (
 )
 
 
-@dataclass(frozen=True)
-class RemoteHealth:
-    """A snapshot of a remote tier's state.
-
-    ``since`` is the ``time.time()`` at which ``state`` began; ``last_error`` is the most
-    recent failure's description (kept after recovery, for the operator), ``None`` if there
-    never was one; ``counters`` holds at least every name in ``COUNTERS``.
-    """
-
-    state: RemoteState
-    since: float
-    last_error: str | None = None
-    counters: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return self.state == "ok"
-
-    def as_dict(self) -> dict[str, object]:
-        """JSON-ready form (for stats and readiness details)."""
-        return {
-            "state": self.state,
-            "since": self.since,
-            "seconds_in_state": max(0.0, time.time() - self.since),
-            "last_error": self.last_error,
-            "counters": dict(self.counters),
-        }
+#: A remote tier's state and counters (at least ``COUNTERS``): ``transfer.health.TierHealth``.
+RemoteHealth = TierHealth
 
 
 class RemoteTier(Protocol):
