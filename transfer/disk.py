@@ -196,8 +196,9 @@ class DiskStore:
             self._index_fd = os.open(
                 os.path.join(directory, "index"), os.O_RDWR | os.O_CREAT, 0o600
             )
-            self._entries: dict[int, _Entry] = {}
-            self._load_index()
+            self.index = _IndexFile(
+                self._index_fd, self._data_fd, self.block_bytes, self.slot_bytes, num_slots
+            )
         except OSError as exc:
             self._close_fds()
             raise DiskError(f"cannot use {directory}: {exc.strerror or exc}") from None
@@ -210,7 +211,6 @@ class DiskStore:
         self._staging_free = list(range(staging_blocks - 1, -1, -1))
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoffload-disk")
         self._mutex = threading.Lock()
-        self._seq = max((e.seq for e in self._entries.values()), default=0)
         self._held: dict[int, int] = {}  # pool slots a read still writes into -> count
         self._state: DiskState = "ok"
         self._since = time.time()
@@ -236,48 +236,10 @@ class DiskStore:
         self._data_fd = os.open(path, flags, 0o600)
         return False
 
-    def _load_index(self) -> None:
-        fd = self._index_fd
-        size = os.fstat(fd).st_size
-        header = os.pread(fd, _HEADER.size, 0) if size >= HEADER_BYTES else b""
-        fresh = True
-        if len(header) == _HEADER.size:
-            magic, version, block_bytes, slot_bytes, _ = _HEADER.unpack(header)
-            fresh = not (
-                magic == _MAGIC
-                and version == _VERSION
-                and block_bytes == self.block_bytes
-                and slot_bytes == self.slot_bytes
-            )
-        if fresh:
-            # Another format or block size: the old blocks cannot be served; start empty.
-            os.ftruncate(fd, 0)
-            os.ftruncate(self._data_fd, 0)
-        else:
-            raw = os.pread(fd, self.num_slots * ENTRY_BYTES, HEADER_BYTES)
-            for slot in range(len(raw) // ENTRY_BYTES):
-                entry = _parse_entry(raw[slot * ENTRY_BYTES : (slot + 1) * ENTRY_BYTES])
-                if entry is not None:
-                    self._entries[slot] = entry
-        head = _HEADER.pack(_MAGIC, _VERSION, self.block_bytes, self.slot_bytes, self.num_slots)
-        os.pwrite(fd, head.ljust(HEADER_BYTES, b"\0"), 0)
-        # A smaller disk than last time: the slots past the end are gone.
-        os.ftruncate(fd, HEADER_BYTES + self.num_slots * ENTRY_BYTES)
-        if os.fstat(self._data_fd).st_size > self.num_slots * self.slot_bytes:
-            os.ftruncate(self._data_fd, self.num_slots * self.slot_bytes)
-
     def listed(self) -> list[tuple[bytes, int]]:
         """``(key, slot)`` of every block the index lists, oldest write first (a key listed
         twice, from an interrupted rewrite, keeps its newest slot)."""
-        by_key: dict[bytes, tuple[int, int]] = {}
-        for slot, e in self._entries.items():
-            old = by_key.get(e.key)
-            if old is None or old[0] < e.seq:
-                by_key[e.key] = (e.seq, slot)
-        keep = set(slot for _, slot in by_key.values())
-        for slot in [s for s in self._entries if s not in keep]:
-            self._forget(slot)
-        return [(key, slot) for key, (_, slot) in sorted(by_key.items(), key=lambda kv: kv[1][0])]
+        return self.index.listed()
 
     # ------------------------------------------------------------------ staging
 
@@ -331,12 +293,8 @@ class DiskStore:
         sb, first = self.slot_bytes, run[0][0]
         staging = memoryview(self._staging)
         views = [staging[buf * sb : (buf + 1) * sb] for _, _, buf in run]
-        entries_at = HEADER_BYTES + first * ENTRY_BYTES
         try:
-            if any(slot in self._entries for slot, _, _ in run):
-                os.pwrite(self._index_fd, _EMPTY * len(run), entries_at)
-                for slot, _, _ in run:
-                    self._entries.pop(slot, None)
+            self.index.clear(first, len(run))
             written = self.pwritev(self._data_fd, views, first * sb)
             if written != sb * len(run):
                 raise OSError(errno.EIO, f"short write ({written} of {sb * len(run)} bytes)")
@@ -344,13 +302,7 @@ class DiskStore:
                 block_checksum(key, v[: self.block_bytes])
                 for (_, key, _), v in zip(run, views, strict=True)
             ]
-            with self._mutex:
-                seqs = range(self._seq + 1, self._seq + 1 + len(run))
-                self._seq += len(run)
-            packed = b"".join(
-                _pack_entry(key, s, q) for (_, key, _), s, q in zip(run, sums, seqs, strict=True)
-            )
-            os.pwrite(self._index_fd, packed, entries_at)
+            self.index.write(first, [(key, s) for (_, key, _), s in zip(run, sums, strict=True)])
         except OSError as exc:
             self._failed("write", exc)
             self._count("write_failures", len(run))
@@ -359,8 +311,6 @@ class DiskStore:
             for v in views:
                 v.release()
             staging.release()
-        for (slot, key, _), s, q in zip(run, sums, seqs, strict=True):
-            self._entries[slot] = _Entry(key, s, q)
         self._count("writes", len(run))
         self._count("bytes_written", sb * len(run))
         return [True] * len(run)
@@ -373,13 +323,7 @@ class DiskStore:
         corrupt), so a restart does not bring them back. Best effort: a failed write leaves an
         entry whose block the index no longer holds, found and dropped at the next restart."""
         for slot in slots:
-            self._forget(slot)
-
-    def _forget(self, slot: int) -> None:
-        if self._entries.pop(slot, None) is None:
-            return
-        with contextlib.suppress(OSError):
-            os.pwrite(self._index_fd, _EMPTY, HEADER_BYTES + slot * ENTRY_BYTES)
+            self.index.forget(slot)
 
     # ------------------------------------------------------------------ reads
 
@@ -397,7 +341,7 @@ class DiskStore:
             results = [False] * len(items)
             listed = []
             for i, (slot, key, _) in enumerate(items):
-                entry = self._entries.get(slot)
+                entry = self.index.entries.get(slot)
                 if entry is None or entry.key != key:
                     self._count("read_failures", 1)
                 else:
@@ -435,7 +379,7 @@ class DiskStore:
                 raise OSError(errno.EIO, f"short read ({got} of {want} bytes)")
             ok = []
             for (slot, key, _), dest in zip(run, dests, strict=True):
-                entry = self._entries.get(slot)
+                entry = self.index.entries.get(slot)
                 ok.append(entry is not None and block_checksum(key, dest) == entry.checksum)
         except OSError as exc:
             self._failed("read", exc)
@@ -535,6 +479,88 @@ class DiskStore:
                 with contextlib.suppress(OSError):
                     os.close(fd)
                 setattr(self, name, -1)
+
+
+class _IndexFile:
+    """The ``index`` file: a header (format, block and slot size, slot count), then one
+    128-byte entry per slot. Its entries live in memory (``entries``) and are written through,
+    buffered; the file is read once, when the store opens. Thread-safe for distinct slots."""
+
+    def __init__(
+        self, fd: int, data_fd: int, block_bytes: int, slot_bytes: int, num_slots: int
+    ) -> None:
+        """Read the file (an empty, foreign or other-block-size one starts empty, the blocks
+        file emptied with it) and size both files for ``num_slots``."""
+        self.fd = fd
+        self.entries: dict[int, _Entry] = {}
+        self._mutex = threading.Lock()
+        size = os.fstat(fd).st_size
+        header = os.pread(fd, _HEADER.size, 0) if size >= HEADER_BYTES else b""
+        fresh = True
+        if len(header) == _HEADER.size:
+            magic, version, old_block, old_slot, _ = _HEADER.unpack(header)
+            fresh = not (
+                magic == _MAGIC
+                and version == _VERSION
+                and old_block == block_bytes
+                and old_slot == slot_bytes
+            )
+        if fresh:
+            # Another format or block size: the old blocks cannot be served; start empty.
+            os.ftruncate(fd, 0)
+            os.ftruncate(data_fd, 0)
+        else:
+            raw = os.pread(fd, num_slots * ENTRY_BYTES, HEADER_BYTES)
+            for slot in range(len(raw) // ENTRY_BYTES):
+                entry = _parse_entry(raw[slot * ENTRY_BYTES : (slot + 1) * ENTRY_BYTES])
+                if entry is not None:
+                    self.entries[slot] = entry
+        head = _HEADER.pack(_MAGIC, _VERSION, block_bytes, slot_bytes, num_slots)
+        os.pwrite(fd, head.ljust(HEADER_BYTES, b"\0"), 0)
+        # A smaller disk than last time: the slots past the end are gone.
+        os.ftruncate(fd, HEADER_BYTES + num_slots * ENTRY_BYTES)
+        if os.fstat(data_fd).st_size > num_slots * slot_bytes:
+            os.ftruncate(data_fd, num_slots * slot_bytes)
+        self._seq = max((e.seq for e in self.entries.values()), default=0)
+
+    def clear(self, first: int, count: int) -> None:
+        """Unlist slots ``first .. first + count - 1`` before their bytes are rewritten."""
+        slots = range(first, first + count)
+        if any(s in self.entries for s in slots):
+            os.pwrite(self.fd, _EMPTY * count, HEADER_BYTES + first * ENTRY_BYTES)
+            for s in slots:
+                self.entries.pop(s, None)
+
+    def write(self, first: int, rows: list[tuple[bytes, int]]) -> None:
+        """List ``(key, checksum)`` rows at slots ``first ..``, once their bytes are whole
+        on disk, with the next write sequence numbers."""
+        with self._mutex:
+            seqs = range(self._seq + 1, self._seq + 1 + len(rows))
+            self._seq += len(rows)
+        packed = b"".join(_pack_entry(key, s, q) for (key, s), q in zip(rows, seqs, strict=True))
+        os.pwrite(self.fd, packed, HEADER_BYTES + first * ENTRY_BYTES)
+        for i, ((key, s), q) in enumerate(zip(rows, seqs, strict=True)):
+            self.entries[first + i] = _Entry(key, s, q)
+
+    def forget(self, slot: int) -> None:
+        """Unlist one slot (best effort: an entry left behind fails or is dropped later)."""
+        if self.entries.pop(slot, None) is None:
+            return
+        with contextlib.suppress(OSError):
+            os.pwrite(self.fd, _EMPTY, HEADER_BYTES + slot * ENTRY_BYTES)
+
+    def listed(self) -> list[tuple[bytes, int]]:
+        """``(key, slot)`` of every listed block, oldest write first; a key listed twice
+        (an interrupted rewrite) keeps its newest slot, the other is unlisted."""
+        by_key: dict[bytes, tuple[int, int]] = {}
+        for slot, e in self.entries.items():
+            old = by_key.get(e.key)
+            if old is None or old[0] < e.seq:
+                by_key[e.key] = (e.seq, slot)
+        keep = {slot for _, slot in by_key.values()}
+        for slot in [s for s in self.entries if s not in keep]:
+            self.forget(slot)
+        return [(key, slot) for key, (_, slot) in sorted(by_key.items(), key=lambda kv: kv[1][0])]
 
 
 def _runs(order: list[int], slot_of: Callable[[int], int], cap: int) -> list[list[int]]:

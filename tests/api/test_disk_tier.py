@@ -130,7 +130,7 @@ def invariants(h: Harness) -> None:
         st = m.stats()
         assert st.free + st.pending + st.ready == st.num_blocks
     # The disk index and the store's entries agree: each block on disk is listed at its slot.
-    entries = d.store._entries
+    entries = d.store.index.entries
     for key in d.index.index.resident_keys():
         slot = d.index.index.slot_of(key)
         assert slot is not None

@@ -91,7 +91,9 @@ def test_checksum_is_bound_to_the_key(pool: HostPool, open_store: Opener) -> Non
     # The index answers by slot: asking for another key there is refused outright ...
     assert store.read_many([(0, b"beta", 5)]) == [False]
     # ... and even an entry rewritten to claim another key fails the checksum.
-    store._entries[0] = type(store._entries[0])(b"beta", store._entries[0].checksum, 1)
+    store.index.entries[0] = type(store.index.entries[0])(
+        b"beta", store.index.entries[0].checksum, 1
+    )
     assert store.read_many([(0, b"beta", 5)]) == [False]
     assert store.health().counters["checksum_failures"] == 1
 
