@@ -14,6 +14,7 @@ import contextlib
 import errno
 import os
 import subprocess
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -24,7 +25,7 @@ import pytest
 import app.core.disk as disk_module
 from app.core.disk import DiskLink
 from tests.api.harness import BLOCK, Harness, hexkeys, make_settings, running
-from transfer.disk import disk_bytes_for
+from transfer.disk import DiskStore, disk_bytes_for
 
 pytestmark = pytest.mark.anyio
 
@@ -50,6 +51,20 @@ async def disk_node(directory: Path, **overrides: Any) -> AsyncIterator[Harness]
 def link(h: Harness) -> DiskLink:
     assert h.service.disk is not None
     return h.service.disk
+
+
+def gated(store: DiskStore, call: str) -> threading.Event:
+    """Hold the store's ``preadv`` or ``pwritev`` (``call``) until the returned event is set
+    (at most 10 s): I/O in flight at a moment the test chooses."""
+    gate = threading.Event()
+    real = getattr(store, call)
+
+    def held(fd: int, bufs: list[memoryview], off: int) -> int:
+        gate.wait(10)
+        return int(real(fd, bufs, off))
+
+    setattr(store, call, held)
+    return gate
 
 
 def pool_bytes(h: Harness, slot: int) -> bytes:
@@ -534,8 +549,6 @@ async def test_promotion_while_the_disk_evicts_under_store_pressure(tmp_path: Pa
     disk, so the disk evicts the others; with every disk block pinned the demotions are
     dropped (no room), never waited for. The read then ends: K's bytes are the ones stored,
     nothing stays pinned, pending or held."""
-    import threading
-
     async with disk_node(tmp_path, disk_bytes=disk_bytes_for(16, 4096)) as h:
         d = link(h)
         keys = hexkeys(*range(1, 41))
@@ -543,14 +556,7 @@ async def test_promotion_while_the_disk_evicts_under_store_pressure(tmp_path: Pa
         await demoted(h, 8)
         on_disk = sorted(disk_events(await events(h), "BlockStored"))
         assert len(on_disk) == 8
-        gate = threading.Event()
-        real = d.store.preadv
-
-        def gated(fd: int, bufs: list[memoryview], off: int) -> int:
-            gate.wait(10)
-            return real(fd, bufs, off)
-
-        d.store.preadv = gated
+        gate = gated(d.store, "preadv")
         k = on_disk[0]
         await h.start("r")
         r = await h.post("/v1/requests/r/prepare-load", {"keys": [k]})
@@ -603,20 +609,11 @@ async def test_a_block_evicted_twice_before_it_is_written_leaks_no_staging_buffe
     """The pool evicts K, K is queued for the disk; the engine stores K again and the pool
     evicts it again before the writer reached the first copy: K is queued twice. Both staging
     buffers come back, K is written once, with its bytes."""
-    import threading
-
     async with disk_node(tmp_path) as h:
         d = link(h)
         keys = hexkeys(*range(1, 33))
         data = await store(h, "w", keys)
-        gate = threading.Event()
-        real = d.store.pwritev
-
-        def gated(fd: int, bufs: list[memoryview], off: int) -> int:
-            gate.wait(10)
-            return real(fd, bufs, off)
-
-        d.store.pwritev = gated
+        gate = gated(d.store, "pwritev")
         # A first batch in flight (held at the gate), so the writer leaves the queue alone.
         await store(h, "w2", hexkeys(*range(100, 108)))
 
@@ -654,8 +651,6 @@ async def test_an_onload_of_pool_and_disk_keys_survives_store_pressure_during_pr
     """One onload of [pool key P, disk key D]: D is read up (held at a gate) while other
     requests store enough to evict everything evictable from the pool. The one-call onload
     must still end ``done`` with both blocks' bytes: P was a hit when the call came."""
-    import threading
-
     async with disk_node(tmp_path) as h:
         d = link(h)
         keys = hexkeys(*range(1, 41))
@@ -665,14 +660,7 @@ async def test_an_onload_of_pool_and_disk_keys_survives_store_pressure_during_pr
         results = await lookup(h, "w", keys)
         p = keys[results.index("hit")]
         dk = on_disk[0]
-        gate = threading.Event()
-        real = d.store.preadv
-
-        def gated(fd: int, bufs: list[memoryview], off: int) -> int:
-            gate.wait(10)
-            return real(fd, bufs, off)
-
-        d.store.preadv = gated
+        gate = gated(d.store, "preadv")
         dev, cache_id = await h.device(4)
         await h.start("r")
         body = {"cache_id": cache_id, "keys": [p, dk], "device_blocks": [0, 1]}
@@ -734,8 +722,6 @@ async def test_a_read_past_its_timeout_is_a_miss_and_keeps_its_slots_until_it_en
     409, never a 5xx), the tier is marked degraded, and the pool slots the read still writes
     into stay reserved until it lets go; then everything is released and the block, whole on
     disk, loads again."""
-    import threading
-
     async with disk_node(tmp_path, disk_timeout_s=0.2) as h:
         d = link(h)
         real_probe = d.store.probe
@@ -744,14 +730,7 @@ async def test_a_read_past_its_timeout_is_a_miss_and_keeps_its_slots_until_it_en
         data = await store(h, "w", keys)
         await demoted(h, 8)
         k = sorted(disk_events(await events(h), "BlockStored"))[0]
-        gate = threading.Event()
-        real = d.store.preadv
-
-        def gated(fd: int, bufs: list[memoryview], off: int) -> int:
-            gate.wait(10)
-            return real(fd, bufs, off)
-
-        d.store.preadv = gated
+        gate = gated(d.store, "preadv")
         await h.start("r")
         r = await h.post("/v1/requests/r/prepare-load", {"keys": [k]})
         assert r.status_code == 409
@@ -775,7 +754,7 @@ async def test_a_read_past_its_timeout_is_a_miss_and_keeps_its_slots_until_it_en
 
         await until(released)
         assert await lookup(h, "r", [k]) == ["disk"]  # a timeout says nothing of the block
-        d.store.preadv = real
+        d.store.preadv = os.preadv
         d.store.probe = real_probe  # type: ignore[method-assign]
 
         async def recovered() -> bool:
@@ -796,22 +775,13 @@ async def test_a_read_past_its_timeout_is_a_miss_and_keeps_its_slots_until_it_en
 
 
 async def test_an_abort_during_a_disk_read_keeps_the_slots_until_it_ends(tmp_path: Path) -> None:
-    import threading
-
     async with disk_node(tmp_path, lease_ttl_s=6.0) as h:
         d = link(h)
         keys = hexkeys(*range(1, 41))
         data = await store(h, "w", keys)
         await demoted(h, 8)
         two = sorted(disk_events(await events(h), "BlockStored"))[:2]
-        gate = threading.Event()
-        real = d.store.preadv
-
-        def gated(fd: int, bufs: list[memoryview], off: int) -> int:
-            gate.wait(10)
-            return real(fd, bufs, off)
-
-        d.store.preadv = gated
+        gate = gated(d.store, "preadv")
         await h.start("r")
         assert (await h.post("/v1/requests/r/prepare-load", {"keys": two})).status_code == 409
         r = await h.client.delete("/v1/requests/r", params={"abort": "true"})
@@ -985,22 +955,13 @@ async def test_the_engines_own_complete_store_cannot_complete_a_promotion(
     complete-store naming the same key, as an engine may for every key of its step. The
     promotion's slot is the service's own reservation: that call does not make the key ready
     before its bytes are read, and once they are, the pinned slot holds exactly them."""
-    import threading
-
     async with disk_node(tmp_path) as h:
         d = link(h)
         keys = hexkeys(*range(1, 41))
         data = await store(h, "w", keys)
         await demoted(h, 8)
         k = sorted(disk_events(await events(h), "BlockStored"))[0]
-        gate = threading.Event()
-        real = d.store.preadv
-
-        def gated(fd: int, bufs: list[memoryview], off: int) -> int:
-            gate.wait(10)
-            return real(fd, bufs, off)
-
-        d.store.preadv = gated
+        gate = gated(d.store, "preadv")
         await h.start("r")
         r = await h.post("/v1/requests/r/prepare-load", {"keys": [k]})
         assert r.status_code == 409
@@ -1023,5 +984,5 @@ async def test_the_engines_own_complete_store_cannot_complete_a_promotion(
         await h.post("/v1/requests/r/complete-load", {"keys": [k]})
         await h.client.delete("/v1/requests/r")
         await h.client.delete("/v1/requests/w")
-        d.store.preadv = real
+        d.store.preadv = os.preadv
         invariants(h)
