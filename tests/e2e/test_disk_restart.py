@@ -91,6 +91,22 @@ def disk_stats(admin: KVOffloadAdminClient) -> dict[str, object]:
     return disk
 
 
+def found_again(
+    c: KVOffloadClient, admin: KVOffloadAdminClient, dev: ShmDevice, keys: list[bytes]
+) -> tuple[str, list[str], list[bytes]]:
+    """After a restart: register ``dev``, start request ``r`` and look ``keys`` up; the cache
+    id, the answers and the keys answered ``disk``, which must be exactly the blocks the tier
+    says it restored."""
+    restored = disk_stats(admin)["restored"]
+    assert isinstance(restored, int)
+    cache = c.register_kv_cache(dev.spec()).cache_id
+    c.start_request("r")
+    results = c.lookup("r", keys).results
+    on_disk = [k for k, r in zip(keys, results, strict=True) if r == "disk"]
+    assert len(on_disk) == restored
+    return cache, results, on_disk
+
+
 def test_sigterm_then_restart_serves_every_demoted_block_in_one_onload(
     dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -112,15 +128,9 @@ def test_sigterm_then_restart_serves_every_demoted_block_in_one_onload(
         KVOffloadAdminClient(srv.admin_url, token=TOKEN) as admin,
         ShmDevice(DEV, BLOCK) as dev,
     ):
-        restored = disk_stats(admin)["restored"]
-        assert isinstance(restored, int)
-        cache = c.register_kv_cache(dev.spec()).cache_id
-        c.start_request("r")
-        keys = list(written)
-        results = c.lookup("r", keys).results
-        on_disk = [k for k, r in zip(keys, results, strict=True) if r == "disk"]
+        cache, results, on_disk = found_again(c, admin, dev, list(written))
+        restored = len(on_disk)
         assert set(results) <= {"disk", "miss"}
-        assert len(on_disk) == restored
         # Everything the pool evicted went down (admit after 1, no faults): 192 - 32 at least.
         assert restored >= len(written) - POOL
         got = onload_all(c, cache, dev, "r", on_disk)
@@ -195,14 +205,8 @@ def test_sigkill_during_heavy_demotion_never_serves_a_torn_block(
         KVOffloadAdminClient(srv2.admin_url, token=TOKEN) as admin,
         ShmDevice(DEV, BIG) as dev,
     ):
-        restored = disk_stats(admin)["restored"]
-        assert isinstance(restored, int)
-        cache = c.register_kv_cache(dev.spec()).cache_id
-        c.start_request("r")
-        keys = list(written)
-        results = c.lookup("r", keys).results
-        on_disk = [k for k, r in zip(keys, results, strict=True) if r == "disk"]
-        assert len(on_disk) == restored
+        cache, _, on_disk = found_again(c, admin, dev, list(written))
+        restored = len(on_disk)
         assert restored >= 100
         got = onload_all(c, cache, dev, "r", on_disk, BIG)
         served = [(k, data) for k, state, data in got if state == "done"]
