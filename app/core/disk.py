@@ -46,8 +46,6 @@ log = get_logger("disk")
 
 #: How often a degraded store tries a write again.
 PROBE_S = 1.0
-#: How often a read that outlived its timeout is checked for having let go of its slots.
-HELD_POLL_S = 0.05
 
 OnIO = Callable[[str, float, int, str | None], None]
 
@@ -333,9 +331,8 @@ class DiskLink:
         except TimeoutError:
             self.counts["read_timeouts"] += 1
             self.store.mark_degraded(f"read of {len(items)} block(s) past {self.timeout_s}s")
-            # The read still writes into the slots: they stay reserved until it lets go.
-            while set(slots) & self.store.held_slots():
-                await asyncio.sleep(HELD_POLL_S)
+            # The read may still write into the slots (or not have started on its thread):
+            # they stay reserved until it has returned.
             with contextlib.suppress(Exception):
                 await reading
             return [False] * len(keys), []
