@@ -53,6 +53,7 @@ from app.telemetry.observer import Observer, RequestCounts
 from app.telemetry.request_ids import safe_req_id
 from manager import OffloadManager, ReleasedLeases, create_manager
 from transfer import RemoteTierError
+from transfer.disk import DiskError
 
 log = get_logger("service")
 #: The namespace of a service without tenants (the only one it has).
@@ -301,8 +302,6 @@ class Service:
 
     async def _open_disk(self, transfers: Transfers) -> None:
         s = self.settings
-        from transfer.disk import DiskError
-
         try:
             store, index = await asyncio.to_thread(open_disk, s, transfers.pool, self.namespace)
         except DiskError as exc:
