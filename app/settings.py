@@ -452,7 +452,10 @@ class Settings(AdminAuth):
         "one block; more evicted than fits: dropped, counted)",
     )
     disk_batch_bytes: int = Field(
-        default=16 << 20, gt=0, description="bytes per disk write batch (at least one block)"
+        default=16 << 20,
+        gt=0,
+        description="bytes per disk write batch, and per read chunk of a promotion (chunks are "
+        "read concurrently and copied on as each lands; at least one block)",
     )
     disk_timeout_s: float = Field(
         default=10.0, gt=0, description="a disk read slower than this is a miss (tier degraded)"

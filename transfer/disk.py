@@ -41,13 +41,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import mmap
 import os
 import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import xxhash
@@ -328,41 +329,74 @@ class DiskStore:
     # ------------------------------------------------------------------ reads
 
     def read_many(self, items: Sequence[tuple[int, bytes, int]]) -> list[bool]:
-        """Read blocks straight into pool slots: ``(disk_slot, key, pool_slot)`` each; per
-        item, True only when the whole block was read and matches its key and checksum (a
-        False pool slot holds undefined bytes). Blocks; runs of contiguous slots go to the
-        I/O threads, one system call each (``RUN_BYTES`` at most)."""
+        """``submit_reads(items)``, waited for."""
+        return self.submit_reads(items).result()
+
+    def submit_reads(self, items: Sequence[tuple[int, bytes, int]]) -> Future[list[bool]]:
+        """Start reading blocks straight into pool slots: ``(disk_slot, key, pool_slot)``
+        each; the future says, per item, True only when the whole block was read and matches
+        its key and checksum (a False pool slot holds undefined bytes). Runs of contiguous
+        slots go to the I/O threads now, one system call each (``RUN_BYTES`` at most), queued
+        behind the reads submitted before: reads submitted in order finish roughly in order.
+        The pool slots are in ``held_slots`` until the future is done."""
+        done: Future[list[bool]] = Future()
+        items = list(items)
         if not items:
-            return []
+            done.set_result([])
+            return done
         with self._mutex:
             for _, _, pool_slot in items:
                 self._held[pool_slot] = self._held.get(pool_slot, 0) + 1
-        try:
-            results = [False] * len(items)
-            listed = []
-            for i, (slot, key, _) in enumerate(items):
-                entry = self.index.entries.get(slot)
-                if entry is None or entry.key != key:
-                    self._count("read_failures", 1)
-                else:
-                    listed.append(i)
-            # Blocks of a run land in separate pool slots; padding between them on disk (a
-            # block size that is not whole pages) keeps them one block a call.
-            cap = self._run_blocks(self.slot_bytes) if self.slot_bytes == self.block_bytes else 1
-            runs = _runs(listed, lambda i: items[i][0], cap)
-            done = self._pool.map(lambda r: self._read_run([items[i] for i in r]), runs)
-            for run, oks in zip(runs, done, strict=True):
-                for i, ok in zip(run, oks, strict=True):
-                    results[i] = ok
-            return results
-        finally:
+        results = [False] * len(items)
+        listed = []
+        for i, (slot, key, _) in enumerate(items):
+            entry = self.index.entries.get(slot)
+            if entry is None or entry.key != key:
+                self._count("read_failures", 1)
+            else:
+                listed.append(i)
+        # Blocks of a run land in separate pool slots; padding between them on disk (a block
+        # size that is not whole pages) keeps them one block a call.
+        cap = self._run_blocks(self.slot_bytes) if self.slot_bytes == self.block_bytes else 1
+        runs = _runs(listed, lambda i: items[i][0], cap)
+        left = [len(runs)]
+
+        def settle() -> None:
             with self._mutex:
                 for _, _, pool_slot in items:
-                    left = self._held[pool_slot] - 1
-                    if left:
-                        self._held[pool_slot] = left
+                    n = self._held[pool_slot] - 1
+                    if n:
+                        self._held[pool_slot] = n
                     else:
                         del self._held[pool_slot]
+            done.set_result(results)
+
+        def ran(run: list[int], future: Future[list[bool]]) -> None:
+            oks = [False] * len(run) if future.exception() else future.result()
+            for i, ok in zip(run, oks, strict=True):
+                results[i] = ok
+            with self._mutex:
+                left[0] -= 1
+                last = not left[0]
+            if last:
+                settle()
+
+        if not runs:
+            settle()
+            return done
+        for at, run in enumerate(runs):
+            try:
+                future = self._pool.submit(self._read_run, [items[i] for i in run])
+            except RuntimeError:  # the store closed: this run and the rest read nothing
+                self._count("read_failures", sum(len(r) for r in runs[at:]))
+                with self._mutex:
+                    left[0] -= len(runs) - at
+                    last = not left[0]
+                if last:
+                    settle()
+                break
+            future.add_done_callback(functools.partial(ran, run))
+        return done
 
     def _read_run(self, run: list[tuple[int, bytes, int]]) -> list[bool]:
         """Read contiguous slots straight into their pool slots in one call (O_DIRECT: the

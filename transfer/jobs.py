@@ -15,9 +15,13 @@ request was aborted and its pins already released, say) is logged and does not s
 
 Records: ``get(job_id)`` serves running records and the last ``max_finished`` finished ones
 (LRU by completion). Records are updated in place by ``poll()``. Job ids are the tracker's own
-(mapped to the worker's), so a load can be tracked before its copy starts: ``defer`` makes a
-running record for a load whose blocks are still being brought into the pool, ``launch`` starts
-its copy once they are pinned, ``fail`` ends it without one.
+(mapped to the worker's), so a load can be tracked before its copy starts, and can copy in
+parts: ``defer`` makes a running record for a load whose blocks are still being brought into
+the pool; ``launch`` copies one part of it (keys the caller has pinned), ``last=True`` on the
+final part; ``fail`` ends it. A deferred load is ``done`` when every part copied; a part that
+fails (or ``fail``) makes it ``failed``, and it stays ``running`` until the parts already
+copying have settled, so nobody is told a load ended while a copy still writes into the
+engine's blocks. Its ``bytes`` add up its parts; its ``seconds`` run from ``defer`` to its end.
 
 Not thread-safe by design: the service calls it from its event loop thread only (wake the loop
 from the worker's ``on_finished`` callback and call ``poll()`` there).
@@ -72,6 +76,17 @@ class JobRecord:
     started: float = field(repr=False, default=0.0)  # monotonic, for ages
 
 
+@dataclass(slots=True)
+class _Parts:
+    """A deferred load's copies: how many run, whether the last was launched, why it failed,
+    the bytes its finished parts moved."""
+
+    in_flight: int = 0
+    last: bool = False
+    failed: str | None = None
+    bytes: int = 0
+
+
 class JobTracker:
     """Submits jobs and completes them against a ``CompletionSink``; see the module docstring."""
 
@@ -86,8 +101,10 @@ class JobTracker:
         self._running: dict[int, JobRecord] = {}
         self._finished: OrderedDict[int, JobRecord] = OrderedDict()
         self._ids = itertools.count(1)
-        self._by_worker: dict[int, int] = {}  # the worker's job id -> ours
-        self._ended: list[JobRecord] = []  # deferred jobs failed before a copy: next poll
+        # The worker's job id -> ours and the keys that job moves (a part's, or all of them).
+        self._by_worker: dict[int, tuple[int, list[bytes]]] = {}
+        self._parts: dict[int, _Parts] = {}  # deferred loads, by our job id
+        self._ended: list[JobRecord] = []  # records ended since the last poll
         self.sink_errors = 0
 
     def submit(
@@ -126,7 +143,7 @@ class JobTracker:
                 self._complete(direction, keys, ctx, ok=False, job_id=None)
             raise
         job_id = next(self._ids)
-        self._by_worker[worker_id] = job_id
+        self._by_worker[worker_id] = (job_id, keys)
         record = JobRecord(
             job_id=job_id,
             req_id=ctx.req_id,
@@ -145,8 +162,8 @@ class JobTracker:
         return record
 
     def defer(self, ctx: ReqContext, cache_id: str, keys: Sequence[bytes]) -> JobRecord:
-        """A running load whose copy starts later (``launch``) or never (``fail``): nothing is
-        pinned for it yet."""
+        """A running load whose copies start later, in parts (``launch``), or never
+        (``fail``): nothing is pinned for it yet."""
         record = JobRecord(
             job_id=next(self._ids),
             req_id=ctx.req_id,
@@ -162,19 +179,33 @@ class JobTracker:
             started=time.monotonic(),
         )
         self._running[record.job_id] = record
+        self._parts[record.job_id] = _Parts()
         return record
 
     def launch(
         self,
         record: JobRecord,
+        keys: Sequence[bytes],
         device_blocks: Sequence[int],
         host_slots: Sequence[int],
         deadline_s: float,
         wait_event: bytes | None = None,
-    ) -> None:
-        """Start the copy of a deferred load whose keys the caller has pinned (``host_slots``),
-        after ``wait_event`` when given. A refused copy unpins them and fails the job (its
-        reason says why)."""
+        *,
+        last: bool,
+    ) -> bool:
+        """Copy one part of a deferred load: ``keys``, which the caller has pinned (in
+        ``host_slots``), into ``device_blocks``, after ``wait_event`` when given; ``last``:
+        no part follows. False, with the part's keys unpinned, when the load has failed
+        already or the copy is refused (which fails the load, its reason saying why)."""
+        parts = self._parts.get(record.job_id)
+        keys = list(keys)
+        if parts is None or parts.failed is not None:
+            self._complete("load", keys, record.ctx, ok=False, job_id=record.job_id)
+            return False
+        parts.last = last
+        if not keys:
+            self._maybe_end(record, parts)
+            return True
         job = TransferJob(
             direction="load",
             cache_id=record.cache_id,
@@ -187,41 +218,69 @@ class JobTracker:
         try:
             worker_id = self.worker.submit(job)
         except Exception as exc:
-            self._complete("load", record.keys, record.ctx, ok=False, job_id=record.job_id)
+            self._complete("load", keys, record.ctx, ok=False, job_id=record.job_id)
             self.fail(record, f"copy refused: {exc}")
-            return
-        self._by_worker[worker_id] = record.job_id
+            return False
+        self._by_worker[worker_id] = (record.job_id, keys)
+        parts.in_flight += 1
+        return True
 
     def fail(self, record: JobRecord, reason: str) -> None:
-        """End a deferred load that never copied (nothing of it is pinned)."""
-        if self._running.pop(record.job_id, None) is None:
+        """Fail a deferred load: no part is copied after this; it ends once the parts
+        already copying have settled (at once when none is)."""
+        parts = self._parts.get(record.job_id)
+        if parts is None or parts.failed is not None:
             return
-        record.state = "failed"
-        record.reason = reason
+        parts.failed = reason
+        self._maybe_end(record, parts)
+
+    def failed(self, record: JobRecord) -> bool:
+        """Whether a deferred load has failed (or ended): launch no more parts of it."""
+        parts = self._parts.get(record.job_id)
+        return parts is None or parts.failed is not None
+
+    def _maybe_end(self, record: JobRecord, parts: _Parts) -> None:
+        if parts.in_flight or (parts.failed is None and not parts.last):
+            return
+        del self._parts[record.job_id]
+        self._running.pop(record.job_id, None)
+        record.state = "done" if parts.failed is None else "failed"
+        record.reason = parts.failed
+        record.bytes = parts.bytes
         record.seconds = time.monotonic() - record.started
         self._finish(record)
         self._ended.append(record)
 
     def poll(self) -> list[JobRecord]:
-        """Complete every job the worker reports finished; returns their records (and those
-        of deferred loads that failed since the last poll)."""
+        """Complete every job the worker reports finished; returns the records that ended
+        (deferred loads among them, also those failed or ended since the last poll)."""
+        for result in self.worker.poll_finished():
+            self._settle(result)
         ended, self._ended = self._ended, []
-        settled = [r for r in map(self._settle, self.worker.poll_finished()) if r is not None]
-        return ended + settled
+        return ended
 
-    def _settle(self, result: JobResult) -> JobRecord | None:
-        job_id = self._by_worker.pop(result.job_id, None)
-        record = None if job_id is None else self._running.pop(job_id, None)
+    def _settle(self, result: JobResult) -> None:
+        job_id, keys = self._by_worker.pop(result.job_id, (None, []))
+        record = None if job_id is None else self._running.get(job_id)
         if record is None:
             log.warning("finished transfer job %d is not tracked", result.job_id)
-            return None
+            return
+        self._complete(record.direction, keys, record.ctx, result.ok, record.job_id)
+        parts = self._parts.get(record.job_id)
+        if parts is not None:  # one part of a deferred load
+            parts.in_flight -= 1
+            parts.bytes += result.bytes
+            if not result.ok and parts.failed is None:
+                parts.failed = result.reason or "copy failed"
+            self._maybe_end(record, parts)
+            return
+        del self._running[record.job_id]
         record.state = "done" if result.ok else "failed"
         record.bytes = result.bytes
         record.seconds = result.seconds
         record.reason = result.reason
-        self._complete(record.direction, record.keys, record.ctx, result.ok, record.job_id)
         self._finish(record)
-        return record
+        self._ended.append(record)
 
     def _finish(self, record: JobRecord) -> None:
         finished = self._finished

@@ -32,7 +32,7 @@ import collections
 import contextlib
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from app.core.promotion import Promotions
@@ -60,6 +60,7 @@ class DiskLink:
         manager: OffloadManager,
         *,
         batch_blocks: int = 32,
+        read_blocks: int = 32,
         timeout_s: float = 10.0,
         hold_s: float = 60.0,
         on_event: Callable[[], None] = lambda: None,
@@ -70,6 +71,7 @@ class DiskLink:
         self.index = index
         self.manager = manager
         self.batch_blocks = batch_blocks
+        self.read_blocks = read_blocks
         self.timeout_s = timeout_s
         self._on_event = on_event
         self._on_io = on_io
@@ -288,57 +290,72 @@ class DiskLink:
 
     def promote(
         self, keys: Sequence[BlockKey], req_id: str, protect: Sequence[BlockKey] = ()
-    ) -> asyncio.Task[None] | None:
-        """Start reading the keys on disk that the pool lacks into it for ``req_id``; the task
-        that settles it, or None when none of them is on disk or the pool has no room.
-        ``protect``: the load's other keys, not evicted to make room."""
+    ) -> list[asyncio.Task[None]]:
+        """Start reading the keys on disk that the pool lacks into it for ``req_id``, in
+        chunks of ``read_blocks`` read concurrently (each its own disk pin and promotion, so
+        a load can copy one chunk while the next is read); the tasks that settle them (none
+        when no key is on disk or the pool has no room). ``protect``: the load's other keys,
+        not evicted to make room."""
         pool = self.manager
         on_disk = [k for k in dict.fromkeys(keys) if pool.slot_of(k) is None]
         on_disk = [k for k, there in zip(on_disk, self.index.found(on_disk), strict=True) if there]
-        pin = self.index.pin(on_disk) if on_disk else None
+        started: list[asyncio.Task[None]] = []
+        step = self.read_blocks
+        for first in range(0, len(on_disk), step):
+            task = self._promote(on_disk[first : first + step], req_id, protect)
+            if task is None:  # no room (or nothing left on disk): later chunks fare no better
+                break
+            started.append(task)
+        return started
+
+    def _promote(
+        self, keys: list[BlockKey], req_id: str, protect: Sequence[BlockKey]
+    ) -> asyncio.Task[None] | None:
+        pin = self.index.pin(keys)
         if pin is None:
             return None
         disk_slot = dict(zip(pin.keys, pin.slots, strict=True))
 
-        async def read(keys: list[BlockKey], slots: list[int], req_id: str) -> list[bool]:
-            bad: list[BlockKey] = []
-            try:
-                ok, bad = await self._read(keys, slots, disk_slot, req_id)
-                return ok
-            finally:
-                self._unpin(pin, bad)
+        def read(keys: list[BlockKey], slots: list[int], req_id: str) -> Awaitable[list[bool]]:
+            # Submitted to the I/O threads now, in the order the chunks were reserved: the
+            # first chunk is read first, so the load can copy it while the rest is read.
+            items = [(disk_slot[k], k, s) for k, s in zip(keys, slots, strict=True)]
+            reading = asyncio.wrap_future(self.store.submit_reads(items))
+            return self._settle_read(reading, keys, pin, req_id, time.perf_counter())
 
-        task = self.promotions.start(on_disk, req_id, read, protect)
+        task = self.promotions.start(pin.keys, req_id, read, protect)
         if task is None:
             self.index.unpin(pin)
         return task
 
-    async def _read(
+    async def _settle_read(
         self,
+        reading: asyncio.Future[list[bool]],
         keys: list[BlockKey],
-        slots: list[int],
-        disk_slot: dict[BlockKey, int],
+        pin: DiskOp,
         req_id: str,
-    ) -> tuple[list[bool], list[BlockKey]]:
-        """Per key, read whole and checked; and the keys whose disk copy is bad (a timeout
-        says nothing about the blocks: none is bad then)."""
-        items = [(disk_slot[k], k, s) for k, s in zip(keys, slots, strict=True)]
-        started = time.perf_counter()
-        reading = asyncio.ensure_future(asyncio.to_thread(self.store.read_many, items))
+        started: float,
+    ) -> list[bool]:
+        """Per key, read whole and checked; the disk pin is let go, blocks whose disk copy is
+        bad (torn, corrupt, unreadable) dropped. A timeout says nothing about the blocks (none
+        is dropped then), and the slots stay reserved until the read has returned."""
+        bad: list[BlockKey] = []
         try:
-            async with asyncio.timeout(self.timeout_s):
-                ok = await asyncio.shield(reading)
-        except TimeoutError:
-            self.counts["read_timeouts"] += 1
-            self.store.mark_degraded(f"read of {len(items)} block(s) past {self.timeout_s}s")
-            # The read may still write into the slots (or not have started on its thread):
-            # they stay reserved until it has returned.
-            with contextlib.suppress(Exception):
-                await reading
-            return [False] * len(keys), []
-        self._io("read", started, len(items), req_id)
-        # Blocks that failed are torn, corrupt or unreadable: no use keeping them.
-        return ok, [k for k, good in zip(keys, ok, strict=True) if not good]
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    ok = await asyncio.shield(reading)
+            except TimeoutError:
+                self.counts["read_timeouts"] += 1
+                self.store.mark_degraded(f"read of {len(keys)} block(s) past {self.timeout_s}s")
+                # The read may still write into the slots (or not have started on its thread).
+                with contextlib.suppress(Exception):
+                    await reading
+                return [False] * len(keys)
+            self._io("read", started, len(keys), req_id)
+            bad = [k for k, good in zip(keys, ok, strict=True) if not good]
+            return ok
+        finally:
+            self._unpin(pin, bad)
 
     def _unpin(self, pin: DiskOp, bad: list[BlockKey]) -> None:
         dropped = self.index.unpin(pin, bad)

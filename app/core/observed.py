@@ -129,9 +129,9 @@ class ObservedManager:
         make room for these."""
         started: list[asyncio.Task[None]] = []
         if self.disk is not None:
-            task = self.disk.promote(keys, req_id, protect)
-            if task is not None:
-                started.append(task)
+            tasks = self.disk.promote(keys, req_id, protect)
+            if tasks:
+                started.extend(tasks)
                 keys = [k for k in keys if self.manager.slot_of(k) is None]
         if self.remote is not None and keys:
             task = self.remote.promote(keys, req_id, protect)

@@ -12,8 +12,10 @@ into its slots, its internal request is in ``writing()``, so no lease expiry fre
 it. The load's keys the pool already holds are offered along (``protect``), so making room for
 the promoted blocks never evicts the blocks the same load is about to pin.
 
-``Promotions.start`` returns an ``asyncio.Task`` that ends when the read is settled: an ``onload``
-waits on it and then loads in the same job (no 409 round trip); a ``prepare-load`` does not.
+``Promotions.start`` calls ``read`` at once, as soon as the slots are reserved (a tier that
+submits its I/O in that call starts reading before any task runs), and returns an
+``asyncio.Task`` that ends when the read is settled: an ``onload`` waits on it and then copies
+those keys in the same job (no 409 round trip); a ``prepare-load`` does not.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from manager.errors import ManagerError
 
 log = get_logger("promotion")
 
-#: ``read(keys, slots, req_id) -> per key: read in full``; the tier's read into pool slots.
+#: ``read(keys, slots, req_id)``: the tier's read into pool slots, called once the slots are
+#: reserved; what it returns, awaited, says per key whether it was read in full.
 Read = Callable[[list[BlockKey], list[int], str], Awaitable[list[bool]]]
 
 
@@ -79,8 +82,9 @@ class Promotions:
         if out.evicted_keys:
             self._on_event()
         self.counts["promoted_keys"] += len(out.keys_to_store)
+        reading = read(out.keys_to_store, out.slots, req_id)
         task = asyncio.get_running_loop().create_task(
-            self._settle(ctx, req_id, out.keys_to_store, out.slots, read),
+            self._settle(ctx, req_id, out.keys_to_store, reading),
             name=f"kvoffload-{self.tier}-promote",
         )
         self._internal[ctx.req_id] = req_id
@@ -102,10 +106,10 @@ class Promotions:
         return list(self._running.get(req_id, ()))
 
     async def _settle(
-        self, ctx: ReqContext, req_id: str, keys: list[BlockKey], slots: list[int], read: Read
+        self, ctx: ReqContext, req_id: str, keys: list[BlockKey], reading: Awaitable[list[bool]]
     ) -> None:
         try:
-            ok = await read(keys, slots, req_id)
+            ok = await reading
             good = [k for k, g in zip(keys, ok, strict=True) if g]
             bad = [k for k, g in zip(keys, ok, strict=True) if not g]
         except Exception:

@@ -315,6 +315,7 @@ class Service:
             index,
             self.manager.manager,
             batch_blocks=max(1, s.disk_batch_bytes // store.slot_bytes),
+            read_blocks=max(1, s.disk_batch_bytes // store.slot_bytes),
             timeout_s=s.disk_timeout_s,
             hold_s=s.lease_ttl_s,
             on_event=self.drain_events,

@@ -10,9 +10,12 @@ It runs the two composite engine operations and everything about jobs and KV cac
 - ``onload`` = ``prepare_load`` (pins), then a host->device job; the job's end unpins
   (``complete_load``) whether it succeeded or not, and the job's state says whether the device
   blocks hold the data. A job that cannot be submitted unpins at once. Keys the pool lacks but a
-  lower tier holds (disk, remote) are brought in first, inside the same job: it answers at once
-  (``running``), waits for their promotion, then pins and copies; a key that could not be
-  brought in fails the job (nothing pinned, nothing copied). Keys no tier holds: 409 as before.
+  lower tier holds (disk, remote) are brought in inside the same job: it answers at once
+  (``running``) and copies in parts, the pool's hits at once, then the keys of each promotion
+  (a disk promotion is split in ``--disk-batch-bytes`` chunks) as soon as it lands, so copies
+  overlap the reads still running; a key that could not be brought in fails the job (later
+  parts are not copied; it ends once the parts copying have settled). Keys no tier holds: 409
+  as before.
 - Both take an optional ``wait_event`` (a CUDA IPC event handle the engine recorded after its
   kernels): the copies wait on it. Refused (``InvalidJobError`` naming it) for a cache with no
   CUDA tensor, before anything is reserved.
@@ -334,15 +337,18 @@ class Transfers:
             if not coming or any(pool.slot_of(k) is None for k in exc.missing):
                 raise
             record = self.tracker.defer(ctx, cache_id, keys)
-            # The load's keys already in the pool wait, held, for the others to come up.
-            ready = [k for k in dict.fromkeys(keys) if pool.is_ready(k)]
-            held = [k for k, s in zip(ready, pool.hold(ready), strict=True) if s is not None]
-            task = asyncio.get_running_loop().create_task(
-                self._load_after(record, coming, list(device_blocks), wait_event, held),
-                name="kvoffload-onload-after-promotion",
-            )
-            self._deferred.add(task)
-            task.add_done_callback(self._deferred.discard)
+            todo: dict[BlockKey, list[int]] = {}
+            for i, key in enumerate(record.keys):
+                todo.setdefault(key, []).append(i)
+            # The pool's hits are pinned and copied now, before anything can evict them.
+            blocks = list(device_blocks)
+            if self._launch_ready(record, todo, blocks, wait_event, last=False):
+                task = asyncio.get_running_loop().create_task(
+                    self._load_in_parts(record, todo, coming, blocks, wait_event),
+                    name="kvoffload-onload-after-promotion",
+                )
+                self._deferred.add(task)
+                task.add_done_callback(self._deferred.discard)
             return OnloadStarted(record, [])
         if not slots:
             return OnloadStarted(None, slots)
@@ -359,32 +365,63 @@ class Transfers:
         )
         return OnloadStarted(job, slots)
 
-    async def _load_after(
+    async def _load_in_parts(
         self,
         record: JobRecord,
+        todo: dict[BlockKey, list[int]],
         coming: list[asyncio.Task[None]],
         device_blocks: list[int],
         wait_event: bytes | None,
-        held: list[BlockKey],
     ) -> None:
-        """Wait for the promotions of a deferred load's keys, then pin and copy them (the
-        ``held`` keys, its pool hits, are let go once pinned, or when it fails)."""
+        """Copy the rest of a deferred load (``todo``: key -> its positions in the load) part
+        by part, the keys of each promotion as it lands, so the copy of one part overlaps the
+        reads of the next. A key that no promotion made ready, or a part that cannot be pinned
+        or copied, fails the load; later parts are then not copied."""
+        pending = set(coming)
         try:
-            await asyncio.wait(coming)
-            self._cache(record.cache_id, device_blocks, wait_event)
-            slots = self.manager.prepare_load(record.keys, record.ctx)
+            while pending:
+                _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                last = not pending
+                if not self._launch_ready(record, todo, device_blocks, wait_event, last):
+                    return
         except asyncio.CancelledError:
             self.tracker.fail(record, "service stopping")
             raise
+        finally:
+            self.notify()
+
+    def _launch_ready(
+        self,
+        record: JobRecord,
+        todo: dict[BlockKey, list[int]],
+        device_blocks: list[int],
+        wait_event: bytes | None,
+        last: bool,
+    ) -> bool:
+        """Pin and copy the keys of ``todo`` that are ready now (taken out of it); ``last``:
+        no promotion is left, so a key still missing fails the load. False once the load
+        has failed."""
+        if self.tracker.failed(record):
+            return False
+        pool = self.manager.manager
+        ready = [k for k in todo if pool.is_ready(k)]
+        if last and len(ready) < len(todo):
+            missing = len(todo) - len(ready)
+            self.tracker.fail(record, f"not loadable after promotion: {missing} key(s) missing")
+            return False
+        positions = [i for k in ready for i in todo.pop(k)]
+        keys = [record.keys[i] for i in positions]
+        try:
+            self._cache(record.cache_id, device_blocks, wait_event)
+            slots = self.manager.prepare_load(keys, record.ctx) if keys else []
         except (ManagerError, TransferError, ServiceUnavailableError, DeviceBlockError) as exc:
             self.tracker.fail(record, f"not loadable after promotion: {type(exc).__name__}")
-            self.notify()
-            return
-        finally:
-            self.manager.manager.release_hold(held)
+            return False
         left = self.settings.job_deadline_s - (time.monotonic() - record.started)
-        self.tracker.launch(record, device_blocks, slots, max(left, 0.001), wait_event)
-        self.notify()
+        blocks = [device_blocks[i] for i in positions]
+        return self.tracker.launch(
+            record, keys, blocks, slots, max(left, 0.001), wait_event, last=last
+        )
 
     # ------------------------------------------------------------------ KV caches and pool
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -278,3 +279,45 @@ def test_io_errors_from_the_seams_degrade_and_never_return_bytes(
     assert store.read_many([(0, b"k", 6)]) == [True]
     assert slot_bytes(pool, 6) == data
     assert [k for k, _ in store.listed()] == [b"k"]
+
+
+def test_submitted_reads_run_in_order_and_hold_their_slots_until_done(
+    pool: HostPool, open_store: Opener
+) -> None:
+    """``submit_reads`` returns at once; the pool slots are held until its future is done, and
+    runs go to the I/O threads in the order they were submitted (one thread: strictly)."""
+    store = open_store(io_threads=1)
+    data = {i: fill(pool, i, i) for i in range(4)}
+    for i in range(4):
+        assert write(store, i, i, f"k{i}".encode())
+    gate = threading.Event()
+    order: list[int] = []
+    real = store.preadv
+
+    def held(fd: int, bufs: list[memoryview], off: int) -> int:
+        gate.wait(10)
+        order.append(off // store.slot_bytes)
+        return int(real(fd, bufs, off))
+
+    store.preadv = held
+    # Slots 0 and 2 (two runs: not contiguous), then 3 and 1 (one run) in another submission.
+    first = store.submit_reads([(0, b"k0", 8), (2, b"k2", 9)])
+    second = store.submit_reads([(3, b"k3", 10), (1, b"k1", 11), (1, b"bad", 12)])
+    assert not first.done()
+    assert store.held_slots() == {8, 9, 10, 11, 12}
+    gate.set()
+    assert first.result(10) == [True, True]
+    assert second.result(10) == [True, True, False]  # a key the slot does not hold: False
+    assert order == [0, 2, 1, 3]  # submission by submission; inside one, by disk slot
+    assert store.held_slots() == frozenset()
+    assert [slot_bytes(pool, s) for s in (8, 9, 10, 11)] == [data[0], data[2], data[3], data[1]]
+    assert store.submit_reads([]).result() == []
+
+
+def test_reads_submitted_to_a_closed_store_read_nothing(pool: HostPool, open_store: Opener) -> None:
+    store = open_store()
+    fill(pool, 0, 1)
+    assert write(store, 0, 0, b"k")
+    store.close()
+    assert store.submit_reads([(0, b"k", 5)]).result(10) == [False]
+    assert store.held_slots() == frozenset()

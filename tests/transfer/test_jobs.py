@@ -227,3 +227,94 @@ def test_finished_records_are_bounded_lru(world) -> None:
     assert tracker.get(recs[3].job_id) is None
     with pytest.raises(ValueError, match="max_finished must be positive"):
         JobTracker(tracker.worker, manager, max_finished=0)
+
+
+# --------------------------------------------------------------------------- deferred loads
+
+
+def test_a_deferred_load_copies_part_by_part_and_ends_with_its_last_part(world) -> None:
+    pool, cache, manager, make_tracker = world
+    tracker = make_tracker()
+    ctx = ReqContext("r1")
+    manager.on_new_request(ctx)
+    ks = keys(1, 2, 3, 4)
+    slots = prepare_ready(manager, tracker, cache, ctx, ks)
+    manager.complete_load(ks, ctx)
+    for flat in cache.flats:
+        flat.zero_()
+    rec = tracker.defer(ctx, cache.cache.cache_id, ks)
+    assert tracker.running() == [rec]
+    # First part: keys 1 and 2. Its copy ends, yet the load runs on: a part is still to come.
+    manager.prepare_load(ks[:2], ctx)
+    assert tracker.launch(rec, ks[:2], [10, 11], slots[:2], 10.0, last=False)
+    end = time.monotonic() + 10
+    while manager.stats().pinned:
+        assert time.monotonic() < end
+        assert tracker.poll() == []
+        time.sleep(0.002)
+    assert rec.state == "running"
+    assert torch.equal(pool.tensor[slots[0]], host_block(cache.flats, cache.layout, 10))
+    # The last part: keys 3 and 4; the load is done with both parts' bytes.
+    manager.prepare_load(ks[2:], ctx)
+    assert tracker.launch(rec, ks[2:], [12, 13], slots[2:], 10.0, last=True)
+    settle(tracker, [rec])
+    assert (rec.state, rec.reason, rec.bytes) == ("done", None, 4 * pool.block_bytes)
+    assert manager.stats().pinned == 0
+    for s, b in zip(slots, [10, 11, 12, 13], strict=True):
+        assert torch.equal(pool.tensor[s], host_block(cache.flats, cache.layout, b))
+    assert tracker.get(rec.job_id) is rec
+    assert tracker.running() == []
+
+
+def test_a_failed_part_fails_the_deferred_load_and_later_parts_are_unpinned(world) -> None:
+    _pool, cache, manager, make_tracker = world
+    good = make_tracker()
+    bad = make_tracker(FaultSpec(fail_rate=1.0))
+    ctx = ReqContext("r1")
+    manager.on_new_request(ctx)
+    ks = keys(1, 2, 3)
+    slots = prepare_ready(manager, good, cache, ctx, ks)
+    manager.complete_load(ks[1:], ctx)  # key 1 stays pinned: the first part's
+    rec = bad.defer(ctx, cache.cache.cache_id, ks)
+    assert bad.launch(rec, ks[:1], [10], slots[:1], 10.0, last=False)
+    settle(bad, [rec])
+    assert rec.state == "failed"
+    assert rec.reason
+    assert manager.stats().pinned == 0
+    # A part launched after the failure is not copied: its pins go back at once.
+    manager.prepare_load(ks[1:], ctx)
+    assert not bad.launch(rec, ks[1:], [11, 12], slots[1:], 10.0, last=True)
+    assert manager.stats().pinned == 0
+    assert bad.failed(rec)
+    assert bad.poll() == []
+
+
+def test_fail_waits_for_the_part_still_copying(world) -> None:
+    _pool, cache, manager, make_tracker = world
+    slow = make_tracker(FaultSpec(delay_s=0.3))
+    ctx = ReqContext("r1")
+    manager.on_new_request(ctx)
+    ks = keys(1, 2)
+    slots = prepare_ready(manager, slow, cache, ctx, ks)
+    manager.complete_load(ks[1:], ctx)
+    rec = slow.defer(ctx, cache.cache.cache_id, ks)
+    assert slow.launch(rec, ks[:1], [10], slots[:1], 10.0, last=False)
+    slow.fail(rec, "key 2 could not be brought in")
+    # The copy of key 1 may still write into the engine's block: the load is still running.
+    assert rec.state == "running"
+    assert slow.poll() == []
+    settle(slow, [rec])
+    assert (rec.state, rec.reason) == ("failed", "key 2 could not be brought in")
+    assert manager.stats().pinned == 0
+
+
+def test_a_deferred_load_failed_before_any_copy_ends_at_the_next_poll(world) -> None:
+    _pool, cache, manager, make_tracker = world
+    tracker = make_tracker()
+    ctx = ReqContext("r1")
+    manager.on_new_request(ctx)
+    rec = tracker.defer(ctx, cache.cache.cache_id, keys(1))
+    tracker.fail(rec, "not loadable after promotion")
+    assert rec.state == "failed"
+    assert tracker.poll() == [rec]
+    assert tracker.running() == []
