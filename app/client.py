@@ -9,7 +9,9 @@ Credentials: a service with tenants wants a bearer token on every engine call (`
 better, ``token_file=``: a token never belongs on a command line) and serves the namespace named
 by ``namespace=`` (header ``NAMESPACE_HEADER``; without it, the tenant's only namespace). The
 token is sent as ``Authorization: Bearer`` and never shows in a ``repr``, a log line or an
-error message.
+error message. Rotation: after a 401 ``unknown_token`` or ``revoked_token`` the token file is read
+again, and when it holds another token the call is sent once more with it (a 401 did nothing);
+that token then goes with every call and over the pool socket (``current_token``).
 
 Errors, by status (the ``code`` strings may change, the classes do not)::
 
@@ -127,34 +129,71 @@ def _check_token(token: str, source: str) -> None:
         )
 
 
-def _credential_headers(
-    token: str | None, token_file: Path | str | None, namespace: str | None
-) -> dict[str, str]:
-    """The headers every engine call carries; the token file is read here, once."""
-    if token is not None and token_file is not None:
-        raise ValueError("give token or token_file, not both")
-    if token_file is not None:
-        token = read_token_file(token_file)
-    elif token is not None:
-        _check_token(token, "token")
-    headers = {}
-    if token is not None:
-        headers["authorization"] = f"Bearer {token}"
-    if namespace is not None:
-        if not namespace or not all("!" <= ch <= "~" for ch in namespace):
-            raise ValueError(f"namespace {namespace!r}: not a namespace name")
-        headers[NAMESPACE_HEADER] = namespace
-    return headers
+#: The 401 codes that a newer token in the token file may cure (a rotation); the others
+#: (``missing_token``, ``malformed_authorization``) are the client's own fault.
+_ROTATABLE = frozenset({"unknown_token", "revoked_token"})
+
+
+class _Credentials:
+    """The headers every engine call carries, and the token file they came from.
+
+    The file is read at start; when the service refuses the token as unknown or revoked (a 401
+    does nothing, so the call may be sent again) it is read once more, and a token there that
+    differs from the refused one replaces it in ``headers`` (which the client's connection
+    pool shares) and on the pool socket (``token``). Never shown."""
+
+    def __init__(
+        self, token: str | None, token_file: Path | str | None, namespace: str | None
+    ) -> None:
+        if token is not None and token_file is not None:
+            raise ValueError("give token or token_file, not both")
+        if token_file is not None:
+            token = read_token_file(token_file)
+        elif token is not None:
+            _check_token(token, "token")
+        self._file = token_file
+        self.token = token
+        self.namespace = namespace
+        self.headers: dict[str, str] = {}
+        if token is not None:
+            self.headers["authorization"] = f"Bearer {token}"
+        if namespace is not None:
+            if not namespace or not all("!" <= ch <= "~" for ch in namespace):
+                raise ValueError(f"namespace {namespace!r}: not a namespace name")
+            self.headers[NAMESPACE_HEADER] = namespace
+
+    def __repr__(self) -> str:
+        return "_Credentials(...)"
+
+    def rotated(self, response: httpx.Response, headers: httpx.Headers) -> bool:
+        """Whether ``response`` refused a token that the token file no longer holds: then
+        the file's token is in ``headers`` now, and the call should be sent once more."""
+        if response.status_code != 401 or self._file is None:
+            return False
+        try:
+            code = response.json()["error"]["code"]
+        except (ValueError, KeyError, TypeError):
+            return False
+        if code not in _ROTATABLE:
+            return False
+        refused = response.request.headers.get("authorization")
+        try:
+            token = read_token_file(self._file)
+        except ValueError:
+            return False  # mid-rewrite or gone: the 401 stands
+        if f"Bearer {token}" == refused:
+            return False
+        self.token = token
+        self.headers["authorization"] = headers["authorization"] = f"Bearer {token}"
+        return True
 
 
 class _SocketAuth:
-    """What a client needs to register over the pool socket: its token, namespace and engine
-    socket (the token as the headers carry it; never shown)."""
+    """What a client needs to register over the pool socket: its credentials (the current
+    token, as the headers carry it; never shown) and engine socket."""
 
-    def __init__(self, headers: Mapping[str, str], uds: str | None) -> None:
-        bearer = headers.get("authorization")
-        self._token = None if bearer is None else bearer.removeprefix("Bearer ")
-        self._namespace = headers.get(NAMESPACE_HEADER)
+    def __init__(self, credentials: _Credentials, uds: str | None) -> None:
+        self._credentials = credentials
         self._uds = uds
 
     def __repr__(self) -> str:
@@ -169,8 +208,9 @@ class _SocketAuth:
             path = default_pool_socket(self._uds)
         if path is None:
             raise ValueError("descriptors go over the pool socket: give pool_socket= (or uds=)")
+        creds = self._credentials
         return _register_over_socket(
-            path, dict(spec), list(fds), token=self._token, namespace=self._namespace
+            path, dict(spec), list(fds), token=creds.token, namespace=creds.namespace
         )
 
 
@@ -682,9 +722,11 @@ def _repr(client: KVOffloadClient | AsyncKVOffloadClient) -> str:
 class KVOffloadClient(_SyncClient):
     """Synchronous engine API client. Use as a context manager, or ``close()`` it.
 
-    ``token`` / ``token_file`` (read once, here; not both) and ``namespace`` are sent with every
-    call (see the module docstring); a bad token file or token raises ``ValueError`` naming its
-    source, never its value.
+    ``token`` / ``token_file`` (not both) and ``namespace`` are sent with every call (see the
+    module docstring); a bad token file or token raises ``ValueError`` naming its source, never
+    its value. The token file is read here, and again when the service answers 401
+    ``unknown_token`` / ``revoked_token``: a new token there is sent with the same call once
+    more, and with every call after it (rotation without a restart).
 
     ``last_pool_id`` is the ``X-KVOffload-Pool`` header of the last answer (None when the
     answer had none), so a caller that maps the pool can tell the service restarted.
@@ -701,13 +743,13 @@ class KVOffloadClient(_SyncClient):
         token_file: Path | str | None = None,
         namespace: str | None = None,
     ) -> None:
-        headers = _credential_headers(token, token_file, namespace)
+        self._credentials = _Credentials(token, token_file, namespace)
         url, transport = _transport_args(base_url, uds, transport)
         self._http = httpx.Client(
-            base_url=url, timeout=timeout, transport=transport, headers=headers
+            base_url=url, timeout=timeout, transport=transport, headers=self._credentials.headers
         )
         self._namespace = namespace
-        self._socket_auth = _SocketAuth(headers, uds)
+        self._socket_auth = _SocketAuth(self._credentials, uds)
         self.last_pool_id: str | None = None
 
     @property
@@ -715,11 +757,18 @@ class KVOffloadClient(_SyncClient):
         """The namespace every call names (None: the service picks the tenant's only one)."""
         return self._namespace
 
+    def current_token(self) -> str | None:
+        """The token calls carry now (after any rotation); for the pool socket's request."""
+        return self._credentials.token
+
     def __repr__(self) -> str:
         return _repr(self)
 
     def _call(self, call: _Call[T], ok_statuses: tuple[int, ...] = ()) -> T:
-        response = self._http.request(call.method, call.path, **_request_kwargs(call))
+        kwargs = _request_kwargs(call)
+        response = self._http.request(call.method, call.path, **kwargs)
+        if self._credentials.rotated(response, self._http.headers):
+            response = self._http.request(call.method, call.path, **kwargs)
         self.last_pool_id = response.headers.get(POOL_HEADER)
         return _read(call, response, ok_statuses)
 
@@ -895,17 +944,17 @@ class AsyncKVOffloadClient:
         token_file: Path | str | None = None,
         namespace: str | None = None,
     ) -> None:
-        headers = _credential_headers(token, token_file, namespace)
+        self._credentials = _Credentials(token, token_file, namespace)
         if uds is not None:
             url = base_url or _UDS_BASE
             transport = transport or httpx.AsyncHTTPTransport(uds=uds)
         else:
             url = base_url or "http://127.0.0.1:8000"
         self._http = httpx.AsyncClient(
-            base_url=url, timeout=timeout, transport=transport, headers=headers
+            base_url=url, timeout=timeout, transport=transport, headers=self._credentials.headers
         )
         self._namespace = namespace
-        self._socket_auth = _SocketAuth(headers, uds)
+        self._socket_auth = _SocketAuth(self._credentials, uds)
         self._renewers: dict[str, asyncio.Task[None]] = {}
 
     @property
@@ -913,11 +962,18 @@ class AsyncKVOffloadClient:
         """The namespace every call names (None: the service picks the tenant's only one)."""
         return self._namespace
 
+    def current_token(self) -> str | None:
+        """The token calls carry now (after any rotation); for the pool socket's request."""
+        return self._credentials.token
+
     def __repr__(self) -> str:
         return _repr(self)
 
     async def _call(self, call: _Call[T], ok_statuses: tuple[int, ...] = ()) -> T:
-        response = await self._http.request(call.method, call.path, **_request_kwargs(call))
+        kwargs = _request_kwargs(call)
+        response = await self._http.request(call.method, call.path, **kwargs)
+        if self._credentials.rotated(response, self._http.headers):
+            response = await self._http.request(call.method, call.path, **kwargs)
         return _read(call, response, ok_statuses)
 
     async def aclose(self) -> None:

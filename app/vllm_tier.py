@@ -46,7 +46,8 @@ Keys: the service key of a vLLM ``OffloadKey`` is an 8-byte namespace digest fol
 (see ``namespace_digest``), so engines share blocks exactly when model, dtype, layout and chunk
 size agree.
 
-Tenants: with ``token_file`` (else ``$KVOFFLOAD_TOKEN_FILE``; read once, at start) every call
+Tenants: with ``token_file`` (else ``$KVOFFLOAD_TOKEN_FILE``; read at start, and again when the
+service refuses the token as unknown or revoked, so a rotated token needs no restart) every call
 and the pool socket's request carry the token, and with ``service_namespace`` the service-side
 namespace (a space of its own in the service: keys, pool, events); the ``namespace`` label above
 only separates key digests inside one service namespace.
@@ -97,7 +98,6 @@ from app.client import (
     KVOffloadError,
     KVOffloadPermissionError,
     OpResult,
-    read_token_file,
 )
 from app.pool_share import PoolShareError, default_pool_socket, receive_pool
 
@@ -505,13 +505,13 @@ class KVOffloadTier(SecondaryTierManager):  # type: ignore[misc,unused-ignore]
             pool_socket = default_pool_socket(uds)
         self._pool_socket = pool_socket
         token_file = token_file or os.environ.get(TOKEN_FILE_ENV) or None
-        self._token = None if token_file is None else read_token_file(token_file)
         self._service_namespace = service_namespace
+        # The client reads the token file, and again after a 401 that a rotated token cures.
         self._client = KVOffloadClient(
             base_url,
             uds=uds,
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
-            token=self._token,
+            token_file=token_file,
             namespace=service_namespace,
         )
 
@@ -915,7 +915,7 @@ class _Link:
                 self.client,
                 tier._pool_socket,
                 timeout_s=5.0,
-                token=tier._token,
+                token=self.client.current_token(),
                 namespace=tier._service_namespace,
             )
         except (KVOffloadAuthError, KVOffloadPermissionError) as exc:

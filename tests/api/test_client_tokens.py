@@ -1,7 +1,8 @@
 """The engine clients' credentials: every engine call carries the bearer token and the namespace
 header (over a real connection to a small server on 127.0.0.1, and in process for the async
-client); the token comes from a file read once, and never shows in a repr, an error or a log
-line; refusals become typed errors by status."""
+client); the token comes from a file, read again only when a 401 says the token is unknown or
+revoked (rotation), and never shows in a repr, an error or a log line; refusals become typed
+errors by status."""
 
 from __future__ import annotations
 
@@ -280,7 +281,7 @@ def test_a_malformed_token_is_refused_without_showing_it(bad: str, tmp_path: Pat
 # --------------------------------------------------------------------------- token files
 
 
-def test_the_token_file_is_read_once_without_its_newline(
+def test_the_token_file_is_read_without_its_newline_and_not_again_while_accepted(
     url: str, recorder: Recorder, tmp_path: Path
 ) -> None:
     path = tmp_path / "token"
@@ -288,7 +289,7 @@ def test_the_token_file_is_read_once_without_its_newline(
     assert read_token_file(path) == TOKEN
     assert read_token_file(str(path)) == TOKEN
     with KVOffloadClient(url, token_file=path) as c:
-        path.write_text("rotated-token-000000000\n")  # takes effect with the next client
+        path.write_text("rotated-token-000000000\n")  # not read: no 401 asked for it
         with pytest.raises(KVOffloadError):
             c.pool()
     assert recorder.seen[0]["authorization"] == f"Bearer {TOKEN}"
@@ -327,3 +328,94 @@ def test_token_and_token_file_are_exclusive(tmp_path: Path) -> None:
 def test_a_malformed_namespace_is_refused(namespace: str) -> None:
     with pytest.raises(ValueError, match="not a namespace name"):
         KVOffloadClient(namespace=namespace)
+
+
+# --------------------------------------------------------------------------- rotation
+
+OLD, NEW = "old-token-0123456789abcdef", "new-token-0123456789abcdef"
+
+
+@dataclass
+class Rotating:
+    """An ``httpx.MockTransport`` handler that takes only ``accepted`` tokens: any other bearer
+    is answered 401 with ``code``; records the bearer of every request."""
+
+    accepted: set[str]
+    code: str = "revoked_token"
+    seen: list[str | None] = field(default_factory=list)
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        bearer = request.headers.get("authorization")
+        self.seen.append(bearer)
+        if bearer is not None and bearer.removeprefix("Bearer ") in self.accepted:
+            return httpx.Response(200, json={})
+        return httpx.Response(401, json={"error": {"code": self.code, "message": "refused"}})
+
+
+def test_a_rotated_token_file_is_read_again_after_a_revoked_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "token"
+    path.write_text(OLD + "\n")
+    app = Rotating({NEW})
+    with KVOffloadClient("http://engine", transport=httpx.MockTransport(app), token_file=path) as c:
+        path.write_text(NEW + "\n")  # the operator rotates; the service revoked OLD
+        c.touch("r1", KEY)  # refused once, read again, sent again: no error
+        assert app.seen == [f"Bearer {OLD}", f"Bearer {NEW}"]
+        c.touch("r1", KEY)
+        assert app.seen[2:] == [f"Bearer {NEW}"]  # later calls carry it at once
+        assert c.current_token() == NEW
+        # The pool socket's registration carries the new token too.
+        sent: dict[str, Any] = {}
+
+        def register(path: str, spec: Any, fds: Any, *, token: Any, namespace: Any) -> Any:
+            sent.update(token=token, namespace=namespace)
+            raise RuntimeError("not sent")
+
+        monkeypatch.setattr("app.client._register_over_socket", register)
+        with pytest.raises(RuntimeError):
+            c.register_kv_cache({"name": "e"}, fds=[0], pool_socket="/nonexistent")
+        assert sent == {"token": NEW, "namespace": None}
+        assert NEW not in repr(c)
+
+
+def test_the_async_client_rotates_too(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    path.write_text(OLD)
+    app = Rotating({NEW}, code="unknown_token")
+
+    async def run() -> None:
+        transport = httpx.MockTransport(app)
+        async with AsyncKVOffloadClient("http://engine", transport=transport, token_file=path) as c:
+            path.write_text(NEW)
+            await c.touch("r1", KEY)
+            await c.touch("r1", KEY)
+            assert c.current_token() == NEW
+
+    asyncio.run(run())
+    assert app.seen == [f"Bearer {OLD}", f"Bearer {NEW}", f"Bearer {NEW}"]
+
+
+@pytest.mark.parametrize(
+    ("code", "file_after", "why"),
+    [
+        ("revoked_token", None, "a token given directly, no file to read again"),
+        ("revoked_token", OLD, "the file still holds the refused token"),
+        ("revoked_token", "", "the file caught mid-rewrite (empty)"),
+        ("missing_token", NEW, "a code that no new token cures"),
+        ("malformed_authorization", NEW, "a code that no new token cures"),
+    ],
+)
+def test_a_401_that_rotation_cannot_cure_is_raised_after_one_request(
+    tmp_path: Path, code: str, file_after: str | None, why: str
+) -> None:
+    path = tmp_path / "token"
+    path.write_text(OLD)
+    app = Rotating({NEW}, code=code)
+    credentials: dict[str, Any] = {"token": OLD} if file_after is None else {"token_file": path}
+    with KVOffloadClient("http://engine", transport=httpx.MockTransport(app), **credentials) as c:
+        path.write_text(NEW if file_after is None else file_after)
+        with pytest.raises(KVOffloadAuthError):
+            c.touch("r1", KEY)
+        assert app.seen == [f"Bearer {OLD}"], why
+        assert c.current_token() == OLD
