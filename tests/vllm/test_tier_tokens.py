@@ -2,7 +2,8 @@
 ``$KVOFFLOAD_TOKEN_FILE``) and ``service_namespace`` reach every engine call and the pool
 socket's request; a refusal of them (401, 403, the pool socket's) fails the engine's tier work
 like a service fault, logged as an error once per incident, and the tier recovers when the
-service accepts them again; a token file that holds no token refuses the engine's start.
+service accepts them again; a token rotated in the file is read again after the service revokes
+the old one (no restart, no fault); a token file that holds no token refuses the engine's start.
 
 The service here has no tenants: a proxy records the engine calls (and answers 401 / 403 on
 demand), and a tenant-mode pool socket relays the service's own pool to a request whose token
@@ -15,6 +16,7 @@ import asyncio
 import contextlib
 import gc
 import itertools
+import json
 import logging
 import os
 import socket
@@ -35,6 +37,7 @@ from tests.vllm.proxy import FaultProxy
 from tests.vllm.test_faults import FAST, Traffic, faults
 
 TOKEN = "engine-token-of-team-a-0001"
+NEW_TOKEN = "engine-token-of-team-a-0002"
 NAMESPACE = "llama-team-a"
 REFUSED = "the service refused this engine's credentials"
 
@@ -62,12 +65,31 @@ class RecordingProxy(FaultProxy):
         return await super()._answer(method, target, headers, body)
 
 
+class RevokingProxy(RecordingProxy):
+    """A ``RecordingProxy`` that answers 401 ``revoked_token`` to a bearer in ``revoked``."""
+
+    def __init__(self, listen: str, upstream: str) -> None:
+        super().__init__(listen, upstream)
+        self.revoked: set[str] = set()
+
+    async def _answer(
+        self, method: str, target: str, headers: dict[str, str], body: bytes
+    ) -> tuple[int, dict[str, str], bytes]:
+        bearer = headers.get("authorization", "")
+        if bearer.removeprefix("Bearer ") in self.revoked:
+            self.seen.append({"target": target, **headers})
+            error = {"error": {"code": "revoked_token", "message": "token revoked"}}
+            return 401, {"content-type": "application/json"}, json.dumps(error).encode()
+        return await super()._answer(method, target, headers, body)
+
+
 class Relay:
     """A tenant-mode pool socket handing out the service's own pool to requests carrying
-    ``TOKEN`` and ``NAMESPACE``; ``seen`` holds every request it read."""
+    one of ``tokens`` and ``NAMESPACE``; ``seen`` holds every request it read."""
 
     def __init__(self, path: str, service_pool_socket: str) -> None:
         self.path = path
+        self.tokens = {TOKEN}  # the tokens it takes
         self.pool = receive_pool(service_pool_socket)
         self.seen: list[dict[str, Any]] = []
         self._loop = asyncio.new_event_loop()
@@ -78,7 +100,7 @@ class Relay:
 
     def current(self, request: dict[str, Any]) -> SharedPool:
         self.seen.append(request)
-        if request["token"] != TOKEN:
+        if request["token"] not in self.tokens:
             raise RefusedError("unknown_token")
         if request["namespace"] != NAMESPACE:
             raise RefusedError("namespace_denied")
@@ -109,9 +131,11 @@ class RefusedError(Exception):
 
 
 @contextlib.contextmanager
-def tenant_setup(tmp_path: Path) -> Iterator[tuple[ServerProcess, RecordingProxy, Relay]]:
+def tenant_setup(
+    tmp_path: Path, proxy_type: type[RecordingProxy] = RecordingProxy
+) -> Iterator[tuple[ServerProcess, Any, Relay]]:
     with serve(tmp_path).serving() as srv:
-        proxy = RecordingProxy(str(tmp_path / "proxy.sock"), str(srv.uds))
+        proxy = proxy_type(str(tmp_path / "proxy.sock"), str(srv.uds))
         proxy.start()
         relay = Relay(str(tmp_path / "relay.sock"), f"{srv.uds}.pool")
         try:
@@ -248,3 +272,42 @@ def test_a_token_file_without_a_token_refuses_the_start(
     with pytest.raises(ValueError, match=match) as info:
         SimEngine("t-bad-file", config)
     assert str(path) in str(info.value)
+
+
+def test_a_rotated_token_is_read_again_without_restarting_the_engine(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The operator writes a new token into the engine's token file and the service revokes
+    the old one: the engines' next calls are refused once each, read the file again and go on
+    with the new token; no fault, no error logged, and B loads what A stored afterwards."""
+    caplog.set_level(logging.WARNING, logger="kvoffload.vllm_tier")
+    path = Path(token_file(tmp_path))
+    with tenant_setup(tmp_path, RevokingProxy) as (_, proxy, relay):
+        config = engine_config(proxy, relay, token_file=str(path))
+        a, b = SimEngine("t-rot-a", config), SimEngine("t-rot-b", config)
+        traffic = Traffic(a, b, "rot")
+        try:
+            traffic.until_shared(keys_of(range(30, 34)))
+            # The rotation: a new file moved into place, the old token revoked.
+            fresh = tmp_path / "token.new"
+            fresh.write_text(NEW_TOKEN + "\n")
+            fresh.chmod(0o400)
+            os.replace(fresh, path)
+            relay.tokens = {NEW_TOKEN}
+            proxy.revoked = {TOKEN}
+            at = len(proxy.seen)
+            keys = keys_of(range(40, 44), salt=b"rotated")
+            _, second = traffic.both(keys)
+            assert second.hit_chunks == len(keys)  # stored by A, loaded by B, new token
+            assert faults(a) == faults(b) == {}
+            assert refusal_errors(caplog) == []
+        finally:
+            a.close()
+            b.close()
+    after = [s["authorization"] for s in proxy.seen[at:]]
+    # Each engine's client is refused once (more only for calls already in flight then).
+    assert 2 <= after.count(f"Bearer {TOKEN}") <= 4, after
+    assert after[-1] == f"Bearer {NEW_TOKEN}"
+    assert after.count(f"Bearer {NEW_TOKEN}") >= len(after) - 4
+    assert TOKEN not in caplog.text
+    assert NEW_TOKEN not in caplog.text
