@@ -14,6 +14,8 @@ What it adds to the contract:
   without touching Mooncake, and a probe every ``probe_interval_s`` (health check, then one
   existence query; or the whole connection when the tier never connected) brings it back to
   ``ok``. A tier whose master is unreachable at start begins degraded and connects later.
+  While ``ok`` the tier asks the master's health check every ``probe_interval_s`` too (bounded
+  by that interval), so a master lost while no call flows degrades it within two intervals.
 - **No torn block is reported loaded.** A key counts as read only when Mooncake reports its
   full block size for it.
 
@@ -389,24 +391,25 @@ class MooncakeTier:
         log.info("remote tier (mooncake) ok again after %.1f s degraded", was)
 
     def _probe_loop(self) -> None:
+        interval = self.config.probe_interval_s
         while True:
+            if self._wake.wait(interval):  # a state change or close: look again at once
+                self._wake.clear()
             with self._lock:
                 closed, state = self._closed, self._state
             if closed:
                 return
             if state == "ok":
-                self._wake.wait()
-                self._wake.clear()
-                continue
-            # Degraded: probe now and then until it answers.
-            if self._wake.wait(self.config.probe_interval_s):
-                self._wake.clear()
-                continue
-            if self._probe():
+                # Ok: the master's health check every interval, bounded by it, so a master
+                # lost while no call flows degrades the tier within two intervals.
+                if not self._probe(full=False, within=interval):
+                    self._fail(f"master health check failed: {self._last_error}")
+            elif self._probe():  # degraded: the whole probe now and then until it answers
                 self._set_ok()
 
-    def _probe(self) -> bool:
-        """Connect if never connected, else ask the master for its health and one key."""
+    def _probe(self, *, full: bool = True, within: float | None = None) -> bool:
+        """Connect if never connected; else ask the master for its health and (``full``) one
+        key; within ``within`` seconds (default: ``timeout_s``)."""
 
         def probe() -> None:
             if self._store is None:
@@ -417,6 +420,8 @@ class MooncakeTier:
             rc = self._store.health_check()
             if rc != 0:
                 raise RemoteTierError(f"health check answered {rc}")
+            if not full:
+                return
             codes = self._store.batch_is_exist([remote_name(self._namespace, _PROBE_KEY)])
             if list(codes) != [0]:
                 raise RemoteTierError(f"existence query answered {list(codes)}")
@@ -426,11 +431,12 @@ class MooncakeTier:
         if self._probing is not None and not self._probing.done():
             self._note("the previous probe has not finished")
             return False
+        limit = self.config.timeout_s if within is None else min(within, self.config.timeout_s)
         try:
             self._probing = self._executor.submit(probe)
-            self._probing.result(self.config.timeout_s)
+            self._probing.result(limit)
         except concurrent.futures.TimeoutError:
-            self._note(f"probe did not finish within {self.config.timeout_s:g} s")
+            self._note(f"probe did not finish within {limit:g} s")
             return False
         except Exception as exc:
             self._note(f"probe: {exc}")

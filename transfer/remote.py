@@ -12,7 +12,9 @@ Host pool slots are the only place bytes come from or go to: the tier never hand
 - ``put_from(keys, slots) -> list[bool]``: store each slot's block under its key; True once the
   store holds it. A key the store already holds counts as stored.
 - ``health() -> RemoteHealth``: state (``ok`` or ``degraded``), since when, the last error, and
-  counters; never blocks on the backend.
+  counters; never blocks on the backend. A backend that can lose its store while no call flows
+  (a master that dies) checks on it by itself, so ``health()`` says so within seconds without
+  traffic (``MooncakeTier``: a health check every ``probe_interval_s``).
 - ``held_slots() -> frozenset[int]``: slots named by a call whose backend work has not ended
   (a call that timed out may still read or write them). The caller must not reuse such a slot
   for another block until it leaves this set.

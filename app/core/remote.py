@@ -51,10 +51,6 @@ log = get_logger("remote")
 
 #: How often a put or get that outlived its timeout is checked for having let go of its slots.
 HELD_POLL_S = 0.05
-#: A node that has not called its remote tier for this long asks it one question, so that a
-#: store gone while the node was idle shows as degraded (metrics, alert) before traffic needs it.
-IDLE_PROBE_S = 5.0
-_PROBE_KEYS = [b"kvoffload-idle-probe"]
 
 
 class RemoteLink:
@@ -88,7 +84,6 @@ class RemoteLink:
         self._wakeup = asyncio.Event()
         self._drain: asyncio.Task[None] | None = None
         self.counts: collections.Counter[str] = collections.Counter()
-        self._last_call = time.monotonic()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -219,12 +214,7 @@ class RemoteLink:
 
     async def _drain_loop(self) -> None:
         while True:
-            try:
-                async with asyncio.timeout(IDLE_PROBE_S):
-                    await self._wakeup.wait()
-            except TimeoutError:
-                await self._idle_probe()
-                continue
+            await self._wakeup.wait()
             self._wakeup.clear()
             while self._queue:
                 try:
@@ -262,16 +252,6 @@ class RemoteLink:
             manager.record_event("stored", stored, REMOTE_MEDIUM)
             self._on_event()
 
-    async def _idle_probe(self) -> None:
-        """Ask the tier one question if nothing did lately (a degraded tier probes itself)."""
-        if time.monotonic() - self._last_call < IDLE_PROBE_S or not self.tier.health().ok:
-            return
-        self._last_call = time.monotonic()
-        try:
-            await asyncio.to_thread(self.tier.exists, _PROBE_KEYS)
-        except Exception:
-            log.exception("remote tier idle probe failed")
-
     # ------------------------------------------------------------------ helpers
 
     async def _until_released(self, slots: Sequence[int]) -> None:
@@ -284,7 +264,6 @@ class RemoteLink:
             await asyncio.sleep(HELD_POLL_S)
 
     def _observe(self, op: str, started: float, keys: int, req_id: str | None) -> None:
-        self._last_call = time.monotonic()
         if self._on_call is not None:
             self._on_call(op, time.perf_counter() - started, keys, req_id)
 

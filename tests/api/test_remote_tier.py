@@ -317,24 +317,6 @@ async def test_metrics_show_the_remote_tier() -> None:
         assert "kvoffload_remote_hits_total 1.0" in text
 
 
-async def test_an_idle_node_still_asks_its_tier_now_and_then(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import app.core.remote as remote_module
-
-    monkeypatch.setattr(remote_module, "IDLE_PROBE_S", 0.05)
-    store = MemoryStore()
-    async with node(store) as a:
-        assert a.service.remote is not None
-        tier = a.service.remote.tier
-        assert isinstance(tier, MemoryTier)
-
-        async def asked() -> bool:
-            return tier.counters["misses"] >= 2  # the probe key exists nowhere
-
-        await until(asked)
-
-
 async def test_an_onload_of_remote_keys_promotes_them_then_loads_identical_bytes() -> None:
     store = MemoryStore()
     keys = hexkeys(1, 2)

@@ -7,6 +7,7 @@ runs on one, the nodes (a host pool and a ``MooncakeTier`` each) on the others.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 
 import pytest
@@ -90,9 +91,15 @@ def test_master_killed_and_restarted_degrades_then_recovers(cluster) -> None:
     incidents = a.health()["counters"]["incidents"]
 
     cluster.master.kill()
-    # The first call to notice fails; the tier degrades and later calls skip Mooncake.
+    killed = time.monotonic()
+    # No call made: each tier's own health check of the master finds it gone.
     for node in (a, b):
-        wait_for(f"{node.host.name} degraded", noticed(node, before), timeout_s=30)
+        wait_for(f"{node.host.name} degraded with no call made", state_is(node, "degraded"), 30)
+        took = time.monotonic() - killed
+        print(f"[master SIGKILL] {node.host.name} degraded {took:.2f} s later, no call made")
+    # Calls now skip Mooncake.
+    for node in (a, b):
+        wait_for(f"{node.host.name} answers misses", noticed(node, before), timeout_s=30)
     skipped = a.health()["counters"]["skipped"]
     assert a.exists(before) == [False] * 4
     assert a.get(before, range(4, 8)) == [None] * 4
