@@ -205,6 +205,11 @@ def _serve(args: argparse.Namespace) -> int:
     from app.telemetry.logging import configure_logging, flush_logs, get_logger
 
     configure_logging(settings.log_level, fmt=settings.log_format)
+    if settings.remote_tier == "mooncake":
+        # Mooncake's glog writes to descriptor 2: its lines become JSON records too.
+        from app.telemetry.native_stderr import capture
+
+        capture()
     try:
         run(settings)
     except ConfigError as exc:

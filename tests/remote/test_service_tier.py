@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -188,6 +189,12 @@ def test_a_prefix_stored_on_one_node_is_loaded_with_identical_bytes_on_another(
     # Now in b's pool: a hit without the remote tier.
     serves_its_pool(b, keys, data)
     assert b.remote()["counters"]["gets"] == 8
+    # Every line a node wrote (stdout and stderr, as a container's log has them) is JSON,
+    # Mooncake's own glog lines among them.
+    for node in (a, b):
+        lines = node.log_path.read_text(errors="replace").splitlines()
+        records = [json.loads(line) for line in lines]
+        assert any(r.get("source") == "mooncake" for r in records), lines[:20]
 
 
 @pytest.mark.timeout(240)
