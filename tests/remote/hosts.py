@@ -4,7 +4,11 @@
 is enslaved to a bridge in the root namespace, and gives the inner end an address in a private
 /24 chosen here (10.213.N.0/24, an N no interface of the root namespace uses). The bridge holds
 .1, the hosts .2, .3, ... Nothing outside these addresses (and loopback) is ever targeted.
-``close()`` deletes every namespace, link and the bridge it made, also after a failed test.
+The root namespace's FORWARD chain gets one ACCEPT rule for the bridge (a host running Docker
+drops forwarded traffic, bridged frames included), and ``create`` checks that one host reaches
+another over TCP, failing at once with the firewall's state when it cannot.
+``close()`` deletes every namespace, link, rule and the bridge it made, also after a failed
+test.
 
 Where namespaces cannot be made (not root, no ``ip``), ``TestNet.create`` returns a loopback
 net: every host is 127.0.0.1 in the root namespace, processes stay separate, and
@@ -95,6 +99,7 @@ class TestNet:
     reason: str | None = None
     _made_netns: list[str] = field(default_factory=list)
     _made_links: list[str] = field(default_factory=list)
+    _made_rules: list[list[str]] = field(default_factory=list)
 
     @classmethod
     def create(cls, names: Sequence[str]) -> TestNet:
@@ -112,6 +117,7 @@ class TestNet:
             net._made_links.append(bridge)
             _ip("addr", "add", f"{prefix}.1/24", "dev", bridge)
             _ip("link", "set", bridge, "up")
+            net._accept_on_bridge()
             for i, name in enumerate(names):
                 ns, outer, inner = f"kvo{tag}-{name}", f"kv{tag}o{i}", f"kv{tag}i{i}"
                 _ip("netns", "add", ns)
@@ -126,10 +132,67 @@ class TestNet:
                 _ip("-n", ns, "link", "set", inner, "up")
                 _ip("-n", ns, "link", "set", "lo", "up")
                 net.hosts[name] = Host(name, addr, netns=ns, link=outer)
+            net._check_flow()
         except BaseException:
             net.close()
             raise
         return net
+
+    def _accept_on_bridge(self) -> None:
+        """Let traffic between the hosts through the root namespace's FORWARD chain, whatever
+        its policy: Docker sets it to DROP and ``net.bridge.bridge-nf-call-iptables=1``, which
+        sends bridged frames through it. One rule for this bridge, removed by ``close``."""
+        if shutil.which("iptables") is None:
+            return
+        rule = ["FORWARD", "-i", str(self.bridge), "-o", str(self.bridge), "-j", "ACCEPT"]
+        added = subprocess.run(
+            ["iptables", "-w", "5", "-I", *rule], capture_output=True, text=True, timeout=20
+        )
+        if added.returncode == 0:
+            self._made_rules.append(rule)
+
+    def _check_flow(self) -> None:
+        """A TCP connection from the first host to the second, or a RuntimeError saying that
+        traffic between the test hosts cannot flow (and what the host's firewall says)."""
+        if len(self.hosts) < 2:
+            return
+        first, second = list(self.hosts.values())[:2]
+        listen = (
+            "import socket,sys; s=socket.socket(); s.bind((sys.argv[1], 0)); s.listen(1);"
+            "print(s.getsockname()[1], flush=True); s.settimeout(10); s.accept()"
+        )
+        with subprocess.Popen(
+            second.argv([sys.executable, "-c", listen, second.addr]),
+            stdout=subprocess.PIPE,
+            text=True,
+        ) as server:
+            assert server.stdout is not None
+            port = server.stdout.readline().strip()
+            connect = (
+                "import socket,sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), 5)"
+            )
+            try:
+                done = subprocess.run(
+                    first.argv([sys.executable, "-c", connect, second.addr, port]),
+                    capture_output=True,
+                    text=True,
+                    timeout=20,
+                )
+            finally:
+                server.kill()
+        if done.returncode != 0:
+            policy = (
+                subprocess.run(
+                    ["iptables", "-w", "5", "-S", "FORWARD"], capture_output=True, text=True
+                ).stdout
+                if shutil.which("iptables")
+                else "(no iptables)"
+            )
+            raise RuntimeError(
+                f"the test hosts cannot reach each other over bridge {self.bridge} "
+                f"({first.name} -> {second.name}:{port}: {done.stderr.strip().splitlines()[-1:]}); "
+                f"the host's FORWARD chain: {policy.strip()!r}"
+            )
 
     @property
     def can_cut_links(self) -> bool:
@@ -156,8 +219,11 @@ class TestNet:
             _ip("netns", "del", ns, check=False)
         for link in reversed(self._made_links):
             _ip("link", "del", link, check=False)
+        for rule in self._made_rules:
+            subprocess.run(["iptables", "-w", "5", "-D", *rule], capture_output=True, timeout=20)
         self._made_netns.clear()
         self._made_links.clear()
+        self._made_rules.clear()
 
 
 def pick_port(host: Host, default: int) -> int:
