@@ -400,10 +400,14 @@ class Settings(AdminAuth):
         default="none", description="remote tier behind the pool: none or mooncake"
     )
     mooncake_master: str | None = Field(
-        default=None, description="Mooncake master's RPC address, host:port"
+        default=None,
+        description="Mooncake master's RPC address, host:port; with HA masters the etcd that "
+        "elects them, etcd://host:port[;host:port...]",
     )
     mooncake_metadata: str | None = Field(
-        default=None, description="Mooncake metadata URL, e.g. http://host:8080/metadata"
+        default=None,
+        description="Mooncake metadata URL, e.g. http://host:8080/metadata; with HA masters "
+        "etcd://host:port[;host:port...]",
     )
     mooncake_protocol: Literal["tcp", "rdma"] = Field(
         default="tcp", description="Mooncake transfer protocol: tcp or rdma"
@@ -671,6 +675,14 @@ class Settings(AdminAuth):
                         f"required with {setting_names('remote_tier')} mooncake; accepted: "
                         + ("host:port" if field == "mooncake_master" else "a URL"),
                     )
+            from transfer.mooncake import master_problem, metadata_problem
+
+            for field, problem in (
+                ("mooncake_master", master_problem(str(self.mooncake_master))),
+                ("mooncake_metadata", metadata_problem(str(self.mooncake_metadata))),
+            ):
+                if problem is not None:
+                    raise config_error(field, getattr(self, field), problem)
         if self.disk_dir is not None:
             from transfer.disk import min_disk_bytes, slots_for
 

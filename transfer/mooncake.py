@@ -65,8 +65,12 @@ _PROBE_KEY = b"kvoffload-probe"
 class MooncakeConfig:
     """How to reach a Mooncake Store and what this node gives it.
 
-    ``master``: the master's RPC ``host:port``. ``metadata_url``: its metadata service, e.g.
-    ``http://host:8080/metadata`` (``mooncake_master --enable_http_metadata_server=true``).
+    ``master``: the master's RPC ``host:port``, or with HA masters (``mooncake_master
+    --enable_ha``) the etcd that elects them, ``etcd://host:port[;host:port...]``: the client
+    follows the leader there. ``metadata_url``: the metadata service, e.g.
+    ``http://host:8080/metadata`` (``mooncake_master --enable_http_metadata_server=true``) or,
+    with HA masters, ``etcd://host:port[;host:port...]`` (an HTTP metadata server would die
+    with the master that runs it).
     ``local_hostname``: the address other nodes reach this node's segment on. ``segment_bytes``:
     memory this node contributes to the shared store (0: a client only). ``replicas``: copies
     of each block, on distinct segments. ``timeout_s`` bounds every call the caller waits for.
@@ -87,11 +91,9 @@ class MooncakeConfig:
     def __post_init__(self) -> None:
         if self.protocol not in ("tcp", "rdma"):
             raise RemoteTierError(f"protocol must be tcp or rdma, got {self.protocol!r}")
-        host, sep, port = self.master.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise RemoteTierError(f"master must be HOST:PORT, got {self.master!r}")
-        if not self.metadata_url.startswith(("http://", "https://", "etcd://", "redis://")):
-            raise RemoteTierError(f"metadata_url must be a URL, got {self.metadata_url!r}")
+        for problem in (master_problem(self.master), metadata_problem(self.metadata_url)):
+            if problem is not None:
+                raise RemoteTierError(problem)
         if not self.local_hostname:
             raise RemoteTierError("local_hostname must not be empty")
         for what, value in (
@@ -106,6 +108,23 @@ class MooncakeConfig:
             raise RemoteTierError(f"threads must be >= 1, got {self.threads}")
         if not self.timeout_s > 0 or not self.probe_interval_s > 0:
             raise RemoteTierError("timeout_s and probe_interval_s must be > 0")
+
+
+def master_problem(master: str) -> str | None:
+    """Why ``master`` names no master (``MooncakeConfig.master``), or None when it does."""
+    found = _endpoints(master)
+    if (master.startswith("etcd://") and found) or ("://" not in master and len(found) == 1):
+        return None
+    return f"master must be HOST:PORT or etcd://HOST:PORT[;HOST:PORT...], got {master!r}"
+
+
+def metadata_problem(url: str) -> str | None:
+    """Why ``url`` names no metadata service (``MooncakeConfig.metadata_url``), or None."""
+    if not url.startswith(("http://", "https://", "etcd://", "redis://")):
+        return f"metadata_url must be a URL, got {url!r}"
+    if not _endpoints(url):
+        return f"metadata_url must name HOST:PORT[;HOST:PORT...] after its scheme, got {url!r}"
+    return None
 
 
 def _load_store_module() -> Any:
@@ -453,8 +472,8 @@ class MooncakeTier:
         # Mooncake's setup holds the interpreter lock while it retries an absent master (about
         # 20 tries over 90 s were seen), which no timeout on this side can interrupt: it is
         # called only once the master and the metadata server accept connections.
-        for what, address in (("master", cfg.master), ("metadata server", _url_address(cfg))):
-            _check_reachable(what, address, min(cfg.timeout_s, 2.0))
+        for what, address in (("master", cfg.master), ("metadata server", cfg.metadata_url)):
+            _check_reachable(what, _endpoints(address) or [address], min(cfg.timeout_s, 2.0))
         store = self._module.MooncakeDistributedStore()
         rc = store.setup(
             cfg.local_hostname,
@@ -475,21 +494,35 @@ class MooncakeTier:
         return store
 
 
-def _url_address(cfg: MooncakeConfig) -> str:
-    """``host:port`` of an HTTP(S) metadata URL (other schemes: the master's address)."""
-    parts = urllib.parse.urlsplit(cfg.metadata_url)
-    if parts.scheme not in ("http", "https") or parts.hostname is None:
-        return cfg.master
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    return f"{host}:{port}"
+def _endpoints(address: str) -> list[str]:
+    """The ``host:port`` endpoints an address names: itself (``host:port``), each of an
+    ``etcd://h:p[;h:p...]`` list (``redis://`` alike), or an HTTP(S) URL's server; [] when it
+    names none."""
+    if address.startswith(("http://", "https://")):
+        parts = urllib.parse.urlsplit(address)
+        if parts.hostname is None:
+            return []
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+        return [f"{host}:{port}"]
+    _, sep, rest = address.partition("://")
+    found = (rest.split("/", 1)[0] if sep else address).split(";")
+    for one in found:
+        host, sep, port = one.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            return []
+    return found
 
 
-def _check_reachable(what: str, address: str, timeout_s: float) -> None:
-    """Raise ``RemoteTierError`` unless a TCP connection to ``address`` opens in time."""
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout_s):
-            pass
-    except OSError as exc:
-        raise RemoteTierError(f"{what} {address} is not reachable: {exc}") from exc
+def _check_reachable(what: str, endpoints: Sequence[str], timeout_s: float) -> None:
+    """Raise ``RemoteTierError`` unless a TCP connection to one of ``endpoints`` opens in
+    time (an etcd cluster answers on any of its members)."""
+    errors = []
+    for address in endpoints:
+        host, _, port = address.rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout_s):
+                return
+        except (OSError, ValueError) as exc:
+            errors.append(f"{address}: {exc}")
+    raise RemoteTierError(f"{what} is not reachable ({'; '.join(errors)})")

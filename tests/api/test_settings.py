@@ -154,3 +154,18 @@ def test_an_admin_token_file_others_can_read_or_write_is_refused(tmp_path: Path,
     assert "from-file-0123456789" not in str(caught.value)
     token_file.chmod(mode & 0o770)
     assert Settings(admin_token_file=token_file).admin_token_value() == "from-file-0123456789"
+
+
+def test_mooncake_masters_are_one_address_or_the_etcd_of_ha_masters() -> None:
+    remote = {"remote_tier": "mooncake", "mooncake_metadata": "etcd://10.0.0.9:2379"}
+    for master in ("10.0.0.1:50051", "etcd://10.0.0.9:2379", "etcd://10.0.0.9:2379;10.0.0.8:2379"):
+        assert Settings(**remote, mooncake_master=master).mooncake_master == master
+    for master, field in (
+        ("10.0.0.1", "--mooncake-master"),
+        ("10.0.0.1:1;10.0.0.2:1", "--mooncake-master"),
+        ("etcd://10.0.0.9", "--mooncake-master"),
+    ):
+        with pytest.raises(ValidationError, match=field):
+            Settings(**remote, mooncake_master=master)
+    with pytest.raises(ValidationError, match="--mooncake-metadata"):
+        Settings(**{**remote, "mooncake_metadata": "etcd://"}, mooncake_master="10.0.0.1:1")

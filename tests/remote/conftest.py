@@ -27,7 +27,14 @@ if importlib.util.find_spec("mooncake") is None:
 else:
     import mooncake.store  # noqa: F401  (a missing system library fails here, not in a test)
 
-    from tests.remote.hosts import MooncakeMaster, Node, TestNet, netns_unavailable
+    from tests.remote.hosts import (
+        Etcd,
+        HaMaster,
+        MooncakeMaster,
+        Node,
+        TestNet,
+        netns_unavailable,
+    )
 
     def pytest_report_header() -> str:
         reason = netns_unavailable()
@@ -59,6 +66,46 @@ else:
         net = TestNet.create(["master", "a", "b", "c"])
         print(f"test hosts: {net.describe()}")
         made = Cluster(net, tmp_path)
+        try:
+            yield made
+        finally:
+            try:
+                made.close()
+            finally:
+                net.close()
+
+    class HaCluster:
+        """An etcd, two HA masters (``m1`` started first leads) and the nodes a test starts."""
+
+        def __init__(self, net: TestNet, workdir: Path) -> None:
+            self.net = net
+            self.workdir = workdir
+            self.etcd = Etcd(net.hosts["etcd"], workdir)
+            self.masters = [HaMaster(net.hosts[n], self.etcd, workdir) for n in ("m1", "m2")]
+            self.nodes: list[Node] = []
+
+        def node(self, host: str, **kwargs: object) -> Node:
+            started = Node(self.net.hosts[host], self.masters[0], self.workdir, **kwargs)  # type: ignore[arg-type]
+            self.nodes.append(started)
+            return started
+
+        def close(self) -> None:
+            # With HA masters, Mooncake's client takes about 30 s to tear down (its watch of
+            # the master view in etcd), whether closed or left to the process's exit: nodes are
+            # killed here, as a crash would end them, so a test does not wait on it.
+            for node in self.nodes:
+                node.kill()
+                node.close()
+            for master in self.masters:
+                master.stop()
+            self.etcd.stop()
+
+    @pytest.fixture
+    def ha_cluster(tmp_path: Path) -> Iterator[HaCluster]:
+        """Hosts etcd, m1, m2 (masters), a, b, c (nodes); the test starts them."""
+        net = TestNet.create(["etcd", "m1", "m2", "a", "b", "c"])
+        print(f"test hosts: {net.describe()}")
+        made = HaCluster(net, tmp_path)
         try:
             yield made
         finally:

@@ -320,13 +320,126 @@ class MooncakeMaster:
         self.kill()
 
 
+class Etcd:
+    """Debian's ``etcd`` (3.4), one member on ``host``: what HA masters elect their leader in
+    and keep their oplog and the metadata in."""
+
+    def __init__(self, host: Host, workdir: Path) -> None:
+        self.host = host
+        self.workdir = workdir
+        self.port = pick_port(host, 2379)
+        self.peer_port = pick_port(host, 2380)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host.addr}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> Etcd:
+        binary = shutil.which("etcd")
+        if binary is None:
+            raise RuntimeError("etcd is not installed (Debian: apt-get install etcd-server)")
+        client, peer = f"http://{self.endpoint}", f"http://{self.host.addr}:{self.peer_port}"
+        argv = [
+            binary,
+            "--name=e0",
+            f"--data-dir={self.workdir / 'etcd-data'}",
+            f"--listen-client-urls={client}",
+            f"--advertise-client-urls={client}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster=e0={peer}",
+        ]
+        log = (self.workdir / "etcd.log").open("wb")
+        self.proc = subprocess.Popen(self.host.argv(argv), stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        wait_for("etcd serving", lambda: "ready to serve client requests" in self._log(), timeout_s)
+        return self
+
+    def _log(self) -> str:
+        assert self.proc is not None
+        text = (self.workdir / "etcd.log").read_text(errors="replace")
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"etcd exited ({self.proc.returncode}): {text[-2000:]}")
+        return text
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(20)
+
+
+class HaMaster:
+    """A ``mooncake_master --enable_ha`` on ``host``, electing its leader in ``etcd`` and
+    replicating the metadata through its oplog there; nodes reach the leader through etcd
+    (``address`` and ``metadata_url`` name it, as ``--mooncake-master`` and
+    ``--mooncake-metadata`` do for a service)."""
+
+    def __init__(self, host: Host, etcd: Etcd, workdir: Path, client_ttl_s: int = 3) -> None:
+        self.host = host
+        self.etcd = etcd
+        self.workdir = workdir
+        self.rpc_port = pick_port(host, 50051)
+        self.metrics_port = pick_port(host, 9003)
+        self.client_ttl_s = client_ttl_s
+        self.log_path = workdir / f"ha-master-{host.name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"etcd://{self.etcd.endpoint}"
+
+    @property
+    def metadata_url(self) -> str:
+        return f"etcd://{self.etcd.endpoint}"
+
+    def start(self) -> HaMaster:
+        argv = [
+            _mooncake_master_binary(),
+            "--enable_ha=true",
+            f"--etcd_endpoints={self.etcd.endpoint}",
+            "--enable_oplog=true",
+            f"--rpc_address={self.host.addr}",
+            f"--rpc_port={self.rpc_port}",
+            f"--metrics_port={self.metrics_port}",
+            f"--client_ttl={self.client_ttl_s}",
+        ]
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(self.host.argv(argv), stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        return self
+
+    def role(self) -> str | None:
+        """``leader`` or ``standby`` as its log last said, None before it said either."""
+        assert self.proc is not None
+        text = self.log_path.read_text(errors="replace")
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"mooncake_master exited ({self.proc.returncode}): {text[-2000:]}")
+        said = [line for line in text.splitlines() if "Master runtime state -> " in line]
+        if not said:
+            return None
+        last = said[-1]
+        if "-> serving, role=leader" in last:
+            return "leader"
+        return "standby" if "role=standby" in last else None
+
+    def kill(self) -> None:
+        """SIGKILL, and wait for it to be gone."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(20)
+
+    def stop(self) -> None:
+        self.kill()
+
+
 class Node:
     """A ``tests.remote.node`` process on ``host``, driven by one JSON line per command."""
 
     def __init__(
         self,
         host: Host,
-        master: MooncakeMaster,
+        master: MooncakeMaster | HaMaster,
         workdir: Path,
         *,
         namespace: str = "model-a",

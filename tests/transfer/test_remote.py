@@ -62,7 +62,12 @@ def test_health_as_dict_carries_state_error_and_counters() -> None:
     [
         ({"protocol": "udp"}, "protocol"),
         ({"master": "10.0.0.1"}, "HOST:PORT"),
+        ({"master": "etcd://10.0.0.1"}, "HOST:PORT"),
+        ({"master": "etcd://10.0.0.1:2379;10.0.0.2"}, "HOST:PORT"),
+        ({"master": "10.0.0.1:1;10.0.0.2:1"}, "HOST:PORT"),
+        ({"master": "http://10.0.0.1:1"}, "HOST:PORT"),
         ({"metadata_url": "10.0.0.1:8080"}, "URL"),
+        ({"metadata_url": "etcd://"}, "HOST:PORT"),
         ({"local_hostname": ""}, "local_hostname"),
         ({"segment_bytes": -1}, "segment_bytes"),
         ({"replicas": 0}, "replicas"),
@@ -73,6 +78,11 @@ def test_health_as_dict_carries_state_error_and_counters() -> None:
 def test_invalid_configurations_are_refused(changes, message) -> None:
     with pytest.raises(RemoteTierError, match=message):
         config(**changes)
+
+
+def test_ha_masters_are_named_by_their_etcd_endpoints() -> None:
+    cfg = config(master="etcd://10.0.0.1:2379;10.0.0.2:2379", metadata_url="etcd://10.0.0.1:2379")
+    assert cfg.master.startswith("etcd://")
 
 
 def test_a_tier_without_mooncake_says_how_to_install_it(monkeypatch) -> None:
