@@ -1,6 +1,7 @@
-"""Remote tier: bandwidth, lookup cost and cross-node hit ratio, each against a same-run baseline.
+"""Remote tier: bandwidth, lookup cost, cross-node hit ratio and one-call onload, each against a
+same-run baseline.
 
-Three parts (``--part a,b,c``; default all), all on loopback (127.0.0.1; one machine, so the
+Four parts (``--part a,b,c,d``; default all), all on loopback (127.0.0.1; one machine, so the
 "nodes" share its cores and memory, and TCP never leaves the host).
 
 **(a) Put and get GB/s through ``MooncakeTier`` vs the raw Mooncake client.** Workload: a
@@ -37,6 +38,17 @@ the leading hits; prepare-store and complete-store of the rest; finish. Hit rati
 blocks served (pool hits + remote hits promoted) / blocks, for the two nodes sharing one
 Mooncake Store (write-behind of every stored block) vs the same two nodes without a remote
 tier (each node alone with its own half of the requests), same run, same requests.
+
+**(d) One-call onload of remote-only keys vs the raw client's batch get.** An in-process
+service (the apps over ASGI, as the tests run it) whose remote tier is a client of the cluster
+of (a) lending no memory, with a registered shm CPU KV cache. Per repetition the raw client of
+(a) puts ``--batch-mib`` of fresh blocks under the tier's own names (so the node finds them
+only remotely); then, in alternating order, the raw client's ``batch_get_into`` of those objects
+into its own pool, and one ``onload`` of their keys into the device cache, timed from the call
+to its job's end (the promotion's get into the pool, then the pool -> device copy). The bytes
+in the device cache are checked against the raw put. Ratio = raw seconds / onload seconds,
+median of the per-repetition ratios; the tier's get inside the onload is stamped. Target: >=
+0.8x.
 
 Run: ``.venv/bin/python bench/remote_tier.py`` after ``make test-remote`` (which installs the
 ``mooncake`` extra; ``--quick`` for a smaller run). Prints a table per part and writes
@@ -566,18 +578,164 @@ def print_replay(part: dict[str, Any]) -> None:
     print(f"shared / alone: {part['ratio']:.2f}x; above either node alone: {verdict}")
 
 
+# --------------------------------------------------------------------------- (d) one-call onload
+
+
+async def onload_size(
+    block_bytes: int, batch_bytes: int, reps: int, address: str, url: str
+) -> dict[str, Any]:
+    """One ``onload`` of remote-only keys (promotion and device copy in one job) against the
+    raw client's ``batch_get_into`` of the same objects, paired per repetition."""
+    import asyncio
+
+    from tests.api.harness import make_settings, running
+
+    n = batch_bytes // block_bytes
+    settings = make_settings(
+        num_blocks=2 * n,
+        block_bytes=block_bytes,
+        remote_tier="mooncake",
+        mooncake_master=address,
+        mooncake_metadata=url,
+        mooncake_local_hostname=HOST,
+        mooncake_segment_bytes=0,
+        remote_timeout_s=60.0,
+        job_deadline_s=60.0,
+        lease_ttl_s=120.0,
+        max_keys_per_call=8192,
+        max_body_bytes=4 << 20,
+    )
+    raw_pool = HostPool.create(2 * n, block_bytes, pin=False)
+    raw_pool.tensor[:n].copy_(torch.randint(0, 256, (n, block_bytes), dtype=torch.uint8))
+    raw_s: list[float] = []
+    onload_s: list[float] = []
+    phases: list[dict[str, float]] = []
+    async with running(settings) as h:
+        link = h.service.remote
+        assert link is not None
+        deadline = time.monotonic() + 60
+        while not link.tier.health().ok:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tier did not connect: {link.tier.health().last_error}")
+            await asyncio.sleep(0.1)
+        raw = RawClient(raw_pool, address, url, link.tier.namespace)
+        # Both pools' pages touched once, as a serving node's are (the raw pool's above).
+        h.service.transfers().pool.tensor.zero_()
+        raw_pool.tensor[n:].zero_()
+        dev, cache_id = await h.device(n)
+        # Stamps (profile): the tier's get inside each onload.
+        gets: list[tuple[float, float]] = []
+        real_get = link.tier.get_into
+
+        def get_into(keys: Any, slots: Any) -> list[bool]:
+            t = time.perf_counter()
+            try:
+                ok: list[bool] = real_get(keys, slots)
+                return ok
+            finally:
+                gets.append((t, time.perf_counter()))
+
+        link.tier.get_into = get_into  # type: ignore[method-assign]
+        stored: collections.deque[list[bytes]] = collections.deque()
+        try:
+            for rep in range(reps + 1):  # the first is a warm-up
+                keys = [f"d{rep}-{i}".encode() for i in range(n)]
+                # Written by the raw client under the tier's names: remote-only for the node.
+                timed(lambda k=keys: raw.put_from(k, list(range(n))), "raw put")
+                times: dict[str, float] = {}
+                for who in (("raw", "tier"), ("tier", "raw"))[rep % 2]:
+                    if who == "raw":
+                        dst = list(range(n, 2 * n))
+                        times["raw"] = timed(lambda k=keys, d=dst: raw.get_into(k, d), "raw get")
+                        continue
+                    req = f"on{rep}"
+                    await h.start(req)
+                    gets.clear()
+                    started = time.perf_counter()
+                    r = await h.post(
+                        f"/v1/requests/{req}/onload",
+                        {
+                            "cache_id": cache_id,
+                            "keys": [k.hex() for k in keys],
+                            "device_blocks": list(range(n)),
+                        },
+                    )
+                    if r.status_code != 202:
+                        raise RuntimeError(f"onload answered {r.status_code}: {r.text}")
+                    job = await h.wait(r.json()["job_id"], timeout_s=60)
+                    times["tier"] = time.perf_counter() - started
+                    if gets:
+                        phases.append(
+                            {
+                                "to_get": gets[0][0] - started,
+                                "get": gets[-1][1] - gets[0][0],
+                                "after_get": started + times["tier"] - gets[-1][1],
+                            }
+                        )
+                    if job["state"] != "done":
+                        raise RuntimeError(f"onload job {job}")
+                    await h.client.delete(f"/v1/requests/{req}")
+                for i in (0, n - 1):
+                    if dev.read(i) != bytes(raw_pool.tensor[i].numpy()):
+                        raise RuntimeError("the onload brought bytes that differ from the raw put")
+                if rep:
+                    raw_s.append(times["raw"])
+                    onload_s.append(times["tier"])
+                stored.append(keys)
+                while len(stored) > KEPT_REPS:
+                    raw.remove(stored.popleft(), raw.namespace)
+        finally:
+            raw.close()
+            dev.close()
+    raw_pool.close()
+    ratios = [a / b for a, b in zip(raw_s, onload_s, strict=True)]
+    return {
+        "block_bytes": block_bytes,
+        "blocks": n,
+        "batch_bytes": batch_bytes,
+        "reps": reps,
+        "seconds": {"raw_get": raw_s, "onload": onload_s},
+        "raw_get_gbps": batch_bytes / statistics.median(raw_s) / 1e9,
+        "onload_gbps": batch_bytes / statistics.median(onload_s) / 1e9,
+        "ratio_by_rep": ratios,
+        "ratio": statistics.median(ratios),
+        "onload_phases_median_s": {
+            k: statistics.median(p[k] for p in phases[1:]) for k in ("to_get", "get", "after_get")
+        },
+    }
+
+
+def print_onloads(rows: list[dict[str, Any]]) -> None:
+    print("(d) one onload of remote-only keys vs the raw client's batch get, paired per rep")
+    print(f"{'block':>8} | {'raw get GB/s':>12} | {'onload GB/s':>11} | {'ratio':>5} | >= 0.8")
+    for row in rows:
+        ok = "pass" if row["ratio"] >= TARGET else "FAIL"
+        print(
+            f"{row['block_bytes'] >> 10:>5} KiB | {row['raw_get_gbps']:>12.2f} | "
+            f"{row['onload_gbps']:>11.2f} | {row['ratio']:>5.2f} | {ok}"
+        )
+    for row in rows:
+        ph = row["onload_phases_median_s"]
+        print(
+            f"  {row['block_bytes'] >> 10} KiB: onload phases (ms): to the get "
+            f"{ph['to_get'] * 1e3:.1f}, the get {ph['get'] * 1e3:.1f} (raw "
+            f"{statistics.median(row['seconds']['raw_get']) * 1e3:.1f}), after it "
+            f"{ph['after_get'] * 1e3:.1f}"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller run")
-    parser.add_argument("--part", default="a,b,c", help="parts to run, e.g. b,c (default all)")
+    parser.add_argument("--part", default="a,b,c,d", help="parts to run, e.g. b,c (default all)")
     parser.add_argument("--batch-mib", type=int, default=0, help="(a) bytes per batch (MiB)")
     parser.add_argument("--replay-blocks", type=int, default=1024, help="(c) pool blocks per node")
     parser.add_argument("--replay-requests", type=int, default=0, help="(c) first N (0: all)")
     parser.add_argument("--out", default=str(harness.RESULTS_DIR / "remote_tier.json"))
     args = parser.parse_args(argv)
     parts = set(args.part.split(","))
-    if not parts <= {"a", "b", "c"}:
-        parser.error(f"--part: a, b and c only, not {args.part!r}")
+    if not parts <= {"a", "b", "c", "d"}:
+        parser.error(f"--part: a, b, c and d only, not {args.part!r}")
     batch = (args.batch_mib or (16 if args.quick else 64)) << 20
     reps = 3 if args.quick else 15
     rounds, seconds = (3, 1.0) if args.quick else (7, 2.0)
@@ -602,6 +760,17 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(run_size(size, batch, reps, address, url))
         print_bandwidth(rows, batch, reps)
         record["a_bandwidth"] = {"target_ratio": TARGET, "reps": reps, "results": rows}
+    if "d" in parts:
+        import asyncio
+
+        # The raw client's puts of the repetitions kept stored and the running one.
+        segment = (KEPT_REPS + 2) * batch * 3 // 2
+        with mooncake_cluster(segment_bytes=segment, workdir=workdir) as (address, url):
+            onloads = [
+                asyncio.run(onload_size(size, batch, reps, address, url)) for size in BLOCK_SIZES
+            ]
+        print_onloads(onloads)
+        record["d_onload"] = {"target_ratio": TARGET, "reps": reps, "results": onloads}
     if parts & {"b", "c"}:
         # Room for every block of the trace (about 44k distinct blocks of 4 KiB) and margin.
         with mooncake_cluster(segment_bytes=512 << 20, workdir=workdir) as (address, url):
