@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import SecretStr, ValidationError
@@ -157,7 +158,10 @@ def test_an_admin_token_file_others_can_read_or_write_is_refused(tmp_path: Path,
 
 
 def test_mooncake_masters_are_one_address_or_the_etcd_of_ha_masters() -> None:
-    remote = {"remote_tier": "mooncake", "mooncake_metadata": "etcd://10.0.0.9:2379"}
+    remote: dict[str, Any] = {
+        "remote_tier": "mooncake",
+        "mooncake_metadata": "etcd://10.0.0.9:2379",
+    }
     for master in ("10.0.0.1:50051", "etcd://10.0.0.9:2379", "etcd://10.0.0.9:2379;10.0.0.8:2379"):
         assert Settings(**remote, mooncake_master=master).mooncake_master == master
     for master, field in (

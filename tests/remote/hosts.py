@@ -236,6 +236,13 @@ def pick_port(host: Host, default: int) -> int:
         return port
 
 
+def sigkill(proc: subprocess.Popen[bytes] | None) -> None:
+    """SIGKILL ``proc`` if it runs, and wait for it to be gone."""
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(20)
+
+
 def wait_for(what: str, check: Callable[[], bool], timeout_s: float, every_s: float = 0.2) -> None:
     """Call ``check`` until it is true; AssertionError naming ``what`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
@@ -312,9 +319,7 @@ class MooncakeMaster:
 
     def kill(self) -> None:
         """SIGKILL, and wait for it to be gone."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(20)
+        sigkill(self.proc)
 
     def stop(self) -> None:
         self.kill()
@@ -425,9 +430,7 @@ class HaMaster:
 
     def kill(self) -> None:
         """SIGKILL, and wait for it to be gone."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(20)
+        sigkill(self.proc)
 
     def stop(self) -> None:
         self.kill()
@@ -527,9 +530,7 @@ class Node:
         return self.ask("health")
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(20)
+        sigkill(self.proc)
 
     def close(self) -> None:
         """Ask the node to close its tier and exit; SIGKILL if it does not within 20 s."""

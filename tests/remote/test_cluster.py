@@ -34,6 +34,23 @@ def state_is(node: Node, state: str) -> Callable[[], bool]:
     return lambda: node.health()["state"] == state
 
 
+def reads_back(
+    node: Node, ks: list[bytes], data: list[bytes], got: dict[bytes, bytes]
+) -> Callable[[], bool]:
+    """True once ``node`` has read every key of ``ks`` (into ``got``) with the bytes in ``data``;
+    a read that fails is asked again, a read of other bytes fails the test."""
+
+    def all_read() -> bool:
+        missing = [k for k in ks if k not in got]
+        for key, value in zip(missing, node.get(missing, range(len(missing))), strict=True):
+            if value is not None:
+                assert value == data[ks.index(key)], f"wrong bytes for {key!r}"
+                got[key] = value
+        return len(got) == len(ks)
+
+    return all_read
+
+
 @pytest.mark.timeout(120)
 def test_a_block_put_on_one_host_is_read_identically_on_another(cluster) -> None:
     cluster.master.start()
@@ -69,15 +86,7 @@ def test_two_replicas_survive_the_sigkill_of_a_host_that_held_one(cluster) -> No
     # Reads may fail while the master still lists b's segment; none may return wrong bytes,
     # and every block must come back once the master has dropped b.
     got: dict[bytes, bytes] = {}
-
-    def all_read() -> bool:
-        missing = [k for k in ks if k not in got]
-        for key, value in zip(missing, writer.get(missing, range(len(missing))), strict=True):
-            if value is not None:
-                assert value == data[ks.index(key)], f"wrong bytes for {key!r}"
-                got[key] = value
-        return len(got) == len(ks)
-
+    all_read = reads_back(writer, ks, data, got)
     wait_for("every replicated block read after the kill", all_read, timeout_s=60, every_s=1)
     assert holder_c.exists(ks) == [True] * 12
 
@@ -190,15 +199,7 @@ def test_ha_masters_a_killed_leader_loses_no_block_and_the_standby_takes_over(ha
     took_over = time.monotonic() - killed
     # Every block written before the kill, read back on another node with its bytes.
     got: dict[bytes, bytes] = {}
-
-    def all_read() -> bool:
-        missing = [k for k in ks if k not in got]
-        for key, value in zip(missing, b.get(missing, range(len(missing))), strict=True):
-            if value is not None:
-                assert value == data[ks.index(key)], f"wrong bytes for {key!r}"
-                got[key] = value
-        return len(got) == len(ks)
-
+    all_read = reads_back(b, ks, data, got)
     wait_for("every block written before the kill read back", all_read, 90, every_s=0.5)
     read_back = time.monotonic() - killed
     lost = len(ks) - len(got)
