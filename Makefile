@@ -58,12 +58,14 @@ cpu_torch = $(1) install -q --no-deps --retries 0 --timeout 15 \
 		"(on Linux x86_64 that is the CUDA build: several GB)"; \
 		$(1) install -q -c $(CONSTRAINTS) '$(CPU_TORCH)'; }
 
-$(SERVE_STAMP): pyproject.toml $(CONSTRAINTS) $(TORCH_STAMP)
-	$(PIP) install -q -c $(CONSTRAINTS) -e .
+# The engine side (client/, distribution kvoffload-client) is installed with the server, which
+# depends on it: both from this checkout, in one resolution.
+$(SERVE_STAMP): pyproject.toml client/pyproject.toml $(CONSTRAINTS) $(TORCH_STAMP)
+	$(PIP) install -q -c $(CONSTRAINTS) -e ./client -e .
 	touch $@
 
-$(DEV_STAMP): pyproject.toml $(CONSTRAINTS) $(TORCH_STAMP)
-	$(PIP) install -q -c $(CONSTRAINTS) -e '.[dev]'
+$(DEV_STAMP): pyproject.toml client/pyproject.toml $(CONSTRAINTS) $(TORCH_STAMP)
+	$(PIP) install -q -c $(CONSTRAINTS) -e ./client -e '.[dev]'
 	touch $@ $(SERVE_STAMP)
 
 run: $(SERVE_STAMP)
@@ -72,13 +74,13 @@ run: $(SERVE_STAMP)
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-$(VLLM_STAMP): pyproject.toml requirements/vllm-test.txt
+$(VLLM_STAMP): pyproject.toml client/pyproject.toml requirements/vllm-test.txt
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	@echo "setup-vllm: installing CPU torch ($(CPU_TORCH)) from $(or $(TORCH_INDEX_URL),the default index)"; \
 		$(call cpu_torch,$(VLLM_PY) -m pip)
 	$(VLLM_PY) -m pip install -q --no-deps $$(grep -E '^vllm==' requirements/vllm-test.txt)
 	$(VLLM_PY) -m pip install -q $$(grep -vE '^(#|vllm==|$$)' requirements/vllm-test.txt)
-	$(VLLM_PY) -m pip install -q -e '.[dev]'
+	$(VLLM_PY) -m pip install -q -e ./client -e '.[dev]'
 	touch $(VLLM_STAMP)
 
 # KVOFFLOAD_REQUIRE_VLLM=1: a missing vLLM fails the run instead of skipping the directory.
@@ -88,7 +90,7 @@ test-vllm: $(VLLM_STAMP)
 # The mooncake extra goes into the main venv: its wheel brings its own libraries and pins
 # nothing the service uses (aiohttp, requests, msgpack besides), so `make test` can run there too.
 $(MOONCAKE_STAMP): pyproject.toml $(CONSTRAINTS) $(DEV_STAMP)
-	$(PIP) install -q -c $(CONSTRAINTS) -e '.[dev,mooncake]'
+	$(PIP) install -q -c $(CONSTRAINTS) -e ./client -e '.[dev,mooncake]'
 	touch $@
 
 # KVOFFLOAD_REQUIRE_MOONCAKE=1: a missing Mooncake fails the run instead of skipping the

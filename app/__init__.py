@@ -16,9 +16,12 @@ Rooms, each importing only from the rooms below it (``tests/test_layering.py`` h
   ASGI), ``limits`` (body caps), ``openapi``, ``deps``.
 - ``server``: one process, one loop, two uvicorn listeners. ``cli``: ``kvoffload``.
   ``replay``: the policy lab's command.
-- ``client``: typed engine and admin clients (httpx only; importable without the server).
-- ``pool_share``: the host pool's descriptor handed to engines over a Unix socket (standard
-  library only: engines import it).
+- ``pool_share``: the pool socket's server (the host pool's descriptor handed to engines, KV
+  caches registered by descriptor).
+
+The engine side (typed clients, the pool socket's client, the vLLM tier) is a distribution of
+its own, ``kvoffload-client`` (``client/``, import name ``kvoffload_client``), which engines
+install without the server; the server depends on it for the wire types they share.
 """
 
 

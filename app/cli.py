@@ -236,8 +236,7 @@ def _admin_token(args: argparse.Namespace) -> str | None:
 
 def _admin(args: argparse.Namespace) -> int:
     import httpx
-
-    from app.client import KVOffloadAdminClient, KVOffloadError
+    from kvoffload_client.client import KVOffloadAdminClient, KVOffloadError
 
     try:
         token = _admin_token(args)

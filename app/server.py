@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
+from kvoffload_client.pool_socket import SharedPool
 
 from app.core.handles import check_registration
 from app.core.tenancy import Tenancy
@@ -48,7 +49,7 @@ from app.core.tenants import Credentials
 from app.core.transfers import check_machine
 from app.http.apps import create_admin_app, create_app
 from app.http.errors import error_for
-from app.pool_share import PoolShareServer, SharedPool
+from app.pool_share import PoolShareServer
 from app.settings import Settings, config_error
 from app.telemetry.calls import host_port
 from app.telemetry.logging import bind_listener, get_logger

@@ -32,6 +32,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from kvoffload_client.pool_socket import default_pool_socket
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
@@ -42,7 +43,6 @@ from pydantic_settings import (
     SettingsError,
 )
 
-from app.pool_share import default_pool_socket
 from manager import PolicyError, available_policies
 from manager.policies import policy_class
 

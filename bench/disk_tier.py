@@ -722,7 +722,8 @@ def part_b(
     and vLLM's own ``fs`` tier as the engines' only secondary tier (vLLM does not chain tiers:
     every secondary tier receives every stored chunk and is looked up side by side)."""
     # vLLM is needed here only (.venv-vllm); parts (a) and (c) run without it.
-    from app.client import KVOffloadAdminClient
+    from kvoffload_client.client import KVOffloadAdminClient
+
     from bench import vllm_tier
     from tests.e2e.server import TOKEN, ServerProcess
     from tests.vllm.engine import kv_transfer_config

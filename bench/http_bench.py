@@ -427,8 +427,7 @@ def prepare_kvoffload(
     """Start request ``bench``, store half the keys (random ones unless given); the lookup and
     batch bodies, answer size. ``headers``: the credentials of a server with tenants."""
     import httpx
-
-    from app.client import KVOffloadClient
+    from kvoffload_client.client import KVOffloadClient
 
     if keys is None:
         keys = [os.urandom(16) for _ in range(NUM_KEYS)]

@@ -49,8 +49,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from kvoffload_client.client import AsyncKVOffloadClient, Batch, Job, KVOffloadError
 
-from app.client import AsyncKVOffloadClient, Batch, Job, KVOffloadError
 from bench.harness import proc_cpu_seconds, proc_status
 from tests.shm_device import ShmDevice
 

@@ -47,8 +47,9 @@ _IDLE_CHILD = (
 def run(idle: int, calls: int, deadline_s: float) -> list[dict[str, Any]]:
     """Every scenario's figures."""
     import uvloop
+    from kvoffload_client.pool_socket import PoolShareError, SharedPool, receive_pool
 
-    from app.pool_share import PoolShareError, PoolShareServer, SharedPool, receive_pool
+    from app.pool_share import PoolShareServer
 
     class Refused(Exception):
         reason = "unknown_token"

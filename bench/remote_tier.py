@@ -60,6 +60,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import json
 import os
 import secrets
@@ -83,7 +84,8 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     import torch
 
-from app.client import KVOffloadAdminClient, KVOffloadClient, KVOffloadError  # noqa: E402
+from kvoffload_client.client import KVOffloadAdminClient, KVOffloadClient, KVOffloadError  # noqa: E402
+
 from bench import harness, http_bench  # noqa: E402
 from transfer import HostPool, MooncakeConfig, MooncakeTier, remote_name  # noqa: E402
 
@@ -641,12 +643,12 @@ async def onload_size(
             for rep in range(reps + 1):  # the first is a warm-up
                 keys = [f"d{rep}-{i}".encode() for i in range(n)]
                 # Written by the raw client under the tier's names: remote-only for the node.
-                timed(lambda k=keys: raw.put_from(k, list(range(n))), "raw put")
+                timed(functools.partial(raw.put_from, keys, list(range(n))), "raw put")
                 times: dict[str, float] = {}
                 for who in (("raw", "tier"), ("tier", "raw"))[rep % 2]:
                     if who == "raw":
                         dst = list(range(n, 2 * n))
-                        times["raw"] = timed(lambda k=keys, d=dst: raw.get_into(k, d), "raw get")
+                        times["raw"] = timed(functools.partial(raw.get_into, keys, dst), "raw get")
                         continue
                     req = f"on{rep}"
                     await h.start(req)

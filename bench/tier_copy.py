@@ -15,9 +15,10 @@ is timed ``--reps`` times in this same run, the ways taking turns within each ro
 - ``torch_per_block``: ``Tensor.copy_`` per block on torch's threads (if torch is installed),
   timed in rounds of its own after the others (its OpenMP threads spin on after a copy and
   would slow the next way down) and scaled to the baseline timed beside it;
-- ``block_copier_1t``, ``block_copier_2t`` and ``block_copier``: ``app.block_copy.BlockCopier``
-  (runs merged into one memmove each, GIL released) on one thread, on two, and on its default
-  threads (half the cores, 1 to 4: one thread on a 2-core machine).
+- ``block_copier_1t``, ``block_copier_2t`` and ``block_copier``:
+  ``kvoffload_client.block_copy.BlockCopier`` (runs merged into one memmove each, GIL released)
+  on one thread, on two, and on its default threads (half the cores, 1 to 4: one thread on a
+  2-core machine).
 
 Why a single big memmove beats block-sized ones: glibc switches ``memmove`` to non-temporal
 stores above ``glibc.cpu.x86_non_temporal_threshold`` (3/4 of the last-level cache per thread
@@ -54,8 +55,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
+from kvoffload_client.block_copy import BlockCopier  # noqa: E402
 
-from app.block_copy import BlockCopier  # noqa: E402
 from bench import harness  # noqa: E402
 
 TARGET = 0.8

@@ -29,7 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from app.vllm_tier import M_CALLS  # noqa: E402
+from kvoffload_client.vllm import M_CALLS  # noqa: E402
+
 from bench import harness  # noqa: E402
 from tests.e2e.server import ServerProcess  # noqa: E402
 from tests.vllm.engine import SimEngine, keys_of, kv_transfer_config  # noqa: E402

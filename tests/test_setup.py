@@ -52,11 +52,11 @@ def requirement_name(spec: str) -> str:
 @needs_make
 def test_run_installs_the_service_alone_and_test_the_dev_extra(tmp_path: Path) -> None:
     run = make("-n", "-B", "run", f"VENV={tmp_path}")
-    assert "-c requirements/constraints.txt -e .\n" in run
+    assert "-c requirements/constraints.txt -e ./client -e .\n" in run
     assert "[dev]" not in run
     assert run.rstrip().endswith(f"{tmp_path}/bin/kvoffload serve")
     test = make("-n", "-B", "test", f"VENV={tmp_path}")
-    assert "-c requirements/constraints.txt -e '.[dev]'" in test
+    assert "-c requirements/constraints.txt -e ./client -e '.[dev]'" in test
 
 
 @needs_make
@@ -81,7 +81,7 @@ def test_test_remote_adds_the_mooncake_extra_to_the_main_venv_and_requires_it(
     for stamp in STAMPS:
         (tmp_path / stamp).touch()
     commands = make("-n", "test-remote", f"VENV={tmp_path}")
-    assert "-c requirements/constraints.txt -e '.[dev,mooncake]'" in commands
+    assert "-c requirements/constraints.txt -e ./client -e '.[dev,mooncake]'" in commands
     assert "torch" not in commands
     assert f"KVOFFLOAD_REQUIRE_MOONCAKE=1 {tmp_path}/bin/python -m pytest tests/remote" in commands
     # Once installed, only the tests run.
@@ -127,7 +127,11 @@ def test_constraints_pin_every_service_dependency_but_torch() -> None:
             assert match, f"not a pin: {line!r}"
             pins[normalize(match[1])] = match[2]
     assert not [n for n in pins if n in ("torch", "triton") or n.startswith("nvidia-")]
-    wanted = {requirement_name(spec) for spec in project["dependencies"]} - {"torch"}
+    # kvoffload-client is this repository's own (client/), installed from the checkout with it.
+    wanted = {requirement_name(spec) for spec in project["dependencies"]} - {
+        "torch",
+        "kvoffload-client",
+    }
     assert wanted - set(pins) == set()
 
 

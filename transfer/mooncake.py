@@ -508,8 +508,8 @@ def _endpoints(address: str) -> list[str]:
     _, sep, rest = address.partition("://")
     found = (rest.split("/", 1)[0] if sep else address).split(";")
     for one in found:
-        host, sep, port = one.rpartition(":")
-        if not sep or not host or not port.isdigit():
+        host, colon, digits = one.rpartition(":")
+        if not colon or not host or not digits.isdigit():
             return []
     return found
 

@@ -25,6 +25,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from fastapi import Depends, FastAPI
+from kvoffload_client.pool_socket import POOL_HEADER
 from prometheus_client import CollectorRegistry
 
 from app import package_version
@@ -48,7 +49,6 @@ from app.http.routes.admin import (
 from app.http.routes.engine import register_engine_routes
 from app.http.routes.health import register_health_routes
 from app.http.routes.metrics import register_metrics_route
-from app.pool_share import POOL_HEADER
 from app.settings import Settings
 from app.telemetry.calls import CallHook, CallInfo
 from app.telemetry.merged import LabelledRegistries

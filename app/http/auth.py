@@ -14,9 +14,9 @@ documents) skip it: they say nothing about any namespace.
 
 from __future__ import annotations
 
+from kvoffload_client.client import NAMESPACE_HEADER
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.client import NAMESPACE_HEADER
 from app.core.errors import AuthenticationError, PermissionDeniedError
 from app.core.service import DEFAULT_NAMESPACE
 from app.core.tenancy import Space, Tenancy

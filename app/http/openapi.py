@@ -22,10 +22,10 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
+from kvoffload_client.client import NAMESPACE_HEADER
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from app.client import NAMESPACE_HEADER
 from app.http.errors import ErrorBody, responses
 from app.http.routes.query import strict_query
 

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import httpx
 import pytest
+from kvoffload_client.client import AsyncKVOffloadClient, Batch, KVOffloadError
 
-from app.client import AsyncKVOffloadClient, Batch, KVOffloadError
 from tests.api.harness import Harness
 
 pytestmark = pytest.mark.anyio

@@ -19,8 +19,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-
-from app.client import (
+from kvoffload_client.client import (
     NAMESPACE_HEADER,
     AsyncKVOffloadClient,
     Batch,
@@ -31,6 +30,7 @@ from app.client import (
     KVOffloadQuotaError,
     read_token_file,
 )
+
 from tests.e2e.server import free_port
 
 TOKEN = "team-a-token-0123456789"
@@ -372,7 +372,7 @@ def test_a_rotated_token_file_is_read_again_after_a_revoked_token(
             sent.update(token=token, namespace=namespace)
             raise RuntimeError("not sent")
 
-        monkeypatch.setattr("app.client._register_over_socket", register)
+        monkeypatch.setattr("kvoffload_client.client._register_over_socket", register)
         with pytest.raises(RuntimeError):
             c.register_kv_cache({"name": "e"}, fds=[0], pool_socket="/nonexistent")
         assert sent == {"token": NEW, "namespace": None}

@@ -496,7 +496,7 @@ async def test_the_client_addresses_exactly_the_request_it_names(h: Harness) -> 
     request and no other (``?``, ``#``, ``%``, ``..`` cannot redirect a call to another
     request); an id holding ``/`` cannot be a path segment and is refused (404, 405, or the
     307 of the next test) without touching anyone."""
-    from app.client import AsyncKVOffloadClient, KVOffloadError
+    from kvoffload_client.client import AsyncKVOffloadClient, KVOffloadError
 
     client = AsyncKVOffloadClient("http://engine", transport=httpx.ASGITransport(h.app))
     await h.start("bystander")

@@ -18,12 +18,13 @@ from typing import Any
 
 import httpx
 import pytest
+from kvoffload_client.client import AsyncKVOffloadClient
+from kvoffload_client.pool_socket import PoolShareError, register_kv_cache
 
-from app.client import AsyncKVOffloadClient
 from app.core.tenancy import Tenancy
 from app.core.tenants import Credentials
 from app.http.apps import create_app
-from app.pool_share import PoolShareError, PoolShareServer, register_kv_cache
+from app.pool_share import PoolShareServer
 from app.server import pool_of, register_over_socket
 from tests.api.harness import BLOCK, hexkeys, make_settings
 from tests.api.test_tenancy import (

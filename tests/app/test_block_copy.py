@@ -1,4 +1,5 @@
-"""``app.block_copy``: the vLLM tier's batched, threaded block copies move the right rows."""
+"""``kvoffload_client.block_copy``: the vLLM tier's batched, threaded block copies move the right
+rows."""
 
 from __future__ import annotations
 
@@ -6,8 +7,7 @@ import random
 
 import numpy as np
 import pytest
-
-from app.block_copy import PARALLEL_MIN_BYTES, BlockCopier, _runs
+from kvoffload_client.block_copy import PARALLEL_MIN_BYTES, BlockCopier, _runs
 
 
 @pytest.mark.parametrize("threads", [1, 3])

@@ -18,15 +18,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
-from app.pool_share import (
+from kvoffload_client.pool_socket import (
     MAX_HEADER_BYTES,
     PROTOCOL,
     PoolShareError,
-    PoolShareServer,
     SharedPool,
     receive_pool,
 )
+
+from app.pool_share import PoolShareServer
 from app.settings import Settings
 from transfer import HostPool, PoolError
 
@@ -310,9 +310,10 @@ def test_a_descriptor_that_is_not_a_file(sock_path: str) -> None:
 
 
 def test_the_module_needs_only_the_standard_library() -> None:
-    """Engines import it: no web framework, torch or third-party package comes along."""
+    """Engines import the pool socket's client: no web framework, torch or third-party package
+    comes along (not even httpx, which the engine side's clients use)."""
     code = (
-        "import sys; before = set(sys.modules); import app.pool_share; "
+        "import sys; before = set(sys.modules); import kvoffload_client.pool_socket; "
         "new = {m.split('.')[0] for m in set(sys.modules) - before}; "
         "print(sorted(new - set(sys.stdlib_module_names)))"
     )
@@ -320,7 +321,7 @@ def test_the_module_needs_only_the_standard_library() -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout.replace("'", '"')) == ["app"]
+    assert json.loads(done.stdout.replace("'", '"')) == ["kvoffload_client"]
 
 
 # --------------------------------------------------------------------------- HostPool

@@ -18,14 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvoffload_client.pool_socket import MAX_REQUEST_BYTES, PoolShareError, SharedPool, receive_pool
 
-from app.pool_share import (
-    MAX_REQUEST_BYTES,
-    PoolShareError,
-    PoolShareServer,
-    SharedPool,
-    receive_pool,
-)
+from app.pool_share import PoolShareServer
 
 BLOCKS, BLOCK_BYTES = 4, 4096
 TOKEN_A = "token-of-team-a-0001"

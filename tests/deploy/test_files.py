@@ -63,7 +63,7 @@ def test_dockerfile_entrypoint_healthcheck_and_install() -> None:
     assert instructions["ENTRYPOINT"] == '["kvoffload", "serve", "--host", "0.0.0.0"]'
     assert "/livez" in instructions["HEALTHCHECK"]
     text = DOCKERFILE.read_text(encoding="utf-8")
-    assert 'pip install ".[mooncake]"' in text, "the package, with the remote tier's extra"
+    assert 'pip install ./client ".[mooncake]"' in text, "the server with the engine side it needs"
     assert "download.pytorch.org/whl/cpu" in text, "CPU torch by default"
 
 
@@ -74,7 +74,7 @@ def test_dockerfile_copies_only_what_exists_and_the_ignore_file_lets_it_through(
         if word == "COPY" and "--from" not in arg
     ]
     sources = [src for arg in copies for src in arg.split()[:-1]]
-    assert {"pyproject.toml", "README.md", "app", "manager", "transfer"} <= set(sources)
+    assert {"pyproject.toml", "README.md", "client", "app", "manager", "transfer"} <= set(sources)
     ignore = (DEPLOY / "Dockerfile.dockerignore").read_text(encoding="utf-8").splitlines()
     allowed = {ln[1:].rstrip("/") for ln in ignore if ln.startswith("!")}
     assert "*" in ignore
@@ -228,7 +228,7 @@ def test_every_kvoffload_variable_is_a_setting() -> None:
             used.setdefault(name.lower(), set()).add(str(path.relative_to(DEPLOY)))
     # Read by the engine side, not the service: the vLLM tier's token file.
     engine_side = {"token_file"}
-    tier = (ROOT / "app" / "vllm_tier.py").read_text(encoding="utf-8")
+    tier = (ROOT / "client" / "kvoffload_client" / "vllm" / "state.py").read_text(encoding="utf-8")
     assert '"KVOFFLOAD_TOKEN_FILE"' in tier, "the tier no longer reads KVOFFLOAD_TOKEN_FILE"
     unknown = {
         name: sorted(paths)

@@ -89,7 +89,7 @@ def _settings(env: dict[str, str], tenants: Path, monkeypatch: pytest.MonkeyPatc
 def test_image_has_the_mooncake_extra_and_its_debian_libraries() -> None:
     instructions = dockerfile_instructions(DOCKERFILE)
     runs = [arg for word, arg in instructions if word == "RUN"]
-    assert any('pip install ".[mooncake]"' in run for run in runs)
+    assert any('pip install ./client ".[mooncake]"' in run for run in runs)
     # The libraries go into the runtime stage, the one that runs the service.
     text = DOCKERFILE.read_text(encoding="utf-8")
     runtime = text[text.rindex("\nFROM ") :]

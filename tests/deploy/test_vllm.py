@@ -43,7 +43,7 @@ def tier_socket() -> PurePosixPath:
     """The engine socket the connector configuration points the kvoffload tier at."""
     config = load_json(TIER_CONFIG)
     extra = config["kv_connector_extra_config"]
-    (tier,) = [t for t in extra["secondary_tiers"] if t["module_path"] == "app.vllm_tier"]
+    (tier,) = [t for t in extra["secondary_tiers"] if t["module_path"] == "kvoffload_client.vllm"]
     url: str = tier["url"]
     assert url.startswith("unix://"), url
     return PurePosixPath(url.removeprefix("unix://"))
@@ -57,7 +57,7 @@ def test_connector_configuration_names_the_kvoffload_tier() -> None:
     assert type(extra["cpu_bytes_to_use"]) is int
     assert extra["cpu_bytes_to_use"] > 0
     (tier,) = extra["secondary_tiers"]
-    assert (tier["type"], tier["module_path"]) == ("KVOffloadTier", "app.vllm_tier")
+    assert (tier["type"], tier["module_path"]) == ("KVOffloadTier", "kvoffload_client.vllm")
     assert tier["namespace"]
     assert tier_socket().parent == RUN_DIR
 
@@ -360,19 +360,20 @@ def test_k8s_kustomize_renders_the_pod_with_the_configuration(k8s_objects) -> No
 # --------------------------------------------------------------------------- images, README
 
 
-def test_vllm_image_adds_the_package_without_touching_vllms_dependencies() -> None:
+def test_vllm_image_adds_the_engine_side_alone_without_touching_vllms_dependencies() -> None:
     instructions = dockerfile_instructions(DOCKERFILE_VLLM)
     copies = [arg for word, arg in instructions if word == "COPY"]
     sources = [src for arg in copies for src in arg.split()[:-1]]
-    assert {"pyproject.toml", "README.md", "app", "manager", "transfer"} <= set(sources)
+    assert sources == ["client"], "the engine distribution only: none of the server's packages"
     ignore = (DEPLOY / "Dockerfile.vllm.dockerignore").read_text(encoding="utf-8").splitlines()
     allowed = {ln[1:].rstrip("/") for ln in ignore if ln.startswith("!")}
     for src in sources:
         assert (ROOT / src).exists(), src
         assert src in allowed, f"COPY {src}: excluded by Dockerfile.vllm.dockerignore"
     runs = " ".join(arg for word, arg in instructions if word == "RUN")
-    assert "pip install --no-cache-dir --no-deps ." in runs
-    assert "import app.vllm_tier" in runs, "the build checks that the tier imports"
+    assert "pip install --no-cache-dir --no-deps ./client" in runs
+    assert "import kvoffload_client.vllm" in runs, "the build checks that the tier imports"
+    assert '! python3 -c "import app"' in runs, "the build checks that no server came along"
 
 
 def test_service_image_owns_the_socket_directory() -> None:

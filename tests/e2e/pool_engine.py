@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from app.pool_share import receive_pool
+from kvoffload_client.pool_socket import receive_pool
 
 
 def main(socket_path: str, proc_path: str, writes: str) -> None:

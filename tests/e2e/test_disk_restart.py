@@ -17,8 +17,8 @@ import threading
 from pathlib import Path
 
 import pytest
+from kvoffload_client.client import KVOffloadAdminClient, KVOffloadClient
 
-from app.client import KVOffloadAdminClient, KVOffloadClient
 from tests.e2e.server import TOKEN, ServerProcess
 from tests.shm_device import ShmDevice
 from transfer.disk import disk_bytes_for

@@ -33,8 +33,8 @@ from typing import Any
 
 import httpx
 import pytest
+from kvoffload_client.client import KVOffloadAdminClient, KVOffloadClient, KVOffloadError
 
-from app.client import KVOffloadAdminClient, KVOffloadClient, KVOffloadError
 from tests.e2e.server import ROOT, TOKEN, ServerProcess
 from tests.load import wire
 from tests.shm_device import ShmDevice
@@ -185,7 +185,7 @@ def test_failed_and_overdue_transfers_drop_their_stores_and_release_their_pins(
 ENGINE = textwrap.dedent(
     """
     import os, signal, sys
-    from app.client import KVOffloadClient
+    from kvoffload_client.client import KVOffloadClient
     url, ready, new = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(",")
     with KVOffloadClient(url) as c:
         c.start_request("doomed")
@@ -338,7 +338,7 @@ def test_a_cancelled_async_long_poll_leaves_the_server_healthy(slow: ServerProce
     connection): the job still completes and later calls are answered."""
     import asyncio
 
-    from app.client import AsyncKVOffloadClient
+    from kvoffload_client.client import AsyncKVOffloadClient
 
     with KVOffloadClient(slow.url, timeout=10) as c, ShmDevice(4, BLOCK) as dev:
         cache = c.register_kv_cache(dev.spec()).cache_id

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from kvoffload_client.client import Batch, KVOffloadClient, KVOffloadError
 
-from app.client import Batch, KVOffloadClient, KVOffloadError
 from app.http.limits import body_caps
 from app.settings import Settings
 from bench.harness import proc_status

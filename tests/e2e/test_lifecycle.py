@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
+from kvoffload_client.client import KVOffloadAdminClient, KVOffloadClient, KVOffloadError
 
-from app.client import KVOffloadAdminClient, KVOffloadClient, KVOffloadError
 from tests.e2e.server import ROOT, TOKEN, ServerProcess
 from tests.shm_device import ShmDevice
 

@@ -6,7 +6,8 @@ import os
 import threading
 import time
 
-from app.client import KVOffloadAdminClient, KVOffloadClient
+from kvoffload_client.client import KVOffloadAdminClient, KVOffloadClient
+
 from tests.e2e.server import TOKEN, ServerProcess
 from tests.shm_device import ShmDevice
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import httpx
 import pytest
+from kvoffload_client.client import KVOffloadClient
+from kvoffload_client.pool_socket import POOL_HEADER, PoolShareError, receive_pool
 
-from app.client import KVOffloadClient
-from app.pool_share import POOL_HEADER, PoolShareError, receive_pool
 from tests.e2e.server import ROOT, ServerProcess
 from tests.shm_device import ShmDevice
 

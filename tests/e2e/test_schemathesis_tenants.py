@@ -14,9 +14,9 @@ from collections.abc import Iterator
 
 import pytest
 import schemathesis
+from kvoffload_client.client import KVOffloadClient
 from schemathesis import GenerationMode
 
-from app.client import KVOffloadClient
 from tests.e2e.server import ServerProcess
 from tests.e2e.test_schemathesis import MODES, run_operations, secret_values
 

@@ -14,9 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from kvoffload_client.client import KVOffloadClient, KVOffloadError
+from kvoffload_client.pool_socket import PoolShareError, default_pool_socket, receive_pool
 
-from app.client import KVOffloadClient, KVOffloadError
-from app.pool_share import PoolShareError, default_pool_socket, receive_pool
 from tests.e2e.server import TOKEN, ServerProcess
 from tests.e2e.test_admin_cli import admin, clean_env
 

@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvoffload_client.client import KVOffloadAdminClient, KVOffloadClient, KVOffloadError
 
-from app.client import KVOffloadAdminClient, KVOffloadClient, KVOffloadError
 from tests.e2e.server import TOKEN, ServerProcess
 
 TENANTS = ("alpha", "beta")

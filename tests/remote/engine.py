@@ -35,9 +35,8 @@ import time
 from typing import Any
 
 import httpx
-
-from app.client import KVOffloadAdminClient, KVOffloadClient, KVOffloadError
-from app.pool_share import receive_pool
+from kvoffload_client.client import KVOffloadAdminClient, KVOffloadClient, KVOffloadError
+from kvoffload_client.pool_socket import receive_pool
 
 
 def _wait_ready(url: str, wait_s: float) -> None:

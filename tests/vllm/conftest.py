@@ -28,12 +28,12 @@ else:
     # that would fail the first test that happens to trigger the import. Import them here.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        import kvoffload_client.vllm  # noqa: F401
         import torch.utils.mkldnn  # noqa: F401
         import vllm.v1.kv_offload.tiering.spec  # noqa: F401
 
-        import app.vllm_tier  # noqa: F401
+    from kvoffload_client.client import KVOffloadAdminClient
 
-    from app.client import KVOffloadAdminClient
     from tests.e2e.server import TOKEN, ServerProcess
 
     SERVE_FLAGS = ("--block-bytes", "4096", "--num-blocks", "256")

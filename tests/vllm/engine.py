@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvoffload_client.vllm import M_CALLS
 from vllm.v1.kv_offload.base import (
     LookupResult,
     OffloadKey,
@@ -39,8 +40,6 @@ from vllm.v1.kv_offload.config import (
     OffloadingParallelConfig,
 )
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
-
-from app.vllm_tier import M_CALLS
 
 CALLS = (M_CALLS, "batch")
 BYTES_PER_BLOCK = 4096  # one GPU block of the simulated model: the chunk row stride
@@ -65,7 +64,7 @@ def kv_transfer_config(
     """The ``--kv-transfer-config`` an engine is started with (README's configuration)."""
     tier_config: dict[str, Any] = {
         "type": "KVOffloadTier",
-        "module_path": "app.vllm_tier",
+        "module_path": "kvoffload_client.vllm",
         "url": url,
         **tier,
     }

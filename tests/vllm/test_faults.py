@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvoffload_client.client import KVOffloadClient
+from kvoffload_client.vllm import M_FAULTS
 from vllm.v1.kv_offload.base import OffloadKey
 
-from app.client import KVOffloadClient
-from app.vllm_tier import M_FAULTS
 from tests.e2e.server import ServerProcess
 from tests.vllm.conftest import leases, serve, tracked
 from tests.vllm.engine import RequestOutcome, SimEngine, chunk_bytes, keys_of, kv_transfer_config

@@ -6,8 +6,7 @@ import os
 from pathlib import Path
 
 import numpy as np
-
-from app.vllm_tier import MappedPool
+from kvoffload_client.vllm import MappedPool
 
 
 def pool_file(tmp_path: Path, blocks: int, block_bytes: int, offset: int = 0) -> int:

@@ -1,7 +1,8 @@
 """Engines sharing blocks through kvoffload, driven through vLLM's TieringOffloadingManager.
 
 Each engine is vLLM's own manager built by vLLM's spec factory from a kv-transfer config that
-names ``app.vllm_tier`` by ``module_path``, against a real ``kvoffload serve`` on a Unix socket.
+names ``kvoffload_client.vllm`` by ``module_path``, against a real ``kvoffload serve`` on a Unix
+socket.
 Bytes are compared: a chunk's bytes are a function of its key and the engine's model.
 """
 
@@ -15,10 +16,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from kvoffload_client.client import KVOffloadClient
+from kvoffload_client.vllm import M_CALLS, KVOffloadTier, map_pool, namespace_digest, service_key
 from vllm.v1.kv_offload.base import ReqContext
 
-from app.client import KVOffloadClient
-from app.vllm_tier import M_CALLS, KVOffloadTier, map_pool, namespace_digest, service_key
 from tests.e2e.server import ServerProcess
 from tests.vllm.conftest import leases, serve, tracked
 from tests.vllm.engine import (

@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from kvoffload_client.client import KVOffloadAdminClient
 from vllm.v1.kv_offload.base import ReqContext
 
-from app.client import KVOffloadAdminClient
 from tests.e2e.server import TOKEN, ServerProcess
 from tests.vllm.conftest import leases, serve
 from tests.vllm.engine import SimEngine, chunk_bytes, keys_of, kv_transfer_config

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvoffload_client.client import KVOffloadAdminClient
+from kvoffload_client.vllm import M_FAULTS, namespace_digest, service_key
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 
-from app.client import KVOffloadAdminClient
-from app.vllm_tier import M_FAULTS, namespace_digest, service_key
 from tests.e2e.server import TOKEN, ServerProcess
 from tests.vllm.conftest import leases, serve
 from tests.vllm.engine import BYTES_PER_BLOCK, SimEngine, chunk_bytes, keys_of, kv_transfer_config

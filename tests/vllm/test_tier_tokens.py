@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvoffload_client.client import NAMESPACE_HEADER
+from kvoffload_client.pool_socket import SharedPool, receive_pool
 
-from app.client import NAMESPACE_HEADER
-from app.pool_share import PoolShareServer, SharedPool, receive_pool
+from app.pool_share import PoolShareServer
 from tests.e2e.server import ServerProcess
 from tests.vllm.conftest import serve
 from tests.vllm.engine import SimEngine, keys_of, kv_transfer_config
@@ -186,7 +187,7 @@ def test_credentials_reach_every_call_and_the_pool_socket(tmp_path: Path) -> Non
         assert seen["authorization"] == f"Bearer {TOKEN}", seen["target"]
         assert seen[NAMESPACE_HEADER.lower()] == NAMESPACE, seen["target"]
     assert relay.seen == [{"token": TOKEN, "namespace": NAMESPACE}] * 2  # one map per engine
-    assert TOKEN not in repr(a.tiers[0]._client)
+    assert TOKEN not in repr(a.tiers[0]._shared.client)
 
 
 def test_the_token_file_may_come_from_the_environment(tmp_path: Path, monkeypatch) -> None:

@@ -1,0 +1,314 @@
+"""What the tier's three threads share (``Shared``: settings, the client, the fault state, the
+queues between the threads, the counters, jobs' ends), and the records they pass: per-key probes,
+jobs, a step's bundle of work, copies and the completions they owe; the tier's metric names."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.kv_offload.base import (
+    Locality,
+    OffloadingCounterMetadata,
+    OffloadingEvent,
+    OffloadingGaugeMetadata,
+    OffloadingMetricMetadata,
+    OffloadKey,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from kvoffload_client.client import KVOffloadClient
+
+from kvoffload_client.vllm.pool import MappedPool
+
+log = logging.getLogger("kvoffload.vllm_tier")
+
+OWNERSHIP = "kvoffload"  # of the KV events the tier reports to vLLM
+
+
+# Metric names this tier reports through vLLM (build_metric_definitions / get_stats).
+M_CALLS = "vllm:kv_offload_kvoffload_http_calls"
+M_FAULTS = "vllm:kv_offload_kvoffload_faults"
+M_STORES_DROPPED = "vllm:kv_offload_kvoffload_stores_dropped_blocks"
+M_LOADS_FAILED = "vllm:kv_offload_kvoffload_loads_failed_blocks"
+M_AVAILABLE = "vllm:kv_offload_kvoffload_available"
+#: Lookup answers for keys the service holds below the pool: promoted by a prepare-load.
+LOWER_TIERS = frozenset(("disk", "remote"))
+#: Lookup answers asked again while the probe may still wait.
+NOT_YET = frozenset(("pending", *LOWER_TIERS))
+PENDING_WAIT_S = 0.5  # a key another engine is storing is asked again this long, then MISS
+TOKEN_FILE_ENV = "KVOFFLOAD_TOKEN_FILE"  # where token_file comes from when the config has none
+
+
+# What the tier reports through vLLM's stats (``build_metric_definitions``, ``get_stats``).
+METRIC_DEFINITIONS: dict[str, OffloadingMetricMetadata] = {
+    M_CALLS: OffloadingCounterMetadata(
+        documentation="HTTP calls the kvoffload tier made, by kind (batch, events, pool).",
+        labelnames=("kind",),
+    ),
+    M_FAULTS: OffloadingCounterMetadata(
+        documentation="Failed kvoffload calls or ops, by reason.",
+        labelnames=("reason",),
+    ),
+    M_STORES_DROPPED: OffloadingCounterMetadata(
+        documentation="Blocks the kvoffload tier did not store because of a fault or "
+        "no room in the service.",
+    ),
+    M_LOADS_FAILED: OffloadingCounterMetadata(
+        documentation="Blocks whose load from kvoffload failed (recomputed instead).",
+    ),
+    M_AVAILABLE: OffloadingGaugeMetadata(
+        documentation="1 while the kvoffload service answers, 0 during a fault.",
+    ),
+}
+
+# --------------------------------------------------------------------------- shared state
+
+
+class Probe:
+    """One key's lookup: ``result`` None while asked, then True (hit) or False (miss);
+    ``pending_since`` is when the service first answered "pending" (a store in flight)."""
+
+    __slots__ = ("pending_since", "reqs", "result")
+
+    def __init__(self) -> None:
+        self.result: bool | None = None
+        self.reqs: set[str] = set()
+        self.pending_since = 0.0
+
+
+class Job:
+    """A vLLM transfer job in flight. ``lock`` orders the copy thread starting it against the
+    scheduler cancelling it (deadline, drain): a job is copied or cancelled, never both."""
+
+    __slots__ = ("copying", "deadline", "ended", "job_id", "keys", "load")
+
+    def __init__(
+        self, job_id: int, load: bool, keys: tuple[OffloadKey, ...], deadline: float
+    ) -> None:
+        self.job_id = job_id
+        self.load = load
+        self.keys = keys
+        self.deadline = deadline
+        self.copying = False
+        self.ended = False
+
+
+@dataclass
+class Step:
+    """What one scheduler step hands the link thread."""
+
+    starts: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+    lookups: dict[str, list[ProbeRef]] = field(default_factory=dict)
+    stores: list[Transfer] = field(default_factory=list)
+    loads: list[Transfer] = field(default_factory=list)
+    touches: dict[str, list[OffloadKey]] = field(default_factory=dict)
+    finishes: list[str] = field(default_factory=list)
+
+    def empty(self) -> bool:
+        return not (
+            self.starts
+            or self.lookups
+            or self.stores
+            or self.loads
+            or self.touches
+            or self.finishes
+        )
+
+    def merge(self, other: Step) -> None:
+        self.starts.update(other.starts)
+        for req_id, refs in other.lookups.items():
+            self.lookups.setdefault(req_id, []).extend(refs)
+        self.stores.extend(other.stores)
+        self.loads.extend(other.loads)
+        for req_id, keys in other.touches.items():
+            self.touches.setdefault(req_id, []).extend(keys)
+        self.finishes.extend(other.finishes)
+
+
+ProbeRef = tuple[OffloadKey, Probe]
+
+
+@dataclass
+class Transfer:
+    job: Job
+    req_id: str
+    keys: tuple[OffloadKey, ...]
+    chunk_ids: Any  # numpy array of primary chunk ids, parallel to keys
+
+
+@dataclass
+class Copy:
+    """Copy-thread work: ``pairs`` of (pool slot, primary chunk); ``keys`` are service keys."""
+
+    transfer: Transfer
+    pool: MappedPool
+    slots: list[int]
+    chunks: list[int]
+    skeys: list[bytes]
+
+
+@dataclass
+class Done:
+    """A copy that ended, for the link thread: the completion op to send."""
+
+    req_id: str
+    load: bool
+    skeys: list[bytes]
+    pool_id: str
+    success: bool
+
+
+@dataclass
+class Counters:
+    """Cumulative counts by (metric, label), added to by all three threads; ``get_stats``
+    reports them as deltas."""
+
+    values: dict[tuple[str, str], int] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, metric: str, label: str = "", n: int = 1) -> None:
+        with self.lock:
+            self.values[metric, label] = self.values.get((metric, label), 0) + n
+
+    def snapshot(self) -> dict[tuple[str, str], int]:
+        with self.lock:
+            return dict(self.values)
+
+
+class Incident:
+    """Logs a fault once when it starts and once when it ends, counting what happened between."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.active = False
+        self.refused = False  # the service refused this engine's credentials in this incident
+        self.failures = 0
+        self.lock = threading.Lock()
+
+    def fail(self, reason: str, refused: bool = False) -> None:
+        """Record a failure. Logged when it starts an incident, and as an error the first time
+        in an incident that the service refused the engine's credentials (``refused``)."""
+        with self.lock:
+            self.failures += 1
+            starts, self.active = not self.active, True
+            shout = refused and not self.refused
+            self.refused = self.refused or refused
+        if shout:
+            log.error(
+                "kvoffload tier %s: %s; answering MISS and dropping stores until it accepts "
+                "them (check the tier's token_file and service_namespace)",
+                self.name,
+                reason,
+            )
+        elif starts:
+            log.warning(
+                "kvoffload tier %s: %s; answering MISS and dropping stores until it recovers",
+                self.name,
+                reason,
+            )
+
+    def ok(self, dropped_blocks: int) -> None:
+        with self.lock:
+            if not self.active:
+                return
+            self.active = self.refused = False
+            failures, self.failures = self.failures, 0
+        log.warning(
+            "kvoffload tier %s: service back after %d failed calls (%d store blocks dropped "
+            "in total so far)",
+            self.name,
+            failures,
+            dropped_blocks,
+        )
+
+
+def in_parts(items: Sequence[Any], size: int) -> Iterable[Sequence[Any]]:
+    """``items`` in slices of at most ``size`` (the service's keys-per-op limit)."""
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+class Shared:
+    """What the scheduler, link and copy threads of one tier share.
+
+    Settings (read only): ``client``, ``prefix`` (the key namespace digest), ``block_size_bytes``,
+    ``max_keys`` (per op), ``max_params`` (bytes of ``kv_transfer_params``), ``retry_interval_s``,
+    ``events_enabled`` / ``events_interval_s``, ``locality``, ``pool_socket``,
+    ``service_namespace``. Fault state: ``incident``, ``down_until`` (lookups MISS and stores
+    drop until this monotonic time), ``disabled`` (set for good by a configuration error).
+    Between the threads: ``inbox`` (steps, scheduler to link; None stops it), ``done`` (ended
+    copies whose completions the link sends), ``results`` (jobs' ends, for the scheduler),
+    ``events`` (KV events for vLLM). ``primary`` is vLLM's primary tier, one row per chunk.
+    GIL-atomic operations only, or under ``job_lock``.
+    """
+
+    def __init__(
+        self,
+        *,
+        client: KVOffloadClient,
+        url: str,
+        prefix: bytes,
+        primary: np.ndarray,
+        block_size_bytes: int,
+        max_keys: int,
+        max_params: int,
+        retry_interval_s: float,
+        events_enabled: bool,
+        events_interval_s: float,
+        locality: Locality | None,
+        pool_socket: str | None,
+        service_namespace: str | None,
+    ) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.primary = primary
+        self.block_size_bytes = block_size_bytes
+        self.max_keys = max_keys
+        self.max_params = max_params
+        self.retry_interval_s = retry_interval_s
+        self.events_enabled = events_enabled
+        self.events_interval_s = events_interval_s
+        self.locality = locality
+        self.pool_socket = pool_socket
+        self.service_namespace = service_namespace
+        self.counters = Counters()
+        self.incident = Incident(url)
+        self.down_until = 0.0
+        self.disabled: str | None = None
+        self.job_lock = threading.Lock()
+        self.inbox: queue.SimpleQueue[Step | None] = queue.SimpleQueue()
+        self.done: collections.deque[Done] = collections.deque()
+        self.results: queue.SimpleQueue[tuple[JobResult, tuple[OffloadKey, ...] | None]] = (
+            queue.SimpleQueue()
+        )
+        self.events: collections.deque[OffloadingEvent] = collections.deque()
+
+    def unavailable(self) -> bool:
+        """Whether the tier answers MISS and drops stores now (fault back-off, disabled)."""
+        return self.disabled is not None or time.monotonic() < self.down_until
+
+    def finish_job(
+        self, job: Job, success: bool, seconds: float | None = None, nbytes: int | None = None
+    ) -> None:
+        """Report a job's end once (link or copy thread). The result is queued under the job
+        lock, so once the scheduler's drain sees a job ended its result is there to collect."""
+        result = JobResult(
+            job_id=job.job_id, success=success, transfer_time=seconds, transfer_bytes=nbytes
+        )
+        with self.job_lock:
+            if job.ended:
+                return
+            job.ended = True
+            self.results.put((result, job.keys if job.load and not success else None))
+        if not success:
+            self.counters.add(M_LOADS_FAILED if job.load else M_STORES_DROPPED, "", len(job.keys))

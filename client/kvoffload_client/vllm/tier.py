@@ -1,0 +1,351 @@
+"""``KVOffloadTier``, the facade vLLM's tiering manager calls: the scheduler thread's methods
+(in-memory state and queued work only, never I/O), the lifecycle of the link and copy threads,
+jobs' ends and the stats reported through vLLM (see the package docstring for the guarantees)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Collection, Iterable
+from typing import TYPE_CHECKING, Any, ClassVar
+from urllib.parse import urlsplit
+
+import httpx
+import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import (
+    ConfigInfoMapping,
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingMetricMetadata,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from kvoffload_client.client import KVOffloadClient
+from kvoffload_client.pool_socket import default_pool_socket
+from kvoffload_client.vllm.copier import Copier
+from kvoffload_client.vllm.keys import namespace_digest
+from kvoffload_client.vllm.link import Link
+from kvoffload_client.vllm.state import (
+    M_AVAILABLE,
+    M_FAULTS,
+    M_LOADS_FAILED,
+    M_STORES_DROPPED,
+    METRIC_DEFINITIONS,
+    TOKEN_FILE_ENV,
+    Job,
+    Probe,
+    Shared,
+    Step,
+    Transfer,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingSpec
+    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+
+_HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
+
+
+class KVOffloadTier(SecondaryTierManager):  # type: ignore[misc,unused-ignore]
+    """A kvoffload service as vLLM's secondary tier (see the module docstring).
+
+    Config keys (beside vLLM's ``type`` and ``module_path``): ``url`` (``unix:///path`` or
+    ``http://host:port``), ``namespace`` (label mixed into the key namespace; default: the
+    model name), ``pool_socket`` (default: the socket path + ``.pool``), ``token_file`` (file
+    holding the engine's token; default ``$KVOFFLOAD_TOKEN_FILE``, else none; never the token
+    itself: the config is on the engine's command line), ``service_namespace`` (the service's
+    namespace to work in; default: the tenant's only one), ``timeout_s`` (read timeout of one
+    call, 2.0), ``connect_timeout_s`` (0.5), ``job_deadline_s`` (10.0), ``retry_interval_s``
+    (first back-off after a fault, 0.5), ``events_interval_s`` (KV events poll period when
+    vLLM's KV events are on, 1.0), ``max_keys_per_op`` (8192), ``max_transfer_params_bytes``
+    (16384), ``locality`` (``LOCAL``).
+
+    A token file that cannot be read or holds no token refuses the engine's start
+    (``ValueError`` naming the file).
+    """
+
+    medium: ClassVar[Medium] = Medium.CPU
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        url: str = "unix:///run/kvoffload/engine.sock",
+        namespace: str | None = None,
+        pool_socket: str | None = None,
+        token_file: str | None = None,
+        service_namespace: str | None = None,
+        timeout_s: float = 2.0,
+        connect_timeout_s: float = 0.5,
+        job_deadline_s: float = 10.0,
+        retry_interval_s: float = 0.5,
+        events_interval_s: float = 1.0,
+        max_keys_per_op: int = 8192,
+        max_transfer_params_bytes: int = 16384,
+        locality: str | None = "LOCAL",
+        backpressure_detector: BackpressureDetector | None = None,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.locality = Locality(locality) if locality is not None else None
+        stride = self.block_size_bytes
+        self._namespace = namespace or offloading_spec.config.model.name
+        self._url = url
+        self._job_deadline_s = job_deadline_s
+        base_url, uds = parse_url(url)
+        if pool_socket is None and uds is not None:
+            pool_socket = default_pool_socket(uds)
+        token_file = token_file or os.environ.get(TOKEN_FILE_ENV) or None
+        # The client reads the token file, and again after a 401 that a rotated token cures.
+        client = KVOffloadClient(
+            base_url,
+            uds=uds,
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            token_file=token_file,
+            namespace=service_namespace,
+        )
+        self._shared = shared = Shared(
+            client=client,
+            url=url,
+            prefix=namespace_digest(namespace, offloading_spec.config, stride),
+            primary=np.frombuffer(primary_kv_view, dtype=np.uint8).reshape(-1, stride),
+            block_size_bytes=stride,
+            max_keys=max_keys_per_op,
+            max_params=max_transfer_params_bytes,
+            retry_interval_s=retry_interval_s,
+            events_enabled=bool(offloading_spec.kv_events_config.enable_kv_cache_events),
+            events_interval_s=events_interval_s,
+            locality=self.locality,
+            pool_socket=pool_socket,
+            service_namespace=service_namespace,
+        )
+        self.counters = shared.counters
+
+        # Scheduler-thread state.
+        self._probes: dict[OffloadKey, Probe] = {}
+        self._req_keys: dict[str, list[OffloadKey]] = {}
+        self._step = Step()
+        self._jobs: dict[int, Job] = {}
+        self._failed_now: list[JobResult] = []
+        self._reported: dict[tuple[str, str], int] = {}
+
+        self._copier = Copier(shared)
+        self._link = Link(shared, self._copier)
+        try:
+            self._link.connect(refuse_mismatch=True)
+        except BaseException:
+            client.close()
+            self._copier.close()
+            raise
+        self._link_thread = threading.Thread(
+            target=self._link.run, name="kvoffload-tier-link", daemon=True
+        )
+        self._link_thread.start()
+        self._copier.start()
+
+    # ------------------------------------------------------------------ metrics definitions
+
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        """The tier's own metrics (vLLM adds ``tier`` to none of them)."""
+        return dict(METRIC_DEFINITIONS)
+
+    @classmethod
+    def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
+        return ("kvoffload_url", "kvoffload_namespace")
+
+    def config_info(self) -> ConfigInfoMapping:
+        return {"kvoffload_url": self._url, "kvoffload_namespace": self._namespace}
+
+    # ------------------------------------------------------------------ scheduler thread
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """RETRY until the step's lookup call answered, then HIT or MISS (cached while a
+        request that asked for the key is live)."""
+        probe = self._probes.get(key)
+        req_id = req_context.req_id
+        if probe is None:
+            if self._shared.unavailable():
+                return _MISS
+            probe = Probe()
+            self._probes[key] = probe
+            step = self._step
+            refs = step.lookups.get(req_id)
+            if refs is None:
+                refs = step.lookups[req_id] = []
+                self._note_request(req_context)
+            refs.append((key, probe))
+        if req_id not in probe.reqs:
+            probe.reqs.add(req_id)
+            self._req_keys.setdefault(req_id, []).append(key)
+        result = probe.result
+        if result is None:
+            return _RETRY
+        return _HIT if result else _MISS
+
+    def _note_request(self, ctx: ReqContext) -> None:
+        if ctx.req_id not in self._step.starts:
+            self._step.starts[ctx.req_id] = ctx.kv_transfer_params
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, load=False)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, load=True)
+
+    def _submit(self, meta: TransferJob, load: bool) -> None:
+        keys = tuple(meta.keys)
+        if self._shared.unavailable() or not keys:
+            ok = not keys
+            self._failed_now.append(JobResult(job_id=meta.job_id, success=ok))
+            if not ok:
+                self.counters.add(M_LOADS_FAILED if load else M_STORES_DROPPED, "", len(keys))
+                if load:
+                    self._mark_miss(keys)
+            return
+        job = Job(meta.job_id, load, keys, time.monotonic() + self._job_deadline_s)
+        self._jobs[meta.job_id] = job
+        self._note_request(meta.req_context)
+        transfer = Transfer(job, meta.req_context.req_id, keys, meta.chunk_ids)
+        (self._step.loads if load else self._step.stores).append(transfer)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        if keys and not self._shared.unavailable():
+            self._step.touches.setdefault(req_context.req_id, []).extend(keys)
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        out = self._failed_now
+        self._failed_now = []
+        results = self._shared.results
+        jobs = self._jobs
+        while not results.empty():
+            result, failed_keys = results.get_nowait()
+            if jobs.pop(result.job_id, None) is None:
+                continue  # already reported (cancelled at its deadline)
+            if failed_keys:
+                self._mark_miss(failed_keys)
+            out.append(result)
+        if jobs:
+            now = time.monotonic()
+            for job in [j for j in jobs.values() if j.deadline <= now]:
+                if self._cancel(job):
+                    out.append(JobResult(job_id=job.job_id, success=False))
+                    self._jobs.pop(job.job_id, None)
+                    self.counters.add(M_FAULTS, "deadline")
+                    if job.load:
+                        self._mark_miss(job.keys)
+        return out
+
+    def _cancel(self, job: Job) -> bool:
+        """End a job that has not started copying; False if it is copying or ended."""
+        with self._shared.job_lock:
+            if job.copying or job.ended:
+                return False
+            job.ended = True
+            return True
+
+    def _mark_miss(self, keys: Iterable[OffloadKey]) -> None:
+        # A failed load must not be promoted again from a cached HIT (vLLM would retry it
+        # every step); the key answers MISS until its requests are gone.
+        probes = self._probes
+        for key in keys:
+            probe = probes.get(key)
+            if probe is not None:
+                probe.result = False
+
+    def has_pending_work(self) -> bool:
+        return bool(self._jobs) or self._link.has_unsent()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        events = self._shared.events
+        while events:
+            yield events.popleft()
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        # The service hears of a request with its first op (lookup or job), not here: most
+        # requests that hit vLLM's primary tier never reach this tier.
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        req_id = req_context.req_id
+        probes = self._probes
+        for key in self._req_keys.pop(req_id, ()):
+            probe = probes.get(key)
+            if probe is None:
+                continue
+            probe.reqs.discard(req_id)
+            if not probe.reqs:
+                del probes[key]
+        self._step.finishes.append(req_id)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        step = self._step
+        # A step with no tier work still carries the completions of copies that ended (they
+        # release pins and make stores loadable for the other engines).
+        if not step.empty() or self._shared.done or self._link.reask:
+            self._step = Step()
+            self._shared.inbox.put(step)
+
+    def drain_jobs(self) -> None:
+        """Cancel every job not yet copying, wait for the ones copying; every result is then
+        queued for ``get_finished_jobs``."""
+        for job in list(self._jobs.values()):
+            if self._cancel(job):
+                self._failed_now.append(JobResult(job_id=job.job_id, success=False))
+                self._jobs.pop(job.job_id, None)
+                if job.load:
+                    self._mark_miss(job.keys)
+        while True:
+            with self._shared.job_lock:
+                copying = any(j.copying and not j.ended for j in self._jobs.values())
+            if not copying:
+                return
+            time.sleep(0.001)
+
+    def shutdown(self) -> None:
+        """Drain jobs, finish every request the tier opened (one last bounded call), stop the
+        threads and close the connection."""
+        self.drain_jobs()
+        self._shared.inbox.put(self._step)
+        self._step = Step()
+        self._shared.inbox.put(None)
+        self._link_thread.join(timeout=10.0)
+        self._copier.stop()
+        self._shared.client.close()
+        # vLLM unmaps the primary tier after this: no view of it may remain.
+        self._shared.primary = np.empty((0, self.block_size_bytes), dtype=np.uint8)
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        stats = OffloadingConnectorStats()
+        current = self.counters.snapshot()
+        for (metric, label), value in current.items():
+            delta = value - self._reported.get((metric, label), 0)
+            if delta:
+                stats.increase_counter(metric, delta, (label,) if label else ())
+        self._reported = current
+        stats.set_gauge(M_AVAILABLE, 0.0 if self._shared.incident.active else 1.0)
+        return stats
+
+
+def parse_url(url: str) -> tuple[str | None, str | None]:
+    """(base_url, uds) of a tier ``url``: ``unix:///path`` or ``http(s)://host:port``."""
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        if not parts.path:
+            raise ValueError(f"kvoffload tier url {url!r} names no socket path")
+        return None, parts.path
+    if parts.scheme in ("http", "https"):
+        return url.rstrip("/"), None
+    raise ValueError(f"kvoffload tier url {url!r}: use unix:///path or http://host:port")
