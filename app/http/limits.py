@@ -53,12 +53,12 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from starlette.routing import BaseRoute, Route
 
 from app.http.errors import APIError
+from app.http.routing import RouteEntry, RouteMatcher
 from app.http.schemas import MAX_ID_CHARS, MAX_WAIT_JOBS
 from app.settings import Settings
 from manager import MAX_KEY_BYTES
@@ -142,33 +142,15 @@ def body_caps(settings: Settings) -> dict[str, int]:
     return {name: min(cap, settings.max_body_bytes) for name, cap in caps.items()}
 
 
-@dataclass(frozen=True, slots=True)
-class RouteCap:
-    """The cap of one route: the methods and path (as the router matches them) it applies to;
-    ``order`` is the route's place among the app's routes (the router tries them in order)."""
-
-    order: int
-    name: str
-    methods: frozenset[str]
-    path: str
-    path_regex: re.Pattern[str]
-    limit: int
-
-
 class BodyLimits:
     """Where ``BodyGuardMiddleware`` looks up a call's cap: that of the route its method and
-    path select (the first match in route order, as the router picks it), else ``default``."""
+    path select (``app.http.routing``: the first match in route order, as the router picks it),
+    else ``default``."""
 
-    def __init__(self, default: int, routes: Iterable[RouteCap] = ()) -> None:
+    def __init__(self, default: int, routes: Iterable[RouteEntry[tuple[str, int]]] = ()) -> None:
+        """``routes``: per route that takes a body, its methods, path and (operation id, cap)."""
         self.default = default
-        self._static: dict[tuple[str, str], RouteCap] = {}
-        self._patterns: list[RouteCap] = []
-        for cap in sorted(routes, key=lambda c: c.order):
-            if "{" in cap.path:  # a path parameter: matched as the router does
-                self._patterns.append(cap)
-            else:
-                for method in cap.methods:
-                    self._static.setdefault((method, cap.path), cap)
+        self._routes = RouteMatcher(routes)
 
     @classmethod
     def for_routes(
@@ -176,7 +158,7 @@ class BodyLimits:
     ) -> BodyLimits:
         """The table for an app's ``routes``; every route that can take a body needs a cap in
         ``caps`` (by operation id, else route name), or ``ValueError``."""
-        table: list[RouteCap] = []
+        table: list[RouteEntry[tuple[str, int]]] = []
         for order, route in enumerate(routes):
             if not isinstance(route, Route) or not route.methods:
                 continue
@@ -189,21 +171,18 @@ class BodyLimits:
                     f"route {name!r} ({', '.join(sorted(methods))} {route.path}) takes a body "
                     "but has no cap in app.http.limits.body_caps"
                 )
-            table.append(RouteCap(order, name, methods, route.path, route.path_regex, caps[name]))
+            table.append(
+                RouteEntry(order, methods, route.path, route.path_regex, (name, caps[name]))
+            )
         return cls(default, table)
 
     def limit_for(self, method: str, path: str) -> tuple[int, str | None]:
         """The cap for a call and the operation id it belongs to (None: no route matched)."""
-        cap = self._static.get((method, path))
-        for candidate in self._patterns:  # in route order
-            if cap is not None and candidate.order > cap.order:
-                break
-            if method in candidate.methods and candidate.path_regex.match(path):
-                cap = candidate
-                break
-        if cap is None:
+        entry = self._routes.match(method, path)
+        if entry is None:
             return self.default, None
-        return cap.limit, cap.name
+        name, limit = entry.value
+        return limit, name
 
 
 # --------------------------------------------------------------------------- kv_transfer_params

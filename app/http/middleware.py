@@ -15,7 +15,7 @@ while serving the call carries them.
 
 The call's route is the template the router matched (``scope["route"]``). Calls the router
 does not mark (plain Starlette routes: ``/docs``, ``/openapi.json``; bodies the guard refused
-before routing; 404s) are matched against the app's route templates (``RouteTemplates``, built
+before routing; 404s) are matched against the app's route templates (``app.http.routing``, built
 from ``scope["app"]`` on the first such call), so ``/docs`` counts as ``/docs`` and a 415 for a
 lookup as the lookup route; a path no route matches stays without one.
 
@@ -36,15 +36,14 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import re
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.http.errors import APIError, error_body
 from app.http.limits import BodyLimits
+from app.http.routing import RouteMatcher
 from app.telemetry.calls import CallHook, CallInfo, enter_call, leave_call
 from app.telemetry.logging import bind_call, get_logger, unbind_call
 from app.telemetry.request_ids import MAX_SAFE_ID, SAFE_ID, safe_req_id
@@ -84,32 +83,6 @@ def error_code(body: bytes) -> str | None:
     return code if isinstance(code, str) else None
 
 
-class RouteTemplates:
-    """The route template a path belongs to, for calls the router did not mark: static paths
-    first (one dict look-up), then the templated ones in route order, each by its regex."""
-
-    def __init__(self, routes: Iterable[BaseRoute]) -> None:
-        self._static: dict[str, str] = {}
-        self._patterns: list[tuple[re.Pattern[str], str]] = []
-        for route in routes:
-            if not isinstance(route, Route):
-                continue
-            if "{" in route.path:
-                self._patterns.append((route.path_regex, route.path))
-            else:
-                self._static.setdefault(route.path, route.path)
-
-    def template(self, path: str) -> str | None:
-        """The template matching ``path`` (None: no route's)."""
-        found = self._static.get(path)
-        if found is not None:
-            return found
-        for regex, template in self._patterns:
-            if regex.match(path):
-                return template
-        return None
-
-
 class CallContextMiddleware:
     """Attach a ``CallInfo`` to each HTTP call, bind the ids for logging, echo ``X-Request-ID``
     (and add ``response_header(info)`` when given), run the hooks at the end."""
@@ -130,14 +103,15 @@ class CallContextMiddleware:
         # per request).
         self._id_prefix = os.urandom(6).hex()
         self._counter = itertools.count(1)
-        self._templates: RouteTemplates | None = None
+        self._templates: RouteMatcher[str] | None = None
 
     def _template(self, scope: Scope) -> str | None:
         # Off the hot path: only calls the router did not mark come here.
         if self._templates is None:
             app = scope.get("app")
-            self._templates = RouteTemplates(getattr(app, "routes", ()))
-        return self._templates.template(scope["path"])
+            self._templates = RouteMatcher.of_routes(getattr(app, "routes", ()))
+        entry = self._templates.match(scope.get("method"), scope["path"])
+        return None if entry is None else entry.value
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
