@@ -27,11 +27,12 @@ import ipaddress
 import json
 import os
 import re
-import stat
 import tomllib
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from kvoffload_client.client import TokenFileError
+from kvoffload_client.client import read_token_file as read_private_token_file
 from kvoffload_client.pool_socket import default_pool_socket
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
@@ -270,34 +271,28 @@ class AdminAuth(BaseSettings):
         return None if self.admin_token is None else self.admin_token.get_secret_value()
 
 
+#: What a token file refused for each reason should be instead.
+_TOKEN_FILE_ACCEPTED = {
+    "mode": "chmod o-rwx (a Kubernetes secret: defaultMode 0440 or 0400)",
+    "unreadable": "a readable file",
+    "encoding": "a file holding the token",
+    "empty": "a file holding the token",
+    "not_a_token": "a file holding one token",
+}
+
+
 def read_token_file(path: Path, field: str = "admin_token_file") -> str:
-    """The token held in ``path`` (surrounding whitespace dropped), for the setting ``field``
-    (``admin_token_file``, ``metrics_token_file``); ``ConfigError`` when the file cannot be
-    read, holds nothing, or is readable or writable by others (as the tenants files:
-    ``app.core.tenants``)."""
+    """The token held in ``path`` for the setting ``field`` (``admin_token_file``,
+    ``metrics_token_file``), read by the engine side's one reader
+    (``kvoffload_client.client.read_token_file``) with ``private``: ``ConfigError`` when the
+    file cannot be read, holds no token, or is readable or writable by others (as the tenants
+    files: ``app.core.tenants``)."""
     try:
-        with open(path, "rb") as fh:
-            mode = os.fstat(fh.fileno()).st_mode  # of the file read, not of the path now
-            if mode & (stat.S_IROTH | stat.S_IWOTH):
-                raise config_error(
-                    field,
-                    path,
-                    f"readable or writable by others (mode {stat.S_IMODE(mode):04o}); it holds "
-                    "a token: accepted: chmod o-rwx (a Kubernetes secret: defaultMode "
-                    "0440 or 0400)",
-                )
-            token = fh.read().decode("utf-8").strip()
-    except OSError as exc:
-        raise config_error(
-            field, path, f"cannot read it ({exc.strerror}); accepted: a readable file"
-        ) from None
-    except UnicodeDecodeError:
-        raise config_error(
-            field, path, "not UTF-8 text; accepted: a file holding the token"
-        ) from None
-    if not token:
-        raise config_error(field, path, "the file is empty; accepted: a file holding the token")
-    return token
+        return read_private_token_file(path, private=True)
+    except TokenFileError as exc:
+        problem = exc.problem + ("; it holds a token" if exc.kind == "mode" else "")
+        accepted = _TOKEN_FILE_ACCEPTED[exc.kind]
+        raise config_error(field, path, f"{problem}; accepted: {accepted}") from None
 
 
 class Settings(AdminAuth):

@@ -32,6 +32,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import stat
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -102,31 +104,56 @@ def _error(status: int, body: Any, fallback: str) -> KVOffloadError:
 # --------------------------------------------------------------------------- credentials
 
 
-def read_token_file(path: Path | str) -> str:
-    """The token held in ``path``, surrounding whitespace (a trailing newline) dropped.
+class TokenFileError(ValueError):
+    """A token file that cannot serve: ``path``, ``kind`` (``mode``, ``unreadable``,
+    ``encoding``, ``empty``, ``not_a_token``) and ``problem`` in words; never its content."""
 
-    Raises ``ValueError`` naming the file (never its content) when it cannot be read, is empty,
-    or holds something that is not one token (whitespace or control characters inside).
+    def __init__(self, path: Path | str, kind: str, problem: str) -> None:
+        super().__init__(f"token file {path}: {problem}")
+        self.path = path
+        self.kind = kind
+        self.problem = problem
+
+
+def read_token_file(path: Path | str, *, private: bool = False) -> str:
+    """The token held in ``path``, surrounding whitespace (a trailing newline) dropped: the one
+    reader of token files, the engine's and the server's own.
+
+    Raises ``TokenFileError`` (a ``ValueError``) naming the file, never its content, when it
+    cannot be read, is empty, holds something that is not one token (whitespace or control
+    characters inside) or, with ``private``, may be read or written by others (its mode as
+    opened, not as the path says later).
     """
     try:
-        token = Path(path).read_text(encoding="utf-8").strip()
+        with open(path, "rb") as fh:
+            mode = os.fstat(fh.fileno()).st_mode
+            if private and mode & (stat.S_IROTH | stat.S_IWOTH):
+                raise TokenFileError(
+                    path, "mode", f"readable or writable by others (mode {stat.S_IMODE(mode):04o})"
+                )
+            raw = fh.read()
     except OSError as exc:
-        raise ValueError(f"token file {path}: cannot read it ({exc.strerror or exc})") from None
+        raise TokenFileError(
+            path, "unreadable", f"cannot read it ({exc.strerror or exc})"
+        ) from None
+    try:
+        token = raw.decode("utf-8").strip()
     except UnicodeDecodeError:
-        raise ValueError(f"token file {path}: not UTF-8 text") from None
+        raise TokenFileError(path, "encoding", "not UTF-8 text") from None
     if not token:
-        raise ValueError(f"token file {path}: empty")
-    _check_token(token, f"token file {path}")
+        raise TokenFileError(path, "empty", "empty")
+    if not _is_token(token):
+        raise TokenFileError(path, "not_a_token", _NOT_A_TOKEN)
     return token
 
 
-def _check_token(token: str, source: str) -> None:
+_NOT_A_TOKEN = "not a token (empty, or holding whitespace, control or non-ASCII characters)"
+
+
+def _is_token(token: str) -> bool:
     # A bearer token is printable ASCII without spaces; anything else would be refused by the
     # HTTP library with an error that may quote the header, token included.
-    if not token or not all("!" <= ch <= "~" for ch in token):
-        raise ValueError(
-            f"{source}: not a token (empty, or holding whitespace, control or non-ASCII characters)"
-        )
+    return bool(token) and all("!" <= ch <= "~" for ch in token)
 
 
 #: The 401 codes that a newer token in the token file may cure (a rotation); the others
@@ -149,8 +176,8 @@ class _Credentials:
             raise ValueError("give token or token_file, not both")
         if token_file is not None:
             token = read_token_file(token_file)
-        elif token is not None:
-            _check_token(token, "token")
+        elif token is not None and not _is_token(token):
+            raise ValueError(f"token: {_NOT_A_TOKEN}")
         self._file = token_file
         self.token = token
         self.namespace = namespace

@@ -59,7 +59,10 @@ print(json.dumps({
 
 
 def make_venv(where: Path) -> Path:
-    """A venv that sees this environment's vLLM and has the engine distribution installed."""
+    """A venv that sees this environment's vLLM and has the engine distribution installed
+    (built from a copy of ``client/``, so the build leaves nothing in the checkout)."""
+    source = where.parent / "client-src"
+    shutil.copytree(ROOT / "client", source, ignore=shutil.ignore_patterns("build", "*.egg-info"))
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True)
     python = where / "bin" / "python"
     site = subprocess.run(
@@ -81,7 +84,7 @@ def make_venv(where: Path) -> Path:
             "--no-deps",
             "--no-build-isolation",
             "--no-index",
-            str(ROOT / "client"),
+            str(source),
         ],
         check=True,
         capture_output=True,
