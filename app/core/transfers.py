@@ -12,10 +12,10 @@ It runs the two composite engine operations and everything about jobs and KV cac
   blocks hold the data. A job that cannot be submitted unpins at once. Keys the pool lacks but a
   lower tier holds (disk, remote) are brought in inside the same job: it answers at once
   (``running``) and copies in parts, the pool's hits at once, then the keys of each promotion
-  (a disk promotion is split in ``--disk-batch-bytes`` chunks) as soon as it lands, so copies
-  overlap the reads still running; a key that could not be brought in fails the job (later
-  parts are not copied; it ends once the parts copying have settled). Keys no tier holds: 409
-  as before.
+  (a disk promotion is split in ``--disk-batch-bytes`` chunks) as soon as it lands
+  (``DeferredLoad``), so copies overlap the reads still running; a key that could not be
+  brought in fails the job (later parts are not copied; it ends once the parts copying have
+  settled). Keys no tier holds: 409 as before.
 - Both take an optional ``wait_event`` (a CUDA IPC event handle the engine recorded after its
   kernels): the copies wait on it. Refused (``InvalidJobError`` naming it) for a cache with no
   CUDA tensor, before anything is reserved.
@@ -337,15 +337,20 @@ class Transfers:
             if not coming or any(pool.slot_of(k) is None for k in exc.missing):
                 raise
             record = self.tracker.defer(ctx, cache_id, keys)
-            todo: dict[BlockKey, list[int]] = {}
-            for i, key in enumerate(record.keys):
-                todo.setdefault(key, []).append(i)
+            load = DeferredLoad(
+                record,
+                device_blocks,
+                wait_event,
+                tracker=self.tracker,
+                manager=self.manager,
+                check_cache=self._cache,
+                deadline_s=self.settings.job_deadline_s,
+                notify=self.notify,
+            )
             # The pool's hits are pinned and copied now, before anything can evict them.
-            blocks = list(device_blocks)
-            if self._launch_ready(record, todo, blocks, wait_event, last=False):
+            if load.launch_ready(last=False):
                 task = asyncio.get_running_loop().create_task(
-                    self._load_in_parts(record, todo, coming, blocks, wait_event),
-                    name="kvoffload-onload-after-promotion",
+                    load.run(coming), name="kvoffload-onload-after-promotion"
                 )
                 self._deferred.add(task)
                 task.add_done_callback(self._deferred.discard)
@@ -364,64 +369,6 @@ class Transfers:
             wait_event,
         )
         return OnloadStarted(job, slots)
-
-    async def _load_in_parts(
-        self,
-        record: JobRecord,
-        todo: dict[BlockKey, list[int]],
-        coming: list[asyncio.Task[None]],
-        device_blocks: list[int],
-        wait_event: bytes | None,
-    ) -> None:
-        """Copy the rest of a deferred load (``todo``: key -> its positions in the load) part
-        by part, the keys of each promotion as it lands, so the copy of one part overlaps the
-        reads of the next. A key that no promotion made ready, or a part that cannot be pinned
-        or copied, fails the load; later parts are then not copied."""
-        pending = set(coming)
-        try:
-            while pending:
-                _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                last = not pending
-                if not self._launch_ready(record, todo, device_blocks, wait_event, last):
-                    return
-        except asyncio.CancelledError:
-            self.tracker.fail(record, "service stopping")
-            raise
-        finally:
-            self.notify()
-
-    def _launch_ready(
-        self,
-        record: JobRecord,
-        todo: dict[BlockKey, list[int]],
-        device_blocks: list[int],
-        wait_event: bytes | None,
-        last: bool,
-    ) -> bool:
-        """Pin and copy the keys of ``todo`` that are ready now (taken out of it); ``last``:
-        no promotion is left, so a key still missing fails the load. False once the load
-        has failed."""
-        if self.tracker.failed(record):
-            return False
-        pool = self.manager.manager
-        ready = [k for k in todo if pool.is_ready(k)]
-        if last and len(ready) < len(todo):
-            missing = len(todo) - len(ready)
-            self.tracker.fail(record, f"not loadable after promotion: {missing} key(s) missing")
-            return False
-        positions = [i for k in ready for i in todo.pop(k)]
-        keys = [record.keys[i] for i in positions]
-        try:
-            self._cache(record.cache_id, device_blocks, wait_event)
-            slots = self.manager.prepare_load(keys, record.ctx) if keys else []
-        except (ManagerError, TransferError, ServiceUnavailableError, DeviceBlockError) as exc:
-            self.tracker.fail(record, f"not loadable after promotion: {type(exc).__name__}")
-            return False
-        left = self.settings.job_deadline_s - (time.monotonic() - record.started)
-        blocks = [device_blocks[i] for i in positions]
-        return self.tracker.launch(
-            record, keys, blocks, slots, max(left, 0.001), wait_event, last=last
-        )
 
     # ------------------------------------------------------------------ KV caches and pool
 
@@ -479,3 +426,77 @@ class Transfers:
         """The host pool's layout (path, num_blocks, block_bytes, pinned, pool_id)."""
         self._open()
         return {**self.pool.layout(), "pool_id": self.pool.pool_id}
+
+
+class DeferredLoad:
+    """One ``onload`` whose keys a lower tier is still bringing into the pool, copied in parts:
+    ``launch_ready`` pins and copies the keys ready now (first the load's pool hits, at once),
+    ``run`` each promotion's keys as it lands, so the copy of one part overlaps the reads of
+    the next. A key that no promotion made ready, or a part that cannot be pinned or copied,
+    fails the load (``JobTracker.fail``); later parts are then not copied."""
+
+    def __init__(
+        self,
+        record: JobRecord,
+        device_blocks: Sequence[int],
+        wait_event: bytes | None,
+        *,
+        tracker: JobTracker,
+        manager: ObservedManager,
+        check_cache: Callable[[str, Sequence[int], bytes | None], object],
+        deadline_s: float,
+        notify: Callable[[], None],
+    ) -> None:
+        self.record = record
+        self.device_blocks = list(device_blocks)
+        self.wait_event = wait_event
+        self.tracker = tracker
+        self.manager = manager
+        self.check_cache = check_cache
+        self.deadline_s = deadline_s
+        self.notify = notify
+        # Keys not copied yet, each with its positions in the load.
+        self.todo: dict[BlockKey, list[int]] = {}
+        for i, key in enumerate(record.keys):
+            self.todo.setdefault(key, []).append(i)
+
+    async def run(self, coming: list[asyncio.Task[None]]) -> None:
+        """Copy the keys of each promotion in ``coming`` as it lands; the last one settles the
+        load (module docstring)."""
+        pending = set(coming)
+        try:
+            while pending:
+                _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if not self.launch_ready(last=not pending):
+                    return
+        except asyncio.CancelledError:
+            self.tracker.fail(self.record, "service stopping")
+            raise
+        finally:
+            self.notify()
+
+    def launch_ready(self, last: bool) -> bool:
+        """Pin and copy the keys that are ready now; ``last``: no promotion is left, so a key
+        still missing fails the load. False once the load has failed."""
+        record, tracker = self.record, self.tracker
+        if tracker.failed(record):
+            return False
+        pool = self.manager.manager
+        ready = [k for k in self.todo if pool.is_ready(k)]
+        if last and len(ready) < len(self.todo):
+            missing = len(self.todo) - len(ready)
+            tracker.fail(record, f"not loadable after promotion: {missing} key(s) missing")
+            return False
+        positions = [i for k in ready for i in self.todo.pop(k)]
+        keys = [record.keys[i] for i in positions]
+        try:
+            self.check_cache(record.cache_id, self.device_blocks, self.wait_event)
+            slots = self.manager.prepare_load(keys, record.ctx) if keys else []
+        except (ManagerError, TransferError, ServiceUnavailableError, DeviceBlockError) as exc:
+            tracker.fail(record, f"not loadable after promotion: {type(exc).__name__}")
+            return False
+        left = self.deadline_s - (time.monotonic() - record.started)
+        blocks = [self.device_blocks[i] for i in positions]
+        return tracker.launch(
+            record, keys, blocks, slots, max(left, 0.001), self.wait_event, last=last
+        )
