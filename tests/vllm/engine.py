@@ -81,13 +81,27 @@ def kv_transfer_config(
     }
 
 
+ONE_GROUP = (OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),)
+#: A hybrid model's two KV-cache groups (gpt-oss style): sliding-window layers in blocks of 16
+#: tokens, full-attention layers in blocks of 32.
+TWO_GROUPS = (
+    OffloadingGroupConfig(
+        tokens_per_block=16, layer_names=("l0",), group_id=0, sliding_window_size_in_chunks=4
+    ),
+    OffloadingGroupConfig(tokens_per_block=32, layer_names=("l1",), group_id=1),
+)
+
+
 def offloading_config(
-    engine_id: str, extra_config: dict[str, Any], model: str = "sim/llama-tiny"
+    engine_id: str,
+    extra_config: dict[str, Any],
+    model: str = "sim/llama-tiny",
+    groups: tuple[OffloadingGroupConfig, ...] = ONE_GROUP,
 ) -> OffloadingConfig:
-    """What vLLM's ``build_offloading_config`` makes for a one-group, TP=1 model whose blocks
-    are ``BYTES_PER_BLOCK`` bytes of 16 tokens."""
+    """What vLLM's ``build_offloading_config`` makes for a TP=1 model whose blocks are
+    ``BYTES_PER_BLOCK`` bytes, one group of 16 tokens per block unless ``groups`` says else."""
     return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
+        groups=groups,
         worker_kv_bytes_per_block=BYTES_PER_BLOCK,
         enable_kv_cache_events=True,
         extra_config=extra_config,
@@ -116,10 +130,11 @@ def chunk_bytes(key: bytes, model: str = "") -> bytes:
     return (seed * (BYTES_PER_BLOCK // len(seed) + 1))[:BYTES_PER_BLOCK]
 
 
-def keys_of(hash_ids: Sequence[int], salt: bytes = b"") -> list[OffloadKey]:
-    """vLLM offload keys (32-byte block hash + group 0) of a prefix of hash ids."""
+def keys_of(hash_ids: Sequence[int], salt: bytes = b"", group: int = 0) -> list[OffloadKey]:
+    """vLLM offload keys (32-byte block hash + group id) of a prefix of hash ids."""
     return [
-        make_offload_key(hashlib.sha256(salt + h.to_bytes(8, "big")).digest(), 0) for h in hash_ids
+        make_offload_key(hashlib.sha256(salt + h.to_bytes(8, "big")).digest(), group)
+        for h in hash_ids
     ]
 
 
@@ -137,10 +152,18 @@ class RequestOutcome:
 class SimEngine:
     """One engine's scheduler-side offloading (see the module docstring)."""
 
-    def __init__(self, engine_id: str, config: dict[str, Any], model: str = "sim/llama-tiny"):
+    def __init__(
+        self,
+        engine_id: str,
+        config: dict[str, Any],
+        model: str = "sim/llama-tiny",
+        groups: tuple[OffloadingGroupConfig, ...] = ONE_GROUP,
+    ):
         extra = config["kv_connector_extra_config"]
         self.model = model
-        self.spec = OffloadingSpecFactory.create_spec(offloading_config(engine_id, extra, model))
+        self.spec = OffloadingSpecFactory.create_spec(
+            offloading_config(engine_id, extra, model, groups)
+        )
         self.manager: Any = self.spec.get_manager()
         self.primary = memoryview(self.manager.primary_tier.get_kv_memoryview()).cast("B")
         self.tiers = list(self.manager.secondary_tiers)

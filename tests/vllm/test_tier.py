@@ -24,6 +24,7 @@ from tests.e2e.server import ServerProcess
 from tests.vllm.conftest import leases, serve, tracked
 from tests.vllm.engine import (
     BYTES_PER_BLOCK,
+    TWO_GROUPS,
     SimEngine,
     chunk_bytes,
     keys_of,
@@ -93,6 +94,42 @@ def test_namespaces_do_not_mix(srv):
             fresh.close()
     finally:
         for engine in (llama, other, labelled):
+            engine.close()
+    assert leases(srv) == []
+
+
+def test_a_hybrid_model_with_two_kv_cache_groups_shares_both_with_their_own_bytes(srv):
+    """A hybrid model (sliding-window layers in blocks of 16 tokens, full attention in blocks of
+    32): engine B loads what engine A stored for each group, every chunk byte-compared, the two
+    groups' keys never confused; a one-group engine of the same model shares none of them (its
+    key namespace differs: the groups are part of it)."""
+    window = keys_of(range(300, 306), salt=b"hybrid", group=0)
+    full = keys_of(range(300, 303), salt=b"hybrid", group=1)
+    a = SimEngine("t-hybrid-a", config(srv), groups=TWO_GROUPS)
+    b = SimEngine("t-hybrid-b", config(srv), groups=TWO_GROUPS)
+    plain = SimEngine("t-hybrid-one-group", config(srv))
+    try:
+        assert a.tiers[0]._shared.prefix != plain.tiers[0]._shared.prefix
+        for group, keys in ((0, window), (1, full)):
+            first = a.run_request(f"hybrid-a-{group}", keys)
+            assert first.hit_chunks == 0
+            a.settle()
+            second = b.run_request(f"hybrid-b-{group}", keys)
+            assert second.hit_chunks == len(keys), f"group {group}"
+            assert second.loaded == {k: chunk_bytes(k, b.model) for k in keys}, f"group {group}"
+            b.settle()
+        # The same block hash in the other group is another block: its bytes are its own.
+        assert chunk_bytes(window[0], a.model) != chunk_bytes(keys_of([300], b"hybrid", 1)[0])
+        # Both groups' keys in one request: each loads its own group's bytes.
+        both = b.run_request("hybrid-b-both", [*window[:2], *full[:2]])
+        assert both.hit_chunks == 4
+        assert both.loaded == {k: chunk_bytes(k, b.model) for k in both.loaded}
+        b.settle()
+        alone = plain.run_request("hybrid-plain", window)
+        assert alone.hit_chunks == 0, "a one-group engine shares no hybrid engine's blocks"
+        plain.settle()
+    finally:
+        for engine in (a, b, plain):
             engine.close()
     assert leases(srv) == []
 
