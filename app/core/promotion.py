@@ -90,11 +90,10 @@ class Promotions:
         self._internal[ctx.req_id] = req_id
         tasks = self._running.setdefault(req_id, set())
         tasks.add(task)
-        task.add_done_callback(lambda t: self._done(req_id, ctx.req_id, t))
+        task.add_done_callback(lambda t: self._done(req_id, t))
         return task
 
-    def _done(self, req_id: str, internal: str, task: asyncio.Task[None]) -> None:
-        self._internal.pop(internal, None)
+    def _done(self, req_id: str, task: asyncio.Task[None]) -> None:
         tasks = self._running.get(req_id)
         if tasks is not None:
             tasks.discard(task)
@@ -120,6 +119,9 @@ class Promotions:
         finally:
             with contextlib.suppress(ManagerError):
                 self.manager.on_request_finished(ctx)
+            # Its slots are no longer written from here, in the same step that made its
+            # blocks ready (not in a done callback a caller could run ahead of).
+            self._internal.pop(ctx.req_id, None)
 
     def _complete(
         self, ctx: ReqContext, req_id: str, good: list[BlockKey], bad: list[BlockKey]
