@@ -15,6 +15,8 @@ Both listeners (engine API and admin API) share one ``Service``, a composition o
   service; None when ``metrics_enabled`` is off) whose state collector reads ``snapshot()``.
 - ``shadow``: with shadow evaluation on, the ``ShadowRunner`` (``app.core.shadow``) fed every
   finished request's chain by the manager (it only queues), replaying them off the request path.
+- ``lower``: the tiers below the pool while running (``app.core.lower_tiers``: ``disk`` and
+  ``remote``), opened on the pool at start and closed before it.
 
 Background tasks while running: the *completion pump* (woken from the worker thread through
 ``loop.call_soon_threadsafe`` when a job ends; it completes jobs in the manager), the *lease
@@ -38,22 +40,21 @@ from typing import Literal
 from prometheus_client import CollectorRegistry
 
 from app.core.admin import Admin
-from app.core.disk import DiskLink, open_disk
+from app.core.disk import DiskLink
 from app.core.errors import ServiceUnavailableError
 from app.core.events import EventBuffer
+from app.core.lower_tiers import LowerTiers
 from app.core.observed import ObservedManager
 from app.core.quota import TenantQuota
 from app.core.remote import RemoteFactory, RemoteLink, build_tier
 from app.core.shadow import ShadowRunner
 from app.core.transfers import Transfers
-from app.settings import Settings, config_error
+from app.settings import Settings
 from app.telemetry.logging import get_logger
 from app.telemetry.metrics import Metrics, ServiceSnapshot
 from app.telemetry.observer import Observer, RequestCounts
 from app.telemetry.request_ids import safe_req_id
 from manager import OffloadManager, ReleasedLeases, create_manager
-from transfer import RemoteTierError
-from transfer.disk import DiskError
 
 log = get_logger("service")
 #: The namespace of a service without tenants (the only one it has).
@@ -86,7 +87,6 @@ class Service:
         ``remote_tier`` is on (default ``app.core.remote.build_tier``; tests give another
         backend).
         """
-        self._remote_factory: RemoteFactory = remote_factory or build_tier
         self.settings = settings
         self.namespace = namespace
         self.quota = quota
@@ -113,10 +113,6 @@ class Service:
         self._fatal_reported = False
         self._users = 0
         self._transfers: Transfers | None = None
-        # The remote tier behind the pool, while running with one (``--remote-tier``).
-        self.remote: RemoteLink | None = None
-        # The disk tier below the pool, while running with one (``--disk-dir``).
-        self.disk: DiskLink | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._pump_wakeup = asyncio.Event()
@@ -145,6 +141,14 @@ class Service:
             request_counts=self.request_counts,
         )
         self.manager = ObservedManager(manager, self.observer, quota)
+        self.lower = LowerTiers(
+            settings,
+            namespace,
+            self.manager,
+            self.observer,
+            on_event=self.drain_events,
+            remote_factory=remote_factory or build_tier,
+        )
         self.shadow: ShadowRunner | None = None
         if settings.shadow_enabled:
             self.shadow = ShadowRunner(
@@ -193,12 +197,8 @@ class Service:
             transfers = await Transfers.open(s, self.manager, self._wake_pump)
             self._transfers = transfers
             try:
-                if s.disk_dir is not None:
-                    await self._open_disk(transfers)
-                if s.remote_tier != "none":
-                    await self._open_remote(transfers)
+                await self.lower.open(transfers)
             except BaseException:
-                await self._close_lower()
                 for record in await transfers.close():
                     self.observer.transfer_done(record)
                 self._transfers = None
@@ -259,7 +259,7 @@ class Service:
             self._tasks = []
             assert self._transfers is not None
             # Before the pool goes: the tiers wait for their calls still touching it.
-            await self._close_lower()
+            await self.lower.close()
             for record in await self._transfers.close():
                 self.observer.transfer_done(record)
             self.drain_events()
@@ -289,85 +289,19 @@ class Service:
             return f"a transfer has been running {age:.1f}s, past its {deadline}s deadline"
         return None
 
-    async def _close_lower(self) -> None:
-        """Close the lower tiers (remote, then disk), each after its I/O on the pool ended."""
-        remote, self.remote = self.remote, None
-        disk, self.disk = self.disk, None
-        self.manager.remote = None
-        self.manager.disk = None
-        if remote is not None:
-            await remote.close()
-        if disk is not None:
-            await disk.close()
-
-    async def _open_disk(self, transfers: Transfers) -> None:
-        s = self.settings
-        try:
-            store, index = await asyncio.to_thread(open_disk, s, transfers.pool, self.namespace)
-        except DiskError as exc:
-            raise config_error(
-                "disk_dir",
-                s.disk_dir,
-                f"{exc}; accepted: a directory this process can write and no other kvoffload uses",
-            ) from None
-        disk = DiskLink(
-            store,
-            index,
-            self.manager.manager,
-            batch_blocks=max(1, s.disk_batch_bytes // store.slot_bytes),
-            read_blocks=max(1, s.disk_batch_bytes // store.slot_bytes),
-            timeout_s=s.disk_timeout_s,
-            hold_s=s.lease_ttl_s,
-            on_event=self.drain_events,
-            on_io=self.observer.disk_io,
-        )
-        disk.start()
-        if not store.direct:
-            log.warning(
-                "disk tier uses buffered I/O (O_DIRECT not available here)",
-                extra={"fields": {"directory": store.directory, "block_bytes": s.block_bytes}},
-            )
-        self.disk = disk
-        self.manager.disk = disk
-        self._link_writers(transfers)
-
-    def _link_writers(self, transfers: Transfers) -> None:
-        """Tell the data path which requests' reserved slots the lower tiers write into."""
-        tiers = [t for t in (self.disk, self.remote) if t is not None]
-        transfers.also_writing = lambda: set().union(*(t.writing() for t in tiers))
-
-    async def _open_remote(self, transfers: Transfers) -> None:
-        s = self.settings
-        try:
-            tier = await asyncio.to_thread(self._remote_factory, s, transfers.pool, self.namespace)
-        except RemoteTierError as exc:  # its library is missing: the node cannot start so
-            raise config_error("remote_tier", s.remote_tier, str(exc)) from None
-        remote = RemoteLink(
-            tier,
-            self.manager.manager,
-            lookup_timeout_s=s.remote_lookup_timeout_s,
-            queue_blocks=s.remote_queue_blocks,
-            batch_blocks=s.remote_batch_blocks,
-            hold_s=s.lease_ttl_s,
-            on_event=self.drain_events,
-            on_call=self.observer.remote_call,
-        )
-        remote.start()
-        self.remote = remote
-        self.manager.remote = remote
-        self._link_writers(transfers)
-
     def details(self) -> dict[str, str]:
-        """What a ready service still wants known (``/readyz`` details): a degraded remote
-        tier serves from the pool alone; a degraded disk tier takes no demotions."""
-        out: dict[str, str] = {}
-        remote = self.remote
-        if remote is not None and not (health := remote.health()).ok:
-            out["remote_tier"] = f"degraded: {health.last_error or 'unreachable'}"
-        disk = self.disk
-        if disk is not None and not (dhealth := disk.health()).ok:
-            out["disk_tier"] = f"degraded: {dhealth.last_error or 'failing'}"
-        return out
+        """What a ready service still wants known (``/readyz`` details; ``LowerTiers``)."""
+        return self.lower.details()
+
+    @property
+    def disk(self) -> DiskLink | None:
+        """The disk tier below the pool, while running with one (``--disk-dir``)."""
+        return self.lower.disk
+
+    @property
+    def remote(self) -> RemoteLink | None:
+        """The remote tier behind the pool, while running with one (``--remote-tier``)."""
+        return self.lower.remote
 
     def transfers(self) -> Transfers:
         """The running data path; ``ServiceUnavailableError`` when the service is not running."""
