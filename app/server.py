@@ -36,7 +36,8 @@ import os
 import signal
 import socket
 import stat
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -281,6 +282,112 @@ class TransferBackendFailed(RuntimeError):
     """The transfer backend cannot copy any more (a sticky CUDA error): restart the process."""
 
 
+@dataclass
+class Sockets:
+    """The listening sockets the settings ask for: the engine API's (TCP, and the Unix socket
+    with ``--uds``), the admin API's and the pool socket. ``close`` closes them all and removes
+    the socket files made here."""
+
+    engine: list[socket.socket] = field(default_factory=list)
+    admin: list[socket.socket] = field(default_factory=list)
+    pool: list[socket.socket] = field(default_factory=list)
+    files: list[Path] = field(default_factory=list)
+
+    @classmethod
+    def bind(cls, settings: Settings) -> Sockets:
+        """Bind every listener (``ConfigError`` naming an address that cannot be listened on;
+        what was bound by then is closed again)."""
+        made = cls()
+        try:
+            made.engine.append(listen_tcp(settings, "engine"))
+            if settings.uds is not None:
+                made.engine.append(listen_unix(settings, settings.uds, "uds", "engine listener"))
+                made.files.append(settings.uds)
+            pool_path = settings.effective_pool_socket
+            if pool_path is not None:
+                made.pool.append(listen_unix(settings, pool_path, "pool_socket", "pool socket"))
+                made.files.append(pool_path)
+            made.admin.append(listen_tcp(settings, "admin"))
+        except BaseException:
+            made.close()
+            raise
+        return made
+
+    def addresses(self) -> dict[str, list[str]]:
+        return {
+            "engine": [_address(s) for s in self.engine],
+            "admin": [_address(s) for s in self.admin],
+            "pool": [_address(s) for s in self.pool],
+        }
+
+    def close(self) -> None:
+        for sock in (*self.engine, *self.admin, *self.pool):
+            sock.close()
+        for path in self.files:  # ours: made by bind
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+
+class Stopper:
+    """How the listeners stop. SIGTERM or SIGINT: the services drain (not ready), and the
+    listeners stop after ``shutdown_delay_s``; a second signal stops them at once (a second
+    SIGINT without waiting for calls in flight). SIGHUP reloads the tenants. ``fail(reason)``:
+    a poisoned CUDA context; drain and stop at once, ``failure`` keeps the reason."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+    def __init__(self, servers: Sequence[Listener], tenancy: Tenancy, delay_s: float) -> None:
+        self.servers = servers
+        self.tenancy = tenancy
+        self.delay_s = delay_s
+        self.stopping = False
+        self.failure: str | None = None
+        self._loop = asyncio.get_running_loop()
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._loop.add_signal_handler(sig, self._on_signal, sig)
+        self._loop.add_signal_handler(signal.SIGHUP, self.tenancy.request_reload)
+
+    def remove(self) -> None:
+        for sig in self.SIGNALS:
+            self._loop.remove_signal_handler(sig)
+
+    def stop(self) -> None:
+        for srv in self.servers:
+            srv.should_exit = True
+
+    def fail(self, reason: str) -> None:
+        if self.failure is None:
+            self.failure = reason
+            self.tenancy.begin_drain()
+            self.stop()
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if self.stopping:
+            if sig == signal.SIGINT:
+                for srv in self.servers:
+                    srv.force_exit = True
+            self.stop()
+            return
+        self.stopping = True
+        log.info("shutdown requested", extra={"fields": {"signal": sig.name}})
+        self.tenancy.begin_drain()
+        self._loop.call_later(self.delay_s, self.stop)
+
+
+def pool_share_server(tenancy: Tenancy, sock: socket.socket) -> PoolShareServer:
+    """The pool socket's server: open, or reading each request first with tenants."""
+    if tenancy.enabled:
+        return PoolShareServer(
+            sock,
+            lambda ask: pool_of(tenancy, ask),
+            read_request=True,
+            register=lambda ask, fds: register_over_socket(tenancy, ask, fds),
+        )
+    return PoolShareServer(sock, lambda: pool_of(tenancy, None))
+
+
 async def serve(
     settings: Settings, *, on_ready: Callable[[dict[str, list[str]]], None] | None = None
 ) -> None:
@@ -294,27 +401,7 @@ async def serve(
     # Before any Service exists: each builds its manager's tables for its blocks at once.
     table = None if credentials is None else credentials.table
     check_machine(settings.model_copy(update={"num_blocks": Tenancy.total_blocks(settings, table)}))
-    public_socks = [listen_tcp(settings, "engine")]
-    admin_socks: list[socket.socket] = []
-    pool_path = settings.effective_pool_socket
-    pool_socks: list[socket.socket] = []
-    bound: list[Path] = []
-    try:
-        if settings.uds is not None:
-            public_socks.append(listen_unix(settings, settings.uds, "uds", "engine listener"))
-            bound.append(settings.uds)
-        if pool_path is not None:
-            pool_socks.append(listen_unix(settings, pool_path, "pool_socket", "pool socket"))
-            bound.append(pool_path)
-        admin_socks.append(listen_tcp(settings, "admin"))
-    except BaseException:
-        for sock in (*public_socks, *pool_socks):
-            sock.close()
-        for made in bound:  # ours: made a moment ago
-            with contextlib.suppress(FileNotFoundError):
-                made.unlink()
-        raise
-
+    socks = Sockets.bind(settings)
     if settings.admin_token_value() is None:
         log.warning(
             "admin API has no token: open to local callers only",
@@ -329,70 +416,27 @@ async def serve(
         uvicorn_config(create_admin_app(settings, tenancy=tenancy), graceful_shutdown_s=grace)
     )
     servers = (public, admin)
-    loop = asyncio.get_running_loop()
-    stopping = False
-
-    def stop_servers() -> None:
-        for srv in servers:
-            srv.should_exit = True
-
-    def on_signal(sig: signal.Signals) -> None:
-        nonlocal stopping
-        if stopping:
-            if sig == signal.SIGINT:
-                for srv in servers:
-                    srv.force_exit = True
-            stop_servers()
-            return
-        stopping = True
-        log.info("shutdown requested", extra={"fields": {"signal": sig.name}})
-        tenancy.begin_drain()
-        loop.call_later(settings.shutdown_delay_s, stop_servers)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig)
-    loop.add_signal_handler(signal.SIGHUP, tenancy.request_reload)
-    pool_share = None
-    if pool_socks:
-        if tenancy.enabled:
-            pool_share = PoolShareServer(
-                pool_socks[0],
-                lambda ask: pool_of(tenancy, ask),
-                read_request=True,
-                register=lambda ask, fds: register_over_socket(tenancy, ask, fds),
-            )
-        else:
-            pool_share = PoolShareServer(pool_socks[0], lambda: pool_of(tenancy, None))
+    stopper = Stopper(servers, tenancy, settings.shutdown_delay_s)
+    stopper.install()
+    pool_share = None if not socks.pool else pool_share_server(tenancy, socks.pool[0])
     # A poisoned CUDA context fails every later copy: stop, and exit non-zero
     # (TransferBackendFailed) for the supervisor to start a fresh process. Set before the
     # services start, and inherited by the namespaces a tenants reload adds.
-    fatal: list[str] = []
-
-    def on_fatal(reason: str) -> None:
-        if not fatal:
-            fatal.append(reason)
-            tenancy.begin_drain()
-            stop_servers()
-
-    tenancy.set_on_fatal(on_fatal)
+    tenancy.set_on_fatal(stopper.fail)
     try:
         async with tenancy.running():
             if pool_share is not None:
                 pool_share.start()
             tasks = [
                 asyncio.create_task(
-                    _listen("engine", public, public_socks), name="kvoffload-engine"
+                    _listen("engine", public, socks.engine), name="kvoffload-engine"
                 ),
-                asyncio.create_task(_listen("admin", admin, admin_socks), name="kvoffload-admin"),
+                asyncio.create_task(_listen("admin", admin, socks.admin), name="kvoffload-admin"),
             ]
             while not all(srv.started for srv in servers) and not any(t.done() for t in tasks):
                 await asyncio.sleep(0.01)
             if all(srv.started for srv in servers):
-                addresses = {
-                    "engine": [_address(s) for s in public_socks],
-                    "admin": [_address(s) for s in admin_socks],
-                    "pool": [_address(s) for s in pool_socks],
-                }
+                addresses = socks.addresses()
                 log.info("listening", extra={"fields": addresses})
                 # What exists now (torch, FastAPI, schemas) lives as long as the process;
                 # frozen, the collector's full passes stop rescanning it between calls.
@@ -402,7 +446,7 @@ async def serve(
                     on_ready(addresses)
             # One listener ending (a failure) takes the other down with it.
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            stop_servers()
+            stopper.stop()
             results = await asyncio.gather(*tasks, return_exceptions=True)
             if pool_share is not None:
                 # Before the service frees the pool: nobody receives a pool being closed.
@@ -410,19 +454,13 @@ async def serve(
             for result in results:
                 if isinstance(result, BaseException):
                     raise result
-            if fatal:
-                raise TransferBackendFailed(fatal[0])
+            if stopper.failure is not None:
+                raise TransferBackendFailed(stopper.failure)
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.remove_signal_handler(sig)
+        stopper.remove()
         if pool_share is not None:
             await pool_share.stop()
-        for sock in (*public_socks, *admin_socks, *pool_socks):
-            sock.close()
-        for path in (settings.uds, pool_path):
-            if path is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
+        socks.close()
         log.info("stopped")
 
 
