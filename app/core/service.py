@@ -18,9 +18,9 @@ Both listeners (engine API and admin API) share one ``Service``, a composition o
 - ``lower``: the tiers below the pool while running (``app.core.lower_tiers``: ``disk`` and
   ``remote``), opened on the pool at start and closed before it.
 
-Background tasks while running: the *completion pump* (woken from the worker thread through
-``loop.call_soon_threadsafe`` when a job ends; it completes jobs in the manager), the *lease
-sweeper* (``expire_leases``, so a crashed engine cannot leak the pool) and the *shadow drain*.
+Background tasks while running (``app.core.background``): the *completion pump* (``pump``:
+woken from the worker thread when a job ends; it completes jobs in the manager), the *lease
+sweeper* (``sweeper``, so a crashed engine cannot leak the pool) and the *shadow drain*.
 
 Lifecycle: ``async with service.running():`` starts it and stops it on exit; it is reference
 counted, so each listener's lifespan can hold it and the last one out stops it.
@@ -40,6 +40,7 @@ from typing import Literal
 from prometheus_client import CollectorRegistry
 
 from app.core.admin import Admin
+from app.core.background import CompletionPump, LeaseSweeper
 from app.core.disk import DiskLink
 from app.core.errors import ServiceUnavailableError
 from app.core.events import EventBuffer
@@ -53,7 +54,6 @@ from app.settings import Settings
 from app.telemetry.logging import get_logger
 from app.telemetry.metrics import Metrics, ServiceSnapshot
 from app.telemetry.observer import Observer, RequestCounts
-from app.telemetry.request_ids import safe_req_id
 from manager import OffloadManager, ReleasedLeases, create_manager
 
 log = get_logger("service")
@@ -113,9 +113,7 @@ class Service:
         self._fatal_reported = False
         self._users = 0
         self._transfers: Transfers | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._pump_wakeup = asyncio.Event()
         self._lock = asyncio.Lock()
 
         self.registry: CollectorRegistry | None = None
@@ -141,6 +139,15 @@ class Service:
             request_counts=self.request_counts,
         )
         self.manager = ObservedManager(manager, self.observer, quota)
+        self.pump = CompletionPump(lambda: self._transfers, self.observer, self.drain_events)
+        self.sweeper = LeaseSweeper(
+            settings,
+            self.manager,
+            lambda: self._transfers,
+            self.drain_events,
+            self._check_fatal,
+            self.request_counts,
+        )
         self.lower = LowerTiers(
             settings,
             namespace,
@@ -193,8 +200,8 @@ class Service:
             if self.state != "new":
                 raise RuntimeError(f"service cannot start from state {self.state!r}")
             s = self.settings
-            self._loop = asyncio.get_running_loop()
-            transfers = await Transfers.open(s, self.manager, self._wake_pump)
+            self.pump.bind(asyncio.get_running_loop())
+            transfers = await Transfers.open(s, self.manager, self.pump.wake)
             self._transfers = transfers
             try:
                 await self.lower.open(transfers)
@@ -204,8 +211,8 @@ class Service:
                 self._transfers = None
                 raise
             self._tasks = [
-                asyncio.create_task(self._pump_loop(), name="kvoffload-completion-pump"),
-                asyncio.create_task(self._lease_loop(), name="kvoffload-lease-sweeper"),
+                asyncio.create_task(self.pump.run(), name="kvoffload-completion-pump"),
+                asyncio.create_task(self.sweeper.run(), name="kvoffload-lease-sweeper"),
             ]
             if self.shadow is not None:
                 self._tasks.append(
@@ -213,35 +220,7 @@ class Service:
                 )
             self.state = "running"
             self._users = 1
-            log.info(
-                "service started",
-                extra={
-                    "fields": {
-                        "namespace": self.namespace,
-                        "tenant": None if self.quota is None else self.quota.tenant,
-                        "pool": transfers.pool.path,
-                        "pool_id": transfers.pool.pool_id,
-                        "num_blocks": s.num_blocks,
-                        "block_bytes": s.block_bytes,
-                        "pinned": transfers.pool.pinned,
-                        "policy": self.manager.manager.policy.name,
-                        "backend": s.transfer_backend,
-                        "faults": s.faults_enabled,
-                        "metrics": self.metrics is not None,
-                        "shadow_policies": (
-                            None if self.shadow is None else self.shadow.evaluator.policies
-                        ),
-                        "disk": None
-                        if self.disk is None
-                        else {
-                            "directory": self.disk.store.directory,
-                            "slots": self.disk.index.num_slots,
-                            "direct_io": self.disk.store.direct,
-                            "restored_blocks": self.disk.restored,
-                        },
-                    }
-                },
-            )
+            log.info("service started", extra={"fields": _started_fields(self, transfers)})
 
     async def stop(self) -> None:
         """Drop one hold; the last one stops the worker (jobs end or fail) and frees the pool."""
@@ -319,49 +298,7 @@ class Service:
         """The data path while the service runs, else None."""
         return self._transfers if self.state == "running" else None
 
-    # ------------------------------------------------------------------ background tasks
-
-    def _wake_pump(self) -> None:
-        """Called by the worker thread when a job ends."""
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        with contextlib.suppress(RuntimeError):  # the loop closed under us: nothing to wake
-            loop.call_soon_threadsafe(self._pump_wakeup.set)
-
-    async def _pump_loop(self) -> None:
-        # The periodic poll is a safety net (a wake-up lost in a race costs at most this long)
-        # and keeps the event buffer fed.
-        while True:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(0.25):
-                    await self._pump_wakeup.wait()
-            self._pump_wakeup.clear()
-            try:
-                self._report_finished()
-                self.drain_events()
-            except Exception:
-                log.exception("completion pump failed; retrying")
-
-    def _report_finished(self) -> None:
-        """Complete the jobs that ended and report each to the observer."""
-        if self._transfers is not None:
-            for record in self._transfers.collect():
-                self.observer.transfer_done(record)
-
-    async def _lease_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.lease_check_interval_s)
-            try:
-                self.expire_leases()
-                if self._transfers is not None:
-                    self._transfers.expire_caches()
-                self._check_fatal()
-                counts = self.request_counts
-                if counts is not None and len(counts) > counts.limit // 2:
-                    counts.prune(r.req_id for r in self.manager.manager.requests())
-            except Exception:
-                log.exception("lease sweep failed; retrying")
+    # ------------------------------------------------------------------ background work
 
     def _check_fatal(self) -> None:
         """A poisoned CUDA context fails every later copy: hand over to ``on_fatal`` (the
@@ -379,38 +316,8 @@ class Service:
             self.on_fatal(t.worker.fatal)
 
     def expire_leases(self) -> list[ReleasedLeases]:
-        """Release the leases of requests silent for longer than ``lease_ttl_s`` (the slots of
-        a store job still running here stay reserved until it ends), end the orphaned
-        reservations of aborted stores whose engine has not reported them within
-        ``abort_writer_deadline_s`` (a store job running here reports at its end, which its
-        ``job_deadline_s`` bounds), and forget requests that hold nothing and have been silent
-        for the request idle TTL."""
-        s = self.settings
-        released = self.manager.manager.expire_requests(
-            s.lease_ttl_s,
-            s.effective_request_idle_ttl_s,
-            writing=set() if self._transfers is None else self._transfers.writing(),
-            writer_deadline=s.abort_writer_deadline_s,
-        )
-        for r in released:
-            fields: dict[str, object] = {
-                "req_id": safe_req_id(r.req_id),
-                "pins_released": r.pins_released,
-                "stores_dropped": r.stores_dropped,
-                "reservations_ended": r.reservations_ended,
-            }
-            if r.pins_released or r.stores_dropped:
-                message = "request leases expired"
-                fields["lease_ttl_s"] = s.lease_ttl_s
-            else:
-                # The engine aborted and never reported these stores: if it still writes into
-                # those slots, it overwrites the blocks they are given to next.
-                message = "aborted stores not reported within the writer deadline; slots freed"
-                fields["abort_writer_deadline_s"] = s.abort_writer_deadline_s
-            log.warning(message, extra={"fields": fields})
-        if released:
-            self.drain_events()
-        return released
+        """Release the leases of silent requests now (``LeaseSweeper.expire``)."""
+        return self.sweeper.expire()
 
     def drain_events(self) -> None:
         """Move the manager's new KV events into the buffer routers read."""
@@ -451,3 +358,30 @@ class Service:
             remote=None if self.remote is None else self.remote.state(),
             disk=None if self.disk is None else self.disk.state(),
         )
+
+
+def _started_fields(service: Service, transfers: Transfers) -> dict[str, object]:
+    """What the ``service started`` line says: where the pool is and what serves it."""
+    s, disk, shadow = service.settings, service.disk, service.shadow
+    return {
+        "namespace": service.namespace,
+        "tenant": None if service.quota is None else service.quota.tenant,
+        "pool": transfers.pool.path,
+        "pool_id": transfers.pool.pool_id,
+        "num_blocks": s.num_blocks,
+        "block_bytes": s.block_bytes,
+        "pinned": transfers.pool.pinned,
+        "policy": service.manager.manager.policy.name,
+        "backend": s.transfer_backend,
+        "faults": s.faults_enabled,
+        "metrics": service.metrics is not None,
+        "shadow_policies": None if shadow is None else shadow.evaluator.policies,
+        "disk": None
+        if disk is None
+        else {
+            "directory": disk.store.directory,
+            "slots": disk.index.num_slots,
+            "direct_io": disk.store.direct,
+            "restored_blocks": disk.restored,
+        },
+    }
