@@ -405,7 +405,13 @@ async def test_a_full_disk_degrades_drops_demotions_and_recovers_without_restart
         async def degraded() -> bool:
             return bool((await stats(h))["state"] == "degraded")
 
-        await until(degraded)
+        async def degraded_and_counted() -> bool:
+            # The store turns degraded inside the failing write, on its I/O thread; the
+            # writer counts that batch's blocks as dropped once the write has returned.
+            s = await stats(h)
+            return bool(s["state"] == "degraded" and sum(s["demotions"]["dropped"].values()))
+
+        await until(degraded_and_counted)
         ready = await h.client.get("/readyz")
         assert ready.status_code == 200
         assert "No space left on device" in ready.json()["details"]["disk_tier"]
