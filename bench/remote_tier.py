@@ -58,6 +58,7 @@ Run: ``.venv/bin/python bench/remote_tier.py`` after ``make test-remote`` (which
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
 import contextlib
 import functools
@@ -588,8 +589,6 @@ async def onload_size(
 ) -> dict[str, Any]:
     """One ``onload`` of remote-only keys (promotion and device copy in one job) against the
     raw client's ``batch_get_into`` of the same objects, paired per repetition."""
-    import asyncio
-
     from tests.api.harness import make_settings, running
 
     n = batch_bytes // block_bytes
@@ -763,8 +762,6 @@ def main(argv: list[str] | None = None) -> int:
         print_bandwidth(rows, batch, reps)
         record["a_bandwidth"] = {"target_ratio": TARGET, "reps": reps, "results": rows}
     if "d" in parts:
-        import asyncio
-
         # The raw client's puts of the repetitions kept stored and the running one.
         segment = (KEPT_REPS + 2) * batch * 3 // 2
         with mooncake_cluster(segment_bytes=segment, workdir=workdir) as (address, url):

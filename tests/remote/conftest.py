@@ -9,10 +9,12 @@ says which.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -60,12 +62,17 @@ else:
                 node.close()
             self.master.stop()
 
-    @pytest.fixture
-    def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cluster]:
-        """A master host and hosts a, b, c (the test starts the master and its nodes)."""
-        net = TestNet.create(["master", "a", "b", "c"])
+    C = TypeVar("C", "Cluster", "HaCluster")
+
+    @contextlib.contextmanager
+    def on_hosts(
+        names: list[str], tmp_path: Path, make: Callable[[TestNet, Path], C]
+    ) -> Iterator[C]:
+        """A test net of ``names`` and what ``make`` builds on it; both closed after the test,
+        also after a failed one."""
+        net = TestNet.create(names)
         print(f"test hosts: {net.describe()}")
-        made = Cluster(net, tmp_path)
+        made = make(net, tmp_path)
         try:
             yield made
         finally:
@@ -73,6 +80,12 @@ else:
                 made.close()
             finally:
                 net.close()
+
+    @pytest.fixture
+    def cluster(tmp_path: Path) -> Iterator[Cluster]:
+        """A master host and hosts a, b, c (the test starts the master and its nodes)."""
+        with on_hosts(["master", "a", "b", "c"], tmp_path, Cluster) as made:
+            yield made
 
     class HaCluster:
         """An etcd, two HA masters (``m1`` started first leads) and the nodes a test starts."""
@@ -103,13 +116,5 @@ else:
     @pytest.fixture
     def ha_cluster(tmp_path: Path) -> Iterator[HaCluster]:
         """Hosts etcd, m1, m2 (masters), a, b, c (nodes); the test starts them."""
-        net = TestNet.create(["etcd", "m1", "m2", "a", "b", "c"])
-        print(f"test hosts: {net.describe()}")
-        made = HaCluster(net, tmp_path)
-        try:
+        with on_hosts(["etcd", "m1", "m2", "a", "b", "c"], tmp_path, HaCluster) as made:
             yield made
-        finally:
-            try:
-                made.close()
-            finally:
-                net.close()
