@@ -136,3 +136,29 @@ def test_unconfigured_call_line_is_a_plain_record(caplog: pytest.LogCaptureFixtu
     (record,) = caplog.records
     assert record.getMessage() == CALL_EVENT
     assert app_logging.fields_of(record) == {"route": "/x"}
+
+
+class _Terminal(io.StringIO):
+    """A stream that says it is a terminal, as stdout is when a person runs the service."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.usefixtures("restore_root")
+def test_auto_format_is_json_off_a_terminal_and_console_on_one() -> None:
+    """``--log-format auto`` (the default): what the README says of logs."""
+    for stream, is_json in ((io.StringIO(), True), (_Terminal(), False)):
+        configure_logging("info", stream=stream, fmt="auto")
+        logging.getLogger("kvoffload.x").info("hello", extra={"fields": {"req_id": "r1"}})
+        log_call("info", {"route": "/x"})
+        flush_logs()
+        lines = stream.getvalue().splitlines()
+        assert len(lines) == 2, lines
+        if is_json:
+            assert [json.loads(line)["event"] for line in lines] == ["hello", CALL_EVENT]
+        else:
+            assert not any(line.lstrip().startswith("{") for line in lines)
+            assert "hello" in lines[0]
+            assert CALL_EVENT in lines[1]
+        unconfigure_logging()
