@@ -75,8 +75,12 @@ class AuthenticationError(ServiceError):
 class PermissionDeniedError(ServiceError):
     """A known tenant asked for something outside its namespaces; nothing was done.
 
-    ``reason``: ``namespace_denied`` (not one of the tenant's), ``namespace_required`` (the
-    tenant has several and the call named none), ``unknown_namespace``.
+    ``reason``: ``namespace_denied`` (a caller known by its token named a namespace that is not
+    its tenant's, whether another tenant's or nobody's: one answer for both, so that no tenant
+    learns which namespaces exist), ``namespace_required`` (the tenant, or for a caller trusted
+    by the socket's file mode the service, has several and the call named none),
+    ``unknown_namespace`` (no such namespace, answered only to callers that may reach every
+    namespace anyway: trusted by ``--uds-auth file-mode``, or of a service without tenants).
     """
 
     def __init__(self, reason: str, message: str) -> None:

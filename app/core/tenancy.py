@@ -175,7 +175,10 @@ class Tenancy:
         ``X-KVOffload-Namespace`` header (None: absent); ``trusted``: the caller came through a
         Unix socket whose file mode is its credential (``--uds-auth file-mode``), and may name
         any namespace. Raises ``AuthenticationError`` (who is this?) before anything about
-        namespaces is said, then ``PermissionDeniedError``.
+        namespaces is said, then ``PermissionDeniedError``: ``unknown_namespace`` without
+        tenants (any namespace but ``default``) and for a trusted caller (one the service lacks),
+        ``namespace_denied`` for a caller known by its token (whether the namespace is another
+        tenant's or nobody's), ``namespace_required`` when the call must name one.
         """
         single = self.single
         if single is not None:

@@ -93,10 +93,14 @@ class Tenants:
 
 
 @contextlib.asynccontextmanager
-async def tenants_running(tmp_path: Path, text: str = TENANTS) -> AsyncIterator[Tenants]:
+async def tenants_running(
+    tmp_path: Path, text: str = TENANTS, **overrides: Any
+) -> AsyncIterator[Tenants]:
+    """Both apps of a service with the tenants ``text``, lifespans running; ``overrides`` are
+    settings (``make_settings``)."""
     path = tmp_path / "tenants.toml"
     write_tenants(path, text)
-    settings = make_settings()
+    settings = make_settings(**overrides)
     tenancy = Tenancy(settings, credentials=Credentials(path))
     app = create_app(settings, tenancy=tenancy)
     admin_app = create_admin_app(settings, tenancy=tenancy)
