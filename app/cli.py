@@ -7,8 +7,8 @@ The admin token is never a flag (it would show in ``ps``): use ``KVOFFLOAD_ADMIN
 ``--admin-token-file``. Policy parameters: ``--policy-param NAME=VALUE`` (repeatable; VALUE is
 JSON when it parses as JSON, else a string). A setting the service cannot start with (an
 invalid value, an unknown policy, a busy port, a device the machine lacks) is one line on
-stderr naming its flag and variable, the value and what is accepted (``ConfigError``), and
-exit status 2.
+stderr naming its flag and variable (a value from the ``--config`` file: the file and its key),
+the value and what is accepted (``ConfigError``), and exit status 2.
 
 ``kvoffload replay TRACE ...``: replay a request trace against the manager (``app.replay``).
 

@@ -10,8 +10,9 @@ policy parameter, an admin listener on a non-loopback address without a token, a
 listener on one without a tenants file, a lease TTL shorter than a transfer deadline) raises
 ``ValueError`` (pydantic's ``ValidationError``) so the service refuses to start instead of
 running unsafely. ``load_settings`` turns every such refusal into a ``ConfigError``: one line
-naming the setting's flag and variable (``setting_names``), the value given and what is
-accepted; ``kvoffload serve`` prints it and exits 2. The rooms above raise ``ConfigError`` too
+naming the setting's flag and variable (``setting_names``), or for a value the config file
+gave, the file and its key; the value given and what is accepted; ``kvoffload serve`` prints it
+and exits 2. The rooms above raise ``ConfigError`` too
 for what only starting can find out (a busy port, a device the machine lacks, an unusable
 tenants file).
 
@@ -23,13 +24,14 @@ the same way.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 from kvoffload_client.client import TokenFileError
 from kvoffload_client.client import read_token_file as read_private_token_file
@@ -85,12 +87,31 @@ def setting_names(field: str) -> str:
 
 class ConfigError(ValueError):
     """A setting the service refuses to start with. ``str()`` is the one line told the user:
-    the setting's flag and variable, the value given, why not and what is accepted."""
+    the setting's flag and variable (or, for a value the ``--config`` file gave, the file and
+    its key), the value given, why not and what is accepted.
+
+    ``field``, ``value`` and ``reason`` are the parts of a line about one setting (None for
+    other lines): ``load_or_refuse`` tells such a line again as the file's when the value came
+    from the file."""
+
+    def __init__(
+        self,
+        message: str,
+        field: str | None = None,
+        value: object = None,
+        reason: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.field = field
+        self.value = value
+        self.reason = reason
 
 
 def config_error(field: str, value: object, reason: str) -> ConfigError:
     """The ``ConfigError`` for ``field`` set to ``value`` (never shown for a secret)."""
-    return ConfigError(f"{setting_names(field)} = {_shown(field, value)}: {reason}")
+    return ConfigError(
+        f"{setting_names(field)} = {_shown(field, value)}: {reason}", field, value, reason
+    )
 
 
 def _shown(field: str, value: object) -> str:
@@ -122,23 +143,102 @@ _ACCEPTED_BY_TYPE = {
     "bool_parsing": "accepted: true or false (also 1/0, yes/no, on/off)",
     "dict_type": "accepted: a JSON object",
 }
+# pydantic's bound errors: which side of the bounds the value fell.
+_OUT_OF_BOUNDS = {
+    "greater_than": "too small",
+    "greater_than_equal": "too small",
+    "less_than": "too large",
+    "less_than_equal": "too large",
+}
 
 
-def _error_line(err: ErrorDetails) -> str:
+def _number(value: object) -> str:
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def accepted_range(field: FieldInfo) -> str:
+    """What a bounded numeric setting accepts, from its bounds: ``an integer from 0 to 65535``,
+    ``a number greater than 0 and at most 1``."""
+    annotation = field.annotation
+    kind = "an integer" if int in (annotation, *get_args(annotation)) else "a number"
+    bounds: dict[str, object] = {}
+    for item in field.metadata:
+        for name in ("gt", "ge", "lt", "le"):
+            if hasattr(item, name):
+                bounds[name] = getattr(item, name)
+    if bounds.keys() == {"ge", "le"}:
+        return f"{kind} from {_number(bounds['ge'])} to {_number(bounds['le'])}"
+    words = {"gt": "greater than", "ge": "at least", "lt": "less than", "le": "at most"}
+    return f"{kind} " + " and ".join(f"{words[k]} {_number(v)}" for k, v in bounds.items())
+
+
+class _FileValues:
+    """Which settings the ``--config`` file gave (not set by a flag or a variable, which win
+    over it) and the file's path: a refusal of one of them names the file and its key, since
+    the flag and variable it would name otherwise were never set."""
+
+    def __init__(self, overrides: dict[str, Any]) -> None:
+        path = overrides.get("config", _env_value("config"))
+        self.path = None if path is None or path == "" else Path(path)
+        data: dict[str, Any] = {}
+        if self.path is not None:
+            # Read again: the refusal being told came after the file loaded once.
+            with contextlib.suppress(ConfigError):
+                data = load_config_file(self.path)
+        self.keys = frozenset(
+            key for key in data if key not in overrides and _env_value(key) is None
+        )
+
+    def where(self) -> str:
+        """``--config / KVOFFLOAD_CONFIG = 'PATH'``: the file, as a refusal names it."""
+        return f"{setting_names('config')} = {_shown('config', self.path)}"
+
+    def line(self, field: str, value: object, reason: str) -> str:
+        """The refusal of ``field`` = ``value`` (a key of the file), naming the file and key."""
+        return f"{self.where()}: key {field} = {_shown(field, value)}: {reason}"
+
+
+def _env_value(field: str) -> str | None:
+    """The ``KVOFFLOAD_<FIELD>`` variable's value, named in any case (as pydantic-settings
+    reads it); None when unset."""
+    name = (ENV_PREFIX + field).upper()
+    return next((v for k, v in os.environ.items() if k.upper() == name), None)
+
+
+def _reason(cls: type[AdminAuth], field: str, err: ErrorDetails) -> str:
+    """Why pydantic refused ``field`` and what it accepts, said as a flag's value is written."""
+    kind = err["type"]
+    if kind in _OUT_OF_BOUNDS and field in cls.model_fields:
+        return f"{_OUT_OF_BOUNDS[kind]}; accepted: {accepted_range(cls.model_fields[field])}"
+    if kind == "literal_error":
+        expected = str(err.get("ctx", {}).get("expected", ""))
+        return f"accepted: {expected.replace(chr(39), '')}"
+    if kind in _ACCEPTED_BY_TYPE:
+        return _ACCEPTED_BY_TYPE[kind]
+    msg = err["msg"].removeprefix("Value error, ")
+    return msg[:1].lower() + msg[1:]
+
+
+def _error_line(cls: type[AdminAuth], err: ErrorDetails, file: _FileValues) -> str:
     cause = err.get("ctx", {}).get("error")
     if isinstance(cause, ConfigError):
+        if cause.field in file.keys and cause.reason is not None:
+            return file.line(cause.field, cause.value, cause.reason)
         return str(cause)
     loc = err["loc"]
     field = str(loc[0]) if loc else None
-    msg = err["msg"].removeprefix("Value error, ")
     if field is None:
-        return msg
+        return err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
         return (
-            f"--config / {ENV_PREFIX}CONFIG: unknown setting {field!r}; accepted: the settings "
-            "of kvoffload serve --help, written with _ (num_blocks for --num-blocks)"
+            f"{file.where()}: unknown key {field!r}; accepted: the settings of kvoffload serve "
+            "--help, written with _ (num_blocks for --num-blocks)"
         )
-    reason = _ACCEPTED_BY_TYPE.get(err["type"], msg[:1].lower() + msg[1:])
+    reason = _reason(cls, field, err)
+    if field in file.keys:
+        return file.line(field, err.get("input"), reason)
     return str(config_error(field, err.get("input"), reason))
 
 
@@ -149,11 +249,16 @@ def load_settings(**overrides: Any) -> Settings:
 
 
 def load_or_refuse(cls: type[_S], **overrides: Any) -> _S:
-    """``cls(**overrides)`` (``Settings`` or ``AdminAuth``), refusals as one ``ConfigError``."""
+    """``cls(**overrides)`` (``Settings`` or ``AdminAuth``), refusals as one ``ConfigError``.
+
+    Each refusal names where its value came from: the flag and its variable, or for a value
+    of the ``--config`` file (one no flag or variable overrode) the file and its key. Each
+    says what is accepted."""
     try:
         return cls(**overrides)
     except ValidationError as exc:
-        lines = [_error_line(err) for err in exc.errors(include_url=False)]
+        file = _FileValues(overrides)
+        lines = [_error_line(cls, err, file) for err in exc.errors(include_url=False)]
         raise ConfigError("; ".join(dict.fromkeys(lines))) from None
     except SettingsError as exc:
         # pydantic-settings could not parse a variable's value (JSON of a dict or list field).

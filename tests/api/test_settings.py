@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args, get_origin
 
 import pytest
 from pydantic import SecretStr, ValidationError
 
 from app.cli import _build_parser, settings_from_args
-from app.settings import Settings
+from app.settings import ConfigError, Settings, flag_name, load_settings
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -173,3 +173,62 @@ def test_mooncake_masters_are_one_address_or_the_etcd_of_ha_masters() -> None:
             Settings(**remote, mooncake_master=master)
     with pytest.raises(ValidationError, match="--mooncake-metadata"):
         Settings(**{**remote, "mooncake_metadata": "etcd://"}, mooncake_master="10.0.0.1:1")
+
+
+def _bounded_fields() -> list[tuple[str, str]]:
+    """(field, a value past one of its bounds) for every bounded numeric setting."""
+    out: list[tuple[str, str]] = []
+    for name, field in Settings.model_fields.items():
+        for item in field.metadata:
+            for bound, past in (("gt", 0), ("ge", -1), ("lt", 0), ("le", 1)):
+                if hasattr(item, bound):
+                    out.append((name, str(getattr(item, bound) + past)))
+    return out
+
+
+@pytest.mark.parametrize(("field", "value"), _bounded_fields())
+def test_every_out_of_range_value_is_refused_saying_what_is_accepted(
+    field: str, value: str
+) -> None:
+    with pytest.raises(ConfigError) as refused:
+        load_settings(**{field: value})
+    line = str(refused.value)
+    flag = flag_name(field)
+    assert flag is not None
+    assert line.startswith(f"{flag} / KVOFFLOAD_{field.upper()} = {value!r}: too "), line
+    assert "; accepted: a" in line, line
+
+
+@pytest.mark.parametrize(
+    "field", [n for n, f in Settings.model_fields.items() if get_origin(f.annotation) is Literal]
+)
+def test_every_value_outside_a_choice_is_refused_listing_the_choices(field: str) -> None:
+    choices = get_args(Settings.model_fields[field].annotation)
+    with pytest.raises(ConfigError) as refused:
+        load_settings(**{field: "nonsense"})
+    line = str(refused.value)
+    assert ": accepted: " in line, line
+    assert all(str(choice) in line.partition("accepted: ")[2] for choice in choices), line
+
+
+def test_a_bad_config_file_value_names_the_file_and_key_not_the_flag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = tmp_path / "kv.toml"
+    cfg.write_text('num_blocks = -5\npolicy = "nope"\nuds_mode = 0o777\n')
+    with pytest.raises(ConfigError) as refused:
+        load_settings(config=cfg)
+    where = f"--config / KVOFFLOAD_CONFIG = {str(cfg)!r}"
+    too_small = "too small; accepted: an integer greater than 0"
+    assert f"{where}: key num_blocks = -5: {too_small}" in str(refused.value)
+    assert f"{where}: key policy = 'nope': unknown policy; accepted: arc" in str(refused.value)
+    assert f"{where}: key uds_mode = '0777': accepted: 0600" in str(refused.value)
+    assert "--num-blocks" not in str(refused.value)
+    # A variable over the file's value: the refusal is the variable's (the file's is unused).
+    monkeypatch.setenv("KVOFFLOAD_NUM_BLOCKS", "0")
+    monkeypatch.setenv("KVOFFLOAD_CONFIG", str(cfg))
+    with pytest.raises(ConfigError) as refused:
+        load_settings(policy="lru", uds_mode="0600")
+    assert str(refused.value) == (
+        "--num-blocks / KVOFFLOAD_NUM_BLOCKS = '0': too small; accepted: an integer greater than 0"
+    )

@@ -1,7 +1,7 @@
 """``kvoffload serve`` refusing to start: every bad setting (flag, variable, config file key),
 every value the machine cannot honour (device, pool room, ports, Unix socket paths) ends with
-exit status 2 and one line on stderr naming the flag and its variable and the value given; no
-traceback anywhere."""
+exit status 2 and one line on stderr naming the flag and its variable (a value of the config
+file: the file and its key), the value given and what is accepted; no traceback anywhere."""
 
 from __future__ import annotations
 
@@ -64,7 +64,10 @@ def listening_port() -> Iterator[int]:
         (["--num-blocks", "-1"], ["--num-blocks / KVOFFLOAD_NUM_BLOCKS", "'-1'", "greater than 0"]),
         (["--port", "http"], ["--port / KVOFFLOAD_PORT", "'http'", "an integer"]),
         (["--device", "gpu"], ["--device / KVOFFLOAD_DEVICE", "'gpu'", "auto, cpu"]),
-        (["--log-level", "loud"], ["--log-level / KVOFFLOAD_LOG_LEVEL", "'loud'", "'debug'"]),
+        (
+            ["--log-level", "loud"],
+            ["--log-level / KVOFFLOAD_LOG_LEVEL", "'loud'", "accepted: debug, info"],
+        ),
         (["--metrics-enabled", "maybe"], ["--metrics-enabled", "'maybe'", "true or false"]),
         (["--admin-host", "0.0.0.0"], ["--admin-host / KVOFFLOAD_ADMIN_HOST", "'0.0.0.0'"]),
         (
@@ -114,14 +117,61 @@ def test_bad_variables_and_config_keys_name_the_flag_and_variable(tmp_path: Path
     )
     bad_value = tmp_path / "bad-value.toml"
     bad_value.write_text('policy = "foo"\n')
-    assert_refused(serve("--config", str(bad_value)), "--policy / KVOFFLOAD_POLICY", "'foo'")
+    line = assert_refused(
+        serve("--config", str(bad_value)),
+        f"--config / KVOFFLOAD_CONFIG = '{bad_value}': key policy = 'foo': unknown policy; "
+        "accepted: arc,",
+    )
+    assert "--policy" not in line  # the flag was never given: the file is where to look
     bad_key = tmp_path / "bad-key.toml"
     bad_key.write_text("num_blockz = 3\n")
-    assert_refused(serve("--config", str(bad_key)), "--config / KVOFFLOAD_CONFIG", "num_blockz")
+    assert_refused(
+        serve("--config", str(bad_key)),
+        f"--config / KVOFFLOAD_CONFIG = '{bad_key}': unknown key 'num_blockz'; accepted:",
+    )
     assert_refused(
         serve("--config", str(tmp_path / "absent.toml")),
         "--config / KVOFFLOAD_CONFIG",
         "absent.toml",
+    )
+
+
+def readme_refusals() -> list[str]:
+    """The example refusals of README.md's "Command line" section, as it prints them."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("\n## Command line\n") :]
+    return [line for line in section.splitlines() if line.startswith("kvoffload: ")]
+
+
+def test_a_bad_value_in_the_config_file_names_the_file_and_the_key(tmp_path: Path) -> None:
+    """The README's example: the file and its key, never a flag that was not given; a flag or
+    variable that overrides the file's value is what a refusal of it names."""
+    config = tmp_path / "kv.toml"
+    config.write_text("shadow_sample_rate = 1.5\nnum_blocks = 16\n")
+    expected = next(line for line in readme_refusals() if "--config" in line)
+    expected = expected.replace("'kv.toml'", repr(str(config)))
+    assert_refused(serve("--config", str(config)), expected)
+    line = assert_refused(
+        serve("--config", str(config), "--shadow-sample-rate", "0"),
+        "--shadow-sample-rate / KVOFFLOAD_SHADOW_SAMPLE_RATE = '0': too small;",
+    )
+    assert "kv.toml" not in line
+    config.write_text("num_blocks = 16\n")
+    line = assert_refused(
+        serve(env={"KVOFFLOAD_CONFIG": str(config), "KVOFFLOAD_SHADOW_SAMPLE_RATE": "9"}),
+        "--shadow-sample-rate / KVOFFLOAD_SHADOW_SAMPLE_RATE = '9': too large;",
+    )
+    assert "kv.toml" not in line
+
+
+def test_an_out_of_range_flag_says_what_is_accepted() -> None:
+    """The README's example (``--num-blocks -5``), and both sides of a two-sided range."""
+    expected = next(line for line in readme_refusals() if "--num-blocks" in line)
+    assert_refused(serve("--num-blocks", "-5"), expected)
+    assert_refused(
+        serve("--mooncake-replicas", "17"),
+        "--mooncake-replicas / KVOFFLOAD_MOONCAKE_REPLICAS = '17': too large; accepted: an "
+        "integer from 1 to 16",
     )
 
 
