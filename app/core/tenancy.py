@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
@@ -312,7 +313,14 @@ class Tenancy:
 
     async def reload(self) -> bool:
         """Load the tenants file again and apply it; False (and nothing changed) when it does
-        not load. See the module docstring for what a reload changes."""
+        not load. See the module docstring for what a reload changes.
+
+        A reload that loads logs one ``tenants reloaded`` line: the ``ReloadReport``'s fields
+        (tenant and namespace names; ``tokens_added`` and ``tokens_revoked`` as integer counts,
+        never a token), ``changed`` and ``namespaces`` (how many are served now). At warning
+        when it took something away (``ReloadReport.took_away``: a tenant removed, a token
+        revoked, a namespace removed or changed), else at info: additions, quota changes, or
+        nothing at all (a SIGHUP, or a file rewritten with the same contents)."""
         credentials = self.credentials
         if credentials is None:
             return False
@@ -331,10 +339,13 @@ class Tenancy:
             self.reloads += 1
             self.file_in_force = True
             await self._apply(before, credentials.table)
-            log.warning(
-                "tenants reloaded",
-                extra={"fields": {**dataclasses.asdict(report), "namespaces": len(self.spaces)}},
-            )
+            fields = {
+                **dataclasses.asdict(report),
+                "changed": report.changed,
+                "namespaces": len(self.spaces),
+            }
+            level = logging.WARNING if report.took_away else logging.INFO
+            log.log(level, "tenants reloaded", extra={"fields": fields})
             return True
 
     async def _apply(self, before: TenantTable, after: TenantTable) -> None:

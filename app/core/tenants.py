@@ -401,6 +401,21 @@ class ReloadReport:
             )
         )
 
+    @property
+    def took_away(self) -> bool:
+        """Whether the reload took something from callers: a tenant removed, a token revoked,
+        a namespace removed or changed (another owner: its blocks are dropped; another size:
+        kept until a restart). What an operator should hear of; additions and quota changes
+        are not."""
+        return any(
+            (
+                self.tenants_removed,
+                self.tokens_revoked,
+                self.namespaces_removed,
+                self.namespaces_changed,
+            )
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class _State:

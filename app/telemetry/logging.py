@@ -22,7 +22,9 @@ record written while serving one listener (``bind_listener``: the server binds `
 listener (startup, shutdown) say which one they are about. JSON
 (one object per line) unless the stream is a terminal (``fmt="auto"``), where structlog's
 console renderer is easier on the eyes. Values under keys that name credentials
-(token, authorization, password, secret, cookie) are replaced by ``[redacted]``.
+(token, authorization, password, secret, cookie) are replaced by ``[redacted]``, except
+integers (and booleans): those are counts and flags (``tokens_added: 2``), and no credential
+here is a number (tokens, passwords and cookies are strings).
 
 Until ``configure_logging`` runs (tests, library use) nothing is installed: records go wherever
 the host application sends them (pytest's ``caplog``), the call line included (logger
@@ -158,8 +160,11 @@ def _merge_call_ids(logger: WrappedLogger, name: str, event: EventDict) -> Event
 
 
 def _redact(logger: WrappedLogger, name: str, event: EventDict) -> EventDict:
-    """Replace the value of any key that names a credential."""
-    for key in event:
+    """Replace the value of any key that names a credential, unless it is an integer (a
+    count such as ``tokens_revoked``, or a boolean): every credential is a string."""
+    for key, value in event.items():
+        if isinstance(value, int):
+            continue
         lowered = key.lower()
         if any(word in lowered for word in _SECRET_WORDS):
             event[key] = "[redacted]"

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
+import json
+import logging
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -18,11 +21,13 @@ from typing import Any
 import httpx
 import pytest
 
+from app.core import tenancy as tenancy_module
 from app.core.tenancy import Tenancy
 from app.core.tenants import Credentials
 from app.http.apps import create_admin_app, create_app
 from app.http.operations import OPERATIONS
 from app.settings import Settings
+from app.telemetry.logging import configure_logging, fields_of, unconfigure_logging
 from tests.api.harness import TOKEN, hexkeys, make_settings
 
 pytestmark = pytest.mark.anyio
@@ -449,3 +454,73 @@ async def test_a_namespace_added_by_a_reload_reports_a_failed_backend_too(
         assert added._fatal_reported
         r = await t.call(BETA, "GET", "/readyz")
         assert r.status_code == 503
+
+
+def reload_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    """The ``tenants reloaded`` records caplog holds, then clears them."""
+    records = [r for r in caplog.records if r.getMessage() == "tenants reloaded"]
+    caplog.clear()
+    return records
+
+
+@pytest.fixture
+def no_watcher_reloads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The file watcher waits an hour between looks: only the test's own reloads happen, so
+    each change is logged once."""
+    monkeypatch.setattr(tenancy_module, "RELOAD_POLL_S", 3600.0)
+
+
+@pytest.mark.usefixtures("no_watcher_reloads")
+async def test_a_reload_logs_counts_at_info_unless_it_took_something_away(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="kvoffload.tenancy")
+    async with tenants_running(tmp_path) as t:
+        # Nothing changed (a SIGHUP, the same file rewritten): info, zero counts.
+        write_tenants(t.path, TENANTS)
+        assert await t.tenancy.reload()
+        (same,) = reload_records(caplog)
+        assert same.levelno == logging.INFO
+        fields = fields_of(same)
+        assert (fields["tokens_added"], fields["tokens_revoked"], fields["changed"]) == (
+            0,
+            0,
+            False,
+        )
+        # A token added: still info.
+        both = TENANTS.replace(f'tokens = ["{ALPHA}"]', f'tokens = ["{ALPHA}", "{ALPHA_NEXT}"]')
+        write_tenants(t.path, both)
+        assert await t.tenancy.reload()
+        (added,) = reload_records(caplog)
+        assert added.levelno == logging.INFO
+        assert (fields_of(added)["tokens_added"], fields_of(added)["changed"]) == (1, True)
+        # The old token removed: revoked, so warning.
+        write_tenants(
+            t.path, TENANTS.replace(f'tokens = ["{ALPHA}"]', f'tokens = ["{ALPHA_NEXT}"]')
+        )
+        assert await t.tenancy.reload()
+        (revoked,) = reload_records(caplog)
+        assert revoked.levelno == logging.WARNING
+        assert (fields_of(revoked)["tokens_added"], fields_of(revoked)["tokens_revoked"]) == (0, 1)
+        assert ALPHA not in str(fields_of(revoked))
+        assert ALPHA_NEXT not in str(fields_of(revoked))
+
+
+@pytest.mark.usefixtures("no_watcher_reloads")
+async def test_the_reload_line_shows_its_token_counts_as_integers(tmp_path: Path) -> None:
+    """Rendered as the service writes it (JSON): the counts, not ``[redacted]``."""
+    buffer = io.StringIO()
+    root_level = logging.getLogger().level
+    configure_logging("info", stream=buffer, fmt="json")
+    try:
+        async with tenants_running(tmp_path) as t:
+            write_tenants(t.path, TENANTS[: TENANTS.index("[tenants.beta]")])  # beta goes
+            assert await t.tenancy.reload()
+    finally:
+        unconfigure_logging()
+        logging.getLogger().setLevel(root_level)
+    lines = [json.loads(line) for line in buffer.getvalue().splitlines()]
+    (line,) = [line for line in lines if line["event"] == "tenants reloaded"]
+    assert line["level"] == "warning"
+    assert (line["tokens_added"], line["tokens_revoked"]) == (0, 1)
+    assert BETA not in buffer.getvalue()

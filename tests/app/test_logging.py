@@ -84,6 +84,17 @@ def test_credentials_are_redacted() -> None:
 
 
 @pytest.mark.usefixtures("restore_root")
+def test_counts_under_credential_names_are_kept_and_strings_are_not() -> None:
+    buffer = io.StringIO()
+    configure_logging("info", stream=buffer, fmt="json")
+    fields = {"tokens_added": 0, "tokens_revoked": 2, "token_ok": True, "token": "1234567890"}
+    logging.getLogger("kvoffload.x").info("counts", extra={"fields": fields})
+    (line,) = read(buffer)
+    assert (line["tokens_added"], line["tokens_revoked"], line["token_ok"]) == (0, 2, True)
+    assert line["token"] == "[redacted]"  # a string of digits is still a string
+
+
+@pytest.mark.usefixtures("restore_root")
 def test_call_line_and_level_switch() -> None:
     buffer = io.StringIO()
     configure_logging("warning", stream=buffer, fmt="json")
