@@ -5,6 +5,8 @@
 #   make bench  run every benchmark (tables on stdout, JSON under bench/results/)
 #   make test-vllm  the tier's tests inside vLLM 0.33.0's real code (own venv: .venv-vllm)
 #   make test-remote  the remote tier against a real Mooncake Store (adds the mooncake extra)
+#   make image  the service's image from a wheelhouse built here (no registry, no network inside)
+#   make test-deploy  the image and the compose files run for real in Docker (needs dockerd, root)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -26,7 +28,8 @@ CPU_TORCH ?= torch==2.13.0
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-vllm test-remote lint format bench clean
+.PHONY: setup run test test-vllm test-remote lint format bench clean wheelhouse base-image image \
+	test-deploy
 
 # vLLM test environment: vLLM without its dependencies (its CUDA stack is not needed on CPU),
 # then only what its kv_offload modules import (requirements/vllm-test.txt), then this package.
@@ -98,6 +101,51 @@ $(MOONCAKE_STAMP): pyproject.toml $(CONSTRAINTS) $(DEV_STAMP)
 # fall back to loopback and the link-cut test skips (pytest's header says which).
 test-remote: $(MOONCAKE_STAMP)
 	KVOFFLOAD_REQUIRE_MOONCAKE=1 $(PY) -m pytest tests/remote tests/transfer/test_remote.py $(PYTEST_ARGS)
+
+# --- the image ------------------------------------------------------------------------------
+# The image is built from a wheelhouse made here, so the build needs no registry and no network:
+# torch (TORCH_SPEC from TORCH_INDEX_URL: the CPU build by default; a CUDA build with
+# TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128), both distributions of this checkout
+# and every dependency, held to the constraints. WHEEL_PYTHON builds it: its minor version must
+# be the base image's python3 (the build checks; Debian bookworm's is 3.11).
+WHEELHOUSE ?= build/wheelhouse
+WHEEL_PYTHON ?= $(PYTHON)
+TORCH_SPEC ?= $(CPU_TORCH)
+IMAGE ?= kvoffload:local
+# Empty: a Debian base made here with debootstrap (deploy/tools/debian_base.sh), once. Any other
+# Debian or Ubuntu image works too (python3 and the libraries are installed from its
+# distribution when it lacks them, which needs its package mirror).
+BASE_IMAGE ?=
+DEBIAN_BASE ?= kvoffload-base:bookworm
+
+wheelhouse:
+	rm -rf $(WHEELHOUSE) && mkdir -p $(WHEELHOUSE)
+	$(WHEEL_PYTHON) -m pip download -q --no-deps --retries 0 --timeout 15 -d $(WHEELHOUSE) \
+		$(if $(TORCH_INDEX_URL),--index-url '$(TORCH_INDEX_URL)') '$(TORCH_SPEC)' \
+	|| { echo "wheelhouse: FALLBACK: $(TORCH_SPEC) from the default index instead"; \
+		$(WHEEL_PYTHON) -m pip download -q --no-deps -d $(WHEELHOUSE) '$(TORCH_SPEC)'; }
+	# The torch file itself as a requirement, so that its own dependencies come along and no
+	# other build of the same version is taken.
+	$(WHEEL_PYTHON) -m pip wheel -q -w $(WHEELHOUSE) -c $(CONSTRAINTS) $(WHEELHOUSE)/torch-*.whl \
+		./client '.[mooncake]'
+	$(WHEEL_PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])' >$(WHEELHOUSE)/PYTHON
+	@echo "wheelhouse: $$(ls $(WHEELHOUSE)/*.whl | wc -l) wheels, $$(du -sh $(WHEELHOUSE) | cut -f1)," \
+		"for Python $$(cat $(WHEELHOUSE)/PYTHON), in $(WHEELHOUSE)"
+
+base-image:
+	@if [ -z "$(BASE_IMAGE)" ] && ! docker image inspect $(DEBIAN_BASE) >/dev/null 2>&1; then \
+		deploy/tools/debian_base.sh $(DEBIAN_BASE); fi
+
+image: wheelhouse base-image
+	docker build -f deploy/Dockerfile --build-arg BASE_IMAGE=$(or $(BASE_IMAGE),$(DEBIAN_BASE)) \
+		-t $(IMAGE) .
+	@echo "image: $(IMAGE), $$(docker image inspect -f '{{.Size}}' $(IMAGE) \
+		| awk '{printf "%.0f MB", $$1/1e6}')"
+
+# The image and the compose files, run: tests/containers (KVOFFLOAD_REQUIRE_DOCKER=1 turns a
+# missing engine into an error). It builds the image first.
+test-deploy: image $(DEV_STAMP)
+	KVOFFLOAD_REQUIRE_DOCKER=1 KVOFFLOAD_IMAGE=$(IMAGE) $(PY) -m pytest tests/containers $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -45,6 +45,23 @@ HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 KUBECTL = shutil.which("kubectl")
 
 
+def context_sends(path: str) -> bool:
+    """Whether the root .dockerignore lets ``path`` (relative to the repository root) into the
+    build context: its last matching line decides (``!`` re-includes), as both builders read
+    it. Only the patterns this repository uses are understood: ``*`` and ``dir/`` prefixes."""
+    sent = True
+    for raw in (ROOT / ".dockerignore").read_text(encoding="utf-8").splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        include = line.startswith("!")
+        pattern = line.lstrip("!").rstrip("/")
+        assert pattern == "*" or "*" not in pattern, f"pattern not understood here: {line}"
+        if pattern == "*" or path == pattern or path.startswith(pattern + "/"):
+            sent = include
+    return sent
+
+
 def kustomize(path: Path) -> list[Any]:
     """The documents ``kubectl kustomize path`` renders (it must succeed)."""
     assert KUBECTL is not None

@@ -21,8 +21,8 @@ from tests.deploy.helpers import (
     K8S,
     KUBECTL,
     README,
-    ROOT,
     compose_default,
+    context_sends,
     dockerfile_instructions,
     kustomize,
     load_json,
@@ -100,7 +100,7 @@ def test_compose_shares_only_the_socket_directory(services) -> None:
     shared = set(kv_mounts) & set(vllm_mounts)
     assert shared == {"kvoffload-run"}
     assert kv_mounts["kvoffload-run"] == vllm_mounts["kvoffload-run"] == str(RUN_DIR)
-    assert "kvoffload-run" in load_yaml(VLLM_COMPOSE)["volumes"], "a named volume"
+    assert "kvoffload-run" in load_yaml(COMPOSE)["volumes"], "a named volume"
     for service in (kv, vllm):
         assert "/dev/shm" not in _compose_mounts(service).values()
         for key in ("ipc", "pid", "network_mode"):
@@ -136,12 +136,12 @@ def test_compose_credentials(services) -> None:
 
 def test_compose_vllm_reads_the_one_configuration_file(services) -> None:
     vllm = services["vllm"]
-    configs = load_yaml(VLLM_COMPOSE)["configs"]
-    (mount,) = vllm["configs"]
-    assert (DEPLOY / configs[mount["source"]]["file"]).resolve() == TIER_CONFIG.resolve()
+    (target,) = [t for s, t in _compose_mounts(vllm).items() if s.endswith(".json")]
+    source = next(s for s, t in _compose_mounts(vllm).items() if t == target)
+    assert (DEPLOY / source).resolve() == TIER_CONFIG.resolve()
     (command,) = vllm["command"]
     assert vllm["entrypoint"] == ["/bin/sh", "-c"]
-    assert f'--kv-transfer-config "$$(cat {mount["target"]})"' in command
+    assert f'--kv-transfer-config "$$(cat {target})"' in command
     assert command.startswith("exec vllm serve ")
     build = vllm["build"]
     assert (DEPLOY / build["context"] / build["dockerfile"]).resolve() == DOCKERFILE_VLLM
@@ -364,14 +364,12 @@ def test_vllm_image_adds_the_engine_side_alone_without_touching_vllms_dependenci
     instructions = dockerfile_instructions(DOCKERFILE_VLLM)
     copies = [arg for word, arg in instructions if word == "COPY"]
     sources = [src for arg in copies for src in arg.split()[:-1]]
-    assert sources == ["client"], "the engine distribution only: none of the server's packages"
-    ignore = (DEPLOY / "Dockerfile.vllm.dockerignore").read_text(encoding="utf-8").splitlines()
-    allowed = {ln[1:].rstrip("/") for ln in ignore if ln.startswith("!")}
-    for src in sources:
-        assert (ROOT / src).exists(), src
-        assert src in allowed, f"COPY {src}: excluded by Dockerfile.vllm.dockerignore"
+    assert sources == ["build/wheelhouse/kvoffload_client-*.whl"], (
+        "the engine distribution's wheel only: none of the server's packages"
+    )
+    assert context_sends(sources[0])
     runs = " ".join(arg for word, arg in instructions if word == "RUN")
-    assert "pip install --no-cache-dir --no-deps ./client" in runs
+    assert "pip install --no-cache-dir --no-index --no-deps /tmp/wheels/kvoffload_client-" in runs
     assert "import kvoffload_client.vllm" in runs, "the build checks that the tier imports"
     assert '! python3 -c "import app"' in runs, "the build checks that no server came along"
 
