@@ -1,0 +1,275 @@
+"""A compose stack of deploy/ run for real, a Prometheus on the host, and the figures a run of
+``make test-deploy`` reports."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any, TypeVar
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+# What the run measured, printed at the end of the session and written here.
+REPORT_FILE = ROOT / "build" / "test-deploy.json"
+LOG_DIR = ROOT / "build" / "test-deploy-logs"
+# Docker Compose v2 (the CLI plugin) and Debian's docker-compose 1.29: each stack is run by one,
+# so both are shown to run the files, not only to parse them.
+COMPOSE_V2 = ("docker", "compose")
+COMPOSE_V1 = ("docker-compose",)
+HEALTHY_WITHIN_S = 120.0
+T = TypeVar("T")
+
+
+@dataclass
+class Report:
+    """Figures and answers of one run, in the order they were recorded."""
+
+    entries: dict[str, Any] = field(default_factory=dict)
+
+    def record(self, key: str, value: Any) -> None:
+        self.entries[key] = value
+        REPORT_FILE.parent.mkdir(parents=True, exist_ok=True)
+        REPORT_FILE.write_text(json.dumps(self.entries, indent=2) + "\n", encoding="utf-8")
+
+
+REPORT = Report()
+
+
+def run(cmd: Sequence[str], *, timeout: float = 300, check: bool = True, **kw: Any) -> str:
+    """``cmd``'s stdout; a failure raises with its stderr (bounded by ``timeout``)."""
+    proc = subprocess.run(
+        list(cmd), capture_output=True, text=True, timeout=timeout, check=False, **kw
+    )
+    if check and proc.returncode != 0:
+        said = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{said}")
+    out: str = proc.stdout
+    return out
+
+
+def wait_for(what: str, probe: Callable[[], T | None], within_s: float) -> T:
+    """``probe()`` until it answers other than None (transport errors count as None), or fail
+    after ``within_s`` seconds."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            found = probe()
+        except httpx.TransportError:
+            found = None
+        if found is not None:
+            return found
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {within_s:.0f} s: {what}")
+        time.sleep(0.5)
+
+
+def compose_version(compose: Sequence[str]) -> str:
+    return run([*compose, "version"], timeout=30).strip().splitlines()[0]
+
+
+@dataclass(frozen=True)
+class Project:
+    """A copy of deploy/ with fresh secrets of its own (the checkout's deploy/secrets is never
+    touched): an admin, a scrape and a tenant token (tenant ``local``, namespace ``local``)."""
+
+    dir: Path
+    admin_token: str
+    metrics_token: str
+    engine_token: str
+
+    @classmethod
+    def make(cls, where: Path) -> Project:
+        project = where / "deploy"
+        shutil.copytree(DEPLOY, project, ignore=shutil.ignore_patterns("secrets", "__pycache__"))
+        sec = project / "secrets"
+        sec.mkdir(mode=0o750)
+        tokens = {name: secrets.token_hex(32) for name in ("admin", "metrics", "engine")}
+        files = {
+            "kvoffload_admin_token": tokens["admin"],
+            "kvoffload_metrics_token": tokens["metrics"],
+            "kvoffload_engine_token": tokens["engine"],
+            "grafana_admin_password": secrets.token_hex(16),
+        }
+        for name, value in files.items():
+            _private(sec / name, value + "\n")
+        (sec / "tenants").mkdir(mode=0o750)
+        _private(
+            sec / "tenants" / "local.toml",
+            f'tokens = ["{tokens["engine"]}"]\nnamespaces = ["local"]\n',
+        )
+        return cls(project, tokens["admin"], tokens["metrics"], tokens["engine"])
+
+
+def _private(path: Path, text: str) -> None:
+    path.write_text(text, encoding="utf-8")
+    path.chmod(0o640)
+
+
+class Stack:
+    """One compose project of ``files`` (in ``project``), run by ``compose``."""
+
+    def __init__(
+        self, project: Project, name: str, files: Sequence[str], compose: Sequence[str], image: str
+    ) -> None:
+        self.project = project
+        self.name = name
+        self.compose = tuple(compose)
+        self.args = [a for f in files for a in ("-f", str(project.dir / f))]
+        self.env = {
+            **os.environ,
+            "IMAGE": image,
+            # The tenants files are the test's (its group: root's when CI runs as root).
+            "TENANTS_GID": str(os.getgid()),
+        }
+
+    def __call__(self, *args: str, timeout: float = 300, check: bool = True) -> str:
+        return run(
+            [*self.compose, "-p", self.name, *self.args, *args],
+            timeout=timeout,
+            check=check,
+            env=self.env,
+            cwd=self.project.dir,
+        )
+
+    def container(self, service: str) -> str:
+        (cid,) = self("ps", "-q", service).split()
+        return cid
+
+    def up(self, services: Sequence[str]) -> None:
+        self("up", "-d", "--no-build", *services)
+
+    def wait_healthy(self, services: Sequence[str]) -> float:
+        """Seconds from now until every service's container reports healthy."""
+        started = time.monotonic()
+        ids = {s: self.container(s) for s in services}
+
+        def all_healthy() -> bool | None:
+            states = {
+                s: run(["docker", "inspect", "-f", "{{.State.Health.Status}}", c]).strip()
+                for s, c in ids.items()
+            }
+            bad = {s: st for s, st in states.items() if st == "unhealthy"}
+            assert not bad, f"unhealthy: {bad}\n{self.logs()}"
+            return True if set(states.values()) == {"healthy"} else None
+
+        wait_for(f"{', '.join(services)} healthy", all_healthy, HEALTHY_WITHIN_S)
+        return time.monotonic() - started
+
+    def engine(self, service: str, *args: str) -> dict[str, Any]:
+        """``cpu-engine ARGS`` in a new container of ``service``: its one JSON line (it must
+        exit 0)."""
+        out = self("run", "--rm", "-T", service, *args, timeout=120)
+        result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+        return result
+
+    def volume_dir(self, volume: str) -> Path:
+        """Where the named volume ``volume`` of this project lies on the host."""
+        name = f"{self.name}_{volume}"
+        return Path(run(["docker", "volume", "inspect", "-f", "{{.Mountpoint}}", name]).strip())
+
+    def logs(self) -> str:
+        return self("logs", "--no-color", "--tail", "200", check=False, timeout=60)
+
+    def down(self) -> None:
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        (LOG_DIR / f"{self.name}.log").write_text(self.logs(), encoding="utf-8")
+        self("down", "-v", "--remove-orphans", "-t", "20", timeout=180, check=False)
+
+
+def cpu_engine() -> ModuleType:
+    """deploy/tools/cpu_engine.py as a module, for an engine on the host."""
+    spec = importlib.util.spec_from_file_location("cpu_engine", DEPLOY / "tools" / "cpu_engine.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@contextmanager
+def host_prometheus(workdir: Path, targets: Sequence[str], token: str) -> Iterator[str]:
+    """Debian's Prometheus on the host, scraping ``targets`` (host:port) every second with the
+    scrape token, as deploy/prometheus does in compose; its base URL."""
+    binary = shutil.which("prometheus")
+    assert binary is not None, "no prometheus binary (apt-get install prometheus)"
+    workdir.mkdir(parents=True, exist_ok=True)
+    token_file = workdir / "token"
+    _private(token_file, token + "\n")
+    config = workdir / "prometheus.yml"
+    listed = ", ".join(f"'{t}'" for t in targets)
+    config.write_text(
+        "global: {scrape_interval: 1s, scrape_timeout: 1s}\n"
+        "scrape_configs:\n"
+        "  - job_name: kvoffload\n"
+        f"    authorization: {{type: Bearer, credentials_file: {token_file}}}\n"
+        f"    static_configs: [{{targets: [{listed}]}}]\n",
+        encoding="utf-8",
+    )
+    port = free_port()
+    with (workdir / "prometheus.log").open("wb") as log:
+        proc = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--enable-feature=exemplar-storage",
+                "--log.level=warn",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(
+            "Prometheus ready",
+            lambda: True if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200 else None,
+            30,
+        )
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def promql(url: str, query: str) -> list[dict[str, Any]]:
+    r = httpx.get(f"{url}/api/v1/query", params={"query": query}, timeout=5)
+    r.raise_for_status()
+    result: list[dict[str, Any]] = r.json()["data"]["result"]
+    return result
+
+
+def scraped(url: str, query: str, within_s: float = 30) -> dict[str, float]:
+    """``query``'s value per instance once Prometheus has one for it (> 0), within the bound."""
+
+    def probe() -> dict[str, float] | None:
+        found = {s["metric"].get("instance", ""): float(s["value"][1]) for s in promql(url, query)}
+        return found if found and all(v > 0 for v in found.values()) else None
+
+    return wait_for(f"Prometheus to answer {query}", probe, within_s)
