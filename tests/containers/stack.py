@@ -122,7 +122,13 @@ class Stack:
     """One compose project of ``files`` (in ``project``), run by ``compose``."""
 
     def __init__(
-        self, project: Project, name: str, files: Sequence[str], compose: Sequence[str], image: str
+        self,
+        project: Project,
+        name: str,
+        files: Sequence[str],
+        compose: Sequence[str],
+        image: str,
+        **env: str,
     ) -> None:
         self.project = project
         self.name = name
@@ -133,6 +139,7 @@ class Stack:
             "IMAGE": image,
             # The tenants files are the test's (its group: root's when CI runs as root).
             "TENANTS_GID": str(os.getgid()),
+            **env,
         }
 
     def __call__(self, *args: str, timeout: float = 300, check: bool = True) -> str:

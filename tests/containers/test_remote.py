@@ -47,7 +47,7 @@ def engine_module() -> ModuleType:
     return cpu_engine()
 
 
-def _lookup(url: str, token: str, keys: list[bytes]) -> list[str]:
+def lookup(url: str, token: str, keys: list[bytes]) -> list[str]:
     req = f"probe-{secrets.token_hex(4)}"
     auth = {"authorization": f"Bearer {token}"}
     with httpx.Client(base_url=url, timeout=10, headers=auth) as http:
@@ -82,7 +82,7 @@ def test_an_engine_on_a_stores_and_one_on_b_loads_the_same_bytes(
     # Node A writes behind to the shared store; B sees the keys once A's puts have landed.
     on_b = wait_for(
         "node B answers remote for every key A stored",
-        lambda: r if set(r := _lookup(NODE_B, token, keys)) == {"remote"} else None,
+        lambda: r if set(r := lookup(NODE_B, token, keys)) == {"remote"} else None,
         60,
     )
     loaded = stack.engine(
@@ -91,7 +91,7 @@ def test_an_engine_on_a_stores_and_one_on_b_loads_the_same_bytes(
     assert loaded["ok"], loaded
     assert loaded["bytes_equal"] == BLOCKS, loaded
     # Loaded, the blocks are in B's pool now.
-    assert set(_lookup(NODE_B, token, keys)) == {"hit"}
+    assert set(lookup(NODE_B, token, keys)) == {"hit"}
     REPORT.record(
         "remote: A -> B",
         {

@@ -29,6 +29,7 @@ from tests.deploy.helpers import (
     parse_bytes,
     write_secret_volume,
 )
+from transfer.mooncake import master_problem, metadata_problem
 
 REMOTE_COMPOSE = DEPLOY / "docker-compose.remote.yml"
 REMOTE_PROMETHEUS = DEPLOY / "prometheus" / "prometheus.remote.yml"
@@ -420,3 +421,78 @@ def test_readme_tells_how_to_deploy_the_remote_tier() -> None:
     readme = README.read_text(encoding="utf-8")
     assert "docker-compose.remote.yml" in readme
     assert "components: [../../deploy/k8s/remote]" in readme
+
+
+# --------------------------------------------------------------------------- HA masters
+
+HA_COMPOSE = DEPLOY / "docker-compose.ha.yml"
+
+
+def _etcd_members(statefulset: dict[str, Any], service: str) -> list[str]:
+    replicas = statefulset["spec"]["replicas"]
+    name = statefulset["metadata"]["name"]
+    namespace = statefulset["metadata"]["namespace"]
+    return [f"{name}-{i}.{service}.{namespace}.svc:2379" for i in range(replicas)]
+
+
+@pytest.mark.skipif(KUBECTL is None, reason="kubectl not on PATH (kubectl kustomize renders)")
+def test_k8s_ha_component_names_every_etcd_member_to_masters_and_nodes(tmp_path: Path) -> None:
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    base = os.path.relpath(K8S, overlay)
+    (overlay / "kustomization.yaml").write_text(
+        f"resources: [{base}]\ncomponents: [{base}/remote, {base}/remote-ha]\n", encoding="utf-8"
+    )
+    rendered = kustomize(overlay)
+    by_name = {(d["kind"], d["metadata"]["name"]): d for d in rendered}
+    etcd = by_name[("StatefulSet", "etcd")]
+    assert etcd["spec"]["replicas"] >= 3, "a quorum must survive a lost member"
+    assert by_name[("Service", "etcd")]["spec"]["clusterIP"] == "None"
+    members = _etcd_members(etcd, etcd["spec"]["serviceName"])
+    (etcd_container,) = etcd["spec"]["template"]["spec"]["containers"]
+    cluster = next(a for a in etcd_container["args"] if a.startswith("--initial-cluster="))
+    for i, member in enumerate(members):
+        assert f"etcd-{i}=http://{member.replace(':2379', ':2380')}" in cluster
+
+    master = by_name[("Deployment", MASTER)]
+    assert master["spec"]["replicas"] == 2
+    assert master["spec"]["strategy"]["type"] == "RollingUpdate"
+    (mc,) = master["spec"]["template"]["spec"]["containers"]
+    args = mc["args"]
+    assert {"--enable_ha=true", "--enable_oplog=true", "--rpc_address=$(POD_IP)"} <= set(args)
+    assert f"--etcd_endpoints={';'.join(members)}" in args
+    assert not any(a.startswith("--enable_http_metadata_server") for a in args)
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert mc[probe]["tcpSocket"]["port"] == "metrics", "the standby serves no RPC"
+
+    (daemonset,) = [d for d in rendered if d["kind"] == "DaemonSet"]
+    (container,) = daemonset["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    wanted = "etcd://" + ";".join(members)
+    assert env["KVOFFLOAD_MOONCAKE_MASTER"] == env["KVOFFLOAD_MOONCAKE_METADATA"] == wanted
+    assert master_problem(wanted) is None
+    assert metadata_problem(wanted) is None
+    policy = by_name[("NetworkPolicy", "etcd")]
+    admitted = {
+        peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"]
+        for rule in policy["spec"]["ingress"]
+        for peer in rule["from"]
+    }
+    assert admitted == {MASTER, "kvoffload", "etcd"}
+
+
+def test_compose_ha_file_turns_the_remote_stack_into_ha_masters() -> None:
+    ha = load_yaml(HA_COMPOSE)["services"]
+    assert {"etcd", MASTER, f"{MASTER}-standby", *NODES} <= set(ha)
+    for master in (MASTER, f"{MASTER}-standby"):
+        (command,) = ha[master]["command"]
+        for flag in ("--enable_ha=true", "--etcd_endpoints=etcd:2379", "--enable_oplog=true"):
+            assert flag in command, (master, flag)
+        assert ha[master]["depends_on"]["etcd"]["condition"] == "service_healthy"
+    for node in NODES:
+        env = ha[node]["environment"]
+        assert env["KVOFFLOAD_MOONCAKE_MASTER"] == env["KVOFFLOAD_MOONCAKE_METADATA"]
+        assert master_problem(env["KVOFFLOAD_MOONCAKE_MASTER"]) is None
+    readme = README.read_text(encoding="utf-8")
+    assert "docker-compose.ha.yml" in readme
+    assert "../../deploy/k8s/remote-ha" in readme
