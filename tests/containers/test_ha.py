@@ -35,6 +35,10 @@ BLOCKS = 8
 FILES = ["docker-compose.remote.yml", "docker-compose.ha.yml"]
 
 
+# Building the image (the first module's setup) and bringing a stack up take minutes.
+pytestmark = pytest.mark.timeout(900)
+
+
 @pytest.fixture(scope="module")
 def etcd_image(workdir: Path) -> str:
     """An etcd image without a registry: the base plus the host's etcd and etcdctl."""

@@ -29,6 +29,10 @@ NODE_B = "http://127.0.0.1:8010"
 BLOCKS = 16
 
 
+# Building the image (the first module's setup) and bringing a stack up take minutes.
+pytestmark = pytest.mark.timeout(900)
+
+
 @pytest.fixture(scope="module")
 def stack(image: str, workdir: Path) -> Iterator[Stack]:
     project = Project.make(workdir)

@@ -29,6 +29,10 @@ ENGINE = "http://127.0.0.1:8000"
 ADMIN = "http://127.0.0.1:8001"
 
 
+# Building the image (the first module's setup) and bringing a stack up take minutes.
+pytestmark = pytest.mark.timeout(900)
+
+
 @pytest.fixture(scope="module")
 def stack(image: str, workdir: Path) -> Iterator[Stack]:
     project = Project.make(workdir)
