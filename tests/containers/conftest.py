@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -25,6 +26,7 @@ from tests.containers.stack import (
     REPORT_FILE,
     ROOT,
     compose_version,
+    cpu_engine,
     run,
 )
 
@@ -88,6 +90,12 @@ def image() -> str:
     REPORT.record("build context sent", context)
     REPORT.record("image size (MB)", round(size / 1e6))
     return IMAGE
+
+
+@pytest.fixture(scope="session")
+def engine_module() -> ModuleType:
+    """deploy/tools/cpu_engine.py, for engines on the host."""
+    return cpu_engine()
 
 
 @pytest.fixture(scope="module")

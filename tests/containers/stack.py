@@ -8,7 +8,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -19,6 +18,8 @@ from types import ModuleType
 from typing import Any, TypeVar
 
 import httpx
+
+from tests.e2e.prometheus import running_prometheus
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -206,63 +207,23 @@ def cpu_engine() -> ModuleType:
     return module
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @contextmanager
 def host_prometheus(workdir: Path, targets: Sequence[str], token: str) -> Iterator[str]:
     """Debian's Prometheus on the host, scraping ``targets`` (host:port) every second with the
     scrape token, as deploy/prometheus does in compose; its base URL."""
-    binary = shutil.which("prometheus")
-    assert binary is not None, "no prometheus binary (apt-get install prometheus)"
     workdir.mkdir(parents=True, exist_ok=True)
     token_file = workdir / "token"
     _private(token_file, token + "\n")
-    config = workdir / "prometheus.yml"
     listed = ", ".join(f"'{t}'" for t in targets)
-    config.write_text(
+    config = (
         "global: {scrape_interval: 1s, scrape_timeout: 1s}\n"
         "scrape_configs:\n"
         "  - job_name: kvoffload\n"
         f"    authorization: {{type: Bearer, credentials_file: {token_file}}}\n"
-        f"    static_configs: [{{targets: [{listed}]}}]\n",
-        encoding="utf-8",
+        f"    static_configs: [{{targets: [{listed}]}}]\n"
     )
-    port = free_port()
-    with (workdir / "prometheus.log").open("wb") as log:
-        proc = subprocess.Popen(
-            [
-                binary,
-                f"--config.file={config}",
-                f"--storage.tsdb.path={workdir / 'data'}",
-                f"--web.listen-address=127.0.0.1:{port}",
-                "--enable-feature=exemplar-storage",
-                "--log.level=warn",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(
-            "Prometheus ready",
-            lambda: True if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200 else None,
-            30,
-        )
+    with running_prometheus(workdir, config, 30) as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def promql(url: str, query: str) -> list[dict[str, Any]]:

@@ -25,7 +25,6 @@ from tests.containers.stack import (
     REPORT,
     Project,
     Stack,
-    cpu_engine,
     run,
     wait_for,
 )
@@ -94,11 +93,6 @@ def stack(image: str, etcd_image: str, workdir: Path) -> Iterator[Stack]:
         yield stack
     finally:
         stack.down()
-
-
-@pytest.fixture(scope="module")
-def engine_module() -> ModuleType:
-    return cpu_engine()
 
 
 def _remote_on_b(stack: Stack, engine_module: ModuleType, seed: str, within_s: float) -> float:

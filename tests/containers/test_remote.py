@@ -18,7 +18,6 @@ from tests.containers.stack import (
     REPORT,
     Project,
     Stack,
-    cpu_engine,
     host_prometheus,
     scraped,
     wait_for,
@@ -44,11 +43,6 @@ def stack(image: str, workdir: Path) -> Iterator[Stack]:
         yield stack
     finally:
         stack.down()
-
-
-@pytest.fixture(scope="module")
-def engine_module() -> ModuleType:
-    return cpu_engine()
 
 
 def lookup(url: str, token: str, keys: list[bytes]) -> list[str]:

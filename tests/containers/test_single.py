@@ -19,7 +19,6 @@ from tests.containers.stack import (
     REPORT,
     Project,
     Stack,
-    cpu_engine,
     host_prometheus,
     run,
     scraped,
@@ -43,11 +42,6 @@ def stack(image: str, workdir: Path) -> Iterator[Stack]:
         yield stack
     finally:
         stack.down()
-
-
-@pytest.fixture(scope="module")
-def engine_module() -> ModuleType:
-    return cpu_engine()
 
 
 def _auth(token: str) -> dict[str, str]:

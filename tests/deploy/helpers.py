@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -70,6 +71,19 @@ def kustomize(path: Path) -> list[Any]:
     )
     assert proc.returncode == 0, proc.stderr
     return [d for d in yaml.safe_load_all(proc.stdout) if d is not None]
+
+
+def kustomize_with(components: list[str], workdir: Path) -> list[Any]:
+    """The documents of an overlay of deploy/k8s with ``components`` (directories under it,
+    e.g. ``remote``), made in ``workdir``."""
+    overlay = workdir / "overlay"
+    overlay.mkdir()
+    base = os.path.relpath(K8S, overlay)
+    listed = ", ".join(f"{base}/{c}" for c in components)
+    (overlay / "kustomization.yaml").write_text(
+        f"resources: [{base}]\ncomponents: [{listed}]\n", encoding="utf-8"
+    )
+    return kustomize(overlay)
 
 
 def load_yaml(path: Path) -> Any:

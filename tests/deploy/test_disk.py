@@ -19,7 +19,7 @@ from tests.deploy.helpers import (
     KUBECTL,
     README,
     compose_default,
-    kustomize,
+    kustomize_with,
     load_yaml,
     load_yaml_all,
 )
@@ -110,13 +110,7 @@ def test_k8s_patched_settings_are_accepted(
 
 @pytest.mark.skipif(KUBECTL is None, reason="kubectl not on PATH (kubectl kustomize renders)")
 def test_k8s_component_renders_with_the_base_and_the_remote_tier(tmp_path: Path) -> None:
-    overlay = tmp_path / "overlay"
-    overlay.mkdir()
-    base = os.path.relpath(K8S, overlay)
-    (overlay / "kustomization.yaml").write_text(
-        f"resources: [{base}]\ncomponents: [{base}/disk, {base}/remote]\n", encoding="utf-8"
-    )
-    rendered = kustomize(overlay)
+    rendered = kustomize_with(["disk", "remote"], tmp_path)
     (daemonset,) = [d for d in rendered if d["kind"] == "DaemonSet"]
     spec = daemonset["spec"]["template"]["spec"]
     assert {c["name"] for c in spec["initContainers"]} == {"socket-dir", "disk-dir"}

@@ -23,7 +23,7 @@ from tests.deploy.helpers import (
     README,
     compose_default,
     dockerfile_instructions,
-    kustomize,
+    kustomize_with,
     load_yaml,
     load_yaml_all,
     parse_bytes,
@@ -397,13 +397,7 @@ def test_k8s_network_policies_admit_the_nodes_to_the_master_and_each_other(
 
 @pytest.mark.skipif(KUBECTL is None, reason="kubectl not on PATH (kubectl kustomize renders)")
 def test_k8s_component_renders_with_the_base(tmp_path: Path) -> None:
-    overlay = tmp_path / "overlay"
-    overlay.mkdir()
-    base = os.path.relpath(K8S, overlay)
-    (overlay / "kustomization.yaml").write_text(
-        f"resources: [{base}]\ncomponents: [{base}/remote]\n", encoding="utf-8"
-    )
-    rendered = kustomize(overlay)
+    rendered = kustomize_with(["remote"], tmp_path)
     names = {(d["kind"], d["metadata"]["name"]) for d in rendered}
     assert {("Deployment", MASTER), ("Service", MASTER), ("NetworkPolicy", MASTER)} <= names
     (daemonset,) = [d for d in rendered if d["kind"] == "DaemonSet"]
@@ -437,13 +431,7 @@ def _etcd_members(statefulset: dict[str, Any], service: str) -> list[str]:
 
 @pytest.mark.skipif(KUBECTL is None, reason="kubectl not on PATH (kubectl kustomize renders)")
 def test_k8s_ha_component_names_every_etcd_member_to_masters_and_nodes(tmp_path: Path) -> None:
-    overlay = tmp_path / "overlay"
-    overlay.mkdir()
-    base = os.path.relpath(K8S, overlay)
-    (overlay / "kustomization.yaml").write_text(
-        f"resources: [{base}]\ncomponents: [{base}/remote, {base}/remote-ha]\n", encoding="utf-8"
-    )
-    rendered = kustomize(overlay)
+    rendered = kustomize_with(["remote", "remote-ha"], tmp_path)
     by_name = {(d["kind"], d["metadata"]["name"]): d for d in rendered}
     etcd = by_name[("StatefulSet", "etcd")]
     assert etcd["spec"]["replicas"] >= 3, "a quorum must survive a lost member"

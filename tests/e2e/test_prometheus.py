@@ -9,9 +9,6 @@ installs it). Both processes are bounded: Prometheus must be ready and have the 
 
 from __future__ import annotations
 
-import shutil
-import signal
-import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -22,9 +19,9 @@ import httpx
 import pytest
 
 from tests.app.exposition import OPENMETRICS, parse
-from tests.e2e.server import ServerProcess, free_port
+from tests.e2e.prometheus import PROMETHEUS, running_prometheus
+from tests.e2e.server import ServerProcess
 
-PROMETHEUS = shutil.which("prometheus")
 DEADLINE_S = 20.0
 T = TypeVar("T")
 
@@ -50,10 +47,7 @@ def wait_for(what: str, probe: Callable[[], T | None], deadline: float) -> T:
 @pytest.fixture
 def prometheus(server: ServerProcess, tmp_path: Path) -> Iterator[str]:
     """A Prometheus scraping ``server`` every second; its base URL."""
-    assert PROMETHEUS is not None
-    port = free_port()
-    config = tmp_path / "prometheus.yml"
-    config.write_text(
+    config = (
         "global:\n"
         "  scrape_interval: 1s\n"
         "  scrape_timeout: 1s\n"
@@ -62,35 +56,8 @@ def prometheus(server: ServerProcess, tmp_path: Path) -> Iterator[str]:
         "    static_configs:\n"
         f"      - targets: ['127.0.0.1:{server.port}']\n"
     )
-    log = (tmp_path / "prometheus.log").open("wb")
-    proc = subprocess.Popen(
-        [
-            PROMETHEUS,
-            f"--config.file={config}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            "--enable-feature=exemplar-storage",
-            "--log.level=warn",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    log.close()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(
-            "Prometheus to be ready",
-            lambda: True if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200 else None,
-            time.monotonic() + DEADLINE_S,
-        )
+    with running_prometheus(tmp_path, config, DEADLINE_S) as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _query(url: str, promql: str) -> list[dict[str, Any]]:
