@@ -123,7 +123,8 @@ def test_a_killed_leader_loses_no_block_and_the_standby_serves(
     took_over = time.monotonic() - killed
     # B's tier reconnects to the new leader; the blocks A stored before the kill are there.
     # B's Mooncake client follows the new leader by itself; seen here 20-70 s after the kill
-    # (its calls to the dead leader's address, which answers nothing, run out first).
+    # (most likely its calls to the dead leader's address, which answers nothing, time out
+    # first).
     _remote_on_b(stack, engine_module, before, 180)
     seen = time.monotonic() - killed
     loaded = stack.engine(
