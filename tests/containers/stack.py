@@ -10,16 +10,17 @@ import secrets
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 
 from tests.e2e.prometheus import running_prometheus
+from tests.e2e.server import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -31,7 +32,6 @@ LOG_DIR = ROOT / "build" / "test-deploy-logs"
 COMPOSE_V2 = ("docker", "compose")
 COMPOSE_V1 = ("docker-compose",)
 HEALTHY_WITHIN_S = 120.0
-T = TypeVar("T")
 
 
 @dataclass
@@ -59,22 +59,6 @@ def run(cmd: Sequence[str], *, timeout: float = 300, check: bool = True, **kw: A
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{said}")
     out: str = proc.stdout
     return out
-
-
-def wait_for(what: str, probe: Callable[[], T | None], within_s: float) -> T:
-    """``probe()`` until it answers other than None (transport errors count as None), or fail
-    after ``within_s`` seconds."""
-    deadline = time.monotonic() + within_s
-    while True:
-        try:
-            found = probe()
-        except httpx.TransportError:
-            found = None
-        if found is not None:
-            return found
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {within_s:.0f} s: {what}")
-        time.sleep(0.5)
 
 
 def compose_version(compose: Sequence[str]) -> str:

@@ -26,9 +26,9 @@ from tests.containers.stack import (
     Project,
     Stack,
     run,
-    wait_for,
 )
 from tests.containers.test_remote import NODE_B, lookup
+from tests.e2e.server import wait_for
 
 BLOCKS = 8
 FILES = ["docker-compose.remote.yml", "docker-compose.ha.yml"]

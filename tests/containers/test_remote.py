@@ -20,8 +20,8 @@ from tests.containers.stack import (
     Stack,
     host_prometheus,
     scraped,
-    wait_for,
 )
+from tests.e2e.server import wait_for
 
 NODE_A = "http://127.0.0.1:8000"
 NODE_B = "http://127.0.0.1:8010"

@@ -6,14 +6,13 @@ from __future__ import annotations
 import shutil
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 
-from tests.e2e.server import free_port
+from tests.e2e.server import free_port, wait_for
 
 PROMETHEUS = shutil.which("prometheus")
 
@@ -43,16 +42,11 @@ def running_prometheus(workdir: Path, scrape_config: str, ready_within_s: float)
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + ready_within_s
-        while True:
-            try:
-                if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"Prometheus not ready within {ready_within_s:g} s")
-            time.sleep(0.2)
+        wait_for(
+            "Prometheus ready",
+            lambda: True if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200 else None,
+            ready_within_s,
+        )
         yield url
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -15,13 +15,15 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
 TOKEN = "e2e-admin-token"
 ROOT = Path(__file__).resolve().parents[2]
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -30,6 +32,23 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def wait_for(what: str, probe: Callable[[], T | None], within_s: float, every_s: float = 0.2) -> T:
+    """``probe()`` every ``every_s`` until it answers something other than None (an HTTP
+    transport error counts as None: not up yet); AssertionError naming ``what`` after
+    ``within_s`` seconds."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            found = probe()
+        except httpx.TransportError:
+            found = None
+        if found is not None:
+            return found
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {within_s:g} s: {what}")
+        time.sleep(every_s)
 
 
 class ServerProcess:

@@ -11,37 +11,22 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import pytest
 
 from tests.app.exposition import OPENMETRICS, parse
 from tests.e2e.prometheus import PROMETHEUS, running_prometheus
-from tests.e2e.server import ServerProcess
+from tests.e2e.server import ServerProcess, wait_for
 
 DEADLINE_S = 20.0
-T = TypeVar("T")
 
 pytestmark = pytest.mark.skipif(
     PROMETHEUS is None, reason="no prometheus binary (apt-get install prometheus)"
 )
-
-
-def wait_for(what: str, probe: Callable[[], T | None], deadline: float) -> T:
-    """``probe()`` until it answers something other than None, or fail at ``deadline``."""
-    while True:
-        try:
-            found = probe()
-        except httpx.TransportError:
-            found = None
-        if found is not None:
-            return found
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
 
 
 @pytest.fixture
@@ -106,7 +91,7 @@ def test_prometheus_scrapes_values_and_req_id_exemplars(
             return hits
         return None
 
-    wait_for("Prometheus to scrape the lookup", scraped_value, deadline)
+    wait_for("Prometheus to scrape the lookup", scraped_value, deadline - time.monotonic())
     assert _query(prometheus, 'up{job="kvoffload"}')[0]["value"][1] == "1"
 
     for promql in (
@@ -117,4 +102,6 @@ def test_prometheus_scrapes_values_and_req_id_exemplars(
         def exemplar_seen(promql: str = promql) -> bool | None:
             return True if req_id in _exemplar_ids(prometheus, promql, started) else None
 
-        wait_for(f"the exemplar of {req_id} on {promql}", exemplar_seen, deadline)
+        wait_for(
+            f"the exemplar of {req_id} on {promql}", exemplar_seen, deadline - time.monotonic()
+        )
