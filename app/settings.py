@@ -533,6 +533,18 @@ class Settings(AdminAuth):
         default=8192, gt=0, description="write-behind queue bound, in blocks (more: dropped)"
     )
     remote_batch_blocks: int = Field(default=64, gt=0, description="blocks per remote put batch")
+    remote_sweep_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="each block this node wrote to the remote tier is asked after for having "
+        "been evicted at least this often (0: only lookups notice)",
+    )
+    remote_tracked_blocks: int = Field(
+        default=262144,
+        gt=0,
+        description="blocks written to the remote tier tracked for removal (more: the oldest "
+        "reported removed)",
+    )
 
     # Disk tier: blocks the pool evicts, on a local disk below it (off by default).
     disk_dir: Path | None = Field(

@@ -187,21 +187,22 @@ class MooncakeTier:
     def namespace(self) -> str:
         return self._namespace
 
-    def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        """One ``batch_is_exist`` for ``keys``; False for each key when it fails or is skipped."""
+    def exists(self, keys: Sequence[bytes]) -> list[bool | None]:
+        """One ``batch_is_exist`` for ``keys``: True / False as the master answered, None for a
+        key it answered an error for and for every key when the call fails or is skipped."""
         if not keys:
             return []
         names = [remote_name(self._namespace, k) for k in keys]
         codes = self._call("exists", lambda s: s.batch_is_exist(names), (), len(keys))
         if codes is None:
-            return [False] * len(keys)
-        found = [c == 1 for c in codes]
-        errors = sum(1 for c in codes if c not in (0, 1))
+            return [None] * len(keys)
+        found: list[bool | None] = [c == 1 if c in (0, 1) else None for c in codes]
+        errors = [c for c in codes if c not in (0, 1)]
         with self._lock:
             self._counters["exists_calls"] += 1
-            self._counters["hits"] += sum(found)
+            self._counters["hits"] += codes.count(1)
             self._counters["misses"] += codes.count(0)
-        self._judge("exists", errors, len(codes), [c for c in codes if c not in (0, 1)])
+        self._judge("exists", len(errors), len(codes), errors)
         return found
 
     def get_into(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:

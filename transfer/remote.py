@@ -5,7 +5,10 @@ a backend stores a key under its *remote name* ``<namespace>/<hex key>`` (``remo
 engines with different namespaces (model, layout, block size) never see each other's blocks.
 Host pool slots are the only place bytes come from or go to: the tier never hands out bytes.
 
-- ``exists(keys) -> list[bool]``: one batch; per key, True iff the store holds it now.
+- ``exists(keys) -> list[bool | None]``: one batch; per key, True when the store holds it now,
+  False when the store answered that it does not, None when there was no answer for it (the
+  call failed, timed out or was skipped). Only False says a block is gone: a node reports
+  its removal on that answer alone (``app.core.remote``).
 - ``get_into(keys, slots) -> list[bool]``: copy each key's bytes into host slot ``slots[i]``;
   True only for a key whose full block was read into its slot. A False slot holds undefined
   bytes and must not be loaded (the caller drops the block it was reserved for).
@@ -21,8 +24,9 @@ Host pool slots are the only place bytes come from or go to: the tier never hand
 - ``close()``: stop the backend client; idempotent. Later calls answer as misses.
 
 Failures never raise out of the data calls: a failed, timed-out or skipped call answers False
-for its keys, and the backend's ``health()`` says why. Malformed calls (lengths differ, a slot
-out of range, one slot named twice) raise ``InvalidJobError`` before anything moves.
+(None for ``exists``) for its keys, and the backend's ``health()`` says why. Malformed calls
+(lengths differ, a slot out of range, one slot named twice) raise ``InvalidJobError`` before
+anything moves.
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ class RemoteTier(Protocol):
     @property
     def namespace(self) -> str: ...
 
-    def exists(self, keys: Sequence[bytes]) -> list[bool]: ...
+    def exists(self, keys: Sequence[bytes]) -> list[bool | None]: ...
 
     def get_into(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]: ...
 

@@ -131,6 +131,8 @@ class LowerTiers:
             queue_blocks=s.remote_queue_blocks,
             batch_blocks=s.remote_batch_blocks,
             hold_s=s.lease_ttl_s,
+            sweep_s=s.remote_sweep_s,
+            tracked_blocks=s.remote_tracked_blocks,
             on_event=self._on_event,
             on_call=self.observer.remote_call,
         )

@@ -22,6 +22,16 @@ run on its own threads. ``RemoteLink`` decides *when*, and keeps the manager rig
   slot not reused) until the put has let go of its slot. The queue is bounded: what does not fit
   is dropped and counted, never waited for. A stored batch is one ``BlockStored`` event with
   medium ``REMOTE``.
+- **Removals** (``sweep``): the store evicts on its own and tells nobody (nor does a lone
+  master that restarts empty), so the node keeps the keys it reported stored (at most
+  ``tracked_blocks``, oldest checked first) and asks the store about each of them at least
+  every ``sweep_s``, in slices spread over one-second ticks. A key the store answers it does
+  not hold (``exists`` False, never an unanswered None) is a ``BlockRemoved`` event with
+  medium ``REMOTE`` and is no longer tracked; so is one a lookup finds gone. A key stored
+  again while it was being asked about is not reported (each store stamps it). A key pushed
+  out of the bound is reported removed too (counted ``untracked``): the node no longer
+  vouches for it, and a router that believes a block gone costs a recompute, one that
+  believes it there costs a wrong route. Nothing is swept while the tier is degraded.
 - **Faults**: the tier degrades by itself (``health()``) and recovers with its probe; while it
   is degraded, lookups answer "not found" without asking it, promotion starts nothing and
   write-behind drops what it would have put (counted).
@@ -35,6 +45,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
+import math
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -51,6 +63,10 @@ log = get_logger("remote")
 
 #: How often a put or get that outlived its timeout is checked for having let go of its slots.
 HELD_POLL_S = 0.05
+#: The sweep's tick: each tick asks about a slice of the tracked keys.
+SWEEP_TICK_S = 1.0
+#: Keys per ``exists`` call of the sweep (the master answers 16k keys in about 5 ms).
+SWEEP_BATCH = 16384
 
 
 class RemoteLink:
@@ -65,12 +81,16 @@ class RemoteLink:
         queue_blocks: int,
         batch_blocks: int,
         hold_s: float = 60.0,
+        sweep_s: float = 10.0,
+        tracked_blocks: int = 262144,
         on_event: Callable[[], None] = lambda: None,
         on_call: Callable[[str, float, int, str | None], None] | None = None,
     ) -> None:
         """``hold_s``: how long a promoted block waits, held, for its request's load.
-        ``on_event``: called after the manager got a remote KV event (drain it).
-        ``on_call(op, seconds, keys, req_id)``: each remote call's latency (metrics)."""
+        ``sweep_s``: every tracked key is asked about at least this often (0: no sweep; lookups
+        still report the removals they see). ``tracked_blocks``: how many stored keys are
+        tracked for removal. ``on_event``: called after the manager got a remote KV event
+        (drain it). ``on_call(op, seconds, keys, req_id)``: each remote call's latency."""
         self.promotions = Promotions(manager, hold_s=hold_s, on_event=on_event, tier="remote")
         self.tier = tier
         self.manager = manager
@@ -83,24 +103,33 @@ class RemoteLink:
         self._queued: set[BlockKey] = set()
         self._wakeup = asyncio.Event()
         self._drain: asyncio.Task[None] | None = None
+        self.sweep_s = sweep_s
+        self.tracked_blocks = tracked_blocks
+        # Keys reported stored, oldest asked about first -> the stamp of their last store.
+        self._tracked: dict[BlockKey, int] = {}
+        self._stamps = itertools.count()
+        self._sweep: asyncio.Task[None] | None = None
         self.counts: collections.Counter[str] = collections.Counter()
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Start the write-behind task on the running loop."""
-        self._drain = asyncio.get_running_loop().create_task(
-            self._drain_loop(), name="kvoffload-remote-write-behind"
-        )
+        """Start the write-behind task (and the sweep, unless ``sweep_s`` is 0) on the
+        running loop."""
+        loop = asyncio.get_running_loop()
+        self._drain = loop.create_task(self._drain_loop(), name="kvoffload-remote-write-behind")
+        if self.sweep_s > 0:
+            self._sweep = loop.create_task(self._sweep_loop(), name="kvoffload-remote-sweep")
 
     async def close(self) -> None:
         """Stop writing behind, wait for promotions in flight, close the tier (it waits for
         its calls still touching the pool)."""
-        drain, self._drain = self._drain, None
-        if drain is not None:
-            drain.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await drain
+        for task in (self._drain, self._sweep):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._drain = self._sweep = None
         await self.promotions.close()
         self.counts["queue_dropped"] += len(self._queue)
         self._queue.clear()
@@ -132,6 +161,13 @@ class RemoteLink:
             "skipped_degraded": self.counts["lookups_skipped"],
         }
         health["written"] = self.counts["written"]
+        health["tracked"] = {
+            "blocks": len(self._tracked),
+            "capacity": self.tracked_blocks,
+            "removed": self.counts["removed"],
+            "untracked": self.counts["untracked"],
+            "sweep_s": self.sweep_s,
+        }
         health["write_behind_failed"] = {
             "put": self.counts["put_failed"],
             "gone_before_put": self.counts["gone_before_put"],
@@ -157,14 +193,16 @@ class RemoteLink:
             self.counts["lookups_skipped"] += 1
             return [False] * len(keys)
         started = time.perf_counter()
+        stamps = self._stamps_of(keys)
         try:
             async with asyncio.timeout(self.lookup_timeout_s):
                 answer = await asyncio.to_thread(self.tier.exists, list(keys))
         except TimeoutError:
             self.counts["lookup_timeouts"] += 1
-            answer = [False] * len(keys)
+            return [False] * len(keys)
         self._observe("exists", started, len(keys), req_id)
-        return answer
+        self._settle(list(keys), stamps, answer)
+        return [bool(a) for a in answer]
 
     # ------------------------------------------------------------------ promotion
 
@@ -250,7 +288,81 @@ class RemoteLink:
         self.counts["put_failed"] += len(keys) - len(stored)
         if stored:
             manager.record_event("stored", stored, REMOTE_MEDIUM)
+            self._track(stored)
             self._on_event()
+
+    # ------------------------------------------------------------------ removals
+
+    def _track(self, keys: Sequence[BlockKey]) -> None:
+        """Track keys just reported stored (last in line to be asked about); keys pushed out
+        of the bound are reported removed."""
+        tracked = self._tracked
+        for key in keys:
+            tracked.pop(key, None)
+            tracked[key] = next(self._stamps)
+        over = len(tracked) - self.tracked_blocks
+        if over > 0:
+            dropped = list(itertools.islice(tracked, over))
+            for key in dropped:
+                del tracked[key]
+            self.counts["untracked"] += over
+            self._removed(dropped)
+
+    def _stamps_of(self, keys: Sequence[BlockKey]) -> list[int | None]:
+        tracked = self._tracked
+        return [tracked.get(k) for k in keys]
+
+    def _settle(
+        self, keys: list[BlockKey], stamps: list[int | None], answer: Sequence[bool | None]
+    ) -> None:
+        """Act on the store's answer about tracked keys, asked when they had ``stamps``:
+        a key it holds goes to the back of the line, one it does not hold is reported
+        removed, one it did not answer for stays where it is. A key stored again (or no
+        longer tracked) since it was asked about is left alone."""
+        tracked = self._tracked
+        gone = []
+        for key, stamp, there in zip(keys, stamps, answer, strict=True):
+            if stamp is None or tracked.get(key) != stamp:
+                continue
+            if there is False:
+                del tracked[key]
+                gone.append(key)
+            elif there:
+                del tracked[key]
+                tracked[key] = stamp
+        if gone:
+            self._removed(gone)
+
+    def _removed(self, keys: list[BlockKey]) -> None:
+        self.counts["removed"] += len(keys)
+        self.manager.record_event("removed", keys, REMOTE_MEDIUM)
+        self._on_event()
+
+    async def sweep(self) -> int:
+        """One tick of the sweep: ask the store about the slice of tracked keys due now
+        (all of them once per ``sweep_s``), oldest first; the keys asked about."""
+        tracked = self._tracked
+        if not tracked or not self.tier.health().ok:
+            return 0
+        share = min(1.0, SWEEP_TICK_S / self.sweep_s) if self.sweep_s > 0 else 1.0
+        due = list(itertools.islice(tracked, math.ceil(len(tracked) * share)))
+        for start in range(0, len(due), SWEEP_BATCH):
+            keys = due[start : start + SWEEP_BATCH]
+            stamps = self._stamps_of(keys)
+            began = time.perf_counter()
+            answer = await asyncio.to_thread(self.tier.exists, keys)
+            self._observe("sweep", began, len(keys), None)
+            self._settle(keys, stamps, answer)
+        return len(due)
+
+    async def _sweep_loop(self) -> None:
+        tick = min(SWEEP_TICK_S, self.sweep_s)
+        while True:
+            await asyncio.sleep(tick)
+            try:
+                await self.sweep()
+            except Exception:
+                log.exception("remote sweep failed; it runs again at the next tick")
 
     # ------------------------------------------------------------------ helpers
 

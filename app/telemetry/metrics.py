@@ -264,6 +264,18 @@ def _remote_families(state: dict[str, Any]) -> Iterator[Metric]:
         "Blocks brought from the remote tier into the pool for a load.",
         value=promotions["loaded"],
     )
+    tracked = state["tracked"]
+    yield GaugeMetricFamily(
+        f"{PREFIX}_remote_tracked_blocks",
+        "Blocks this node wrote to the remote tier and asks after for having been removed.",
+        value=tracked["blocks"],
+    )
+    yield CounterMetricFamily(
+        f"{PREFIX}_remote_removed_blocks",
+        "Blocks this node wrote to the remote tier and reported removed (REMOTE BlockRemoved): "
+        "found gone (evicted, or lost with a master) or no longer tracked.",
+        value=tracked["removed"],
+    )
 
 
 # The disk tier's counters (``transfer.disk.DISK_COUNTERS``) exported as counters, by name.
@@ -504,7 +516,8 @@ class Metrics:
         self.remote_duration = _Histogram(
             f"{PREFIX}_remote_call_duration_seconds",
             "Remote tier calls by op (exists: a lookup's question, get: a promotion, put: "
-            "write-behind); the exemplar names the engine request that caused it.",
+            "write-behind, sweep: asking after blocks written for having been evicted); the "
+            "exemplar names the engine request that caused it.",
             ("op",), TRANSFER_BUCKETS,
         )  # fmt: skip
         self.remote_keys = _Counter(

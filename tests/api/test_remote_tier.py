@@ -33,6 +33,8 @@ class MemoryStore:
         self.blocks: dict[str, bytes] = {}
         self.down = False
         self.get_delay = 0.0
+        self.unanswered = False  # exists answers None (no answer) per key, the tier still ok
+        self.asked: list[int] = []  # keys per exists call
         self.lock = threading.Lock()
 
 
@@ -51,14 +53,15 @@ class MemoryTier:
     def namespace(self) -> str:
         return self._namespace
 
-    def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        if self.store.down:
+    def exists(self, keys: Sequence[bytes]) -> list[bool | None]:
+        self.store.asked.append(len(keys))
+        if self.store.down or self.store.unanswered:
             self.counters["skipped"] += 1
-            return [False] * len(keys)
+            return [None] * len(keys)
         found = [remote_name(self._namespace, k) in self.store.blocks for k in keys]
         self.counters["hits"] += sum(found)
         self.counters["misses"] += len(found) - sum(found)
-        return found
+        return list[bool | None](found)
 
     def get_into(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
         check_slots(keys, slots, self.pool.num_blocks)
@@ -334,3 +337,156 @@ async def test_an_onload_of_remote_keys_promotes_them_then_loads_identical_bytes
         assert [dev.read(3), dev.read(4)] == [data[k] for k in keys]
         # The job's load unpinned them, and the promotion's hold went with its pin.
         assert b.service.manager.manager.num_pinned == 0
+
+
+# ---------------------------------------------------------------------- removals reported
+
+
+def evict(store: MemoryStore, key: str) -> None:
+    """What the store's own eviction does: the block is gone, and nobody is told."""
+    del store.blocks[next(n for n in store.blocks if n.endswith(key))]
+
+
+async def events(h: Harness, kind: str, medium: str = "REMOTE") -> list[list[str]]:
+    page = (await h.client.get("/v1/events")).json()["events"]
+    return [e["block_hashes"] for e in page if e["type"] == kind and e["medium"] == medium]
+
+
+async def removed_keys(h: Harness) -> list[str]:
+    """Every key of the node's REMOTE ``BlockRemoved`` events, sorted (repeats kept)."""
+    return sorted(k for keys in await events(h, "BlockRemoved") for k in keys)
+
+
+async def test_a_block_the_store_evicts_is_reported_removed_by_the_sweep() -> None:
+    store = MemoryStore()
+    keys = hexkeys(1, 2, 3)
+    async with node(store, remote_sweep_s=0.05) as a:
+        await store_on(a, "w", keys, fill=3)
+        await written(a, 3)
+        assert await events(a, "BlockStored") == [keys]
+        evict(store, keys[1])
+
+        async def reported() -> bool:
+            return bool(await events(a, "BlockRemoved"))
+
+        await until(reported)
+        await asyncio.sleep(0.2)  # several more sweeps: the others are still there
+        assert await events(a, "BlockRemoved") == [[keys[1]]]
+        tracked = (await a.admin.get("/admin/v1/stats")).json()["remote"]["tracked"]
+        assert tracked == {
+            "blocks": 2, "capacity": 262144, "removed": 1, "untracked": 0, "sweep_s": 0.05
+        }  # fmt: skip
+        text = (await a.client.get("/metrics")).text
+        assert "kvoffload_remote_removed_blocks_total 1.0" in text
+        assert "kvoffload_remote_tracked_blocks 2.0" in text
+        assert 'kvoffload_remote_call_keys_total{op="sweep"}' in text
+        # The store loses all (1 and 3 go too), 2 is written again and evicted again: each
+        # removal reported once, 2 twice, as each of its stores.
+        store.blocks.clear()
+        await a.admin.post("/admin/v1/cache/clear")
+        await store_on(a, "w2", keys[1:2], fill=9)
+        await written(a, 4)
+        evict(store, keys[1])
+
+        async def all_reported() -> bool:
+            return sum(len(k) for k in await events(a, "BlockRemoved")) == 4
+
+        await until(all_reported)
+        await asyncio.sleep(0.2)
+        assert await removed_keys(a) == sorted([*keys, keys[1]])
+        assert (await a.admin.get("/admin/v1/stats")).json()["remote"]["tracked"]["blocks"] == 0
+
+
+async def test_a_lookup_that_finds_a_written_block_gone_reports_it_without_a_sweep() -> None:
+    store = MemoryStore()
+    keys = hexkeys(1, 2)
+    async with node(store, remote_sweep_s=0) as a:
+        await store_on(a, "w", keys, fill=3)
+        await written(a, 2)
+        evict(store, keys[0])
+        await a.admin.post("/admin/v1/cache/clear")  # the pool lacks them: lookups ask
+        await a.start("r")
+        r = await a.post("/v1/requests/r/lookup", {"keys": keys})
+        assert r.json()["results"] == ["miss", "remote"]
+        assert await events(a, "BlockRemoved") == [[keys[0]]]
+        r = await a.post("/v1/requests/r/lookup", {"keys": keys})
+        assert await events(a, "BlockRemoved") == [[keys[0]]]  # reported once
+        assert a.service.remote is not None
+        assert a.service.remote._sweep is None
+
+
+async def test_no_answer_is_not_a_removal() -> None:
+    """A sweep (or lookup) the store did not answer, or skipped while degraded, reports
+    nothing: only the store's own "not held" does."""
+    store = MemoryStore()
+    keys = hexkeys(1, 2)
+    async with node(store, remote_sweep_s=0.05) as a:
+        await store_on(a, "w", keys, fill=3)
+        await written(a, 2)
+        store.unanswered = True
+        asked = len(store.asked)
+
+        async def swept() -> bool:
+            return len(store.asked) > asked + 3
+
+        await until(swept)
+        store.unanswered = False
+        store.down = True
+        store.blocks.clear()  # a master lost: gone, but nobody can say so yet
+        await a.admin.post("/admin/v1/cache/clear")
+        await a.start("r")
+        r = await a.post("/v1/requests/r/lookup", {"keys": keys})
+        assert r.json()["results"] == ["miss", "miss"]
+        await asyncio.sleep(0.2)
+        assert await events(a, "BlockRemoved") == []
+        store.down = False  # back, and empty: now the sweep can tell
+
+        async def reported() -> bool:
+            return bool(await events(a, "BlockRemoved"))
+
+        await until(reported)
+        assert await removed_keys(a) == keys
+
+
+async def test_a_block_stored_again_while_it_is_asked_after_is_not_reported() -> None:
+    store = MemoryStore()
+    async with node(store, remote_sweep_s=0) as a:
+        link = a.service.remote
+        assert link is not None
+        key = bytes.fromhex(hexkeys(1)[0])
+        link._track([key])
+        stamps = link._stamps_of([key])
+        link._track([key])  # a put of the same key ended while the store was asked
+        link._settle([key], stamps, [False])
+        assert link.state()["tracked"]["blocks"] == 1
+        link._settle([key], link._stamps_of([key]), [None])
+        assert link.state()["tracked"]["blocks"] == 1
+        link._settle([key], link._stamps_of([key]), [False])
+        assert link.state()["tracked"]["blocks"] == 0
+        assert await events(a, "BlockRemoved") == [[hexkeys(1)[0]]]
+
+
+async def test_tracking_is_bounded_and_the_oldest_is_reported_removed() -> None:
+    store = MemoryStore()
+    keys = hexkeys(1, 2, 3)
+    async with node(store, remote_sweep_s=0, remote_tracked_blocks=2) as a:
+        await store_on(a, "w", keys, fill=3)
+        await written(a, 3)
+        assert await events(a, "BlockRemoved") == [keys[:1]]
+        tracked = (await a.admin.get("/admin/v1/stats")).json()["remote"]["tracked"]
+        assert (tracked["blocks"], tracked["untracked"], tracked["removed"]) == (2, 1, 1)
+
+
+async def test_the_sweep_asks_after_every_block_once_per_period_in_slices() -> None:
+    store = MemoryStore()
+    async with node(store, remote_sweep_s=4) as a:
+        link = a.service.remote
+        assert link is not None
+        keys = [i.to_bytes(8, "big") for i in range(100)]
+        store.blocks.update((remote_name(link.tier.namespace, k), b"") for k in keys)
+        link._track(keys)
+        store.asked.clear()
+        for _ in range(4):  # four ticks of a second: a quarter each, oldest first
+            assert await link.sweep() == 25
+        assert store.asked == [25] * 4
+        assert list(link._tracked) == keys  # every one asked once, back in its order

@@ -30,6 +30,7 @@ REMOTE_STATE = {
     "counters": {"hits": 3, "bytes_written": 4096},
     "queue": {"depth": 2, "capacity": 8, "dropped": 1},
     "promotions": {"running": 0, "started": 2, "loaded": 1, "failed": 1},
+    "tracked": {"blocks": 5, "capacity": 8, "removed": 4, "untracked": 1, "sweep_s": 10.0},
 }
 
 DISK_STATE = {
@@ -280,6 +281,8 @@ def test_remote_tier_families_follow_its_state() -> None:
     assert reg.get_sample_value("kvoffload_remote_queue_depth") == 2
     assert reg.get_sample_value("kvoffload_remote_queue_dropped_total") == 1
     assert reg.get_sample_value("kvoffload_remote_promoted_blocks_total") == 1
+    assert reg.get_sample_value("kvoffload_remote_tracked_blocks") == 5
+    assert reg.get_sample_value("kvoffload_remote_removed_blocks_total") == 4
     plain = CollectorRegistry()
     Metrics(plain, snapshot=lambda: snapshot_of(manager))
     assert not [f for f in plain.collect() if f.name.startswith("kvoffload_remote")]

@@ -523,8 +523,10 @@ class Node:
         reply = self.ask("get", keys=[k.hex() for k in keys], slots=list(slots))
         return [None if d is None else base64.b64decode(d) for d in reply["data"]]
 
-    def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        return [bool(x) for x in self.ask("exists", keys=[k.hex() for k in keys])["found"]]
+    def exists(self, keys: Sequence[bytes]) -> list[bool | None]:
+        """``exists``: True / False as the store answered, None where it gave no answer."""
+        found: list[bool | None] = self.ask("exists", keys=[k.hex() for k in keys])["found"]
+        return found
 
     def health(self) -> dict[str, Any]:
         return self.ask("health")

@@ -26,8 +26,9 @@ def keys(n: int, tag: str) -> list[bytes]:
 
 
 def noticed(node: Node, ks: list[bytes]) -> Callable[[], bool]:
-    """True once ``node`` answers ``ks`` as absent and reports itself degraded."""
-    return lambda: not any(node.exists(ks)) and node.health()["state"] == "degraded"
+    """True once ``node`` skips ``ks`` (no answer: the store is not asked) and reports itself
+    degraded."""
+    return lambda: node.exists(ks) == [None] * len(ks) and node.health()["state"] == "degraded"
 
 
 def state_is(node: Node, state: str) -> Callable[[], bool]:
@@ -110,7 +111,7 @@ def test_master_killed_and_restarted_degrades_then_recovers(cluster) -> None:
     for node in (a, b):
         wait_for(f"{node.host.name} answers misses", noticed(node, before), timeout_s=30)
     skipped = a.health()["counters"]["skipped"]
-    assert a.exists(before) == [False] * 4
+    assert a.exists(before) == [None] * 4  # no answer (skipped), not "absent"
     assert a.get(before, range(4, 8)) == [None] * 4
     health = a.health()
     assert health["counters"]["skipped"] == skipped + 2
@@ -148,7 +149,7 @@ def test_a_host_cut_off_degrades_and_recovers_when_its_link_returns(cluster) -> 
         print("after the first get while cut off:", health)
         assert health["state"] == "degraded"
         assert set(health["held_slots"]) <= set(range(6))
-        assert b.exists(ks) == [False] * 6
+        assert b.exists(ks) == [None] * 6  # skipped: no answer, not "absent"
         # The rest of the cluster goes on.
         assert a.exists(ks) == [True] * 6
         assert a.health()["state"] == "ok"
@@ -166,7 +167,7 @@ def test_a_host_cut_off_degrades_and_recovers_when_its_link_returns(cluster) -> 
 def test_a_host_whose_master_is_down_at_start_connects_when_it_comes(cluster) -> None:
     a = cluster.node("a")
     assert a.ready["health"]["state"] == "degraded"
-    assert a.exists([b"k"]) == [False]
+    assert a.exists([b"k"]) == [None]
     assert a.health()["counters"]["skipped"] == 1
 
     cluster.master.start()
@@ -209,6 +210,8 @@ def test_ha_masters_a_killed_leader_loses_no_block_and_the_standby_takes_over(ha
     )
     after, fresh = keys(4, "ha-after"), blocks(4)
     wait_for("writes again", lambda: a.put(after, range(8, 12), fresh) == [True] * 4, 60, 1.0)
-    assert c.get(after, range(4)) == fresh
+    # Each node's client finds the new leader on its own (seen 20-70 s after the kill: it runs
+    # out its calls to the dead leader first), so c may read them a little later than a wrote.
+    wait_for("c reads what a wrote after", lambda: c.get(after, range(4)) == fresh, 90, 1.0)
     for node in (a, b, c):
         wait_for(f"{node.host.name} ok", state_is(node, "ok"), 30)

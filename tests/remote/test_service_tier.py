@@ -136,6 +136,27 @@ def serves_its_pool(node: ServeNode, keys: Sequence[bytes], data: Sequence[bytes
     node.finish(request)
 
 
+def remote_events(node: ServeNode, kind: str) -> set[bytes]:
+    """The keys of ``node``'s KV events of ``kind`` with medium ``REMOTE``: ``BlockStored``
+    (written to the store), ``BlockRemoved`` (found gone from it)."""
+    return {
+        bytes.fromhex(k)
+        for e in node.events()["events"]
+        if e["type"] == kind and e["medium"] == "REMOTE"
+        for k in e["keys"]
+    }
+
+
+def removed_remote(node: ServeNode) -> set[bytes]:
+    return remote_events(node, "BlockRemoved")
+
+
+def store_in_batches(node: ServeNode, keys: Sequence[bytes], data: Sequence[bytes]) -> None:
+    for i in range(0, len(keys), 50):
+        chunk = keys[i : i + 50]
+        assert node.store(req("store"), chunk, data[i : i + 50]) == list(chunk)
+
+
 def report(fault: str, node: ServeNode) -> None:
     """One line for the fault table (shown with ``-s``)."""
     r = node.remote()
@@ -164,13 +185,7 @@ def test_a_prefix_stored_on_one_node_is_loaded_with_identical_bytes_on_another(
 
     assert a.store(req("store"), keys, data) == keys
     wait_written(a, 8)
-    stored_remote = {
-        bytes.fromhex(k)
-        for e in a.events()["events"]
-        if e["type"] == "BlockStored" and e["medium"] == "REMOTE"
-        for k in e["keys"]
-    }
-    assert stored_remote == set(keys)
+    assert remote_events(a, "BlockStored") == set(keys)
 
     absent = b"stored-nowhere"
     assert b.lookup(req("look"), [*keys, absent]) == ["remote"] * 8 + ["miss"]
@@ -296,14 +311,69 @@ def test_master_killed_and_restarted_nodes_serve_their_pools_then_use_the_tier_a
         return True
 
     wait_for("a block written behind after the restart", stored_after, 90, 0.5)
+    # The blocks written before the restart went with the master: the node that wrote them
+    # finds them gone (its sweep, every 10 s by default) and says so in its KV events.
+    wait_for(
+        "a reported the blocks lost with the master", lambda: removed_remote(a) >= set(keys), 40
+    )
     after, after_data = fresh[-1]
     assert b.lookup(req("look"), after) == ["remote"] * 4
     request, slots, _ = load_remote(b, after)
     assert b.read(slots) == after_data
     b.finish(request)
     serves_its_pool(b, keys, data)
+    assert not removed_remote(a) & {k for f in fresh for k in f[0]} & set(after)
     for node in (a, b):
         report("master restarted", node)
+
+
+@pytest.mark.timeout(240)
+def test_blocks_the_store_evicts_are_reported_removed_by_the_node_that_wrote_them(
+    cluster: Any, nodes: Nodes
+) -> None:
+    """Mooncake evicts on its own and tells nobody: the writer's sweep sees it, and its KV
+    events then name exactly the blocks another node can no longer find."""
+    cluster.master.start()
+    # The smallest segment Mooncake takes (16 MiB: 256 blocks), the only one in the store.
+    a = nodes.start("a", num_blocks=512, segment_bytes=16 << 20, extra=("--remote-sweep-s=1",))
+    b = nodes.start("b", segment_bytes=0, extra=("--remote-lookup-timeout-s=2",))
+    first, first_data = prefix(200, "evict-first")
+    store_in_batches(a, first, first_data)
+    wait_written(a, 200)
+    time.sleep(6)  # their leases (the master's default 5 s) run out: they may be evicted
+    second, second_data = prefix(120, "evict-second")
+    store_in_batches(a, second, second_data)
+    wait_for(
+        "a tried to write every block behind",
+        lambda: written(a) + a.remote()["write_behind_failed"]["put"] >= 320,
+        60,
+    )
+    every = first + second
+    stored = remote_events(a, "BlockStored")  # puts that failed (the store full) are not
+    assert len(stored) == written(a)
+    seen: dict[str, Any] = {}
+
+    def agree() -> bool:
+        found = b.lookup(req("look"), every)
+        seen["gone"] = {k for k, r in zip(every, found, strict=True) if r == "miss"} & stored
+        seen["removed"] = removed_remote(a)
+        return bool(seen["gone"]) and seen["gone"] == seen["removed"]
+
+    wait_for("a's removals = what b cannot find", agree, 60, 0.5)
+    tracked = a.remote()["tracked"]
+    assert tracked["removed"] == len(seen["removed"])
+    assert tracked["blocks"] == written(a) - len(seen["removed"])
+    # What is left reads back with a's bytes.
+    kept = [k for k in every if k not in seen["gone"]][:8]
+    request, slots, _ = load_remote(b, kept)
+    by_key = dict(zip(every, first_data + second_data, strict=True))
+    assert b.read(slots) == [by_key[k] for k in kept]
+    b.finish(request)
+    print(
+        f"[remote eviction] written {written(a)} of 320 blocks into a 256-block segment; "
+        f"evicted and reported removed {len(seen['removed'])}, wrong reports 0, "
+        f"put failures {a.remote()['write_behind_failed']['put']}"
+    )
 
 
 @pytest.mark.timeout(300)
