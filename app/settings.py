@@ -463,6 +463,13 @@ class Settings(AdminAuth):
         description="let the cuda backend run on a pool that could not be pinned (slow)",
     )
     shm_dir: Path = Field(default=Path("/dev/shm"), description="where the pool file lives")
+    copy_threads: int = Field(
+        default=0,
+        ge=0,
+        le=64,
+        description="threads of the cpu backend's copies between the pool and host-memory "
+        "caches (0: half the cores, 1 to 4)",
+    )
 
     # Leases, jobs, limits.
     lease_ttl_s: float = Field(default=300.0, gt=0, description="free leases silent this long")

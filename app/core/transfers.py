@@ -192,6 +192,7 @@ class Transfers:
                 backend=s.transfer_backend,
                 faults=fault_spec(s),
                 on_finished=on_finished,
+                copy_threads=s.copy_threads or None,
                 allow_pageable=s.allow_pageable_pool,
             )
         except BaseException:

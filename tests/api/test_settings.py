@@ -232,3 +232,14 @@ def test_a_bad_config_file_value_names_the_file_and_key_not_the_flag(
     assert str(refused.value) == (
         "--num-blocks / KVOFFLOAD_NUM_BLOCKS = '0': too small; accepted: an integer greater than 0"
     )
+
+
+@pytest.mark.anyio
+async def test_copy_threads_reach_the_cpu_worker() -> None:
+    from tests.api.harness import make_settings, running
+    from transfer.cpu_worker import default_copy_threads
+
+    for asked, used in ((0, default_copy_threads()), (3, 3)):
+        async with running(make_settings(copy_threads=asked)) as h:
+            worker = h.service.transfers().worker
+            assert getattr(worker, "copy_threads", None) == used, (asked, worker)
