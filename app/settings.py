@@ -549,8 +549,8 @@ class Settings(AdminAuth):
     remote_tracked_blocks: int = Field(
         default=262144,
         gt=0,
-        description="blocks written to the remote tier tracked for removal (more: the oldest "
-        "reported removed)",
+        description="blocks written to the remote tier tracked for removal (more: the one asked "
+        "after longest ago is reported removed)",
     )
 
     # Disk tier: blocks the pool evicts, on a local disk below it (off by default).
@@ -802,6 +802,14 @@ class Settings(AdminAuth):
             ):
                 if problem is not None:
                     raise config_error(field, getattr(self, field), problem)
+            if self.remote_tracked_blocks < self.remote_batch_blocks:
+                # Else a batch's own keys would be reported removed as it is stored.
+                raise config_error(
+                    "remote_tracked_blocks",
+                    self.remote_tracked_blocks,
+                    f"fewer than the blocks of one put; accepted: at least "
+                    f"{setting_names('remote_batch_blocks')} ({self.remote_batch_blocks})",
+                )
         if self.disk_dir is not None:
             from transfer.disk import min_disk_bytes, slots_for
 

@@ -716,6 +716,15 @@ async def onload_size(
     }
 
 
+def copy_thread_settings() -> list[int]:
+    """Part (d)'s copy threads: the default (0: half the cores), and one per core where that
+    is more (at most the setting's bound)."""
+    from transfer.cpu_worker import default_copy_threads
+
+    per_core = min(os.cpu_count() or 1, 64)
+    return [0] if per_core == default_copy_threads() else [0, per_core]
+
+
 def print_onloads(rows: list[dict[str, Any]]) -> None:
     print("(d) one onload of remote-only keys vs the raw client's batch get, paired per rep")
     print(
@@ -783,7 +792,7 @@ def main(argv: list[str] | None = None) -> int:
             onloads = [
                 asyncio.run(onload_size(size, batch, reps, address, url, threads))
                 for size in BLOCK_SIZES
-                for threads in (0, os.cpu_count() or 1)
+                for threads in copy_thread_settings()
             ]
         print_onloads(onloads)
         record["d_onload"] = {"target_ratio": TARGET, "reps": reps, "results": onloads}

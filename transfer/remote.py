@@ -21,7 +21,8 @@ Host pool slots are the only place bytes come from or go to: the tier never hand
 - ``held_slots() -> frozenset[int]``: slots named by a call whose backend work has not ended
   (a call that timed out may still read or write them). The caller must not reuse such a slot
   for another block until it leaves this set.
-- ``close()``: stop the backend client; idempotent. Later calls answer as misses.
+- ``close()``: stop the backend client; idempotent. Later calls answer as failures (False;
+  None for ``exists``: a closed tier has no answer).
 
 Failures never raise out of the data calls: a failed, timed-out or skipped call answers False
 (None for ``exists``) for its keys, and the backend's ``health()`` says why. Malformed calls

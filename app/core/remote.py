@@ -24,14 +24,15 @@ run on its own threads. ``RemoteLink`` decides *when*, and keeps the manager rig
   medium ``REMOTE``.
 - **Removals** (``sweep``): the store evicts on its own and tells nobody (nor does a lone
   master that restarts empty), so the node keeps the keys it reported stored (at most
-  ``tracked_blocks``, oldest checked first) and asks the store about each of them at least
-  every ``sweep_s``, in slices spread over one-second ticks. A key the store answers it does
-  not hold (``exists`` False, never an unanswered None) is a ``BlockRemoved`` event with
-  medium ``REMOTE`` and is no longer tracked; so is one a lookup finds gone. A key stored
-  again while it was being asked about is not reported (each store stamps it). A key pushed
-  out of the bound is reported removed too (counted ``untracked``): the node no longer
-  vouches for it, and a router that believes a block gone costs a recompute, one that
-  believes it there costs a wrong route. Nothing is swept while the tier is degraded.
+  ``tracked_blocks``, in line: the one asked after longest ago first) and asks the store
+  about each of them at least every ``sweep_s``, in slices spread over one-second ticks. A
+  key the store answers it does not hold (``exists`` False, never an unanswered None) is a
+  ``BlockRemoved`` event with medium ``REMOTE`` and is no longer tracked; so is one a lookup
+  finds gone. A key stored again while it was being asked about is not reported (each store
+  stamps it). A key pushed out of the bound (the head of the line) is reported removed too
+  (counted ``untracked``): the node no longer vouches for it, and a router that believes a
+  block gone costs a recompute, one that believes it there costs a wrong route. Nothing is
+  swept while the tier is degraded.
 - **Faults**: the tier degrades by itself (``health()``) and recovers with its probe; while it
   is degraded, lookups answer "not found" without asking it, promotion starts nothing and
   write-behind drops what it would have put (counted).
@@ -65,6 +66,8 @@ log = get_logger("remote")
 HELD_POLL_S = 0.05
 #: The sweep's tick: each tick asks about a slice of the tracked keys.
 SWEEP_TICK_S = 1.0
+#: The shortest tick, whatever ``sweep_s`` says (no busy loop).
+SWEEP_MIN_TICK_S = 0.05
 #: Keys per ``exists`` call of the sweep (the master answers 16k keys in about 5 ms).
 SWEEP_BATCH = 16384
 
@@ -142,7 +145,15 @@ class RemoteLink:
 
     def state(self) -> dict[str, Any]:
         """What ``/admin/v1/stats`` and ``/readyz`` say about the tier."""
-        health = self.tier.health().as_dict()
+        tier = self.tier.health()
+        health = tier.as_dict()
+        # The tier counts every exists() answer, the sweep's too: hits and misses here are
+        # the lookups' own (what the hit-ratio panels mean).
+        health["counters"] = {
+            **tier.counters,
+            "hits": self.counts["lookup_hits"],
+            "misses": self.counts["lookup_misses"],
+        }
         health["namespace"] = self.tier.namespace
         health["queue"] = {
             "depth": len(self._queue),
@@ -166,6 +177,7 @@ class RemoteLink:
             "capacity": self.tracked_blocks,
             "removed": self.counts["removed"],
             "untracked": self.counts["untracked"],
+            "asked": self.counts["sweep_asked"],
             "sweep_s": self.sweep_s,
         }
         health["write_behind_failed"] = {
@@ -201,6 +213,8 @@ class RemoteLink:
             self.counts["lookup_timeouts"] += 1
             return [False] * len(keys)
         self._observe("exists", started, len(keys), req_id)
+        self.counts["lookup_hits"] += answer.count(True)
+        self.counts["lookup_misses"] += answer.count(False)
         self._settle(list(keys), stamps, answer)
         return [bool(a) for a in answer]
 
@@ -295,7 +309,7 @@ class RemoteLink:
 
     def _track(self, keys: Sequence[BlockKey]) -> None:
         """Track keys just reported stored (last in line to be asked about); keys pushed out
-        of the bound are reported removed."""
+        of the bound (the head of the line: asked after longest ago) are reported removed."""
         tracked = self._tracked
         for key in keys:
             tracked.pop(key, None)
@@ -316,19 +330,19 @@ class RemoteLink:
         self, keys: list[BlockKey], stamps: list[int | None], answer: Sequence[bool | None]
     ) -> None:
         """Act on the store's answer about tracked keys, asked when they had ``stamps``:
-        a key it holds goes to the back of the line, one it does not hold is reported
-        removed, one it did not answer for stays where it is. A key stored again (or no
-        longer tracked) since it was asked about is left alone."""
+        one it does not hold is reported removed; one it holds, or did not answer for, goes
+        to the back of the line (asked again a round later, so keys that get no answer never
+        hold the others back). A key stored again (or no longer tracked) since it was asked
+        about is left alone."""
         tracked = self._tracked
         gone = []
         for key, stamp, there in zip(keys, stamps, answer, strict=True):
             if stamp is None or tracked.get(key) != stamp:
                 continue
+            del tracked[key]
             if there is False:
-                del tracked[key]
                 gone.append(key)
-            elif there:
-                del tracked[key]
+            else:
                 tracked[key] = stamp
         if gone:
             self._removed(gone)
@@ -352,11 +366,12 @@ class RemoteLink:
             began = time.perf_counter()
             answer = await asyncio.to_thread(self.tier.exists, keys)
             self._observe("sweep", began, len(keys), None)
+            self.counts["sweep_asked"] += len(keys)
             self._settle(keys, stamps, answer)
         return len(due)
 
     async def _sweep_loop(self) -> None:
-        tick = min(SWEEP_TICK_S, self.sweep_s)
+        tick = max(SWEEP_MIN_TICK_S, min(SWEEP_TICK_S, self.sweep_s))
         while True:
             await asyncio.sleep(tick)
             try:

@@ -352,6 +352,16 @@ async def events(h: Harness, kind: str, medium: str = "REMOTE") -> list[list[str
     return [e["block_hashes"] for e in page if e["type"] == kind and e["medium"] == medium]
 
 
+async def sweeps(store: MemoryStore, n: int) -> None:
+    """Wait until the store was asked ``n`` more times (sweeps ran meanwhile)."""
+    asked = len(store.asked)
+
+    async def enough() -> bool:
+        return len(store.asked) >= asked + n
+
+    await until(enough)
+
+
 async def removed_keys(h: Harness) -> list[str]:
     """Every key of the node's REMOTE ``BlockRemoved`` events, sorted (repeats kept)."""
     return sorted(k for keys in await events(h, "BlockRemoved") for k in keys)
@@ -370,14 +380,16 @@ async def test_a_block_the_store_evicts_is_reported_removed_by_the_sweep() -> No
             return bool(await events(a, "BlockRemoved"))
 
         await until(reported)
-        await asyncio.sleep(0.2)  # several more sweeps: the others are still there
+        await sweeps(store, 3)  # the others are still there
         assert await events(a, "BlockRemoved") == [[keys[1]]]
         tracked = (await a.admin.get("/admin/v1/stats")).json()["remote"]["tracked"]
+        assert tracked.pop("asked") >= 9  # three keys, three sweeps at least
         assert tracked == {
             "blocks": 2, "capacity": 262144, "removed": 1, "untracked": 0, "sweep_s": 0.05
         }  # fmt: skip
         text = (await a.client.get("/metrics")).text
         assert "kvoffload_remote_removed_blocks_total 1.0" in text
+        assert "kvoffload_remote_hits_total 0.0" in text  # sweeps are not lookups
         assert "kvoffload_remote_tracked_blocks 2.0" in text
         assert 'kvoffload_remote_call_keys_total{op="sweep"}' in text
         # The store loses all (1 and 3 go too), 2 is written again and evicted again: each
@@ -391,8 +403,7 @@ async def test_a_block_the_store_evicts_is_reported_removed_by_the_sweep() -> No
         async def all_reported() -> bool:
             return sum(len(k) for k in await events(a, "BlockRemoved")) == 4
 
-        await until(all_reported)
-        await asyncio.sleep(0.2)
+        await until(all_reported)  # and nothing is left to report: none is tracked
         assert await removed_keys(a) == sorted([*keys, keys[1]])
         assert (await a.admin.get("/admin/v1/stats")).json()["remote"]["tracked"]["blocks"] == 0
 
@@ -424,20 +435,18 @@ async def test_no_answer_is_not_a_removal() -> None:
         await store_on(a, "w", keys, fill=3)
         await written(a, 2)
         store.unanswered = True
-        asked = len(store.asked)
-
-        async def swept() -> bool:
-            return len(store.asked) > asked + 3
-
-        await until(swept)
+        store.blocks.clear()  # gone, but the store gives no answer about them
+        await sweeps(store, 3)
+        assert await events(a, "BlockRemoved") == []
         store.unanswered = False
-        store.down = True
-        store.blocks.clear()  # a master lost: gone, but nobody can say so yet
+        store.down = True  # degraded: nothing is asked, nothing reported
         await a.admin.post("/admin/v1/cache/clear")
         await a.start("r")
         r = await a.post("/v1/requests/r/lookup", {"keys": keys})
         assert r.json()["results"] == ["miss", "miss"]
-        await asyncio.sleep(0.2)
+        asked = len(store.asked)
+        await asyncio.sleep(0.2)  # four ticks of the sweep, each skipped
+        assert len(store.asked) == asked
         assert await events(a, "BlockRemoved") == []
         store.down = False  # back, and empty: now the sweep can tell
 
@@ -466,10 +475,10 @@ async def test_a_block_stored_again_while_it_is_asked_after_is_not_reported() ->
         assert await events(a, "BlockRemoved") == [[hexkeys(1)[0]]]
 
 
-async def test_tracking_is_bounded_and_the_oldest_is_reported_removed() -> None:
+async def test_tracking_is_bounded_and_the_head_of_the_line_is_reported_removed() -> None:
     store = MemoryStore()
     keys = hexkeys(1, 2, 3)
-    async with node(store, remote_sweep_s=0, remote_tracked_blocks=2) as a:
+    async with node(store, remote_sweep_s=0, remote_tracked_blocks=2, remote_batch_blocks=1) as a:
         await store_on(a, "w", keys, fill=3)
         await written(a, 3)
         assert await events(a, "BlockRemoved") == [keys[:1]]
@@ -479,9 +488,10 @@ async def test_tracking_is_bounded_and_the_oldest_is_reported_removed() -> None:
 
 async def test_the_sweep_asks_after_every_block_once_per_period_in_slices() -> None:
     store = MemoryStore()
-    async with node(store, remote_sweep_s=4) as a:
+    async with node(store, remote_sweep_s=0) as a:  # no sweep of its own in between
         link = a.service.remote
         assert link is not None
+        link.sweep_s = 4
         keys = [i.to_bytes(8, "big") for i in range(100)]
         store.blocks.update((remote_name(link.tier.namespace, k), b"") for k in keys)
         link._track(keys)

@@ -175,6 +175,18 @@ def test_mooncake_masters_are_one_address_or_the_etcd_of_ha_masters() -> None:
         Settings(**{**remote, "mooncake_metadata": "etcd://"}, mooncake_master="10.0.0.1:1")
 
 
+def test_fewer_tracked_blocks_than_one_put_is_refused() -> None:
+    remote: dict[str, Any] = {
+        "remote_tier": "mooncake",
+        "mooncake_master": "10.0.0.1:50051",
+        "mooncake_metadata": "http://10.0.0.1:8080/metadata",
+        "remote_batch_blocks": 64,
+    }
+    assert Settings(**remote, remote_tracked_blocks=64).remote_tracked_blocks == 64
+    with pytest.raises(ValidationError, match=r"--remote-tracked-blocks.*at least --remote-batch"):
+        Settings(**remote, remote_tracked_blocks=63)
+
+
 def _bounded_fields() -> list[tuple[str, str]]:
     """(field, a value past one of its bounds) for every bounded numeric setting."""
     out: list[tuple[str, str]] = []

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
+import httpx
 import pytest
 
 from tests.containers.conftest import BASE_IMAGE
@@ -27,7 +28,7 @@ from tests.containers.stack import (
     Stack,
     run,
 )
-from tests.containers.test_remote import NODE_B, lookup
+from tests.containers.test_remote import NODE_A, NODE_B, lookup
 from tests.e2e.server import wait_for
 
 BLOCKS = 8
@@ -95,6 +96,18 @@ def stack(image: str, etcd_image: str, workdir: Path) -> Iterator[Stack]:
         stack.down()
 
 
+def _reported_removed(url: str, token: str) -> set[str]:
+    """The hex keys of the node's REMOTE ``BlockRemoved`` events (found gone from the store)."""
+    auth = {"authorization": f"Bearer {token}"}
+    page = httpx.get(f"{url}/v1/events", headers=auth, timeout=10).json()["events"]
+    return {
+        k
+        for e in page
+        if e["type"] == "BlockRemoved" and e["medium"] == "REMOTE"
+        for k in e["block_hashes"]
+    }
+
+
 def _remote_on_b(stack: Stack, engine_module: ModuleType, seed: str, within_s: float) -> float:
     """Seconds until node B answers ``remote`` for every block of ``seed``."""
     keys = [engine_module.block_key(seed, i) for i in range(BLOCKS)]
@@ -140,6 +153,13 @@ def test_a_killed_leader_loses_no_block_and_the_standby_serves(
         "cpu-engine-b", "load", "--seed", after, "--blocks", str(BLOCKS), "--expect", "remote"
     )
     assert fresh["ok"], fresh
+    # A, which wrote them, never took the takeover for their loss: its tier was back long
+    # before B read them again (20-70 s), so its sweep (every 10 s) asked after them more than
+    # once, and the new leader answered that it holds them.
+    written = {
+        engine_module.block_key(seed, i).hex() for seed in (before, after) for i in range(BLOCKS)
+    }
+    assert not _reported_removed(NODE_A, stack.project.engine_token) & written
     REPORT.record(
         "ha: leader SIGKILL",
         {

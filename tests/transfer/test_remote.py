@@ -6,6 +6,7 @@ The tier against a real Mooncake Store is in ``tests/remote`` (``make test-remot
 from __future__ import annotations
 
 import sys
+from typing import ClassVar
 
 import pytest
 
@@ -99,3 +100,59 @@ def test_a_tier_without_mooncake_says_how_to_install_it(monkeypatch) -> None:
 def test_a_tier_needs_a_namespace() -> None:
     with HostPool.create(2, 4096, pin=False) as pool, pytest.raises(RemoteTierError):
         MooncakeTier(pool, "", config())
+
+
+class _AnsweringStore:
+    """A stand-in for ``mooncake.store``'s client: ``batch_is_exist`` answers each name from
+    ``codes`` (0 when absent), or raises ``failing`` when set."""
+
+    codes: ClassVar[dict[str, int]] = {}
+    failing: ClassVar[Exception | None] = None
+
+    def setup(self, *args: object) -> int:
+        return 0
+
+    def register_buffer(self, base: int, size: int) -> int:
+        return 0
+
+    def health_check(self) -> int:
+        return 0
+
+    def batch_is_exist(self, names: list[str]) -> list[int]:
+        if self.failing is not None:
+            raise self.failing
+        return [self.codes.get(n, 0) for n in names]
+
+    def close(self) -> None:
+        pass
+
+
+def test_exists_answers_true_false_or_none_and_counts_only_answers(monkeypatch) -> None:
+    """1 -> True, 0 -> False (the only "not held"), an error code or a failed call -> None:
+    no answer, never taken for an absent block."""
+    import socket
+    import types
+
+    fake = types.SimpleNamespace(
+        MooncakeDistributedStore=_AnsweringStore, ReplicateConfig=types.SimpleNamespace
+    )
+    monkeypatch.setitem(sys.modules, "mooncake", types.SimpleNamespace(store=fake))
+    monkeypatch.setitem(sys.modules, "mooncake.store", fake)
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # the master and metadata server
+        port = listener.getsockname()[1]
+        cfg = config(master=f"127.0.0.1:{port}", metadata_url=f"http://127.0.0.1:{port}/m")
+        with HostPool.create(2, 4096, pin=False) as pool:
+            tier = MooncakeTier(pool, "ns", cfg)
+            try:
+                assert tier.health().ok
+                _AnsweringStore.codes = {remote_name("ns", b"a"): 1, remote_name("ns", b"c"): -1}
+                assert tier.exists([b"a", b"b", b"c"]) == [True, False, None]
+                counters = tier.health().counters
+                assert (counters["hits"], counters["misses"], counters["errors"]) == (1, 1, 1)
+                _AnsweringStore.failing = RuntimeError("master gone")
+                assert tier.exists([b"a", b"b"]) == [None, None]
+            finally:
+                _AnsweringStore.failing = None
+                _AnsweringStore.codes = {}
+                tier.close()
+            assert tier.exists([b"a"]) == [None]  # closed: no answer
