@@ -546,6 +546,12 @@ class Settings(AdminAuth):
         description="each block this node wrote to the remote tier is asked after for having "
         "been evicted at least this often (0: only lookups notice)",
     )
+    remote_removal_confirm_s: float = Field(
+        default=120.0,
+        ge=0,
+        description="a block written to the remote tier is reported removed once the store has "
+        "kept answering it does not hold it this long (HA takeovers answer so for a while)",
+    )
     remote_tracked_blocks: int = Field(
         default=262144,
         gt=0,

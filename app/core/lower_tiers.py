@@ -133,6 +133,7 @@ class LowerTiers:
             hold_s=s.lease_ttl_s,
             sweep_s=s.remote_sweep_s,
             tracked_blocks=s.remote_tracked_blocks,
+            removal_confirm_s=s.remote_removal_confirm_s,
             on_event=self._on_event,
             on_call=self.observer.remote_call,
         )

@@ -25,10 +25,14 @@ run on its own threads. ``RemoteLink`` decides *when*, and keeps the manager rig
 - **Removals** (``sweep``): the store evicts on its own and tells nobody (nor does a lone
   master that restarts empty), so the node keeps the keys it reported stored (at most
   ``tracked_blocks``, in line: the one asked after longest ago first) and asks the store
-  about each of them at least every ``sweep_s``, in slices spread over one-second ticks. A
-  key the store answers it does not hold (``exists`` False, never an unanswered None) is a
-  ``BlockRemoved`` event with medium ``REMOTE`` and is no longer tracked; so is one a lookup
-  finds gone. A key stored again while it was being asked about is not reported (each store
+  about each of them at least every ``sweep_s``, in slices spread over one-second ticks; a
+  lookup's answer about a tracked key counts the same. A key the store has kept answering it
+  does not hold (``exists`` False, never an unanswered None) for ``removal_confirm_s`` is a
+  ``BlockRemoved`` event with medium ``REMOTE`` and is no longer tracked; one answered held
+  meanwhile is not. Why wait: Mooncake answers "not held" for blocks in the segments of nodes
+  that have not re-registered with a new HA leader yet (seen for up to a minute after a
+  takeover), and a block reported removed that is still there is never reported stored
+  again. A key stored again while it was being asked about is not reported (each store
   stamps it). A key pushed out of the bound (the head of the line) is reported removed too
   (counted ``untracked``): the node no longer vouches for it, and a router that believes a
   block gone costs a recompute, one that believes it there costs a wrong route. Nothing is
@@ -86,14 +90,17 @@ class RemoteLink:
         hold_s: float = 60.0,
         sweep_s: float = 10.0,
         tracked_blocks: int = 262144,
+        removal_confirm_s: float = 120.0,
         on_event: Callable[[], None] = lambda: None,
         on_call: Callable[[str, float, int, str | None], None] | None = None,
     ) -> None:
         """``hold_s``: how long a promoted block waits, held, for its request's load.
         ``sweep_s``: every tracked key is asked about at least this often (0: no sweep; lookups
         still report the removals they see). ``tracked_blocks``: how many stored keys are
-        tracked for removal. ``on_event``: called after the manager got a remote KV event
-        (drain it). ``on_call(op, seconds, keys, req_id)``: each remote call's latency."""
+        tracked for removal. ``removal_confirm_s``: how long a key must keep being answered
+        "not held" before it is reported removed. ``on_event``: called after the manager got
+        a remote KV event (drain it). ``on_call(op, seconds, keys, req_id)``: each remote
+        call's latency."""
         self.promotions = Promotions(manager, hold_s=hold_s, on_event=on_event, tier="remote")
         self.tier = tier
         self.manager = manager
@@ -110,6 +117,9 @@ class RemoteLink:
         self.tracked_blocks = tracked_blocks
         # Keys reported stored, oldest asked about first -> the stamp of their last store.
         self._tracked: dict[BlockKey, int] = {}
+        self.removal_confirm_s = removal_confirm_s
+        # Tracked keys answered "not held", since when (monotonic): suspected, not reported.
+        self._absent_since: dict[BlockKey, float] = {}
         self._stamps = itertools.count()
         self._sweep: asyncio.Task[None] | None = None
         self.counts: collections.Counter[str] = collections.Counter()
@@ -175,10 +185,12 @@ class RemoteLink:
         health["tracked"] = {
             "blocks": len(self._tracked),
             "capacity": self.tracked_blocks,
+            "suspected": len(self._absent_since),
             "removed": self.counts["removed"],
             "untracked": self.counts["untracked"],
             "asked": self.counts["sweep_asked"],
             "sweep_s": self.sweep_s,
+            "removal_confirm_s": self.removal_confirm_s,
         }
         health["write_behind_failed"] = {
             "put": self.counts["put_failed"],
@@ -313,12 +325,14 @@ class RemoteLink:
         tracked = self._tracked
         for key in keys:
             tracked.pop(key, None)
+            self._absent_since.pop(key, None)
             tracked[key] = next(self._stamps)
         over = len(tracked) - self.tracked_blocks
         if over > 0:
             dropped = list(itertools.islice(tracked, over))
             for key in dropped:
                 del tracked[key]
+                self._absent_since.pop(key, None)
             self.counts["untracked"] += over
             self._removed(dropped)
 
@@ -330,20 +344,26 @@ class RemoteLink:
         self, keys: list[BlockKey], stamps: list[int | None], answer: Sequence[bool | None]
     ) -> None:
         """Act on the store's answer about tracked keys, asked when they had ``stamps``:
-        one it does not hold is reported removed; one it holds, or did not answer for, goes
-        to the back of the line (asked again a round later, so keys that get no answer never
-        hold the others back). A key stored again (or no longer tracked) since it was asked
-        about is left alone."""
-        tracked = self._tracked
+        one it has answered "not held" for at least ``removal_confirm_s`` is reported
+        removed; any other goes to the back of the line (asked again a round later, so keys
+        that get no answer never hold the others back). A "held" clears the suspicion. A key
+        stored again (or no longer tracked) since it was asked about is left alone."""
+        tracked, absent = self._tracked, self._absent_since
+        now = time.monotonic()
         gone = []
         for key, stamp, there in zip(keys, stamps, answer, strict=True):
             if stamp is None or tracked.get(key) != stamp:
                 continue
             del tracked[key]
             if there is False:
-                gone.append(key)
-            else:
-                tracked[key] = stamp
+                first = absent.setdefault(key, now)
+                if now - first >= self.removal_confirm_s:
+                    del absent[key]
+                    gone.append(key)
+                    continue
+            elif there:
+                absent.pop(key, None)
+            tracked[key] = stamp
         if gone:
             self._removed(gone)
 

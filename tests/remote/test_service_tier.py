@@ -264,7 +264,9 @@ def test_master_killed_and_restarted_nodes_serve_their_pools_then_use_the_tier_a
     cluster: Any, nodes: Nodes
 ) -> None:
     cluster.master.start()
-    a, b = nodes.start("a"), nodes.start("b")
+    # A lone master comes back empty: what it held is gone for good, reported once it has
+    # been "not held" for 3 s (the default of 120 s rides out an HA takeover).
+    a, b = nodes.start("a", extra=("--remote-removal-confirm-s=3",)), nodes.start("b")
     keys, data = prefix(4, "before")
     assert a.store(req("store"), keys, data) == keys
     wait_written(a, 4)
@@ -335,7 +337,12 @@ def test_blocks_the_store_evicts_are_reported_removed_by_the_node_that_wrote_the
     events then name exactly the blocks another node can no longer find."""
     cluster.master.start()
     # The smallest segment Mooncake takes (16 MiB: 256 blocks), the only one in the store.
-    a = nodes.start("a", num_blocks=512, segment_bytes=16 << 20, extra=("--remote-sweep-s=1",))
+    a = nodes.start(
+        "a",
+        num_blocks=512,
+        segment_bytes=16 << 20,
+        extra=("--remote-sweep-s=1", "--remote-removal-confirm-s=0"),
+    )
     b = nodes.start("b", segment_bytes=0, extra=("--remote-lookup-timeout-s=2",))
     first, first_data = prefix(200, "evict-first")
     store_in_batches(a, first, first_data)
