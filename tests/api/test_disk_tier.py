@@ -1025,15 +1025,14 @@ async def test_mixed_concurrent_stores_onloads_and_loads_never_serve_wrong_bytes
         disk_only = [k for k in disk_only if d.found([bytes.fromhex(k)])[0]]
         assert disk_only, s
         await h.start("last")
-        body = {
-            "cache_id": cache_id,
-            "keys": disk_only[:2],
-            "device_blocks": [0, 1][: len(disk_only[:2])],
-        }
-        r = await h.post("/v1/requests/last/onload", body)
+        last, blocks = disk_only[:2], [0, 1][: len(disk_only[:2])]
+        r = await h.post(
+            "/v1/requests/last/onload",
+            {"cache_id": cache_id, "keys": last, "device_blocks": blocks},
+        )
         assert r.status_code == 202, r.text
         assert (await h.wait(r.json()["job_id"]))["state"] == "done"
-        assert [dev.read(b) for b in body["device_blocks"]] == [content[k] for k in body["keys"]]
+        assert [dev.read(b) for b in blocks] == [content[k] for k in last]
         assert (await h.client.delete("/v1/requests/last")).status_code == 200
         s = await stats(h)
         assert s["promotions"]["loaded"] > 0, s
