@@ -54,7 +54,7 @@ import itertools
 import math
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from app.core.promotion import Promotions
@@ -74,6 +74,80 @@ SWEEP_TICK_S = 1.0
 SWEEP_MIN_TICK_S = 0.05
 #: Keys per ``exists`` call of the sweep (the master answers 16k keys in about 5 ms).
 SWEEP_BATCH = 16384
+
+
+class WrittenKeys:
+    """The keys a node reported stored remotely (see "Removals" in the module docstring): in
+    line to be asked after (the one asked after longest ago first), each with the stamp of
+    its last store, and those the store answered "not held" for, since when. State only: the
+    caller asks the store and reports what ``add`` pushes out and ``settle`` finds gone."""
+
+    def __init__(self, capacity: int, confirm_s: float) -> None:
+        self.capacity = capacity
+        self.confirm_s = confirm_s
+        self._line: dict[BlockKey, int] = {}
+        self._absent_since: dict[BlockKey, float] = {}  # monotonic
+        self._stamps = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._line)
+
+    def __iter__(self) -> Iterator[BlockKey]:
+        return iter(self._line)
+
+    @property
+    def suspected(self) -> int:
+        """Keys answered "not held", not yet for ``confirm_s``."""
+        return len(self._absent_since)
+
+    def add(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        """Keys just stored: stamped anew, last in line; the keys pushed out of
+        ``capacity`` (the head of the line)."""
+        line, absent = self._line, self._absent_since
+        for key in keys:
+            line.pop(key, None)
+            absent.pop(key, None)
+            line[key] = next(self._stamps)
+        dropped = list(itertools.islice(line, max(0, len(line) - self.capacity)))
+        for key in dropped:
+            del line[key]
+            absent.pop(key, None)
+        return dropped
+
+    def stamps_of(self, keys: Sequence[BlockKey]) -> list[int | None]:
+        """Each key's stamp now (None: not tracked), to hand to ``settle`` with the answer."""
+        line = self._line
+        return [line.get(k) for k in keys]
+
+    def head(self, share: float) -> list[BlockKey]:
+        """The first ``share`` of the line (at least one key when any is tracked)."""
+        return list(itertools.islice(self._line, math.ceil(len(self._line) * share)))
+
+    def settle(
+        self, keys: Sequence[BlockKey], stamps: Sequence[int | None], answer: Sequence[bool | None]
+    ) -> list[BlockKey]:
+        """Take the store's answer about keys asked when they had ``stamps``; the keys it
+        has answered "not held" for at least ``confirm_s``, no longer tracked. Any other
+        goes to the back of the line (asked again a round later, so keys that get no answer
+        never hold the others back); a "held" clears the suspicion. A key stored again (or
+        no longer tracked) since it was asked about is left alone."""
+        line, absent = self._line, self._absent_since
+        now = time.monotonic()
+        gone = []
+        for key, stamp, there in zip(keys, stamps, answer, strict=True):
+            if stamp is None or line.get(key) != stamp:
+                continue
+            del line[key]
+            if there is False:
+                first = absent.setdefault(key, now)
+                if now - first >= self.confirm_s:
+                    del absent[key]
+                    gone.append(key)
+                    continue
+            elif there:
+                absent.pop(key, None)
+            line[key] = stamp
+        return gone
 
 
 class RemoteLink:
@@ -114,13 +188,7 @@ class RemoteLink:
         self._wakeup = asyncio.Event()
         self._drain: asyncio.Task[None] | None = None
         self.sweep_s = sweep_s
-        self.tracked_blocks = tracked_blocks
-        # Keys reported stored, oldest asked about first -> the stamp of their last store.
-        self._tracked: dict[BlockKey, int] = {}
-        self.removal_confirm_s = removal_confirm_s
-        # Tracked keys answered "not held", since when (monotonic): suspected, not reported.
-        self._absent_since: dict[BlockKey, float] = {}
-        self._stamps = itertools.count()
+        self.written = WrittenKeys(tracked_blocks, removal_confirm_s)
         self._sweep: asyncio.Task[None] | None = None
         self.counts: collections.Counter[str] = collections.Counter()
 
@@ -183,14 +251,14 @@ class RemoteLink:
         }
         health["written"] = self.counts["written"]
         health["tracked"] = {
-            "blocks": len(self._tracked),
-            "capacity": self.tracked_blocks,
-            "suspected": len(self._absent_since),
+            "blocks": len(self.written),
+            "capacity": self.written.capacity,
+            "suspected": self.written.suspected,
             "removed": self.counts["removed"],
             "untracked": self.counts["untracked"],
             "asked": self.counts["sweep_asked"],
             "sweep_s": self.sweep_s,
-            "removal_confirm_s": self.removal_confirm_s,
+            "removal_confirm_s": self.written.confirm_s,
         }
         health["write_behind_failed"] = {
             "put": self.counts["put_failed"],
@@ -217,7 +285,7 @@ class RemoteLink:
             self.counts["lookups_skipped"] += 1
             return [False] * len(keys)
         started = time.perf_counter()
-        stamps = self._stamps_of(keys)
+        stamps = self.written.stamps_of(keys)
         try:
             async with asyncio.timeout(self.lookup_timeout_s):
                 answer = await asyncio.to_thread(self.tier.exists, list(keys))
@@ -320,50 +388,18 @@ class RemoteLink:
     # ------------------------------------------------------------------ removals
 
     def _track(self, keys: Sequence[BlockKey]) -> None:
-        """Track keys just reported stored (last in line to be asked about); keys pushed out
-        of the bound (the head of the line: asked after longest ago) are reported removed."""
-        tracked = self._tracked
-        for key in keys:
-            tracked.pop(key, None)
-            self._absent_since.pop(key, None)
-            tracked[key] = next(self._stamps)
-        over = len(tracked) - self.tracked_blocks
-        if over > 0:
-            dropped = list(itertools.islice(tracked, over))
-            for key in dropped:
-                del tracked[key]
-                self._absent_since.pop(key, None)
-            self.counts["untracked"] += over
+        """Track keys just reported stored; those pushed out of the bound are reported
+        removed (``untracked``)."""
+        dropped = self.written.add(keys)
+        if dropped:
+            self.counts["untracked"] += len(dropped)
             self._removed(dropped)
-
-    def _stamps_of(self, keys: Sequence[BlockKey]) -> list[int | None]:
-        tracked = self._tracked
-        return [tracked.get(k) for k in keys]
 
     def _settle(
         self, keys: list[BlockKey], stamps: list[int | None], answer: Sequence[bool | None]
     ) -> None:
-        """Act on the store's answer about tracked keys, asked when they had ``stamps``:
-        one it has answered "not held" for at least ``removal_confirm_s`` is reported
-        removed; any other goes to the back of the line (asked again a round later, so keys
-        that get no answer never hold the others back). A "held" clears the suspicion. A key
-        stored again (or no longer tracked) since it was asked about is left alone."""
-        tracked, absent = self._tracked, self._absent_since
-        now = time.monotonic()
-        gone = []
-        for key, stamp, there in zip(keys, stamps, answer, strict=True):
-            if stamp is None or tracked.get(key) != stamp:
-                continue
-            del tracked[key]
-            if there is False:
-                first = absent.setdefault(key, now)
-                if now - first >= self.removal_confirm_s:
-                    del absent[key]
-                    gone.append(key)
-                    continue
-            elif there:
-                absent.pop(key, None)
-            tracked[key] = stamp
+        """Report what the store's answer about tracked keys shows gone (``WrittenKeys.settle``)."""
+        gone = self.written.settle(keys, stamps, answer)
         if gone:
             self._removed(gone)
 
@@ -375,14 +411,12 @@ class RemoteLink:
     async def sweep(self) -> int:
         """One tick of the sweep: ask the store about the slice of tracked keys due now
         (all of them once per ``sweep_s``), oldest first; the keys asked about."""
-        tracked = self._tracked
-        if not tracked or not self.tier.health().ok:
+        if not self.written or not self.tier.health().ok:
             return 0
-        share = min(1.0, SWEEP_TICK_S / self.sweep_s) if self.sweep_s > 0 else 1.0
-        due = list(itertools.islice(tracked, math.ceil(len(tracked) * share)))
+        due = self.written.head(min(1.0, self._tick() / self.sweep_s) if self.sweep_s else 1.0)
         for start in range(0, len(due), SWEEP_BATCH):
             keys = due[start : start + SWEEP_BATCH]
-            stamps = self._stamps_of(keys)
+            stamps = self.written.stamps_of(keys)
             began = time.perf_counter()
             answer = await asyncio.to_thread(self.tier.exists, keys)
             self._observe("sweep", began, len(keys), None)
@@ -390,8 +424,11 @@ class RemoteLink:
             self._settle(keys, stamps, answer)
         return len(due)
 
+    def _tick(self) -> float:
+        return max(SWEEP_MIN_TICK_S, min(SWEEP_TICK_S, self.sweep_s))
+
     async def _sweep_loop(self) -> None:
-        tick = max(SWEEP_MIN_TICK_S, min(SWEEP_TICK_S, self.sweep_s))
+        tick = self._tick()
         while True:
             await asyncio.sleep(tick)
             try:

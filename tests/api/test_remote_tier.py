@@ -470,13 +470,13 @@ async def test_a_block_stored_again_while_it_is_asked_after_is_not_reported() ->
         assert link is not None
         key = bytes.fromhex(hexkeys(1)[0])
         link._track([key])
-        stamps = link._stamps_of([key])
+        stamps = link.written.stamps_of([key])
         link._track([key])  # a put of the same key ended while the store was asked
         link._settle([key], stamps, [False])
         assert link.state()["tracked"]["blocks"] == 1
-        link._settle([key], link._stamps_of([key]), [None])
+        link._settle([key], link.written.stamps_of([key]), [None])
         assert link.state()["tracked"]["blocks"] == 1
-        link._settle([key], link._stamps_of([key]), [False])
+        link._settle([key], link.written.stamps_of([key]), [False])
         assert link.state()["tracked"]["blocks"] == 0
         assert await events(a, "BlockRemoved") == [[hexkeys(1)[0]]]
 
@@ -505,7 +505,7 @@ async def test_the_sweep_asks_after_every_block_once_per_period_in_slices() -> N
         for _ in range(4):  # four ticks of a second: a quarter each, oldest first
             assert await link.sweep() == 25
         assert store.asked == [25] * 4
-        assert list(link._tracked) == keys  # every one asked once, back in its order
+        assert list(link.written) == keys  # every one asked once, back in its order
 
 
 async def test_a_block_is_reported_removed_only_once_it_stayed_gone_for_the_confirm_time() -> None:
