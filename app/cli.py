@@ -49,6 +49,8 @@ from manager import available_policies
 # Exit status of a command whose reader closed stdout early (128 + SIGPIPE, as the shell
 # reports a process SIGPIPE killed).
 EXIT_BROKEN_PIPE = 141
+EXIT_BACKEND_FAILED = 1
+"""``kvoffload serve`` after a sticky CUDA error: the supervisor should start a new process."""
 
 
 def parse_param(text: str) -> tuple[str, Any]:
@@ -201,7 +203,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         return _refuse(exc)
 
-    from app.server import run
+    from app.server import TransferBackendFailed, run
     from app.telemetry.logging import configure_logging, flush_logs, get_logger
 
     configure_logging(settings.log_level, fmt=settings.log_format)
@@ -218,6 +220,17 @@ def _serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         get_logger("cli").error("cannot start", extra={"fields": {"error": str(exc)}})
         return 1
+    except TransferBackendFailed as exc:
+        get_logger("cli").error(
+            "transfer backend failed for good; exiting for a restart",
+            extra={"fields": {"reason": str(exc)}},
+        )
+        flush_logs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Not through the interpreter's clean-up: it would free the CUDA IPC mappings kept
+        # since the context was poisoned, and torch aborts the process freeing them.
+        os._exit(EXIT_BACKEND_FAILED)
     except Exception as exc:
         get_logger("cli").error("service failed", exc_info=exc)
         return 1

@@ -1,4 +1,4 @@
-"""How the CUDA backend moves a job's bytes: raw CUDA bindings and two copiers.
+"""How the CUDA backend moves a job's bytes: two copiers over the raw calls of ``transfer.cudart``.
 
 A host block interleaves every tensor's part of a device block (``transfer.kv_cache``), so a
 block of a tensor is ``outer`` pieces of ``inner_bytes`` on the device, at a pitch of
@@ -26,21 +26,22 @@ the given stream and yields its bytes, so the worker can cap bytes in flight per
 slip a load between two chunks of a store. On the CPU (tests) every copy is synchronous.
 
 A raw call that fails (non-zero ``cudaError_t``) clears the thread's last CUDA error
-(``cudaGetLastError``) so the next torch call does not trip over it; a failed batch falls back
-to 2D copies for good (re-issuing the whole chunk, which rewrites the same bytes).
+(``cudaGetLastError``) so the next torch call does not trip over it, and raises
+``transfer.cudart.CudaCallError`` (code and name; ``sticky`` for the codes that lose the
+context). A failed batch is re-issued as 2D copies (rewriting the same bytes); only when those
+work is the batch call given up for good (``DirectCopier``).
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from transfer.cudart import CudaCallError, MemcpyAsync, RawCuda, find_raw_cuda
 from transfer.kv_cache import RegisteredCache
 from transfer.worker import CopyPlan
 
@@ -48,10 +49,8 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_STAGING_BYTES",
     "DirectCopier",
-    "RawCuda",
     "StagedCopier",
     "find_cuda_memcpy",
-    "find_raw_cuda",
 ]
 
 log = logging.getLogger(__name__)
@@ -60,118 +59,12 @@ DEFAULT_STAGING_BYTES = 32 << 20
 """Bytes per staging buffer of the staged copier (two per device and direction)."""
 DEFAULT_CHUNK_BYTES = 16 << 20
 """Bytes per chunk of the direct copier: the unit of in-flight accounting and of preemption."""
+DEFAULT_MAX_PITCH = (1 << 31) - 1
+"""``cudaDevAttrMaxPitch`` of every current NVIDIA GPU, used where the device is not asked."""
 
-MemcpyAsync = Callable[[int, int, int, int, int], int]
-"""``cudaMemcpyAsync(dst, src, nbytes, kind, stream) -> cudaError_t``."""
-Memcpy2DAsync = Callable[[int, int, int, int, int, int, int, int], int]
-"""``cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, stream)``."""
-BatchMemcpy = Callable[[int, int, int, int, int], int]
-"""``(dsts_ptr, srcs_ptr, sizes_ptr, count, stream) -> CUresult``: arrays of uint64."""
 H2D = 1  # cudaMemcpyHostToDevice
 D2H = 2  # cudaMemcpyDeviceToHost
 _WORD_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
-
-
-@dataclass
-class RawCuda:
-    """The raw entry points of the CUDA runtime (and driver) torch itself loaded."""
-
-    memcpy: MemcpyAsync
-    memcpy2d: Memcpy2DAsync | None
-    batch: BatchMemcpy | None
-    get_last_error: Callable[[], int]
-
-    def clear_error(self) -> int:
-        """Reset the calling thread's last CUDA error (after a failed raw call)."""
-        try:
-            return int(self.get_last_error())
-        except Exception:  # never let the clean-up hide the original failure
-            return -1
-
-
-def _mapped(name: str) -> list[str]:
-    try:
-        with open("/proc/self/maps") as f:
-            return sorted({ln.split()[-1] for ln in f if f"/{name}" in ln})
-    except OSError:
-        return []
-
-
-def _sym(lib: Any, name: str, argtypes: list[Any], restype: Any = ctypes.c_int) -> Any:
-    fn = getattr(lib, name, None)
-    if fn is None:
-        return None
-    fn.argtypes = argtypes
-    fn.restype = restype
-    return fn
-
-
-def _bind_batch(lib: Any, version: int) -> BatchMemcpy | None:
-    """``cuMemcpyBatchAsync`` of ``lib`` for driver ``version``, or None. CUDA 13 exports the
-    call without ``failIdx`` as ``_v2``; 12.8 and 12.9 export it with ``failIdx``."""
-    vp, sz = ctypes.c_void_p, ctypes.c_size_t
-    # CUmemcpyAttributes: srcAccessOrder, srcLocHint{type,id}, dstLocHint{type,id}, flags.
-    attrs = (ctypes.c_int * 6)(1, 0, 0, 0, 0, 0)  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-    attrs_idx = (ctypes.c_size_t * 1)(0)
-    v2 = _sym(lib, "cuMemcpyBatchAsync_v2", [vp, vp, vp, sz, vp, vp, sz, vp])
-    if v2 is not None and version >= 13000:
-
-        def batch_v2(dsts: int, srcs: int, sizes: int, count: int, stream: int) -> int:
-            return int(v2(dsts, srcs, sizes, count, attrs, attrs_idx, 1, stream))
-
-        return batch_v2
-    v1 = _sym(lib, "cuMemcpyBatchAsync", [vp, vp, vp, sz, vp, vp, sz, vp, vp])
-    if v1 is not None and 12080 <= version < 13000:
-        fail_idx = ctypes.c_size_t(0)
-
-        def batch_v1(dsts: int, srcs: int, sizes: int, count: int, stream: int) -> int:
-            idx = ctypes.byref(fail_idx)
-            return int(v1(dsts, srcs, sizes, count, attrs, attrs_idx, 1, idx, stream))
-
-        return batch_v1
-    return None
-
-
-def _find_batch() -> BatchMemcpy | None:
-    """``cuMemcpyBatchAsync`` of the driver already mapped, or None (driver < 12.8, or
-    ``KVOFFLOAD_CUDA_BATCH_MEMCPY=0``)."""
-    if os.environ.get("KVOFFLOAD_CUDA_BATCH_MEMCPY", "1") == "0":
-        return None
-    for path in _mapped("libcuda.so"):
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        version = ctypes.c_int(0)
-        get_version = _sym(lib, "cuDriverGetVersion", [ctypes.POINTER(ctypes.c_int)])
-        if get_version is None or get_version(ctypes.byref(version)) != 0:
-            continue
-        batch = _bind_batch(lib, version.value)
-        if batch is not None:
-            return batch
-    return None
-
-
-def find_raw_cuda() -> RawCuda | None:
-    """The CUDA runtime torch itself loaded (found in ``/proc/self/maps``, so it shares torch's
-    state), or None: no runtime mapped (CPU build), a static runtime, or
-    ``KVOFFLOAD_CUDA_RAW_MEMCPY=0``. A ctypes call costs about a microsecond, a torch ``copy_``
-    of two slices several."""
-    if os.environ.get("KVOFFLOAD_CUDA_RAW_MEMCPY", "1") == "0":
-        return None
-    vp, sz, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
-    for path in _mapped("libcudart.so"):
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        memcpy = _sym(lib, "cudaMemcpyAsync", [vp, vp, sz, i, vp])
-        last = _sym(lib, "cudaGetLastError", [])
-        if memcpy is None or last is None:
-            continue
-        memcpy2d = _sym(lib, "cudaMemcpy2DAsync", [vp, sz, vp, sz, sz, sz, i, vp])
-        return RawCuda(memcpy, memcpy2d, _find_batch(), last)
-    return None
 
 
 def find_cuda_memcpy() -> MemcpyAsync | None:
@@ -267,10 +160,24 @@ class DirectCopier(_GeometryCache):
 
     ``raw`` must have ``batch`` or ``memcpy2d``. Chunks hold at most ``chunk_bytes`` of blocks
     (at least one block) and never cross ``split_every`` (a pinned-chunk boundary of the pool:
-    one copy must stay inside one ``cudaHostRegister`` range).
+    one copy must stay inside one ``cudaHostRegister`` range). ``max_pitch`` is the device's
+    largest 2D-copy pitch (``cudaDevAttrMaxPitch``; None: unknown, taken as 2 GiB - 1): a
+    tensor whose K/V halves lie further apart is copied piece by piece instead. ``batch=False``
+    never uses the batch call (a pageable pool: its location hints are left unset here).
+
+    A failed batch call is retried as 2D copies; if those succeed the batch call is what does
+    not work here and no copier of ``raw`` uses it again; if they fail too the job fails and
+    the batch call stays (the addresses were at fault). A sticky error code raises at once.
     """
 
-    def __init__(self, raw: RawCuda, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    def __init__(
+        self,
+        raw: RawCuda,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        *,
+        max_pitch: int | None = None,
+        batch: bool = True,
+    ) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
         if raw.batch is None and raw.memcpy2d is None:
@@ -278,6 +185,9 @@ class DirectCopier(_GeometryCache):
         super().__init__()
         self.raw = raw
         self.chunk_bytes = chunk_bytes
+        self.max_pitch = DEFAULT_MAX_PITCH if max_pitch is None else max_pitch
+        self.use_batch = batch and raw.batch is not None
+        self.batch_failures = 0  # batch calls refused (each retried as 2D copies)
         self.launches = 0  # raw calls issued (batches or 2D copies), for tests and benches
 
     def chunks(
@@ -308,13 +218,25 @@ class DirectCopier(_GeometryCache):
                 i1 = next((i for i in range(i0, i1) if plan.host_slots[i] >= limit), i1)
             blocks = plan.device_blocks[i0:i1]
             slots = plan.host_slots[i0:i1]
-            batched = self.raw.batch is not None and self._batch(
-                plan.store, geo, bases, pool_base, block_bytes, blocks, slots, stream
-            )
-            if not batched:
-                self._copy_2d(plan.store, geo, bases, pool_base, block_bytes, blocks, slots, stream)
+            args = (plan.store, geo, bases, pool_base, block_bytes, blocks, slots, stream)
+            # The batch call refuses the legacy NULL stream (0); the worker never passes it.
+            batch = self.use_batch and self.raw.batch is not None and stream
+            code = self._batch(*args) if batch else None
+            if code is None:
+                self._copy_2d(*args)
+            elif code != 0:
+                self._batch_failed(code, args)
             yield (i1 - i0) * geo.row_bytes
             i0 = i1
+
+    def _batch_failed(self, code: int, args: tuple[Any, ...]) -> None:
+        error = self.raw.failed("cuMemcpyBatchAsync", code)
+        if error.sticky:
+            raise error
+        self.batch_failures += 1
+        self._copy_2d(*args)  # raises if the chunk cannot be copied either way
+        log.warning("%s, but 2D copies work; using cudaMemcpy2DAsync from now on", error)
+        self.raw.batch = None  # for every copier of this runtime: the call does not work here
 
     def _batch(
         self,
@@ -326,8 +248,8 @@ class DirectCopier(_GeometryCache):
         blocks: list[int],
         slots: list[int],
         stream: int,
-    ) -> bool:
-        """One batched call over every piece of every block; False if the driver refused."""
+    ) -> int:
+        """One batched call over every piece of every block; its ``CUresult``."""
         dev_base: list[int] = []
         dev_step: list[int] = []
         host_off: list[int] = []
@@ -349,13 +271,9 @@ class DirectCopier(_GeometryCache):
         src, dst = src.contiguous(), dst.contiguous()
         assert self.raw.batch is not None
         self.launches += 1
-        code = self.raw.batch(dst.data_ptr(), src.data_ptr(), size.data_ptr(), size.numel(), stream)
-        if code == 0:
-            return True
-        self.raw.clear_error()
-        log.warning("cuMemcpyBatchAsync returned %d; using cudaMemcpy2DAsync from now on", code)
-        self.raw.batch = None
-        return False
+        return int(
+            self.raw.batch(dst.data_ptr(), src.data_ptr(), size.data_ptr(), size.numel(), stream)
+        )
 
     def _copy_2d(
         self,
@@ -375,6 +293,9 @@ class DirectCopier(_GeometryCache):
         n = len(blocks)
         for seg, base in zip(geo.segments, bases, strict=True):
             inner, pitch = seg.inner_bytes, seg.num_blocks * seg.inner_bytes
+            if seg.outer > 1 and pitch > self.max_pitch:
+                self._copy_pieces(store, seg, base, pool_base, block_bytes, blocks, slots, stream)
+                continue
             i = 0
             while i < n:
                 j = i + 1
@@ -395,9 +316,35 @@ class DirectCopier(_GeometryCache):
                 else:
                     code = memcpy2d(dev, d_pitch, host, h_pitch, inner, height, kind, stream)
                 if code != 0:
-                    self.raw.clear_error()
-                    raise RuntimeError(f"cudaMemcpy2DAsync returned {code}")
+                    raise self.raw.failed("cudaMemcpy2DAsync", code)
                 i = j
+
+    def _copy_pieces(
+        self,
+        store: bool,
+        seg: _Segment,
+        base: int,
+        pool_base: int,
+        block_bytes: int,
+        blocks: list[int],
+        slots: list[int],
+        stream: int,
+    ) -> None:
+        """One ``cudaMemcpyAsync`` per outer piece: for a tensor whose pieces of one block lie
+        further apart than a 2D copy's pitch may be (a K/V half above 2 GiB)."""
+        kind = D2H if store else H2D
+        inner, pitch = seg.inner_bytes, seg.num_blocks * seg.inner_bytes
+        for block, slot in zip(blocks, slots, strict=True):
+            host0 = pool_base + slot * block_bytes + seg.host_offset
+            for k in range(seg.outer):
+                host, dev = host0 + k * inner, base + k * pitch + block * inner
+                self.launches += 1
+                if store:
+                    code = self.raw.memcpy(host, dev, inner, kind, stream)
+                else:
+                    code = self.raw.memcpy(dev, host, inner, kind, stream)
+                if code != 0:
+                    raise self.raw.failed("cudaMemcpyAsync", code)
 
 
 # --------------------------------------------------------------------------- staged
@@ -562,9 +509,10 @@ class StagedCopier(_GeometryCache):
                 if code != 0:
                     if self._clear_error is not None:
                         self._clear_error()
-                    log.warning(
-                        "cudaMemcpyAsync returned %d; copying through torch from now on", code
-                    )
+                    error = CudaCallError("cudaMemcpyAsync", code)
+                    if error.sticky:
+                        raise error
+                    log.warning("%s; copying through torch from now on", error)
                     self._memcpy = None
                     break
                 done += 1

@@ -50,11 +50,10 @@ from transfer.cuda_copy import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_STAGING_BYTES,
     DirectCopier,
-    RawCuda,
     StagedCopier,
     find_cuda_memcpy,
-    find_raw_cuda,
 )
+from transfer.cudart import STICKY_CODES, CudaCallError, RawCuda, find_raw_cuda
 from transfer.errors import InvalidJobError
 from transfer.host_pool import HostPool
 from transfer.kv_cache import KVCacheRegistry, RegisteredCache
@@ -90,15 +89,27 @@ _STICKY = (
     "uncorrectable ecc",
     "ecc error",
     "invalid program counter",
+    "invalid address space",
+    "launch timed out",
     "cudaerrorlaunchfailure",
     "cudaerrorillegaladdress",
     "context is destroyed",
     "device-side assert",
 )
+# A poisoned context cannot close a CUDA IPC mapping: torch's deleter synchronizes a stream and
+# closes the handle inside a destructor, and the error it gets there aborts the process. So
+# once poisoned, every registered cache is kept here until the process exits (``kvoffload
+# serve`` then leaves with ``os._exit``, skipping the interpreter's clean-up of them).
+_KEPT_AFTER_POISON: list[Any] = []
 
 
 def is_sticky_cuda_error(exc: BaseException) -> bool:
-    """True when ``exc`` reports an error that poisons the CUDA context for good."""
+    """True when ``exc`` reports an error that poisons the CUDA context for good: a raw call's
+    code (``CudaCallError``), torch's ``AcceleratorError.error_code``, or torch's message."""
+    if isinstance(exc, CudaCallError):
+        return exc.sticky
+    if getattr(exc, "error_code", None) in STICKY_CODES:
+        return True
     text = str(exc).lower()
     return any(s in text for s in _STICKY)
 
@@ -132,7 +143,8 @@ class _Lane:
     copiers: dict[bool, DirectCopier | StagedCopier]
     done: dict[bool, queue.SimpleQueue[Any]]
     threads: list[threading.Thread]
-    inflight: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
+    inflight: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})  # bytes
+    events: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})  # not fired
 
 
 @dataclass
@@ -195,6 +207,9 @@ class CudaTransferWorker(QueueingWorker):
             and self._raw is not None
             and (self._raw.batch is not None or self._raw.memcpy2d is not None)
         )
+        # The batch call's location hints are left unset: right for pinned and device memory,
+        # not for pageable host memory (an unpinned pool copies with 2D calls instead).
+        self._batch = self._raw is not None and self._raw.batch is not None and pool.pinned
         self._pool_tensor = pool.tensor
         self._split_every = pool.pin_chunk_blocks
         self._lanes: dict[int, _Lane] = {}
@@ -219,7 +234,7 @@ class CudaTransferWorker(QueueingWorker):
         """``"batch"``, ``"2d"`` (direct DMA) or ``"staged"``: how chunks are copied."""
         if not self._direct or self._raw is None:
             return "staged"
-        return "batch" if self._raw.batch is not None else "2d"
+        return "batch" if self._batch and self._raw.batch is not None else "2d"
 
     @property
     def fatal(self) -> str | None:
@@ -258,9 +273,14 @@ class CudaTransferWorker(QueueingWorker):
                 False: _new_stream(index, LOAD_PRIORITY),
             }
         copiers: dict[bool, DirectCopier | StagedCopier] = {}
+        max_pitch = None
+        if self._direct and self._raw is not None and self._raw.max_pitch is not None:
+            max_pitch = self._raw.max_pitch(index)
         for store in (True, False):
             if self._direct and self._raw is not None:
-                copiers[store] = DirectCopier(self._raw, self.chunk_bytes)
+                copiers[store] = DirectCopier(
+                    self._raw, self.chunk_bytes, max_pitch=max_pitch, batch=self._batch
+                )
             else:
                 copier = StagedCopier(
                     torch.device("cuda", index),
@@ -412,6 +432,8 @@ class CudaTransferWorker(QueueingWorker):
             nbytes: int | None = None
             try:
                 with torch.cuda.device(lane.index), torch.cuda.stream(stream):
+                    if self._direct and self._raw is not None:
+                        self._raw.bind_thread(lane.index)  # the driver's batch call needs it
                     nbytes = next(gen)
             except StopIteration:
                 active.part += 1
@@ -423,10 +445,12 @@ class CudaTransferWorker(QueueingWorker):
                     event = _new_event()
                     event.record(stream)
                 except Exception as exc:
-                    active.error = active.error or self._failure(exc)
+                    failure = self._failure(exc)  # checked for a sticky error even so
+                    active.error = active.error or failure
                 else:
                     with self._cond:
                         lane.inflight[store] += nbytes
+                        lane.events[store] += 1
                         active.pending += 1
                     lane.done[store].put((active, event, nbytes))
             if active.error is None and active.part < len(active.parts):
@@ -459,6 +483,12 @@ class CudaTransferWorker(QueueingWorker):
     # ---------------------------------------------------------------- completion threads
 
     def _complete_loop(self, lane: _Lane, store: bool) -> None:
+        # On the lane's GPU: a runtime call on a thread with no current device would make a
+        # context on GPU 0 (hundreds of MiB) in a process that may not serve GPU 0.
+        with torch.cuda.device(lane.index):
+            self._complete(lane, store)
+
+    def _complete(self, lane: _Lane, store: bool) -> None:
         q = lane.done[store]
         while True:
             item = q.get()
@@ -475,6 +505,7 @@ class CudaTransferWorker(QueueingWorker):
             outcome = None
             with self._cond:
                 lane.inflight[store] -= nbytes
+                lane.events[store] -= 1
                 active.pending -= 1
                 if error is not None and active.error is None:
                     active.error = error
@@ -496,11 +527,18 @@ class CudaTransferWorker(QueueingWorker):
             queued = [*self._loads, *self._stores]
             self._loads.clear()
             self._stores.clear()
+            # Also the caches only jobs still hold (a lapsed lease's): their last reference
+            # would go when the job ends.
+            held = [entry.plan.cache for entry in self._held.values()]
             self._cond.notify_all()
+        _KEPT_AFTER_POISON.extend([*self.registry.list(), *held])
         log.critical("CUDA context is poisoned; the service must restart: %s", reason)
         self._finish((j, False, f"cuda fatal: {reason}") for j in queued)
 
     # ---------------------------------------------------------------- shutdown
+
+    def _events_left_locked(self) -> int:
+        return sum(lane.events[s] for lane in self._lanes.values() for s in (True, False))
 
     def _stop(self, timeout: float) -> None:
         with self._cond:
@@ -517,16 +555,15 @@ class CudaTransferWorker(QueueingWorker):
             self._thread.join()
         # Every stream's queued copies must end before the pool is unpinned or any slot or
         # device block is given back: wait for them, bounded (a hung GPU must not hang us).
+        # Counted in events, not bytes: a chunk that failed half-issued records one of 0 bytes.
         end = time.monotonic() + max(0.0, self.sync_timeout_s)
         with self._cond:
-            while any(lane.inflight[s] for lane in self._lanes.values() for s in (True, False)):
+            while self._events_left_locked():
                 left = end - time.monotonic()
                 if left <= 0:
                     break
                 self._cond.wait(left)
-            self._quiesced = not any(
-                lane.inflight[s] for lane in self._lanes.values() for s in (True, False)
-            )
+            self._quiesced = not self._events_left_locked()
         if not self._quiesced:
             log.error(
                 "CUDA copies still queued after %.1fs; the pool stays pinned until exit",

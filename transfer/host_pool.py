@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from transfer.cudart import runtime_library
 from transfer.errors import PoolError
 
 __all__ = ["MAX_PIN_CHUNK_BYTES", "HostPool"]
@@ -55,8 +56,15 @@ _CUDA_HOST_REGISTER_PORTABLE = 1  # usable from every CUDA context, not only the
 
 
 def _cudart() -> Any:
-    """The CUDA runtime module torch exposes (a seam tests replace with a fake)."""
-    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    """The CUDA runtime torch loaded, as ctypes (``transfer.cudart.runtime_library``): it has
+    ``cudaGetLastError``, which torch's own ``torch.cuda.cudart()`` module lacks. That module
+    only where the runtime cannot be called directly (a static build): a failed registration
+    then leaves its error set. A seam tests replace with a fake."""
+    torch.cuda.init()  # type: ignore[no-untyped-call]  # loads the runtime before the lookup
+    lib = runtime_library()
+    if lib is None or getattr(lib, "cudaHostRegister", None) is None:
+        return torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    return lib
 
 
 def _cuda_available() -> bool:
@@ -322,8 +330,12 @@ def _register(flat: torch.Tensor, chunk: int) -> list[tuple[int, int]]:
 
 
 def _clear_last_error(rt: Any) -> None:
+    clear = getattr(rt, "cudaGetLastError", None)
+    if clear is None:
+        log.warning("cannot clear the CUDA error left by a failed call (no cudaGetLastError)")
+        return
     with contextlib.suppress(Exception):
-        rt.cudaGetLastError()
+        clear()
 
 
 def _unregister(chunks: list[tuple[int, int]]) -> None:
@@ -337,4 +349,5 @@ def _unregister(chunks: list[tuple[int, int]]) -> None:
     for ptr, _size in chunks:
         code = int(rt.cudaHostUnregister(ptr))
         if code != 0:
+            _clear_last_error(rt)
             log.warning("cudaHostUnregister(%#x) -> error %d", ptr, code)

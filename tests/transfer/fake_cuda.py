@@ -1,6 +1,6 @@
 """Fake CUDA for the CPU tests of the CUDA backend: streams, events and raw copy calls.
 
-``FakeRaw`` plays the raw runtime (``transfer.cuda_copy.RawCuda``) on host memory: its 2D and
+``FakeRaw`` plays the raw runtime (``transfer.cudart.RawCuda``) on host memory: its 2D and
 batched copies are ``memmove`` loops, it counts calls, and it can be told to fail, so the direct
 copier's address arithmetic and fallbacks are checked byte for byte without a GPU.
 ``install`` replaces ``torch.cuda`` and the worker's seams: streams and device guards do
@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from transfer import cuda_worker
-from transfer.cuda_copy import RawCuda, StagedCopier
+from transfer.cuda_copy import StagedCopier
+from transfer.cudart import RawCuda
 
 
 class FakeRaw:
@@ -31,6 +32,8 @@ class FakeRaw:
         self.last_error_resets = 0
         self.fail_batch = fail_batch
         self.fail_2d_from: int | None = None
+        self.batch_code = 1  # what a refused batch returns (CUDA_ERROR_INVALID_VALUE)
+        self.code_2d = 1  # what a refused 2D copy returns (cudaErrorInvalidValue)
         self.streams: set[int] = set()
         self.has_batch = batch
 
@@ -53,7 +56,7 @@ class FakeRaw:
         self.calls_2d += 1
         self.streams.add(stream)
         if self.fail_2d_from is not None and self.calls_2d >= self.fail_2d_from:
-            return 1  # cudaErrorInvalidValue
+            return self.code_2d
         assert width <= dpitch
         assert width <= spitch
         for r in range(height):
@@ -64,7 +67,7 @@ class FakeRaw:
         self.batch_calls += 1
         self.streams.add(stream)
         if self.fail_batch:
-            return 1
+            return self.batch_code
         arr = ctypes.c_uint64 * count
         d, s, z = arr.from_address(dsts), arr.from_address(srcs), arr.from_address(sizes)
         for i in range(count):

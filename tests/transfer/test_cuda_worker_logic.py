@@ -18,9 +18,10 @@ import torch
 from tests.transfer.fake_cuda import FakeRaw, World, install
 from tests.transfer.helpers import mixed_block_bytes
 from tests.transfer.kvref import host_block, mixed_layout
-from transfer import KVCacheRegistry, TransferJob, WorkerClosedError
+from transfer import HostPool, KVCacheRegistry, TransferJob, WorkerClosedError, cuda_worker
 from transfer.cuda_copy import DirectCopier, StagedCopier
 from transfer.cuda_worker import CudaTransferWorker, is_sticky_cuda_error
+from transfer.cudart import CudaCallError
 from transfer.errors import InvalidJobError
 
 N = 24
@@ -44,8 +45,11 @@ def fake(monkeypatch: pytest.MonkeyPatch, path: str) -> World:
 
 
 @pytest.fixture
-def world(fake, make_pool):
+def world(fake, make_pool, monkeypatch):
     pool = make_pool(SLOTS, mixed_block_bytes(N), pin=False)
+    # There is no cudaHostRegister here: the pool plays a pinned one (tests that need an
+    # unpinned pool set it back).
+    monkeypatch.setattr(HostPool, "pinned", property(lambda self: True))
     registry = KVCacheRegistry(pool)
     gen = torch.Generator().manual_seed(3)
     layout = mixed_layout(N)
@@ -184,8 +188,53 @@ def test_a_sticky_cuda_error_poisons_the_worker(world, fake) -> None:
 def test_sticky_errors_are_told_from_ordinary_ones() -> None:
     assert is_sticky_cuda_error(RuntimeError("CUDA error: unspecified launch failure"))
     assert is_sticky_cuda_error(RuntimeError("CUDA error: misaligned address"))
+    assert is_sticky_cuda_error(RuntimeError("CUDA error: the launch timed out and was terminated"))
     assert not is_sticky_cuda_error(RuntimeError("CUDA error: out of memory"))
     assert not is_sticky_cuda_error(RuntimeError("CUDA error: invalid argument"))
+    # A raw call's code, and torch's AcceleratorError code, whatever the text says.
+    assert is_sticky_cuda_error(CudaCallError("cudaMemcpy2DAsync", 700))
+    assert not is_sticky_cuda_error(CudaCallError("cudaMemcpy2DAsync", 1))
+    coded = RuntimeError("CUDA error")
+    coded.error_code = 719  # type: ignore[attr-defined]
+    assert is_sticky_cuda_error(coded)
+
+
+@pytest.mark.parametrize("path", ["2d"])
+def test_a_raw_call_s_sticky_code_poisons_the_worker_and_keeps_the_mappings(world, fake) -> None:
+    """A raw copy says only a number: 700 (illegal address) must poison the worker as torch's
+    text does, and the caches stay referenced (closing a mapping in a lost context aborts)."""
+    _pool, cache, _layout, _originals, make = world
+    w = make()
+    assert fake.raw is not None
+    fake.raw.fail_2d_from, fake.raw.code_2d = 1, 700
+    kept = len(cuda_worker._KEPT_AFTER_POISON)
+    jid = w.submit(TransferJob("store", cache.cache_id, [0], [0], 30.0))
+    [r] = w.wait([jid], timeout=30)
+    assert not r.ok
+    assert "cudaMemcpy2DAsync returned 700" in (r.reason or "")
+    until(lambda: w.fatal is not None)
+    assert "the CUDA context is lost" in (w.fatal or "")
+    assert cache in cuda_worker._KEPT_AFTER_POISON[kept:]
+    del cuda_worker._KEPT_AFTER_POISON[kept:]  # this test's fake caches may go
+
+
+@pytest.mark.parametrize("path", ["2d"])
+def test_shutdown_counts_a_half_issued_chunk_s_copies_as_in_flight(world, fake) -> None:
+    """A chunk that fails after queuing some copies records a 0-byte event for them: the
+    pool must stay pinned until it fires, although no bytes are counted in flight."""
+    _pool, cache, _layout, _originals, make = world
+    w = make(sync_timeout_s=0.2, chunk_bytes=1 << 30)  # one chunk
+    assert fake.raw is not None
+    fake.raw.fail_2d_from = 2  # the first tensor's copy is queued, the second refused
+    fake.events.gate.clear()
+    jid = w.submit(TransferJob("store", cache.cache_id, [0], [0], 60.0))
+    until(lambda: fake.events.recorded >= 1)
+    assert w._lanes[0].inflight[True] == 0
+    w.shutdown(timeout=0.2)
+    assert w.quiesced is False
+    fake.events.gate.set()
+    [r] = w.wait([jid], timeout=30)
+    assert not r.ok
 
 
 def test_shutdown_fails_what_the_gpu_never_finished_and_keeps_the_pool_pinned(world, fake) -> None:
@@ -239,11 +288,15 @@ def test_refuses_caches_on_missing_gpus(world) -> None:
 
 
 @pytest.mark.parametrize("path", ["batch"])
-def test_an_unpinned_pool_is_refused_naming_the_flag(world) -> None:
+def test_an_unpinned_pool_is_refused_naming_the_flag(world, monkeypatch) -> None:
     _pool, _cache, _layout, _originals, make = world
+    monkeypatch.setattr(HostPool, "pinned", property(lambda self: False))
     with pytest.raises(RuntimeError, match="pass --allow-pageable-pool") as info:
         make(allow_pageable=False)
     assert "\n" not in str(info.value)
+    # Allowed, a pageable pool copies with 2D calls: the batch call's location hints are
+    # left unset, which only pinned and device memory may have.
+    assert make(allow_pageable=True).copy_path == "2d"
 
 
 def test_a_forgotten_cache_s_memory_is_let_go_once_its_jobs_ended(world, fake) -> None:

@@ -18,11 +18,13 @@ from tests.transfer.fake_cuda import FakeRaw
 from tests.transfer.helpers import mixed_block_bytes
 from tests.transfer.kvref import device_block, host_block, mixed_layout
 from transfer import KVCacheRegistry
-from transfer.cuda_copy import DirectCopier, StagedCopier, find_cuda_memcpy, find_raw_cuda
+from transfer.cuda_copy import DirectCopier, StagedCopier, find_cuda_memcpy
+from transfer.cudart import CudaCallError, find_raw_cuda
 from transfer.worker import make_plan
 
 N = 32
 SLOTS = 48
+STREAM = 7  # a stream handle as the worker passes (the batch call refuses the NULL stream, 0)
 
 
 @pytest.fixture
@@ -85,7 +87,7 @@ def test_staged_round_trip(world, staging_bytes, split_every, tensor_groups, raw
 
     def issue(plan: Any) -> None:
         for copier, ids in zip(copiers, tensor_groups, strict=True):
-            for _ in copier.chunks(plan, pool.tensor, ids, 0, split_every=split_every):
+            for _ in copier.chunks(plan, pool.tensor, ids, STREAM, split_every=split_every):
                 pass
 
     plan = make_plan("store", cache, SLOTS, blocks, slots)
@@ -139,9 +141,87 @@ def test_launches_per_block_of_a_vllm_like_layout(make_pool, path, launches) -> 
     copier: Any = (
         StagedCopier(torch.device("cpu")) if path == "staged" else DirectCopier(fake.raw())
     )
-    for _ in copier.chunks(plan, pool.tensor, list(range(VLLM_TENSORS)), 0):
+    for _ in copier.chunks(plan, pool.tensor, list(range(VLLM_TENSORS)), STREAM):
         pass
     assert copier.launches == launches
+
+
+def _round_trip_direct(world: Any, copier: DirectCopier, stream: int = STREAM) -> None:
+    """Store 6 blocks and load them back elsewhere through ``copier``; check every byte."""
+    pool, cache, layout, originals = world
+    blocks, slots = [3, 9, 4, 20, 21, 22], [7, 8, 30, 31, 32, 2]
+    ids = list(range(len(cache.tensors)))
+    for _ in copier.chunks(
+        make_plan("store", cache, SLOTS, blocks, slots), pool.tensor, ids, stream
+    ):
+        pass
+    for b, s in zip(blocks, slots, strict=True):
+        assert torch.equal(pool.tensor[s], host_block(originals, layout, b))
+    for flat in cache.tensors:
+        flat.zero_()
+    targets = [0, 1, 2, 10, 11, 30]
+    plan = make_plan("load", cache, SLOTS, targets, slots)
+    for _ in copier.chunks(plan, pool.tensor, ids, stream):
+        pass
+    for t, b in zip(targets, blocks, strict=True):
+        for flat, orig, (shape, dt, bd) in zip(cache.tensors, originals, layout, strict=True):
+            size = getattr(torch, dt).itemsize
+            assert torch.equal(
+                device_block(flat, shape, size, bd, t), device_block(orig, shape, size, bd, b)
+            )
+
+
+def test_pieces_further_apart_than_the_max_pitch_are_copied_one_by_one(world) -> None:
+    """A K/V half above cudaDevAttrMaxPitch (2 GiB on current GPUs) cannot be one 2D copy:
+    those tensors go piece by piece (cudaMemcpyAsync), the others stay 2D."""
+    _pool, cache, _layout, _originals = world
+    fake = FakeRaw(batch=False)
+    split = [lay for lay in cache.layouts if lay.outer > 1]
+    assert split, "the mixed layout has tensors with several pieces per block"
+    pitch = min(lay.num_blocks * lay.inner_bytes for lay in split)
+    copier = DirectCopier(fake.raw(), max_pitch=pitch - 1)
+    _round_trip_direct(world, copier)
+    assert fake.memcpy_calls == 2 * 6 * sum(lay.outer for lay in split)  # both directions
+    assert fake.calls_2d > 0  # the tensors with one piece per block
+
+
+def test_a_sticky_batch_error_raises_and_keeps_the_batch_call(world) -> None:
+    _pool, cache, _layout, _originals = world
+    fake = FakeRaw(fail_batch=True)
+    fake.batch_code = 700  # CUDA_ERROR_ILLEGAL_ADDRESS: the context is lost
+    raw = fake.raw()
+    copier = DirectCopier(raw)
+    plan = make_plan("store", cache, SLOTS, [1], [1])
+    with pytest.raises(CudaCallError, match="returned 700") as info:
+        next(copier.chunks(plan, _pool.tensor, [0, 1, 2, 3], STREAM))
+    assert info.value.sticky
+    assert fake.calls_2d == 0  # not retried: nothing works in a lost context
+    assert raw.batch is not None
+
+
+def test_a_batch_refused_with_2d_refused_too_fails_the_chunk_but_keeps_the_batch(world) -> None:
+    """Both ways refusing points at the addresses, not at the batch call: it stays on."""
+    pool, cache, _layout, _originals = world
+    fake = FakeRaw(fail_batch=True)
+    fake.fail_2d_from = 1
+    raw = fake.raw()
+    copier = DirectCopier(raw)
+    plan = make_plan("store", cache, SLOTS, [1], [1])
+    with pytest.raises(CudaCallError, match="cudaMemcpy2DAsync returned 1"):
+        next(copier.chunks(plan, pool.tensor, [0, 1, 2, 3], STREAM))
+    assert raw.batch is not None
+    assert copier.batch_failures == 1
+    fake.fail_batch, fake.fail_2d_from = False, None
+    _round_trip_direct(world, copier)  # and the next jobs batch again
+    assert fake.batch_calls > 1
+
+
+def test_the_null_stream_is_never_given_to_the_batch_call(world) -> None:
+    fake = FakeRaw()
+    _round_trip_direct(world, DirectCopier(fake.raw()), stream=0)
+    assert fake.batch_calls == 0
+    assert fake.calls_2d > 0
+    assert fake.streams == {0}
 
 
 def test_find_cuda_memcpy_without_a_cuda_runtime(monkeypatch) -> None:
