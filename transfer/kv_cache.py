@@ -30,17 +30,21 @@ Handles (JSON, as sent to ``POST /v1/kv-caches``):
        "storage_handle": "<base64>",      # cudaIpcMemHandle of the allocation holding the storage
        "storage_size_bytes": 268435456,   # size of the storage
        "storage_offset_bytes": 0,         # offset of the storage inside that allocation
-       "tensor_offset": 0,                # offset of the tensor in its storage, in elements
+       "tensor_offset_bytes": 0,          # offset of the tensor in its storage, in bytes
        "ref_counter_handle": "<base64>",  # torch's producer-side reference counter (shm name)
        "ref_counter_offset": 0,
        "event_handle": "<base64>",        # cudaIpcEventHandle the consumer waits on, or null
        "event_sync_required": true,
        "device_index": 0}                 # exporter's device index (informational)
 
-  The service opens the memory on the device named by the tensor's ``device`` (else the
-  cache's), in *its own* numbering, because ``CUDA_VISIBLE_DEVICES`` may differ between the
-  engine and the service. The engine must keep the tensor alive while it is registered, and
-  must have finished writing a block (synchronised its streams) before asking to store it.
+  ``tensor_offset`` (in elements of the registration's ``dtype``) may stand in for
+  ``tensor_offset_bytes``, never beside it; torch counts its own offset in elements of the
+  exported tensor's dtype, which a registration may name differently (bytes as ``uint8``), so
+  the export sends bytes. The service opens the memory on the device named by the tensor's
+  ``device`` (else the cache's), in *its own* numbering, because ``CUDA_VISIBLE_DEVICES`` may
+  differ between the engine and the service. The engine must keep the tensor alive while it
+  is registered, and must have finished writing a block before asking to store it: either
+  synchronise its streams, or send a ``wait_event`` with the job (``transfer.worker``).
 
 Devices: ``device_uuid`` (per cache, or per tensor) names the GPU by its UUID (``nvidia-smi
 -L``); the service opens the handle on the GPU with that UUID in its own numbering, and refuses
@@ -65,6 +69,7 @@ import base64
 import binascii
 import ctypes
 import fcntl
+import logging
 import math
 import mmap
 import os
@@ -79,8 +84,11 @@ from typing import Any
 
 import torch
 
+from transfer.cudart import driver_libraries
 from transfer.errors import RegistrationError, UnknownCacheError
 from transfer.host_pool import HostPool
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DTYPES",
@@ -322,6 +330,12 @@ def _check_tensor(t: TensorSpec, i: int, cache_device: str) -> None:
             )
     elif kind == "cuda_ipc":
         _check_ipc_handle(h, f"{where}.handle")
+        itemsize = DTYPES[t.dtype].itemsize
+        if h.get("tensor_offset_bytes", 0) % itemsize:
+            raise RegistrationError(
+                f"{where}.handle.tensor_offset_bytes {h['tensor_offset_bytes']} is not a whole "
+                f"number of {t.dtype} elements ({itemsize} bytes)"
+            )
         if not device.startswith("cuda"):
             raise RegistrationError(
                 f"{where}: a 'cuda_ipc' handle needs a cuda device, got {device!r}"
@@ -333,9 +347,10 @@ def _check_tensor(t: TensorSpec, i: int, cache_device: str) -> None:
 
 
 def normalize_uuid(uuid: str) -> str:
-    """A GPU UUID as compared here: lowercase, without nvidia-smi's ``GPU-`` prefix."""
+    """A GPU UUID as compared here: lowercase, without nvidia-smi's ``GPU-`` or ``MIG-``
+    prefix."""
     u = uuid.strip().lower()
-    return u[4:] if u.startswith("gpu-") else u
+    return u[4:] if u.startswith(("gpu-", "mig-")) else u
 
 
 def _check_uuid(uuid: object, where: str) -> None:
@@ -351,6 +366,7 @@ def _check_ipc_handle(h: dict[str, Any], where: str) -> None:
     allowed = {
         "kind",
         "tensor_offset",
+        "tensor_offset_bytes",
         "event_handle",
         "event_sync_required",
         "device_index",
@@ -367,10 +383,14 @@ def _check_ipc_handle(h: dict[str, Any], where: str) -> None:
     for key in _IPC_INT_FIELDS:
         if key not in h:
             raise RegistrationError(f"{where} is missing {key!r}")
-    for key in (*_IPC_INT_FIELDS, "tensor_offset", "device_index"):
+    for key in (*_IPC_INT_FIELDS, "tensor_offset", "tensor_offset_bytes", "device_index"):
         v = h.get(key, 0)
         if not _is_int(v) or v < 0:
             raise RegistrationError(f"{where}.{key} must be a non-negative integer, got {v!r}")
+    if "tensor_offset" in h and "tensor_offset_bytes" in h:
+        raise RegistrationError(
+            f"{where} has both tensor_offset and tensor_offset_bytes; send one (bytes)"
+        )
     sync = h.get("event_sync_required", False)
     if not isinstance(sync, bool):
         raise RegistrationError(f"{where}.event_sync_required must be a boolean")
@@ -425,7 +445,7 @@ def export_cuda_ipc_handle(tensor: torch.Tensor) -> dict[str, Any]:
         "storage_handle": enc(storage_handle),
         "storage_size_bytes": int(storage_size_bytes),
         "storage_offset_bytes": int(storage_offset_bytes),
-        "tensor_offset": int(tensor_offset),
+        "tensor_offset_bytes": int(tensor_offset) * tensor.element_size(),
         "ref_counter_handle": enc(ref_counter_handle),
         "ref_counter_offset": int(ref_counter_offset),
         "event_handle": enc(event_handle) if event_handle else None,
@@ -754,15 +774,9 @@ def _device_uuids() -> list[str]:
 def _pointer_device(ptr: int) -> int | None:
     """The ordinal of the GPU whose memory ``ptr`` is (``cuPointerGetAttribute``), or None
     when the driver cannot be asked (a seam for tests)."""
-    try:
-        with open("/proc/self/maps") as f:
-            paths = sorted({ln.split()[-1] for ln in f if "/libcuda.so" in ln})
-    except OSError:
-        return None
-    for path in paths:
-        try:
-            fn = ctypes.CDLL(path).cuPointerGetAttribute
-        except (OSError, AttributeError):
+    for lib in driver_libraries():
+        fn = getattr(lib, "cuPointerGetAttribute", None)
+        if fn is None:
             continue
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
         fn.restype = ctypes.c_int
@@ -801,6 +815,8 @@ def _open_cuda_ipc(t: TensorSpec, i: int, device: str, uuid: str | None = None) 
     dtype = DTYPES[t.dtype]
     numel = math.prod(t.shape)
     tensor_offset = int(h.get("tensor_offset", 0))
+    if "tensor_offset_bytes" in h:  # a whole number of elements (checked with the spec)
+        tensor_offset = int(h["tensor_offset_bytes"]) // dtype.itemsize
     need = (tensor_offset + numel) * dtype.itemsize
     if need > h["storage_size_bytes"]:
         raise RegistrationError(
@@ -835,7 +851,9 @@ def _open_cuda_ipc(t: TensorSpec, i: int, device: str, uuid: str | None = None) 
         reason = _shown(str(exc).partition("\n")[0])  # torch's first line, cut short
         raise RegistrationError(f"{where}: cannot open the CUDA IPC handle: {reason}") from None
     actual = _pointer_device(tensor.data_ptr())
-    if actual is not None and actual != index:
+    if actual is None:
+        log.warning("cannot tell which GPU %s is on; trusting GPU %d as named", where, index)
+    elif actual != index:
         raise RegistrationError(
             f"{where}: the memory is on GPU {actual} of this process, not on GPU {index} the "
             "registration names (send device_uuid, or fix the device)"

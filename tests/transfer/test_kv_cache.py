@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import logging
 import os
 from typing import Any
 
@@ -320,6 +321,8 @@ def test_cuda_ipc_handle_shape_is_validated_on_cpu() -> None:
     spec = KVCacheSpec.from_dict(ipc_body(ipc_handle()))
     assert spec.tensors[0].handle["kind"] == "cuda_ipc"
     KVCacheSpec.from_dict(ipc_body(ipc_handle(event_handle=None, event_sync_required=False)))
+    # What export_cuda_ipc_handle sends: the tensor's offset in bytes, not in elements.
+    KVCacheSpec.from_dict(ipc_body(ipc_handle(tensor_offset=..., tensor_offset_bytes=64)))
 
 
 @pytest.mark.parametrize(
@@ -332,6 +335,13 @@ def test_cuda_ipc_handle_shape_is_validated_on_cpu() -> None:
         ({"storage_size_bytes": -1}, "cuda:0", "storage_size_bytes must be a non-negative"),
         ({"storage_offset_bytes": "0"}, "cuda:0", "storage_offset_bytes must be a non-negative"),
         ({"tensor_offset": 1.5}, "cuda:0", "tensor_offset must be a non-negative"),
+        ({"tensor_offset_bytes": -2}, "cuda:0", "tensor_offset_bytes must be a non-negative"),
+        ({"tensor_offset_bytes": 2}, "cuda:0", "send one"),  # beside tensor_offset
+        (
+            {"tensor_offset": ..., "tensor_offset_bytes": 3},
+            "cuda:0",
+            r"tensor_offset_bytes 3 is not a whole number of float16 elements \(2 bytes\)",
+        ),
         ({"ref_counter_offset": ...}, "cuda:0", "missing 'ref_counter_offset'"),
         ({"event_sync_required": "yes"}, "cuda:0", "event_sync_required must be a boolean"),
         ({"event_handle": None}, "cuda:0", "event_sync_required needs an event_handle"),
@@ -450,6 +460,33 @@ def test_the_gpu_is_found_by_uuid_not_by_its_index(make_pool, two_gpus, monkeypa
     cache = registry.register(KVCacheSpec.from_dict(spec))
     assert two_gpus == [1]  # opened on the GPU with that UUID, whatever cuda:N said
     assert cache.layouts[0].device == "cpu"  # (the fake gives CPU tensors)
+
+
+def test_an_offset_in_bytes_is_opened_in_elements_of_the_registered_dtype(
+    make_pool, two_gpus, monkeypatch, caplog
+) -> None:
+    """torch counts a tensor's offset in elements of the exported dtype; the handle carries
+    bytes, so a registration naming another dtype still opens the right memory. A pointer
+    whose GPU cannot be told is opened as named, with a warning."""
+    from torch.multiprocessing import reductions
+
+    from transfer import kv_cache
+
+    offsets: list[int] = []
+
+    def rebuild(*args: Any) -> torch.Tensor:
+        offsets.append(args[3])
+        return torch.zeros(args[1], dtype=args[5])
+
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", rebuild)
+    monkeypatch.setattr(kv_cache, "_pointer_device", lambda ptr: None)
+    registry = KVCacheRegistry(make_pool(4, 16 * 64 * 2 // 16, pin=False))
+    handle = ipc_handle(tensor_offset=..., tensor_offset_bytes=96)
+    with caplog.at_level(logging.WARNING, logger="transfer.kv_cache"):
+        registry.register(KVCacheSpec.from_dict(ipc_body(handle)))
+    assert offsets == [48]  # 96 bytes of float16
+    assert "cannot tell which GPU tensors[0] is on; trusting GPU 0" in caplog.text
+    assert kv_cache.normalize_uuid("MIG-" + UUIDS[0].upper()) == UUIDS[0]
 
 
 def test_a_registration_on_another_gpu_is_refused(make_pool, two_gpus, monkeypatch) -> None:
