@@ -13,7 +13,11 @@ not be checked on this machine: never a pass) or ``INFO`` (measured, not gated).
    raw ``cudaMemcpyAsync`` path.
 2. ``ipc``: a child process (``tests/transfer/ipc_child.py``) allocates the cache and exports it
    by CUDA IPC handle; the service side registers it from the JSON body, stores and loads, and
-   the child checks the loaded bytes in its own memory.
+   the child checks the loaded bytes in its own memory. Then the ordering: the child queues
+   half a second of GPU sleep and a write of new bytes on a stream of its own, records an
+   interprocess event and at once asks for a store. With the event as ``wait_event`` every
+   stored block must hold the new bytes (gated); without it the stale blocks are counted
+   (INFO: the race the event closes, proof that the gate can fail).
 3. ``bandwidth``: D2H (store) and H2D (load) GB/s of whole-cache jobs, device blocks in random
    order and host slots in runs or scattered, against one plain copy of the same bytes between
    a pinned buffer and the GPU. Medians of several repetitions. Gated (>= 0.85x): 2 MiB blocks
@@ -29,11 +33,12 @@ not be checked on this machine: never a pass) or ``INFO`` (measured, not gated).
    reported only once its streams are idle (nothing freed under the DMA); a shutdown with
    copies in flight waits for them before saying ``quiesced`` (only then is the pool unpinned).
 7. ``engine_killed``: an engine process (``bench/gpu_engine_child.py``) exports a 4 GiB CUDA
-   cache; it is registered with ``lease_s`` in an in-process service (the real HTTP app, CUDA
-   backend), offloads are started, and the engine is SIGKILLed mid-copy. Gated: the lease
-   lapses and the registration is gone, every job ends, ``torch.cuda.mem_get_info`` shows the
-   engine's memory freed, and the service stays ready (or, had a sticky CUDA error been seen,
-   reports not ready and asks for a restart).
+   cache; it is registered with ``lease_s`` (registry and CUDA worker, driven as the service's
+   lease loop drives them: the device image lacks the HTTP stack), offloads are started, and
+   the engine is SIGKILLed mid-copy. Gated: the lease lapses and the registration is gone,
+   every job ends, ``torch.cuda.mem_get_info`` shows the engine's memory freed, and the worker
+   still stores an in-process cache's bytes right (or, had a sticky CUDA error been seen,
+   refuses for the service to restart).
 8. ``remap``: with two or more GPUs, an engine started with ``CUDA_VISIBLE_DEVICES`` reordered
    registers its ``cuda:0`` by ``device_uuid``: the service must open it on its own GPU 1 and
    store the right bytes, and must refuse the same handle named ``cuda:0`` without the UUID.
@@ -49,14 +54,15 @@ failed or errored (``--strict``: and none was skipped), 1 otherwise, and 2 with 
 no CUDA device is visible (a device run never passes vacuously). Meant to finish in under eight
 minutes on one H200; ``--budget`` seconds (470) stop it (partial results written).
 
-Run: ``.venv/bin/python bench/gpu_check.py`` (``--quick`` for a smaller run, ``--shm-dir`` for
-the pools when ``/dev/shm`` is small, ``--strict`` to fail on a skipped check).
+Run with a Python whose torch has CUDA, from the repository root: ``python3 bench/gpu_check.py``
+(``--quick`` for a smaller run, ``--shm-dir`` for the pools when ``/dev/shm`` is small,
+``--strict`` to fail on a skipped check). It needs torch and this repository only (no
+service dependencies): the repository's ``.venv`` holds a CPU torch where there is no GPU.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import faulthandler
 import functools
@@ -511,6 +517,7 @@ def ipc() -> dict[str, Any]:
         digests = json.loads(read_line(proc, 60))["digests"]
         want = [hashlib.sha256(bytes(pool.tensor[s].tolist())).hexdigest() for s in slots]
         bad_load = [t for t, d, w in zip(targets, digests, want, strict=True) if d != w]
+        order = ordering(proc, worker, pool, cache.cache_id, blocks, slots)
         # Let go of the child's memory before the child exits.
         worker.shutdown()
         registry.close()
@@ -529,7 +536,8 @@ def ipc() -> dict[str, Any]:
             "handle_fields": handle_keys,
             "store": {"ok": r.ok, "reason": r.reason, "bad_slots": bad_store[:5]},
             "load": {"ok": r2.ok, "reason": r2.reason, "bad_blocks_seen_by_child": bad_load[:5]},
-            "rows": rows_of(row),
+            "ordering": order["fresh"],
+            "rows": rows_of(row, *order["rows"]),
         }
     finally:
         if worker is not None:
@@ -548,6 +556,56 @@ def ipc() -> dict[str, Any]:
             proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+ORDER_SLEEP_CYCLES = 1_000_000_000  # about half a second of GPU time before the writes
+
+
+def ordering(
+    proc: subprocess.Popen[str],
+    worker: Any,
+    pool: HostPool,
+    cache_id: str,
+    blocks: list[int],
+    slots: list[int],
+) -> dict[str, Any]:
+    """A store asked while the engine's writes still run: with the engine's ``wait_event``
+    it must copy the new bytes (gated); without it, what it copies is the race the event
+    closes (INFO: the stale blocks show that the check can fail)."""
+    assert proc.stdin is not None
+    fresh: dict[str, dict[str, Any]] = {}
+    for name, with_event, value in (("without", False, 0x5A), ("with", True, 0xA5)):
+        op = {"op": "write_after", "cycles": ORDER_SLEEP_CYCLES, "value": value}
+        proc.stdin.write(json.dumps(op) + "\n")
+        proc.stdin.flush()
+        handle = bytes.fromhex(json.loads(read_line(proc, 60))["event"])
+        job = TransferJob(
+            "store", cache_id, blocks, slots, 60.0, wait_event=handle if with_event else None
+        )
+        r = run_job(worker, job)
+        got = sum(bool((pool.tensor[s] == value).all()) for s in slots)
+        fresh[name] = {"ok": r.ok, "reason": r.reason, "fresh_blocks": got}
+        proc.stdin.write(json.dumps({"op": "digest", "blocks": []}) + "\n")  # child syncs
+        proc.stdin.flush()
+        read_line(proc, 60)
+    n = len(slots)
+    done = fresh["with"]
+    rows = [
+        gate(
+            "ipc",
+            "a store waits on the engine's wait_event (its writes still running)",
+            f"{done['fresh_blocks']}/{n} blocks hold the new bytes"
+            + ("" if done["ok"] else f" ({done['reason']})"),
+            f"{n}/{n}",
+            bool(done["ok"]) and done["fresh_blocks"] == n,
+        ),
+        info(
+            "ipc",
+            "the same store without wait_event",
+            f"{fresh['without']['fresh_blocks']}/{n} blocks new (stale ones: the race)",
+        ),
+    ]
+    return {"fresh": fresh, "rows": rows}
 
 
 # -------------------------------------------------------------------- 3. bandwidth
@@ -984,99 +1042,100 @@ def deadline_in_flight(bb: int = 2 << 20, n: int = 512) -> dict[str, Any]:
 # -------------------------------------------------------------------- 7. engine killed
 
 
-async def _engine_killed(bb: int, n: int, tensors: int, lease_s: float) -> dict[str, Any]:
-    import httpx
+def _copies_after_kill(
+    worker: Any, registry: KVCacheRegistry, pool: HostPool, bb: int, tensors: int
+) -> tuple[str, bool]:
+    """A store of an in-process cache after the kill: its bytes, or the poisoned worker's
+    refusal (the service then exits for its supervisor to restart it)."""
+    from transfer import WorkerClosedError
 
-    from app.core.service import Service
-    from app.http.apps import create_app
-    from app.settings import Settings
+    n = 8
+    own = registry.register_tensors("after-kill", flat_cache(n, bb, tensors), [0] * tensors)
+    want = torch.arange(tensors, dtype=torch.uint8).repeat_interleave(bb // tensors)
+    try:
+        r = run_job(
+            worker, TransferJob("store", own.cache_id, list(range(n)), list(range(n)), 30.0)
+        )
+    except WorkerClosedError as exc:
+        return f"refused: {exc}", worker.fatal is not None
+    finally:
+        registry.unregister(own.cache_id)
+    bad = sum(not torch.equal(pool.tensor[i], want) for i in range(n))
+    return ("ok" if r.ok else f"failed: {r.reason}") + f", {bad} bad blocks", r.ok and bad == 0
 
-    settings = Settings(
-        num_blocks=n,
-        block_bytes=bb,
-        device="cuda:0",
-        shm_dir=SHM_DIR,
-        lease_check_interval_s=0.1,
-        job_deadline_s=30.0,
-        lease_ttl_s=120.0,
-        shutdown_grace_s=5.0,
-    )
-    service = Service(settings)
-    fatal: list[str] = []
-    service.on_fatal = fatal.append
-    app = create_app(settings, service=service)
+
+def engine_killed(quick: bool, lease_s: float = 1.0) -> dict[str, Any]:
+    """An engine SIGKILLed with offloads of its cache running: the lease lapses, the jobs
+    end, its GPU memory is freed and the worker is not poisoned. Run at the transfer layer,
+    what the service's lease loop does (``Transfers.expire_caches``: ``expire``, then
+    ``drop_cache``), because the device image lacks the HTTP stack; the loop itself and the
+    HTTP side of leases are tested on the CPU (``tests/api/test_gpu_path.py``)."""
+    from transfer.cuda_worker import CudaTransferWorker
+
+    bb, tensors = 2 << 20, 4
+    n = 512 if quick else 2048  # 1 or 4 GiB of 2 MiB blocks
     free_before = torch.cuda.mem_get_info(0)[0]
     proc, hello = start_engine(
         {"blocks": n, "inner_bytes": bb // tensors, "tensors": tensors, "name": "killed"}
     )
+    pool = new_pool(n, bb)
+    registry = KVCacheRegistry(pool)
+    worker = CudaTransferWorker(pool, registry)
     out: dict[str, Any] = {"engine_bytes": hello["bytes"]}
     try:
         free_with = torch.cuda.mem_get_info(0)[0]
-        async with (
-            app.router.lifespan_context(app),
-            httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://e") as c,
-        ):
-            r = await c.post("/v1/kv-caches", json={**hello["spec"], "lease_s": lease_s})
-            if r.status_code != 201:
-                raise RuntimeError(f"registration refused: {r.status_code} {r.text[:300]}")
-            cache_id = r.json()["cache_id"]
-            jobs: list[int] = []
-            per = n // 4
-            for k in range(4):  # four offloads queued back to back: the first one runs
-                req = f"killed-{k}"
-                assert (await c.put(f"/v1/requests/{req}")).status_code in (200, 201)
-                keys = [(k * per + i + 1).to_bytes(8, "big").hex() for i in range(per)]
-                body = {
-                    "cache_id": cache_id,
-                    "keys": keys,
-                    "device_blocks": list(range(k * per, (k + 1) * per)),
-                }
-                r = await c.post(f"/v1/requests/{req}/offload", json=body)
-                if r.status_code != 200 or r.json().get("job_id") is None:
-                    raise RuntimeError(f"offload refused: {r.status_code} {r.text[:300]}")
-                jobs.append(r.json()["job_id"])
-            states = [(await c.get(f"/v1/jobs/{j}")).json()["state"] for j in jobs]
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-            out["job_states_at_kill"] = states
-            killed_at = time.monotonic()
-            gone = False
-            while time.monotonic() - killed_at < lease_s + 10:
-                listed = [x["cache_id"] for x in (await c.get("/v1/kv-caches")).json()["kv_caches"]]
-                if cache_id not in listed:
-                    gone = True
-                    break
-                await asyncio.sleep(0.05)
-            out["registration_gone_after_s"] = round(time.monotonic() - killed_at, 3)
-            waited = (
-                await c.post("/v1/jobs/wait", json={"job_ids": jobs, "timeout_s": 15.0})
-            ).json()
-            ended = bool(waited.get("done"))
-            out["jobs"] = [
-                {k: j.get(k) for k in ("job_id", "state", "reason")} for j in waited.get("jobs", [])
-            ]
-            freed = False
-            want = free_with + hello["bytes"] * 9 // 10
+        cache = registry.register(KVCacheSpec.from_dict({**hello["spec"], "lease_s": lease_s}))
+        cache_id = cache.cache_id
+        del cache  # only the registry and the jobs hold the mappings from here on
+        per = n // 4
+        jobs = [  # four offloads back to back: the first one runs, the others queue
+            worker.submit(
+                TransferJob(
+                    "store",
+                    cache_id,
+                    list(range(k * per, (k + 1) * per)),
+                    list(range(k * per, (k + 1) * per)),
+                    30.0,
+                )
+            )
+            for k in range(4)
+        ]
+        done_at_kill = len(worker.poll_finished())
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        killed_at = time.monotonic()
+        gone = False
+        while time.monotonic() - killed_at < lease_s + 10:
+            for expired in registry.expire():
+                worker.drop_cache(expired.cache_id, "kv cache lease expired")
+            if all(c.cache_id != cache_id for c in registry.list()):
+                gone = True
+                break
+            time.sleep(0.05)
+        out["registration_gone_after_s"] = round(time.monotonic() - killed_at, 3)
+        results = worker.wait(jobs, timeout=30.0)
+        ended = len(results) + done_at_kill >= len(jobs)
+        out["jobs"] = [{"job_id": r.job_id, "ok": r.ok, "reason": r.reason} for r in results]
+        freed = False
+        want = free_with + hello["bytes"] * 9 // 10
+        free_after = torch.cuda.mem_get_info(0)[0]
+        end = time.monotonic() + 15
+        while time.monotonic() < end:
+            gc.collect()
+            torch.cuda.synchronize()
             free_after = torch.cuda.mem_get_info(0)[0]
-            end = time.monotonic() + 15
-            while time.monotonic() < end:
-                gc.collect()
-                torch.cuda.synchronize()
-                free_after = torch.cuda.mem_get_info(0)[0]
-                if free_after >= want:
-                    freed = True
-                    break
-                await asyncio.sleep(0.1)
-            ready = (await c.get("/readyz")).status_code == 200
-            reason = service.readiness()
-        restart_asked = bool(fatal) and reason is not None and "restart" in reason
+            if free_after >= want:
+                freed = True
+                break
+            time.sleep(0.1)
+        after, after_ok = _copies_after_kill(worker, registry, pool, bb, tensors)
         mib = 1 << 20
         rows = [
             info(
                 "engine_killed",
                 f"{len(jobs)} offloads of {per * bb >> 20} MiB when the engine was killed",
-                ", ".join(states)
-                + ("" if "running" in states else " (none running: NOT killed mid-copy)"),
+                f"{done_at_kill} had ended"
+                + ("" if done_at_kill < len(jobs) else " (all: NOT killed mid-copy)"),
             ),
             gate(
                 "engine_killed",
@@ -1088,7 +1147,7 @@ async def _engine_killed(bb: int, n: int, tensors: int, lease_s: float) -> dict[
             gate(
                 "engine_killed",
                 "every job ended",
-                ", ".join(f"{j['state']}" for j in out["jobs"]) or "none",
+                ", ".join("ok" if j["ok"] else str(j["reason"]) for j in out["jobs"]) or "none",
                 "ended",
                 ended,
             ),
@@ -1102,17 +1161,16 @@ async def _engine_killed(bb: int, n: int, tensors: int, lease_s: float) -> dict[
             ),
             gate(
                 "engine_killed",
-                "service ready afterwards (or asks a restart)",
-                "ready" if ready else f"not ready: {reason}; restart asked: {restart_asked}",
-                "ready / restart",
-                ready or restart_asked,
+                "the worker copies afterwards (or, poisoned, refuses for a restart)",
+                after,
+                "bytes equal / refused",
+                after_ok,
             ),
         ]
         out.update(
             free_mib={"before": free_before // mib, "with": free_with // mib},
             free_after_mib=free_after // mib,
-            fatal=fatal,
-            ready=ready,
+            fatal=worker.fatal,
             rows=rows_of(*rows),
         )
         return out
@@ -1120,11 +1178,9 @@ async def _engine_killed(bb: int, n: int, tensors: int, lease_s: float) -> dict[
         if proc.poll() is None:
             proc.kill()
         end_engine(proc)
-
-
-def engine_killed(quick: bool) -> dict[str, Any]:
-    n = 512 if quick else 2048  # 1 or 4 GiB of 2 MiB blocks
-    return asyncio.run(_engine_killed(2 << 20, n, 4, lease_s=1.0))
+        worker.shutdown()
+        registry.close()
+        pool.close(unpin=worker.quiesced)
 
 
 # -------------------------------------------------------------------- 8. remap

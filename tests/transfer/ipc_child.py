@@ -2,8 +2,12 @@
 
 Protocol (JSON lines on stdin/stdout): it first prints ``{"spec": ...}`` (a registration
 body with ``cuda_ipc`` handles); then ``{"op": "digest", "blocks": [...]}`` answers
-``{"digests": [...]}`` (one string per block, over every tensor), and ``{"op": "exit"}`` ends
-it. Run as ``python -m tests.transfer.ipc_child`` on a CUDA machine.
+``{"digests": [...]}`` (one string per block, over every tensor); ``{"op": "write_after",
+"cycles": C, "value": V}`` queues, on a stream of its own, a GPU sleep of ``C`` cycles and then
+a write of the byte ``V`` over every tensor, records an interprocess event after them and
+answers at once ``{"event": "<hex of its IPC handle>"}`` (the writes still running: what an
+engine's forward pass looks like to the service); ``{"op": "exit"}`` ends it. Run as
+``python -m tests.transfer.ipc_child`` on a CUDA machine.
 """
 
 from __future__ import annotations
@@ -40,10 +44,22 @@ def main() -> None:
     }
     print(json.dumps({"spec": spec}), flush=True)
     flats = [t.reshape(-1).view(torch.uint8) for t in tensors]
+    kept: list[object] = []  # an exported event must outlive the jobs that wait on it
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "exit":
             break
+        if cmd["op"] == "write_after":
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(int(cmd["cycles"]))
+                for flat in flats:
+                    flat.fill_(int(cmd["value"]))
+            event = torch.cuda.Event(interprocess=True)
+            event.record(stream)
+            kept.append((stream, event))
+            print(json.dumps({"event": bytes(event.ipc_handle()).hex()}), flush=True)
+            continue
         torch.cuda.synchronize()
         digests = []
         for b in cmd["blocks"]:

@@ -294,3 +294,46 @@ def test_pool_registration_scales_and_says_so(
         assert note in result["note"]
         assert "(scaled, see note)" in got[1].what
         assert got[-1].what == "note"
+
+
+# The device image has torch but not the service's HTTP stack, and only wheels for its own
+# Python could be carried there (pydantic-core has none for it here): the check must not
+# need any of these.
+NOT_ON_THE_DEVICE = (
+    "app",
+    "fastapi",
+    "kvoffload_client",
+    "pydantic",
+    "pydantic_settings",
+    "starlette",
+    "structlog",
+    "uvicorn",
+)
+
+
+def test_the_device_check_needs_nothing_the_device_image_lacks() -> None:
+    blocker = (
+        "import importlib.abc, sys\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name.split('.')[0] in {NOT_ON_THE_DEVICE!r}:\n"
+        "            raise ImportError(f'{name} is not on the device')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import ast, pathlib\n"
+        "import bench.gpu_check, bench.gpu_engine_child, tests.transfer.ipc_child\n"
+        "import transfer.cuda_worker, transfer.cudart\n"
+        # Imports inside functions (the sections import lazily) are read, not run.
+        "for f in ('bench/gpu_check.py', 'bench/gpu_engine_child.py',\n"
+        "          'tests/transfer/ipc_child.py'):\n"
+        "    for node in ast.walk(ast.parse(pathlib.Path(f).read_text())):\n"
+        "        names = [a.name for a in node.names] if isinstance(node, ast.Import) else (\n"
+        "            [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])\n"
+        "        for n in names:\n"
+        "            __import__(n)\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", blocker], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "ok"
