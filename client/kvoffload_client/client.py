@@ -845,7 +845,8 @@ class KVOffloadClient(_SyncClient):
     ) -> TransferStarted:
         """Store device blocks under keys (device->host job). ``wait_event``: the 64-byte
         ``ipc_handle()`` of an interprocess CUDA event recorded after the kernels that wrote
-        the blocks; the copies wait on it (CUDA caches only)."""
+        the blocks; the copies wait on it (CUDA caches only). Keep the event alive until the
+        job has ended: the service opens it when the job starts."""
         call = _Engine.transfer("offload", req_id, cache_id, keys, device_blocks, wait_event)
         return self._call(call)
 
@@ -1065,7 +1066,8 @@ class AsyncKVOffloadClient:
     ) -> TransferStarted:
         """Store device blocks under keys (device->host job). ``wait_event``: the 64-byte
         ``ipc_handle()`` of an interprocess CUDA event recorded after the kernels that wrote
-        the blocks; the copies wait on it (CUDA caches only)."""
+        the blocks; the copies wait on it (CUDA caches only). Keep the event alive until the
+        job has ended: the service opens it when the job starts."""
         call = _Engine.transfer("offload", req_id, cache_id, keys, device_blocks, wait_event)
         return await self._call(call)
 
