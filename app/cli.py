@@ -225,18 +225,27 @@ def _serve(args: argparse.Namespace) -> int:
             "transfer backend failed for good; exiting for a restart",
             extra={"fields": {"reason": str(exc)}},
         )
-        flush_logs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # Not through the interpreter's clean-up: it would free the CUDA IPC mappings kept
-        # since the context was poisoned, and torch aborts the process freeing them.
-        os._exit(EXIT_BACKEND_FAILED)
+        status = EXIT_BACKEND_FAILED
     except Exception as exc:
         get_logger("cli").error("service failed", exc_info=exc)
-        return 1
+        status = 1
+    else:
+        status = 0
     finally:
         flush_logs()
-    return 0
+    if _cuda_poisoned():
+        # Not through the interpreter's clean-up: it would free the CUDA IPC mappings kept
+        # since the context was poisoned, and torch aborts the process freeing them.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status or EXIT_BACKEND_FAILED)
+    return status
+
+
+def _cuda_poisoned() -> bool:
+    """Whether a CUDA worker of this process saw a sticky error (never imports CUDA code)."""
+    worker = sys.modules.get("transfer.cuda_worker")
+    return worker is not None and bool(worker.poisoned())
 
 
 def _admin_token(args: argparse.Namespace) -> str | None:

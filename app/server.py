@@ -451,11 +451,12 @@ async def serve(
             if pool_share is not None:
                 # Before the service frees the pool: nobody receives a pool being closed.
                 await pool_share.stop()
+            # The backend's failure first: a listener that failed after it says less.
+            if stopper.failure is not None:
+                raise TransferBackendFailed(stopper.failure)
             for result in results:
                 if isinstance(result, BaseException):
                     raise result
-            if stopper.failure is not None:
-                raise TransferBackendFailed(stopper.failure)
     finally:
         stopper.remove()
         if pool_share is not None:

@@ -230,7 +230,7 @@ class DirectCopier(_GeometryCache):
             i0 = i1
 
     def _batch_failed(self, code: int, args: tuple[Any, ...]) -> None:
-        error = self.raw.failed("cuMemcpyBatchAsync", code)
+        error = self.raw.failed("cuMemcpyBatchAsync", code, driver=True)
         if error.sticky:
             raise error
         self.batch_failures += 1
@@ -293,7 +293,8 @@ class DirectCopier(_GeometryCache):
         n = len(blocks)
         for seg, base in zip(geo.segments, bases, strict=True):
             inner, pitch = seg.inner_bytes, seg.num_blocks * seg.inner_bytes
-            if seg.outer > 1 and pitch > self.max_pitch:
+            # A pitch above the device's limit (a K/V half, or a block, over 2 GiB): piecewise.
+            if (pitch if seg.outer > 1 else block_bytes) > self.max_pitch:
                 self._copy_pieces(store, seg, base, pool_base, block_bytes, blocks, slots, stream)
                 continue
             i = 0
@@ -330,8 +331,8 @@ class DirectCopier(_GeometryCache):
         slots: list[int],
         stream: int,
     ) -> None:
-        """One ``cudaMemcpyAsync`` per outer piece: for a tensor whose pieces of one block lie
-        further apart than a 2D copy's pitch may be (a K/V half above 2 GiB)."""
+        """One ``cudaMemcpyAsync`` per outer piece: for a tensor whose 2D copy would need a
+        pitch above the device's limit."""
         kind = D2H if store else H2D
         inner, pitch = seg.inner_bytes, seg.num_blocks * seg.inner_bytes
         for block, slot in zip(blocks, slots, strict=True):

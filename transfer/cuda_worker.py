@@ -67,6 +67,7 @@ __all__ = [
     "StagedCopier",
     "find_cuda_memcpy",
     "is_sticky_cuda_error",
+    "poisoned",
 ]
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,6 @@ _STICKY = (
     "launch timed out",
     "cudaerrorlaunchfailure",
     "cudaerrorillegaladdress",
-    "context is destroyed",
     "device-side assert",
 )
 # A poisoned context cannot close a CUDA IPC mapping: torch's deleter synchronizes a stream and
@@ -101,6 +101,13 @@ _STICKY = (
 # once poisoned, every registered cache is kept here until the process exits (``kvoffload
 # serve`` then leaves with ``os._exit``, skipping the interpreter's clean-up of them).
 _KEPT_AFTER_POISON: list[Any] = []
+_POISONED = threading.Event()
+
+
+def poisoned() -> bool:
+    """True once a worker of this process saw a sticky CUDA error: the process must not run
+    the interpreter's clean-up (it would free the kept mappings), but leave with ``os._exit``."""
+    return _POISONED.is_set()
 
 
 def is_sticky_cuda_error(exc: BaseException) -> bool:
@@ -202,14 +209,12 @@ class CudaTransferWorker(QueueingWorker):
         self.sync_timeout_s = sync_timeout_s
         torch.cuda.init()  # type: ignore[no-untyped-call]  # runtime loaded before the lookup
         self._raw: RawCuda | None = find_raw_cuda() if raw_memcpy else None
-        self._direct = (
-            direct
-            and self._raw is not None
-            and (self._raw.batch is not None or self._raw.memcpy2d is not None)
-        )
         # The batch call's location hints are left unset: right for pinned and device memory,
         # not for pageable host memory (an unpinned pool copies with 2D calls instead).
         self._batch = self._raw is not None and self._raw.batch is not None and pool.pinned
+        self._direct = (
+            direct and self._raw is not None and (self._batch or self._raw.memcpy2d is not None)
+        )
         self._pool_tensor = pool.tensor
         self._split_every = pool.pin_chunk_blocks
         self._lanes: dict[int, _Lane] = {}
@@ -527,10 +532,13 @@ class CudaTransferWorker(QueueingWorker):
             queued = [*self._loads, *self._stores]
             self._loads.clear()
             self._stores.clear()
-            # Also the caches only jobs still hold (a lapsed lease's): their last reference
-            # would go when the job ends.
+            # Also the caches only jobs still hold (a lapsed lease's, or those of jobs already
+            # reported whose copies a shutdown left queued): the last reference would go
+            # when the job ends.
             held = [entry.plan.cache for entry in self._held.values()]
+            held += [a.entry.plan.cache for a in self._inflight_jobs.values()]
             self._cond.notify_all()
+        _POISONED.set()
         _KEPT_AFTER_POISON.extend([*self.registry.list(), *held])
         log.critical("CUDA context is poisoned; the service must restart: %s", reason)
         self._finish((j, False, f"cuda fatal: {reason}") for j in queued)

@@ -40,11 +40,12 @@ Memcpy2DAsync = Callable[[int, int, int, int, int, int, int, int], int]
 BatchMemcpy = Callable[[int, int, int, int, int], int]
 """``(dsts_ptr, srcs_ptr, sizes_ptr, count, stream) -> CUresult``: arrays of uint64."""
 
-STICKY_CODES = frozenset({214, 700, 702, 709, 710, 714, 715, 716, 717, 718, 719})
+STICKY_CODES = frozenset({214, 220, 700, 702, 710, 714, 715, 716, 717, 718, 719})
 """``cudaError_t`` / ``CUresult`` codes (the two agree on these) that poison the context:
-ECC uncorrectable, illegal address, launch timeout, context destroyed, device assert,
+ECC uncorrectable, NVLink uncorrectable, illegal address, launch timeout, device assert,
 hardware stack error, illegal instruction, misaligned address, invalid address space,
-invalid PC, launch failure."""
+invalid PC, launch failure. Not 709 (context destroyed): it also means a thread whose primary
+context was never made current, which binding the thread mends."""
 
 _MAX_PITCH_ATTR = 11  # cudaDevAttrMaxPitch: the largest pitch a 2D copy accepts
 
@@ -76,6 +77,7 @@ class RawCuda:
     error_name: Callable[[int], str | None] | None = None
     set_device: Callable[[int], int] | None = None
     max_pitch: Callable[[int], int | None] | None = None
+    driver_error_name: Callable[[int], str | None] | None = None
 
     def clear_error(self) -> int:
         """Reset the calling thread's last CUDA error (after a failed raw call)."""
@@ -84,13 +86,15 @@ class RawCuda:
         except Exception:  # never let the clean-up hide the original failure
             return -1
 
-    def failed(self, call: str, code: int) -> CudaCallError:
-        """Clear the thread's last error and describe the failure of ``call``."""
+    def failed(self, call: str, code: int, *, driver: bool = False) -> CudaCallError:
+        """Clear the thread's last error and describe the failure of ``call`` (a driver call,
+        ``driver=True``, returns a ``CUresult``: named by ``cuGetErrorName``)."""
         self.clear_error()
+        namer = self.driver_error_name if driver else self.error_name
         name = None
-        if self.error_name is not None:
+        if namer is not None:
             try:
-                name = self.error_name(code)
+                name = namer(code)
             except Exception:
                 name = None
         return CudaCallError(call, code, name)
@@ -151,12 +155,9 @@ def _sym(lib: Any, name: str, argtypes: list[Any], restype: Any = ctypes.c_int) 
 
 def runtime_library() -> Any:
     """torch's CUDA runtime (``libcudart``) as a ctypes library, or None (a CPU build, a
-    static runtime, or ``KVOFFLOAD_CUDA_RAW_MEMCPY=0``). Bound: ``cudaMemcpyAsync``,
-    ``cudaMemcpy2DAsync``, ``cudaGetLastError``, ``cudaGetErrorName``, ``cudaSetDevice``,
-    ``cudaDeviceGetAttribute``, ``cudaHostRegister``, ``cudaHostUnregister`` (each None on
-    the library where it is missing)."""
-    if os.environ.get("KVOFFLOAD_CUDA_RAW_MEMCPY", "1") == "0":
-        return None
+    static runtime). Bound: ``cudaMemcpyAsync``, ``cudaMemcpy2DAsync``, ``cudaGetLastError``,
+    ``cudaGetErrorName``, ``cudaSetDevice``, ``cudaDeviceGetAttribute``, ``cudaHostRegister``,
+    ``cudaHostUnregister`` (each None on the library where it is missing)."""
     major = (torch.version.cuda or "").split(".")[0]
     sonames = [f"libcudart.so.{major}"] if major.isdigit() else []
     vp, sz, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
@@ -223,9 +224,27 @@ def _find_batch() -> BatchMemcpy | None:
     return None
 
 
+def _driver_error_name() -> Callable[[int], str | None] | None:
+    for lib in driver_libraries():
+        fn = _sym(lib, "cuGetErrorName", [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)])
+        if fn is not None:
+
+            def name(code: int, fn: Any = fn) -> str | None:
+                out = ctypes.c_char_p()
+                if fn(code, ctypes.byref(out)) != 0 or not out.value:
+                    return None
+                return out.value.decode(errors="replace")
+
+            return name
+    return None
+
+
 def find_raw_cuda() -> RawCuda | None:
-    """The raw entry points of the runtime torch loaded (``runtime_library``), or None.
-    A ctypes call costs about a microsecond, a torch ``copy_`` of two slices several."""
+    """The raw entry points of the runtime torch loaded (``runtime_library``), or None (also
+    with ``KVOFFLOAD_CUDA_RAW_MEMCPY=0``: copies then go through torch). A ctypes call costs
+    about a microsecond, a torch ``copy_`` of two slices several."""
+    if os.environ.get("KVOFFLOAD_CUDA_RAW_MEMCPY", "1") == "0":
+        return None
     lib = runtime_library()
     if lib is None:
         return None
@@ -251,4 +270,5 @@ def find_raw_cuda() -> RawCuda | None:
         error_name,
         getattr(lib, "cudaSetDevice", None),
         max_pitch,
+        _driver_error_name(),
     )

@@ -36,6 +36,7 @@ class FakeRaw:
         self.code_2d = 1  # what a refused 2D copy returns (cudaErrorInvalidValue)
         self.streams: set[int] = set()
         self.has_batch = batch
+        self.bound: list[int] = []  # cudaSetDevice calls: the devices threads were bound to
 
     def memcpy(self, dst: int, src: int, n: int, kind: int, stream: int) -> int:
         self.memcpy_calls += 1
@@ -78,12 +79,17 @@ class FakeRaw:
         self.last_error_resets += 1
         return 0
 
+    def set_device(self, index: int) -> int:
+        self.bound.append(index)
+        return 0
+
     def raw(self) -> RawCuda:
         return RawCuda(
             self.memcpy,
             self.memcpy2d,
             self.batch if self.has_batch else None,
             self.get_last_error,
+            set_device=self.set_device,
         )
 
 
@@ -148,6 +154,9 @@ def install(monkeypatch: pytest.MonkeyPatch, raw: FakeRaw | None, devices: int =
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(cuda_worker, "_new_stream", lambda index, priority: FakeStream())
     monkeypatch.setattr(cuda_worker, "_new_event", FakeEvent)
+    # A fake poisoning stays in this test: the process-wide flag and kept caches are its own.
+    monkeypatch.setattr(cuda_worker, "_POISONED", threading.Event())
+    monkeypatch.setattr(cuda_worker, "_KEPT_AFTER_POISON", [])
 
     def open_ipc(index: int, handle: bytes) -> FakeEvent:
         world.ipc_opened.append((index, handle))

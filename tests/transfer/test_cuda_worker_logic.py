@@ -8,6 +8,7 @@ host memory, so the bytes are real.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Any
@@ -202,20 +203,63 @@ def test_sticky_errors_are_told_from_ordinary_ones() -> None:
 @pytest.mark.parametrize("path", ["2d"])
 def test_a_raw_call_s_sticky_code_poisons_the_worker_and_keeps_the_mappings(world, fake) -> None:
     """A raw copy says only a number: 700 (illegal address) must poison the worker as torch's
-    text does, and the caches stay referenced (closing a mapping in a lost context aborts)."""
+    text does. Every cache stays referenced, also one only a running job still holds (its
+    registration gone): closing a mapping in a lost context aborts the process."""
     _pool, cache, _layout, _originals, make = world
     w = make()
     assert fake.raw is not None
-    fake.raw.fail_2d_from, fake.raw.code_2d = 1, 700
-    kept = len(cuda_worker._KEPT_AFTER_POISON)
+    own = dataclasses.replace(
+        cache, cache_id="kvc-lapsed", tensors=tuple(t.clone() for t in cache.tensors)
+    )
+    w.registry._caches[own.cache_id] = own
+    fake.events.gate.clear()
+    held = w.submit(TransferJob("store", own.cache_id, [1], [1], 30.0))
+    until(lambda: fake.events.recorded >= 1)  # issued; its copies still queued
+    w.registry.unregister(own.cache_id)
+    fake.raw.fail_2d_from, fake.raw.code_2d = fake.raw.calls_2d + 1, 700
     jid = w.submit(TransferJob("store", cache.cache_id, [0], [0], 30.0))
-    [r] = w.wait([jid], timeout=30)
-    assert not r.ok
-    assert "cudaMemcpy2DAsync returned 700" in (r.reason or "")
     until(lambda: w.fatal is not None)
+    assert "cudaMemcpy2DAsync returned 700" in (w.fatal or "")
     assert "the CUDA context is lost" in (w.fatal or "")
-    assert cache in cuda_worker._KEPT_AFTER_POISON[kept:]
-    del cuda_worker._KEPT_AFTER_POISON[kept:]  # this test's fake caches may go
+    assert cuda_worker.poisoned()
+    kept = cuda_worker._KEPT_AFTER_POISON
+    assert any(c is own for c in kept)
+    assert any(c is cache for c in kept)
+    fake.events.gate.set()
+    results = {r.job_id: r for r in w.wait([held, jid], timeout=30)}
+    assert not results[jid].ok
+
+
+def test_the_threads_bind_their_lane_s_gpu(world, fake, monkeypatch, path) -> None:
+    """The issuing thread binds the GPU before a raw copy (the driver's batch call uses the
+    thread's current context), and each completion thread runs on its lane's GPU (else its
+    event waits would make a context on GPU 0)."""
+    import threading
+
+    _pool, cache, _layout, _originals, make = world
+    entered: list[tuple[str, int]] = []
+
+    def device(index: int) -> Any:
+        entered.append((threading.current_thread().name, index))
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    far = dataclasses.replace(
+        cache,
+        cache_id="kvc-gpu1",
+        device="cuda:1",
+        layouts=tuple(dataclasses.replace(lay, device="cuda:1") for lay in cache.layouts),
+    )
+    w = make()
+    w.registry._caches[far.cache_id] = far
+    ids = [w.submit(TransferJob(d, far.cache_id, [2], [2], 30.0)) for d in ("store", "load")]
+    assert all(r.ok for r in w.wait(ids, timeout=30))
+    done_threads = {i for name, i in entered if name.startswith("kvoffload-cuda-done-1-")}
+    assert done_threads == {1}
+    if path != "staged":
+        assert fake.raw is not None
+        assert set(fake.raw.bound) == {1}
 
 
 @pytest.mark.parametrize("path", ["2d"])
@@ -288,7 +332,7 @@ def test_refuses_caches_on_missing_gpus(world) -> None:
 
 
 @pytest.mark.parametrize("path", ["batch"])
-def test_an_unpinned_pool_is_refused_naming_the_flag(world, monkeypatch) -> None:
+def test_an_unpinned_pool_is_refused_naming_the_flag(world, fake, monkeypatch) -> None:
     _pool, _cache, _layout, _originals, make = world
     monkeypatch.setattr(HostPool, "pinned", property(lambda self: False))
     with pytest.raises(RuntimeError, match="pass --allow-pageable-pool") as info:
@@ -296,7 +340,14 @@ def test_an_unpinned_pool_is_refused_naming_the_flag(world, monkeypatch) -> None
     assert "\n" not in str(info.value)
     # Allowed, a pageable pool copies with 2D calls: the batch call's location hints are
     # left unset, which only pinned and device memory may have.
-    assert make(allow_pageable=True).copy_path == "2d"
+    w = make(allow_pageable=True)
+    assert w.copy_path == "2d"
+    jid = w.submit(TransferJob("store", _cache.cache_id, [1], [1], 30.0))
+    [r] = w.wait([jid], timeout=30)
+    assert r.ok, r.reason
+    assert fake.raw is not None
+    assert fake.raw.batch_calls == 0
+    assert fake.raw.calls_2d > 0
 
 
 def test_a_forgotten_cache_s_memory_is_let_go_once_its_jobs_ended(world, fake) -> None:

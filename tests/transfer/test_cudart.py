@@ -70,13 +70,27 @@ def test_a_failed_call_is_named_cleared_and_classified() -> None:
     assert not plain.sticky
     assert str(plain) == "cudaMemcpyAsync returned 1 (cudaError1)"
     assert str(CudaCallError("cuMemcpyBatchAsync", 801)) == "cuMemcpyBatchAsync returned 801"
+    # A driver call's CUresult is named by the driver: the runtime's names differ for a code.
+    both = RawCuda(
+        fake.memcpy,
+        None,
+        None,
+        fake.get_last_error,
+        lambda code: "cudaErrorDeviceUninitialized",
+        driver_error_name=lambda code: "CUDA_ERROR_INVALID_CONTEXT",
+    )
+    assert "(CUDA_ERROR_INVALID_CONTEXT)" in str(
+        both.failed("cuMemcpyBatchAsync", 201, driver=True)
+    )
+    assert "(cudaErrorDeviceUninitialized)" in str(both.failed("cudaMemcpyAsync", 201))
 
 
 def test_the_sticky_codes_are_the_context_losing_ones() -> None:
     # cudaErrorIllegalAddress, LaunchTimeout, Assert, LaunchFailure, ECCUncorrectable
     assert {700, 702, 710, 719, 214} <= STICKY_CODES
-    # out of memory, invalid value, host memory already registered, peer access: recoverable
-    assert not {2, 1, 712, 704, 801} & STICKY_CODES
+    # out of memory, invalid value, host memory already registered, peer access, and 709
+    # (also "this thread's primary context was never made current"): recoverable
+    assert not {2, 1, 712, 704, 801, 709} & STICKY_CODES
 
 
 def test_bind_thread_sets_the_device_and_raises_on_refusal() -> None:
@@ -122,4 +136,4 @@ def test_no_runtime_without_cuda(monkeypatch) -> None:
     assert cudart.find_raw_cuda() is None
     assert cudart.driver_libraries() == []
     monkeypatch.setenv("KVOFFLOAD_CUDA_RAW_MEMCPY", "0")
-    assert cudart.runtime_library() is None
+    assert cudart.find_raw_cuda() is None
