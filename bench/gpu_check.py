@@ -1078,11 +1078,12 @@ def engine_killed(quick: bool, lease_s: float = 1.0) -> dict[str, Any]:
     proc, hello = start_engine(
         {"blocks": n, "inner_bytes": bb // tensors, "tensors": tensors, "name": "killed"}
     )
-    pool = new_pool(n, bb)
-    registry = KVCacheRegistry(pool)
-    worker = CudaTransferWorker(pool, registry)
     out: dict[str, Any] = {"engine_bytes": hello["bytes"]}
+    pool = registry = worker = None
     try:
+        pool = new_pool(n, bb)
+        registry = KVCacheRegistry(pool)
+        worker = CudaTransferWorker(pool, registry)
         free_with = torch.cuda.mem_get_info(0)[0]
         cache = registry.register(KVCacheSpec.from_dict({**hello["spec"], "lease_s": lease_s}))
         cache_id = cache.cache_id
@@ -1101,6 +1102,7 @@ def engine_killed(quick: bool, lease_s: float = 1.0) -> dict[str, Any]:
             for k in range(4)
         ]
         done_at_kill = len(worker.poll_finished())
+        running_at_kill = len(worker.in_flight())
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         killed_at = time.monotonic()
@@ -1134,8 +1136,8 @@ def engine_killed(quick: bool, lease_s: float = 1.0) -> dict[str, Any]:
             info(
                 "engine_killed",
                 f"{len(jobs)} offloads of {per * bb >> 20} MiB when the engine was killed",
-                f"{done_at_kill} had ended"
-                + ("" if done_at_kill < len(jobs) else " (all: NOT killed mid-copy)"),
+                f"{done_at_kill} had ended, {running_at_kill} queued or copying"
+                + ("" if running_at_kill else " (none left: NOT killed mid-copy)"),
             ),
             gate(
                 "engine_killed",
@@ -1178,9 +1180,12 @@ def engine_killed(quick: bool, lease_s: float = 1.0) -> dict[str, Any]:
         if proc.poll() is None:
             proc.kill()
         end_engine(proc)
-        worker.shutdown()
-        registry.close()
-        pool.close(unpin=worker.quiesced)
+        if worker is not None:
+            worker.shutdown()
+        if registry is not None:
+            registry.close()
+        if pool is not None:
+            pool.close(unpin=worker is None or worker.quiesced)
 
 
 # -------------------------------------------------------------------- 8. remap
