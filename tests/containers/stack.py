@@ -10,7 +10,7 @@ import secrets
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -217,11 +217,17 @@ def promql(url: str, query: str) -> list[dict[str, Any]]:
     return result
 
 
-def scraped(url: str, query: str, within_s: float = 30) -> dict[str, float]:
-    """``query``'s value per instance once Prometheus has one for it (> 0), within the bound."""
+def scraped(
+    url: str, query: str, within_s: float = 30, instances: Collection[str] = ()
+) -> dict[str, float]:
+    """``query``'s value per instance once Prometheus has one for it (> 0), and for every one
+    of ``instances`` (its targets are scraped at offsets of their own within the interval, so
+    the first answer may hold only some of them), within the bound."""
 
     def probe() -> dict[str, float] | None:
         found = {s["metric"].get("instance", ""): float(s["value"][1]) for s in promql(url, query)}
-        return found if found and all(v > 0 for v in found.values()) else None
+        if not found or not all(v > 0 for v in found.values()) or not set(instances) <= set(found):
+            return None
+        return found
 
     return wait_for(f"Prometheus to answer {query}", probe, within_s)

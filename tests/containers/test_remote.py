@@ -98,10 +98,9 @@ def test_an_engine_on_a_stores_and_one_on_b_loads_the_same_bytes(
             "load on B": loaded,
         },
     )
-    with host_prometheus(
-        workdir / "prometheus", ["127.0.0.1:8000", "127.0.0.1:8010"], stack.project.metrics_token
-    ) as url:
-        up = scraped(url, 'kvoffload_remote_tier_up{job="kvoffload"}')
+    targets = ["127.0.0.1:8000", "127.0.0.1:8010"]
+    with host_prometheus(workdir / "prometheus", targets, stack.project.metrics_token) as url:
+        up = scraped(url, 'kvoffload_remote_tier_up{job="kvoffload"}', instances=targets)
         written = scraped(
             url,
             'sum by (instance) (kvoffload_remote_bytes_written_total{instance="127.0.0.1:8000"})',
@@ -109,7 +108,7 @@ def test_an_engine_on_a_stores_and_one_on_b_loads_the_same_bytes(
         read = scraped(
             url, 'sum by (instance) (kvoffload_remote_bytes_read_total{instance="127.0.0.1:8010"})'
         )
-    assert set(up) == {"127.0.0.1:8000", "127.0.0.1:8010"}
+    assert set(up) == set(targets)
     REPORT.record(
         "remote: Prometheus scrape",
         {"kvoffload_remote_tier_up": up, "bytes written (A)": written, "bytes read (B)": read},
