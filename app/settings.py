@@ -858,6 +858,13 @@ class Settings(AdminAuth):
         return self
 
     @property
+    def cuda_index(self) -> int | None:
+        """The GPU ``device`` names (``cuda`` is ``cuda:0``), or None for ``cpu`` and ``auto``."""
+        if not self.device.startswith("cuda"):
+            return None
+        return int(self.device.partition(":")[2] or 0)
+
+    @property
     def transfer_backend(self) -> str:
         """Backend name for ``transfer.create_worker`` derived from ``device``."""
         return "cuda" if self.device.startswith("cuda") else self.device

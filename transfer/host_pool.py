@@ -178,8 +178,13 @@ class HostPool:
         pin: bool | None = None,
         shm_dir: str = "/dev/shm",
         name_prefix: str = "kvoffload",
+        pin_device: int | None = None,
     ) -> HostPool:
         """Allocate, pre-fault and (maybe) pin a pool of ``num_blocks`` blocks of ``block_bytes``.
+
+        ``pin_device``: the GPU whose context registers the pool (the registration is usable
+        from every GPU, but it makes a context on the calling thread's current device: GPU 0
+        unless told, hundreds of MiB there in a service that serves another GPU).
 
         Raises ``PoolError`` for a non-positive size, a ``shm_dir`` that is not a directory, and
         a pool that does not fit in ``shm_dir``'s free space or in available memory.
@@ -222,7 +227,7 @@ class HostPool:
         chunk = _pin_chunk_bytes(block_bytes, MAX_PIN_CHUNK_BYTES)
         chunk_blocks = chunk // block_bytes if chunk % block_bytes == 0 else None
         want_pin = _cuda_available() if pin is None else pin
-        chunks = _register(flat, chunk) if want_pin else []
+        chunks = _register(flat, chunk, pin_device) if want_pin else []
         return cls(
             fd=fd,
             tensor=flat.view(num_blocks, block_bytes),
@@ -305,28 +310,38 @@ class HostPool:
         )
 
 
-def _register(flat: torch.Tensor, chunk: int) -> list[tuple[int, int]]:
-    """Register ``flat`` with cudaHostRegister in chunks; [] (and a warning) on any failure."""
+def _register(flat: torch.Tensor, chunk: int, device: int | None = None) -> list[tuple[int, int]]:
+    """Register ``flat`` with cudaHostRegister in chunks, from ``device``'s context (None: the
+    current one); [] (and a warning) on any failure."""
     base, total = flat.data_ptr(), flat.numel()
     done: list[tuple[int, int]] = []
     try:
         rt = _cudart()
-        for offset in range(0, total, chunk):
-            # The mapping covers whole pages; register whole pages (chunks are page multiples,
-            # the last one is rounded up inside the mapping's final page).
-            size = -(-min(chunk, total - offset) // _PAGE) * _PAGE
-            code = int(rt.cudaHostRegister(base + offset, size, _CUDA_HOST_REGISTER_PORTABLE))
-            if code != 0:
-                # The failure stays as this thread's last CUDA error and would fail the next
-                # unrelated call that checks it (a torch op, a kernel launch): clear it.
-                _clear_last_error(rt)
-                raise RuntimeError(f"cudaHostRegister({size} bytes at +{offset}) -> error {code}")
-            done.append((base + offset, size))
+        guard = contextlib.nullcontext() if device is None else torch.cuda.device(device)
+        with guard:
+            _register_chunks(rt, base, total, chunk, done)
     except Exception as exc:  # CUDA missing, driver refusal, RLIMIT: all leave it pageable
         _unregister(done)
         log.warning("host pool stays pageable (not pinned): %s", exc)
         return []
     return done
+
+
+def _register_chunks(
+    rt: Any, base: int, total: int, chunk: int, done: list[tuple[int, int]]
+) -> None:
+    """Register ``[base, base + total)`` chunk by chunk, appending each to ``done``."""
+    for offset in range(0, total, chunk):
+        # The mapping covers whole pages; register whole pages (chunks are page multiples,
+        # the last one is rounded up inside the mapping's final page).
+        size = -(-min(chunk, total - offset) // _PAGE) * _PAGE
+        code = int(rt.cudaHostRegister(base + offset, size, _CUDA_HOST_REGISTER_PORTABLE))
+        if code != 0:
+            # The failure stays as this thread's last CUDA error and would fail the next
+            # unrelated call that checks it (a torch op, a kernel launch): clear it.
+            _clear_last_error(rt)
+            raise RuntimeError(f"cudaHostRegister({size} bytes at +{offset}) -> error {code}")
+        done.append((base + offset, size))
 
 
 def _clear_last_error(rt: Any) -> None:

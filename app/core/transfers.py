@@ -175,6 +175,7 @@ class Transfers:
                 s.block_bytes,
                 pin=s.pin_memory,
                 shm_dir=str(s.shm_dir),
+                pin_device=s.cuda_index,
             )
         except (PoolError, OSError) as exc:
             raise config_error(

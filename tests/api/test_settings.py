@@ -255,3 +255,11 @@ async def test_copy_threads_reach_the_cpu_worker() -> None:
         async with running(make_settings(copy_threads=asked)) as h:
             worker = h.service.transfers().worker
             assert getattr(worker, "copy_threads", None) == used, (asked, worker)
+
+
+@pytest.mark.parametrize(
+    ("device", "index"), [("cpu", None), ("auto", None), ("cuda", 0), ("cuda:3", 3)]
+)
+def test_the_gpu_the_device_names(device: str, index: int | None) -> None:
+    """The pool is registered from this GPU's context (``HostPool.create(pin_device=...)``)."""
+    assert Settings.model_construct(device=device).cuda_index == index

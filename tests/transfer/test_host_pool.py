@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -284,3 +285,32 @@ def test_close_without_unpinning_keeps_the_registration(make_pool, monkeypatch) 
     pool.close(unpin=False)
     assert pool.closed
     assert fake.unregistered == []
+
+
+def test_the_pool_is_registered_from_the_named_gpu_s_context(make_pool, monkeypatch) -> None:
+    """cudaHostRegister makes a context on the calling thread's current device: the pool is
+    registered under the device the service serves, not on GPU 0 by default."""
+    import contextlib
+
+    fake = FakeCudart()
+    current: list[int | None] = [None]
+    seen: list[int | None] = []
+
+    @contextlib.contextmanager
+    def device(index: int) -> Iterator[None]:
+        current[0] = index
+        try:
+            yield
+        finally:
+            current[0] = None
+
+    def register(ptr: int, size: int, flags: int) -> int:
+        seen.append(current[0])
+        return FakeCudart.cudaHostRegister(fake, ptr, size, flags)
+
+    monkeypatch.setattr(host_pool_mod, "_cudart", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(fake, "cudaHostRegister", register)
+    assert make_pool(2, 4096, pin=True, pin_device=3).pinned
+    assert make_pool(2, 4096, pin=True).pinned
+    assert seen == [3, None]
