@@ -212,14 +212,15 @@ def _serve(args: argparse.Namespace) -> int:
         from app.telemetry.native_stderr import capture
 
         capture()
+    status = 1  # also for a BaseException (a second ^C) on its way out
     try:
         run(settings)
+        status = 0
     except ConfigError as exc:
         flush_logs()
-        return _refuse(exc)
+        status = _refuse(exc)
     except OSError as exc:
         get_logger("cli").error("cannot start", extra={"fields": {"error": str(exc)}})
-        return 1
     except TransferBackendFailed as exc:
         get_logger("cli").error(
             "transfer backend failed for good; exiting for a restart",
@@ -228,17 +229,14 @@ def _serve(args: argparse.Namespace) -> int:
         status = EXIT_BACKEND_FAILED
     except Exception as exc:
         get_logger("cli").error("service failed", exc_info=exc)
-        status = 1
-    else:
-        status = 0
     finally:
         flush_logs()
-    if _cuda_poisoned():
-        # Not through the interpreter's clean-up: it would free the CUDA IPC mappings kept
-        # since the context was poisoned, and torch aborts the process freeing them.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status or EXIT_BACKEND_FAILED)
+        if _cuda_poisoned():
+            # Whatever the way out: not through the interpreter's clean-up, which would free
+            # the CUDA IPC mappings kept since the context was lost (torch aborts freeing them).
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status or EXIT_BACKEND_FAILED)
     return status
 
 

@@ -1101,8 +1101,8 @@ def engine_killed(quick: bool, lease_s: float = 1.0) -> dict[str, Any]:
             )
             for k in range(4)
         ]
+        running_at_kill = len(worker.in_flight())  # before: a job may end in between
         done_at_kill = len(worker.poll_finished())
-        running_at_kill = len(worker.in_flight())
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         killed_at = time.monotonic()
@@ -1136,7 +1136,7 @@ def engine_killed(quick: bool, lease_s: float = 1.0) -> dict[str, Any]:
             info(
                 "engine_killed",
                 f"{len(jobs)} offloads of {per * bb >> 20} MiB when the engine was killed",
-                f"{done_at_kill} had ended, {running_at_kill} queued or copying"
+                f"{running_at_kill} queued or copying, {done_at_kill} ended by then"
                 + ("" if running_at_kill else " (none left: NOT killed mid-copy)"),
             ),
             gate(
@@ -1180,12 +1180,14 @@ def engine_killed(quick: bool, lease_s: float = 1.0) -> dict[str, Any]:
         if proc.poll() is None:
             proc.kill()
         end_engine(proc)
-        if worker is not None:
-            worker.shutdown()
-        if registry is not None:
-            registry.close()
-        if pool is not None:
-            pool.close(unpin=worker is None or worker.quiesced)
+        try:
+            if worker is not None:
+                worker.shutdown()
+        finally:
+            if registry is not None:
+                registry.close()
+            if pool is not None:
+                pool.close(unpin=worker is None or worker.quiesced)
 
 
 # -------------------------------------------------------------------- 8. remap

@@ -39,6 +39,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,6 +103,7 @@ _STICKY = (
 # serve`` then leaves with ``os._exit``, skipping the interpreter's clean-up of them).
 _KEPT_AFTER_POISON: list[Any] = []
 _POISONED = threading.Event()
+_WORKERS: weakref.WeakSet[CudaTransferWorker] = weakref.WeakSet()  # poisoned together
 
 
 def poisoned() -> bool:
@@ -228,6 +230,7 @@ class CudaTransferWorker(QueueingWorker):
             target=self._run, name="kvoffload-cuda-transfer", daemon=True
         )
         self._thread.start()
+        _WORKERS.add(self)
 
     @property
     def raw_memcpy(self) -> bool:
@@ -523,25 +526,31 @@ class CudaTransferWorker(QueueingWorker):
             del item, active, event, outcome
 
     def _poison(self, reason: str) -> None:
-        """A sticky error: refuse new jobs, fail queued ones; running ones fail as they end."""
+        """A sticky error: refuse new jobs, fail queued ones; running ones fail as they end.
+        Every other CUDA worker of the process is poisoned too (one context per GPU, shared
+        by every namespace), and every cache any of them could drop is kept for good."""
         with self._cond:
             if self._fatal is not None:
                 return
-            self._fatal = reason
-            self._closed = True  # submit refuses from now on
-            queued = [*self._loads, *self._stores]
-            self._loads.clear()
-            self._stores.clear()
+            # Before anyone can see ``fatal``: whoever reads it may count on what is kept.
+            _POISONED.set()
             # Also the caches only jobs still hold (a lapsed lease's, or those of jobs already
             # reported whose copies a shutdown left queued): the last reference would go
             # when the job ends.
             held = [entry.plan.cache for entry in self._held.values()]
             held += [a.entry.plan.cache for a in self._inflight_jobs.values()]
+            _KEPT_AFTER_POISON.extend([*self.registry.list(), *held])
+            self._fatal = reason
+            self._closed = True  # submit refuses from now on
+            queued = [*self._loads, *self._stores]
+            self._loads.clear()
+            self._stores.clear()
             self._cond.notify_all()
-        _POISONED.set()
-        _KEPT_AFTER_POISON.extend([*self.registry.list(), *held])
         log.critical("CUDA context is poisoned; the service must restart: %s", reason)
         self._finish((j, False, f"cuda fatal: {reason}") for j in queued)
+        for other in list(_WORKERS):
+            if other is not self:
+                other._poison(f"another worker of this process lost the CUDA context: {reason}")
 
     # ---------------------------------------------------------------- shutdown
 

@@ -155,6 +155,7 @@ class HostPool:
         block_bytes: int,
         pin_chunks: list[tuple[int, int]],
         pin_chunk_blocks: int | None,
+        pin_device: int | None = None,
     ) -> None:
         self._fd = fd
         self._tensor: torch.Tensor | None = tensor
@@ -163,6 +164,7 @@ class HostPool:
         self.path = f"/proc/{os.getpid()}/fd/{fd}"
         self.pool_id = secrets.token_hex(8)
         self._pin_chunks = pin_chunks
+        self._pin_device = pin_device
         self.pin_chunk_blocks = pin_chunk_blocks
         self._closed = False
         self._keep: object = None
@@ -235,6 +237,7 @@ class HostPool:
             block_bytes=block_bytes,
             pin_chunks=chunks,
             pin_chunk_blocks=chunk_blocks if chunks else None,
+            pin_device=pin_device,
         )
 
     @property
@@ -291,7 +294,7 @@ class HostPool:
             self._keep = (self._pin_chunks, self._tensor)  # never unregistered nor unmapped
             self._pin_chunks = []
         if self._pin_chunks:
-            _unregister(self._pin_chunks)
+            _unregister(self._pin_chunks, self._pin_device)
             self._pin_chunks = []
         self._tensor = None
         self._fd_finalizer()
@@ -321,7 +324,7 @@ def _register(flat: torch.Tensor, chunk: int, device: int | None = None) -> list
         with guard:
             _register_chunks(rt, base, total, chunk, done)
     except Exception as exc:  # CUDA missing, driver refusal, RLIMIT: all leave it pageable
-        _unregister(done)
+        _unregister(done, device)
         log.warning("host pool stays pageable (not pinned): %s", exc)
         return []
     return done
@@ -353,16 +356,19 @@ def _clear_last_error(rt: Any) -> None:
         clear()
 
 
-def _unregister(chunks: list[tuple[int, int]]) -> None:
+def _unregister(chunks: list[tuple[int, int]], device: int | None = None) -> None:
+    """Unregister ``chunks``, from ``device``'s context as they were registered."""
     if not chunks:
         return
     try:
         rt = _cudart()
+        guard = contextlib.nullcontext() if device is None else torch.cuda.device(device)
     except Exception as exc:
         log.warning("cannot unregister pinned host pool: %s", exc)
         return
-    for ptr, _size in chunks:
-        code = int(rt.cudaHostUnregister(ptr))
-        if code != 0:
-            _clear_last_error(rt)
-            log.warning("cudaHostUnregister(%#x) -> error %d", ptr, code)
+    with guard:
+        for ptr, _size in chunks:
+            code = int(rt.cudaHostUnregister(ptr))
+            if code != 0:
+                _clear_last_error(rt)
+                log.warning("cudaHostUnregister(%#x) -> error %d", ptr, code)

@@ -378,8 +378,14 @@ class Transfers:
         self, spec: dict[str, Any], fds: Sequence[int] | None = None
     ) -> RegisteredCache:
         """Register a device KV cache (``RegistrationError`` when it does not fit the pool);
-        ``fds``: the descriptors passed with it over the pool socket (None: an HTTP call)."""
+        ``fds``: the descriptors passed with it over the pool socket (None: an HTTP call).
+        ``ServiceUnavailableError`` once the backend failed for good: mapping memory in a
+        lost CUDA context fails, and freeing what was mapped would abort the process."""
         self._open()
+        if self.worker.fatal is not None:
+            raise ServiceUnavailableError(
+                f"transfer backend failed for good (restart needed): {self.worker.fatal}"
+            )
         cache = self.registry.register(KVCacheSpec.from_dict(spec), fds)
         log.info(
             "kv cache registered",

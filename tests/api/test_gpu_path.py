@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from tests.api.harness import Harness, hexkeys
+from tests.shm_device import ShmDevice
 from transfer.cpu_worker import CpuTransferWorker
 
 pytestmark = pytest.mark.anyio
@@ -87,4 +88,11 @@ async def test_a_backend_failed_for_good_is_not_ready_and_asks_for_a_restart(
     assert asked == [reason]
     r = await h.client.get("/readyz")
     assert r.status_code == 503
+    assert "restart needed" in r.text
+    # No new registration: mapping memory in a lost context fails, and freeing what was
+    # mapped would abort the process.
+    dev = ShmDevice(4, h.settings.block_bytes)
+    h.devices.append(dev)
+    r = await h.post("/v1/kv-caches", dev.spec())
+    assert r.status_code == 503, r.text
     assert "restart needed" in r.text

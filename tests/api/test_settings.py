@@ -263,3 +263,22 @@ async def test_copy_threads_reach_the_cpu_worker() -> None:
 def test_the_gpu_the_device_names(device: str, index: int | None) -> None:
     """The pool is registered from this GPU's context (``HostPool.create(pin_device=...)``)."""
     assert Settings.model_construct(device=device).cuda_index == index
+
+
+def test_the_service_pins_its_pool_from_the_gpu_it_serves(monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    from app.core import transfers
+    from transfer import HostPool
+
+    asked: list[dict[str, Any]] = []
+
+    def create(*args: Any, **kwargs: Any) -> Any:
+        asked.append(kwargs)
+        raise OSError("stop here")
+
+    monkeypatch.setattr(transfers, "check_machine", lambda settings: None)
+    monkeypatch.setattr(HostPool, "create", create)
+    with pytest.raises(ConfigError, match="stop here"):
+        asyncio.run(transfers.Transfers.open(Settings(device="cuda:2"), None, lambda: None))  # type: ignore[arg-type]
+    assert asked[0]["pin_device"] == 2

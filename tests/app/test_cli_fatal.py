@@ -69,3 +69,14 @@ def test_a_poisoned_process_never_exits_zero_or_through_the_clean_up(serve) -> N
 
 def test_a_healthy_stop_returns_normally(serve) -> None:
     assert serve(lambda settings: None) == 0
+
+
+@pytest.mark.parametrize("error", [OSError("listener failed"), KeyboardInterrupt()])
+def test_every_way_out_of_a_poisoned_process_is_os_exit(serve, error: BaseException) -> None:
+    def run(settings: Any) -> None:
+        poison(settings)
+        raise error
+
+    with pytest.raises(Exited) as info:
+        serve(run)
+    assert info.value.code == 1

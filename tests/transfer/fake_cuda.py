@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
+import weakref
 from typing import Any
 
 import pytest
@@ -157,6 +158,7 @@ def install(monkeypatch: pytest.MonkeyPatch, raw: FakeRaw | None, devices: int =
     # A fake poisoning stays in this test: the process-wide flag and kept caches are its own.
     monkeypatch.setattr(cuda_worker, "_POISONED", threading.Event())
     monkeypatch.setattr(cuda_worker, "_KEPT_AFTER_POISON", [])
+    monkeypatch.setattr(cuda_worker, "_WORKERS", weakref.WeakSet())
 
     def open_ipc(index: int, handle: bytes) -> FakeEvent:
         world.ipc_opened.append((index, handle))

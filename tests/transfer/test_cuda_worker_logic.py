@@ -230,6 +230,64 @@ def test_a_raw_call_s_sticky_code_poisons_the_worker_and_keeps_the_mappings(worl
     assert not results[jid].ok
 
 
+@pytest.mark.parametrize("path", ["2d"])
+def test_caches_of_jobs_a_shutdown_already_reported_are_kept_too(world, fake) -> None:
+    """A shutdown that timed out reports its jobs while their copies stay queued; if those
+    copies then end in a lost context, their caches (here only the jobs hold them) stay."""
+    _pool, cache, _layout, _originals, make = world
+    w = make(sync_timeout_s=0.1)
+    own = dataclasses.replace(
+        cache, cache_id="kvc-reported", tensors=tuple(t.clone() for t in cache.tensors)
+    )
+    w.registry._caches[own.cache_id] = own
+    fake.events.gate.clear()
+    jid = w.submit(TransferJob("store", own.cache_id, [1], [1], 30.0))
+    until(lambda: fake.events.recorded >= 1)
+    w.registry.unregister(own.cache_id)
+    w.shutdown(timeout=0.1)
+    assert [(r.job_id, r.ok) for r in w.poll_finished()] == [(jid, False)]
+    assert not w.quiesced
+    fake.events.error = RuntimeError("CUDA error: an illegal memory access was encountered")
+    fake.events.gate.set()
+    until(lambda: w.fatal is not None)
+    assert any(c is own for c in cuda_worker._KEPT_AFTER_POISON)
+
+
+def test_one_worker_poisoned_poisons_every_worker_of_the_process(world, fake) -> None:
+    """Namespaces (tenants) each have a worker, all on the process's CUDA contexts: when one
+    loses the context, the others must keep their caches and refuse too."""
+    _pool, cache, _layout, _originals, make = world
+    a, b = make(), make()
+    registry_b = KVCacheRegistry(b.pool)
+    b_cache = dataclasses.replace(cache, cache_id="kvc-of-b")
+    registry_b._caches[b_cache.cache_id] = b_cache
+    b.registry = registry_b
+    a._poison("CUDA error: an illegal memory access was encountered")
+    assert "another worker of this process" in (b.fatal or "")
+    assert any(c is b_cache for c in cuda_worker._KEPT_AFTER_POISON)
+    with pytest.raises(WorkerClosedError):
+        b.submit(TransferJob("store", b_cache.cache_id, [0], [0], 30.0))
+
+
+@pytest.mark.parametrize("path", ["2d"])
+def test_a_pageable_pool_without_2d_copies_takes_the_staged_path(world, fake, monkeypatch) -> None:
+    """The batch call is not for pageable memory; without cudaMemcpy2DAsync either, the
+    direct copier has nothing to copy with: the staged path moves the bytes."""
+    _pool, cache, layout, originals, make = world
+    assert fake.raw is not None
+    raw = fake.raw.raw()
+    raw.memcpy2d = None
+    monkeypatch.setattr(cuda_worker, "find_raw_cuda", lambda: raw)
+    monkeypatch.setattr(HostPool, "pinned", property(lambda self: False))
+    w = make(allow_pageable=True)
+    assert w.copy_path == "staged"
+    jid = w.submit(TransferJob("store", cache.cache_id, [4], [4], 30.0))
+    [r] = w.wait([jid], timeout=30)
+    assert r.ok, r.reason
+    assert torch.equal(_pool.tensor[4], host_block(originals, layout, 4))
+    assert fake.raw.batch_calls == 0
+
+
 def test_the_threads_bind_their_lane_s_gpu(world, fake, monkeypatch, path) -> None:
     """The issuing thread binds the GPU before a raw copy (the driver's batch call uses the
     thread's current context), and each completion thread runs on its lane's GPU (else its

@@ -185,14 +185,29 @@ def test_pieces_further_apart_than_the_max_pitch_are_copied_one_by_one(world) ->
     assert fake.calls_2d > 0  # the tensors with one piece per block
 
 
+def test_blocks_larger_than_the_max_pitch_are_copied_one_by_one(world) -> None:
+    """A one-piece tensor's 2D copy has the host block as its pitch: a block above the
+    device's limit goes piece by piece as well."""
+    _pool, cache, _layout, _originals = world
+    fake = FakeRaw(batch=False)
+    pitches = [lay.num_blocks * lay.inner_bytes for lay in cache.layouts if lay.outer > 1]
+    copier = DirectCopier(fake.raw(), max_pitch=min([cache.block_bytes, *pitches]) - 1)
+    _round_trip_direct(world, copier)
+    assert fake.calls_2d == 0
+    assert fake.memcpy_calls == 2 * 6 * sum(lay.outer for lay in cache.layouts)
+
+
 def test_a_sticky_batch_error_raises_and_keeps_the_batch_call(world) -> None:
     _pool, cache, _layout, _originals = world
     fake = FakeRaw(fail_batch=True)
     fake.batch_code = 700  # CUDA_ERROR_ILLEGAL_ADDRESS: the context is lost
     raw = fake.raw()
+    raw.error_name = lambda code: "cudaErrorIllegalAddress"
+    raw.driver_error_name = lambda code: "CUDA_ERROR_ILLEGAL_ADDRESS"
     copier = DirectCopier(raw)
     plan = make_plan("store", cache, SLOTS, [1], [1])
-    with pytest.raises(CudaCallError, match="returned 700") as info:
+    # The batch call is the driver's: its code is named by the driver.
+    with pytest.raises(CudaCallError, match=r"returned 700 \(CUDA_ERROR_ILLEGAL_ADDRESS\)") as info:
         next(copier.chunks(plan, _pool.tensor, [0, 1, 2, 3], STREAM))
     assert info.value.sticky
     assert fake.calls_2d == 0  # not retried: nothing works in a lost context
