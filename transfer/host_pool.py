@@ -320,14 +320,18 @@ def _register(flat: torch.Tensor, chunk: int, device: int | None = None) -> list
     done: list[tuple[int, int]] = []
     try:
         rt = _cudart()
-        guard = contextlib.nullcontext() if device is None else torch.cuda.device(device)
-        with guard:
+        with _on_device(device):
             _register_chunks(rt, base, total, chunk, done)
     except Exception as exc:  # CUDA missing, driver refusal, RLIMIT: all leave it pageable
         _unregister(done, device)
         log.warning("host pool stays pageable (not pinned): %s", exc)
         return []
     return done
+
+
+def _on_device(device: int | None) -> contextlib.AbstractContextManager[Any]:
+    """``device`` current for the enclosed CUDA calls (None: whatever is current)."""
+    return contextlib.nullcontext() if device is None else torch.cuda.device(device)
 
 
 def _register_chunks(
@@ -362,7 +366,7 @@ def _unregister(chunks: list[tuple[int, int]], device: int | None = None) -> Non
         return
     try:
         rt = _cudart()
-        guard = contextlib.nullcontext() if device is None else torch.cuda.device(device)
+        guard = _on_device(device)
     except Exception as exc:
         log.warning("cannot unregister pinned host pool: %s", exc)
         return

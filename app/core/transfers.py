@@ -99,7 +99,7 @@ def check_machine(settings: Settings) -> None:
     device it lacks (``cuda`` is ``cuda:0``; ``auto`` falls back to the CPU), ``--shm-dir`` is
     not a directory, or the pool (``--num-blocks`` x ``--block-bytes``) is larger than the free
     space there. Cheap, so it runs before anything is made."""
-    _check_device(settings.device)
+    _check_device(settings.device, settings.cuda_index)
     shm_dir = settings.shm_dir
     if not os.path.isdir(shm_dir):
         raise config_error("shm_dir", shm_dir, "not a directory; accepted: a directory")
@@ -116,13 +116,13 @@ def check_machine(settings: Settings) -> None:
         )
 
 
-def _check_device(device: str) -> None:
-    if not device.startswith("cuda"):
+def _check_device(device: str, index: int | None) -> None:
+    if index is None:
         return
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if int(device.partition(":")[2] or 0) < count:
+    if index < count:
         return
     if count == 0:
         raise config_error("device", device, "no CUDA device on this machine; accepted: auto, cpu")
