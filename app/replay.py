@@ -29,9 +29,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from manager import InvalidArgumentError, ManagerError, available_policies
+from manager.policies import policy_params_help
 from manager.replay import (
     BELADY,
     ReplayResult,
+    check_params,
     is_bound,
     oracle_base_policy,
     parse_trace,
@@ -85,7 +87,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="K=V",
-        help="policy parameter (repeatable; applies to a single --policy)",
+        help="policy parameter (repeatable; applies to a single --policy). Accepted: "
+        + "; ".join(policy_params_help().splitlines()),
     )
     parser.add_argument(
         "--capacity",
@@ -343,6 +346,8 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.st
         params = dict(parse_param(p) for p in args.param)
         if params and len(policies) != 1:
             raise InvalidArgumentError("--param applies to a single --policy")
+        for policy in policies:  # bad parameters are refused before the trace is even read
+            check_params(policy, params or None)
         try:
             with args.trace.open(encoding="utf-8") as fh:
                 requests = parse_trace(fh)

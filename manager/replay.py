@@ -62,7 +62,7 @@ from typing import Any
 
 from manager.core import OffloadManager, create_manager
 from manager.errors import InvalidArgumentError, InvalidPolicyParamsError, UnknownPolicyError
-from manager.policies import available_policies
+from manager.policies import available_policies, parse_policy_params
 from manager.policies.base import CanEvict, EvictionPolicy
 from manager.spec import BlockKey, LookupResult, ReqContext
 from manager.tiers import DiskIndex
@@ -112,6 +112,27 @@ def _split_horizon(name: str, params: Mapping[str, Any] | None) -> tuple[float, 
             f"{name}: {HORIZON} must be a positive number or inf, got {horizon!r}"
         )
     return float(horizon), rest
+
+
+def check_params(policy: str, params: Mapping[str, Any] | None) -> None:
+    """Check ``params`` for ``policy`` as ``replay`` would, without replaying anything.
+
+    For a registered policy: its declared parameters and their bounds. For ``oracle-<name>``:
+    ``horizon``, then the rest as ``<name>``'s parameters. Belady's bound takes none (``replay``
+    ignores them). Raises ``PolicyError`` (``UnknownPolicyError``, ``InvalidPolicyParamsError``
+    naming the policy, the parameter and the bound), so a caller can refuse bad input before
+    a sweep that may run for minutes.
+    """
+    if policy == BELADY:
+        return
+    base = oracle_base_policy(policy)
+    if base is None:
+        parse_policy_params(policy, params)
+        return
+    if base not in available_policies():  # name the bound, not the bare base, in the error
+        raise UnknownPolicyError(policy, [ORACLE_PREFIX + p for p in available_policies()])
+    _, base_params = _split_horizon(policy, params)
+    parse_policy_params(base, base_params)
 
 
 def block_key(block_id: int) -> BlockKey:

@@ -16,6 +16,10 @@ block and asks it for victims:
 - ``coldest_first()``: every held key, the next victim first (used to rebuild another policy
   during a live switch).
 
+Parameters are declared, never hand-checked: a policy lists them in ``params_spec`` (one
+``ParamSpec`` each: kind, default, finite bounds) and ``parse_params``, the same for every
+policy, checks a caller's values against them (``manager.policies.params``).
+
 Every batch argument is ordered head to tail (the order of the blocks in a request's prefix).
 Within one call the head must end up hotter than the tail: a prefix is useless without its
 head, so the tail should go first.
@@ -25,9 +29,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, final
 
 from manager.errors import InvalidPolicyParamsError
+from manager.policies.params import ParamSpec, check_params
 
 CanEvict = Callable[[bytes], bool]
 
@@ -44,6 +49,9 @@ class EvictionPolicy(ABC):
     #: policies only count a use and keep insertion order; they still order a chain tail
     #: before head on ``insert`` and ``request_finished``.
     reorders_on_touch: ClassVar[bool] = True
+    #: The parameters the policy takes, each with its bounds (none by default). Declared here
+    #: once; ``parse_params`` and the registry enforce them for every policy.
+    params_spec: ClassVar[tuple[ParamSpec, ...]] = ()
 
     def __init__(self, capacity: int, params: Mapping[str, Any] | None = None) -> None:
         if capacity <= 0:
@@ -51,17 +59,17 @@ class EvictionPolicy(ABC):
         self.capacity = capacity
         self.params: dict[str, Any] = self.parse_params(dict(params or {}))
 
+    @final
     @classmethod
-    def parse_params(cls, params: dict[str, Any]) -> dict[str, Any]:
-        """Validate ``params`` and return them with defaults filled in.
+    def parse_params(cls, params: Mapping[str, Any]) -> dict[str, Any]:
+        """``params`` checked against ``params_spec``, with defaults filled in.
 
-        The default accepts no parameter at all; a policy with parameters overrides this.
+        Raises ``InvalidPolicyParamsError`` naming the policy, the parameter and its bounds
+        for an unknown name, a wrong type, a non-finite number or a value out of range.
+        Idempotent (a result passed again comes back equal). Final: a policy declares
+        ``params_spec`` instead of overriding this (``register_policy`` refuses one that does).
         """
-        if params:
-            raise InvalidPolicyParamsError(
-                f"policy {cls.name!r} takes no parameters, got {sorted(params)}"
-            )
-        return {}
+        return check_params(cls.name, cls.params_spec, params)
 
     @abstractmethod
     def insert(self, keys: Sequence[bytes]) -> None:

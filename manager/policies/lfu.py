@@ -15,11 +15,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from typing import Any
 
-from manager.errors import InvalidPolicyParamsError
 from manager.policies.base import CanEvict, EvictionPolicy
 from manager.policies.lazy_heap import LazyHeap
+from manager.policies.params import ParamSpec
 from manager.policies.registry import register_policy
 
 
@@ -28,6 +27,22 @@ class LFUPolicy(EvictionPolicy):
     """Least frequently used, with dynamic aging."""
 
     name = "lfu"
+    params_spec = (
+        # The history remembers the counts of up to ``history_factor x capacity`` evicted keys,
+        # an ordered-dict entry each (~150 bytes with the key), beside one per held key. 0
+        # keeps the minimum of one entry (LFU-DA with almost no memory); 16 lets a key come
+        # back with its count after 16 pool sizes of other evictions, at 16 times the
+        # metadata of the held keys: a ceiling on memory, not a tuning point (default 2).
+        # Beyond it a factor only buys memory: 1e30 is unbounded, 1e308 overflows int().
+        ParamSpec(
+            name="history_factor",
+            kind="float",
+            default=2.0,
+            low=0.0,
+            high=16.0,
+            doc="evicted keys whose use counts are remembered, as a multiple of the capacity",
+        ),
+    )
 
     def __init__(self, capacity: int, params: dict[str, object] | None = None) -> None:
         super().__init__(capacity, params)
@@ -38,15 +53,6 @@ class LFUPolicy(EvictionPolicy):
         self._order = LazyHeap(slack=4)
         # key -> use count, for held and recently evicted keys (bounded, LRU order).
         self._freq: OrderedDict[bytes, int] = OrderedDict()
-
-    @classmethod
-    def parse_params(cls, params: dict[str, Any]) -> dict[str, Any]:
-        factor = params.pop("history_factor", 2.0)
-        if params:
-            raise InvalidPolicyParamsError(f"lfu: unknown parameters {sorted(params)}")
-        if isinstance(factor, bool) or not isinstance(factor, int | float) or factor < 0:
-            raise InvalidPolicyParamsError(f"lfu: history_factor must be >= 0, got {factor!r}")
-        return {"history_factor": float(factor)}
 
     def _file(self, key: bytes, count: int) -> None:
         self._seq += 1

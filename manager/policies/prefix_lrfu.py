@@ -45,11 +45,10 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from typing import Any
 
-from manager.errors import InvalidPolicyParamsError
 from manager.policies.base import CanEvict, EvictionPolicy
 from manager.policies.lazy_heap import LazyHeap
+from manager.policies.params import ParamSpec
 from manager.policies.registry import register_policy
 
 # Learned classes of new blocks: for each of "starts a new prefix" and "extends a stored
@@ -147,6 +146,48 @@ class PrefixLRFUPolicy(EvictionPolicy):
 
     name = "prefix_lrfu"
     wants_request_chains = True
+    # All three are multiples of the capacity, so one range suits every pool size. Any positive
+    # value works (a tiny one only makes the quantity shorter than one block reference), so
+    # the lower ends stay open at 0 as before.
+    params_spec = (
+        # The half-life of a score, in pool turnovers. 1000 turnovers is already "never
+        # decays" (LFU without aging); far beyond, ``half_life x capacity`` overflows to inf
+        # and a heap key ``now + inf x 0`` becomes NaN, which breaks the order.
+        ParamSpec(
+            name="half_life",
+            kind="float",
+            default=1.0,
+            low=0.0,
+            high=1000.0,
+            low_open=True,
+            doc="block references, as a multiple of the capacity, for a score to halve",
+        ),
+        # Ghost entries (an ordered-dict entry with a tuple each) cost memory in proportion:
+        # capped at 16 as LFU's history_factor. The oldest ghost is at least ghost_factor pool
+        # turnovers old, so at the default half-life its score has decayed by 2**-16 there.
+        ParamSpec(
+            name="ghost_factor",
+            kind="float",
+            default=2.0,
+            low=0.0,
+            high=16.0,
+            low_open=True,
+            doc="evicted keys whose scores are remembered, as a multiple of the capacity",
+        ),
+        # The horizon within which a watched block counts as reused. Memory does not depend
+        # on it (at most 2 x capacity keys are watched, oldest dropped as not reused); 1000
+        # turnovers as before: by then the watch bound has ended the watch of any block of a
+        # chain shorter than ~2000 blocks, so a longer horizon would change nothing.
+        ParamSpec(
+            name="watch_factor",
+            kind="float",
+            default=2.0,
+            low=0.0,
+            high=1000.0,
+            low_open=True,
+            doc="block references, as a multiple of the capacity, a new block is watched for",
+        ),
+    )
 
     def __init__(self, capacity: int, params: dict[str, object] | None = None) -> None:
         super().__init__(capacity, params)
@@ -167,24 +208,6 @@ class PrefixLRFUPolicy(EvictionPolicy):
         self._children: dict[bytes, set[bytes]] = {}
         # Watched key -> (class, registration time, request_finished index).
         self._watch: OrderedDict[bytes, tuple[int, float, int]] = OrderedDict()
-
-    @classmethod
-    def parse_params(cls, params: dict[str, Any]) -> dict[str, Any]:
-        defaults = {"half_life": 1.0, "ghost_factor": 2.0, "watch_factor": 2.0}
-        unknown = sorted(set(params) - set(defaults))
-        if unknown:
-            raise InvalidPolicyParamsError(f"prefix_lrfu: unknown parameters {unknown}")
-        out: dict[str, Any] = {}
-        for name, default in defaults.items():
-            value = params.get(name, default)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise InvalidPolicyParamsError(f"prefix_lrfu: {name} must be a number")
-            if not 0 < value <= 1000:
-                raise InvalidPolicyParamsError(
-                    f"prefix_lrfu: {name} must be in (0, 1000], got {value!r}"
-                )
-            out[name] = float(value)
-        return out
 
     # ------------------------------------------------------------------ learned placement
 

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from typing import Any
 
-from manager.errors import InvalidPolicyParamsError
 from manager.policies.base import CanEvict, EvictionPolicy
+from manager.policies.params import ParamSpec
 from manager.policies.registry import register_policy
 
 MAX_FREQ = 3
@@ -30,6 +29,22 @@ class S3FIFOPolicy(EvictionPolicy):
 
     name = "s3fifo"
     reorders_on_touch = False
+    params_spec = (
+        # The share of the capacity given to the small FIFO S, the rest being M. Both queues
+        # must exist for the algorithm to mean anything: 0 would leave no probation for new
+        # blocks and 1 no main queue, so both ends are excluded; inside, any share works
+        # (the target is at least one block), and the paper's 0.1 is the default.
+        ParamSpec(
+            name="small_ratio",
+            kind="float",
+            default=0.1,
+            low=0.0,
+            high=1.0,
+            low_open=True,
+            high_open=True,
+            doc="share of the capacity for the small FIFO of new blocks",
+        ),
+    )
 
     def __init__(self, capacity: int, params: dict[str, object] | None = None) -> None:
         super().__init__(capacity, params)
@@ -38,15 +53,6 @@ class S3FIFOPolicy(EvictionPolicy):
         self._small: OrderedDict[bytes, int] = OrderedDict()
         self._main: OrderedDict[bytes, int] = OrderedDict()
         self._ghost: OrderedDict[bytes, None] = OrderedDict()
-
-    @classmethod
-    def parse_params(cls, params: dict[str, Any]) -> dict[str, Any]:
-        ratio = params.pop("small_ratio", 0.1)
-        if params:
-            raise InvalidPolicyParamsError(f"s3fifo: unknown parameters {sorted(params)}")
-        if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 < ratio < 1:
-            raise InvalidPolicyParamsError(f"s3fifo: small_ratio must be in (0, 1), got {ratio!r}")
-        return {"small_ratio": float(ratio)}
 
     def insert(self, keys: Sequence[bytes]) -> None:
         ghost = self._ghost

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from typing import Any
 
-from manager.errors import InvalidPolicyParamsError
 from manager.policies.base import CanEvict, EvictionPolicy
+from manager.policies.params import ParamSpec
 from manager.policies.registry import register_policy
 
 
@@ -23,23 +22,27 @@ class SLRUPolicy(EvictionPolicy):
     """Probation and protected LRU segments."""
 
     name = "slru"
+    params_spec = (
+        # The protected segment's share of the capacity. SLRU is two segments: 0 would leave
+        # no protected segment (plain LRU) and 1 no probation, so both ends are excluded;
+        # inside, any share works (the protected cap is at least one block).
+        ParamSpec(
+            name="protected_ratio",
+            kind="float",
+            default=0.8,
+            low=0.0,
+            high=1.0,
+            low_open=True,
+            high_open=True,
+            doc="share of the capacity for blocks used twice (the protected segment)",
+        ),
+    )
 
     def __init__(self, capacity: int, params: dict[str, object] | None = None) -> None:
         super().__init__(capacity, params)
         self._protected_cap = max(1, int(capacity * self.params["protected_ratio"]))
         self._probation: OrderedDict[bytes, None] = OrderedDict()
         self._protected: OrderedDict[bytes, None] = OrderedDict()
-
-    @classmethod
-    def parse_params(cls, params: dict[str, Any]) -> dict[str, Any]:
-        ratio = params.pop("protected_ratio", 0.8)
-        if params:
-            raise InvalidPolicyParamsError(f"slru: unknown parameters {sorted(params)}")
-        if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 < ratio < 1:
-            raise InvalidPolicyParamsError(
-                f"slru: protected_ratio must be in (0, 1), got {ratio!r}"
-            )
-        return {"protected_ratio": float(ratio)}
 
     def insert(self, keys: Sequence[bytes]) -> None:
         probation = self._probation
