@@ -8,7 +8,7 @@ Part (a), bytes: for each block size, ``--mib`` MiB of blocks per timed call, me
   ``os.pwrite`` / ``os.preadv`` per block from / into page-aligned buffers, on as many threads as
   the store has I/O threads (``--threads``, the service default 4);
 - the store: ``DiskStore.write_many`` of blocks already staged (demotion), ``DiskStore.read_many``
-  straight into pool slots with the checksum check (promotion's bytes);
+  straight into pool slots with the MAC check (promotion's bytes);
 - the service: an in-process ``Service`` (the API apps over ASGI, as the tests run it) with a disk
   tier and a registered shm CPU KV cache, its blocks random bytes: one ``onload`` of N keys that
   only the disk holds, timed to the end of its job (the promotion from disk into the pool, read
@@ -72,7 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.settings import Settings
 from bench.harness import RESULTS_DIR, machine, read_trace, write_results
-from transfer.disk import DiskStore, block_checksum, disk_bytes_for, slots_for
+from transfer.disk import DiskStore, block_mac, disk_bytes_for, slots_for
 from transfer.host_pool import HostPool
 
 KIB = 1024
@@ -192,7 +192,7 @@ def part_a_store(base: str, block: int, mib: int, repeats: int, threads: int) ->
     n = mib * MIB // block
     d = tempfile.mkdtemp(dir=base, prefix=f"store-{block // KIB}k-")
     pool = HostPool.create(n, block, pin=False)
-    pool.tensor.numpy().reshape(-1)[:] = 7  # any bytes; the checksum covers them
+    pool.tensor.numpy().reshape(-1)[:] = 7  # any bytes; the MAC covers them
     for s in range(0, n, max(1, n // 8)):
         pool.tensor[s].numpy()[:16] = s % 251  # blocks differ
     store = DiskStore(d, pool, n, staging_blocks=n, io_threads=threads)
@@ -231,12 +231,12 @@ def part_a_store(base: str, block: int, mib: int, repeats: int, threads: int) ->
                 t = time.perf_counter()
                 ok = store.read_many(r_items)
                 out["store_r"].append(time.perf_counter() - t)
-                assert all(ok), "a read failed its checksum"
+                assert all(ok), "a read failed its MAC"
     nbytes = n * block
     # Profile: what a read does besides the syscall.
     t = time.perf_counter()
     for i in range(n):
-        block_checksum(keys[i], pool.tensor[i].numpy().data)
+        block_mac(bytes(32), keys[i], pool.tensor[i].numpy().data)  # keyed BLAKE3, as stored
     checksum_s = time.perf_counter() - t
     raw.close()
     store.close()

@@ -14,8 +14,16 @@ eviction). ``DiskLink`` runs them for a service:
   degraded: the demotion is dropped and counted, never waited for.
 - **Lookups** (``found``): the in-memory index answers at once; the disk is not read.
 - **Promotion** (``promote``): ``app.core.promotion`` with a read straight from disk into the
-  reserved pool slots, checked against each block's checksum. A block that fails (torn, corrupt,
-  unreadable) is dropped from the disk (counted) and is a miss; its bytes are never loadable.
+  reserved pool slots, checked against each block's keyed MAC. A block that fails (torn,
+  corrupt, forged, unreadable) is dropped from the disk (counted) and is a miss; its bytes are
+  never loadable.
+- **Start** (``open_disk``): the store refuses a directory others could have planted files in
+  (``transfer.disk``: a ``DiskError`` naming the path and the fix, which the service turns into
+  a refusal to start, or at a tenants reload into a namespace that does not start). Index
+  entries that fail their MAC at open (forged, torn, another key's) are dropped and counted
+  with the blocks that fail on a read (``corrupt_dropped``, the store's ``checksum_failures``);
+  the blocks of an index of an older format (unkeyed checksums) are dropped too, never loaded,
+  counted apart (``format_dropped``: an upgrade is no corruption). Either is logged once.
 - **Events**: demoted blocks are one ``BlockStored`` (medium ``DISK``) per batch, the disk's own
   evictions and dropped blocks ``BlockRemoved`` (``DISK``), in the manager's numbered stream.
 - **Faults**: a failed write or read degrades the store (``health``); a probe every second
@@ -80,6 +88,8 @@ class DiskLink:
         self._wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self.counts: collections.Counter[str] = collections.Counter()
+        # Index entries the store dropped at open for failing their MAC: corrupt blocks too.
+        self.counts["corrupt_dropped"] = store.unauthenticated_dropped
         self.restored = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -158,6 +168,7 @@ class DiskLink:
                     "abandoned": promoted["promoted_abandoned"],
                 },
                 "corrupt_dropped": self.counts["corrupt_dropped"],
+                "format_dropped": self.store.format_dropped,
                 "read_timeouts": self.counts["read_timeouts"],
             }
         )
@@ -381,8 +392,11 @@ class DiskLink:
 
 
 def open_disk(settings: Settings, pool: HostPool, namespace: str) -> tuple[DiskStore, DiskIndex]:
-    """The disk tier ``settings`` name for ``namespace`` on ``pool`` (blocking: call it off the
-    loop); ``DiskError`` when its directory cannot be used."""
+    """The disk tier ``settings`` name on ``pool``, in ``<disk_dir>/<namespace>``
+    (``namespace``: that directory's name, bound into its blocks' MACs); blocking: call it off
+    the loop. ``DiskError`` when the directory cannot be used or is refused (someone else's,
+    writable by others, a link or a hard link planted in it: ``transfer.disk``). Blocks dropped
+    at open (an older format's, entries failing their MAC) are logged here, once."""
     s = settings
     assert s.disk_dir is not None
     slots = slots_for(s.disk_bytes, s.block_bytes)
@@ -394,5 +408,18 @@ def open_disk(settings: Settings, pool: HostPool, namespace: str) -> tuple[DiskS
         io_threads=s.disk_io_threads,
         direct=None if s.disk_direct_io else False,
     )
+    fields = {"directory": store.directory}
+    if store.format_dropped:
+        log.warning(
+            "disk tier written in an older on-disk format (unkeyed checksums): its blocks are "
+            "dropped, never loaded unauthenticated, and its files start afresh",
+            extra={"fields": {**fields, "blocks": store.format_dropped}},
+        )
+    if store.unauthenticated_dropped:
+        log.error(
+            "disk tier index entries failed their MAC at start (forged, torn by a crash, or "
+            "written under another key or into another directory): dropped, never loaded",
+            extra={"fields": {**fields, "blocks": store.unauthenticated_dropped}},
+        )
     index = DiskIndex(slots, s.disk_policy, admit_after=s.disk_admit_after)
     return store, index

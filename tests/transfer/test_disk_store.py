@@ -1,4 +1,4 @@
-"""``transfer.disk.DiskStore`` on its own: bytes, checksums, torn writes, the index, the budget.
+"""``transfer.disk.DiskStore`` on its own: bytes, MACs, torn writes, the index, the budget.
 
 Each test drives a real store in a temporary directory over a real host pool: blocks are
 staged out of pool slots, written, and read back into other pool slots. Crashes are simulated
@@ -22,7 +22,7 @@ from transfer.disk import (
     PAGE,
     DiskError,
     DiskStore,
-    block_checksum,
+    block_mac,
     slots_for,
 )
 
@@ -84,17 +84,15 @@ def test_bytes_written_read_back_equal(pool: HostPool, open_store: Opener) -> No
     assert store.health().ok
 
 
-def test_checksum_is_bound_to_the_key(pool: HostPool, open_store: Opener) -> None:
+def test_mac_is_bound_to_the_key(pool: HostPool, open_store: Opener) -> None:
     store = open_store()
     data = fill(pool, 0, 1)
     assert write(store, 0, 0, b"alpha")
-    assert block_checksum(b"alpha", data) != block_checksum(b"beta", data)
+    assert block_mac(bytes(32), b"alpha", data) != block_mac(bytes(32), b"beta", data)
     # The index answers by slot: asking for another key there is refused outright ...
     assert store.read_many([(0, b"beta", 5)]) == [False]
-    # ... and even an entry rewritten to claim another key fails the checksum.
-    store.index.entries[0] = type(store.index.entries[0])(
-        b"beta", store.index.entries[0].checksum, 1
-    )
+    # ... and even an entry rewritten to claim another key fails the MAC.
+    store.index.entries[0] = type(store.index.entries[0])(b"beta", store.index.entries[0].mac, 1)
     assert store.read_many([(0, b"beta", 5)]) == [False]
     assert store.health().counters["checksum_failures"] == 1
 
