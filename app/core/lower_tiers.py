@@ -8,6 +8,11 @@ disk, then remote), and to the data path, whose lease expiry must not free the s
 into. ``close()`` undoes it, remote first, then disk, each after its I/O on the pool ended;
 the service calls it before the pool goes. A directory or library that cannot serve is a
 ``ConfigError`` naming the setting.
+
+Both tiers are opened under the namespace's *storage identity* (``app.core.storage``), never its
+bare name: the disk directory ``<disk_dir>/<identity>`` and the remote prefix
+``kvoffload/<identity>/<block_bytes>``. The identity names the owning tenant, so a namespace given
+to another tenant opens other tiers and finds none of the old owner's blocks.
 """
 
 from __future__ import annotations
@@ -34,15 +39,17 @@ class LowerTiers:
     def __init__(
         self,
         settings: Settings,
-        namespace: str,
+        storage: str,
         manager: ObservedManager,
         observer: Observer,
         *,
         on_event: Callable[[], None],
         remote_factory: RemoteFactory,
     ) -> None:
+        """``storage``: the namespace's storage identity (``app.core.storage``): the directory
+        name under ``disk_dir`` and the remote tier's namespace."""
         self.settings = settings
-        self.namespace = namespace
+        self.storage = storage
         self.manager = manager
         self.observer = observer
         self._on_event = on_event
@@ -89,7 +96,7 @@ class LowerTiers:
     async def _open_disk(self, transfers: Transfers) -> None:
         s = self.settings
         try:
-            store, index = await asyncio.to_thread(open_disk, s, transfers.pool, self.namespace)
+            store, index = await asyncio.to_thread(open_disk, s, transfers.pool, self.storage)
         except DiskError as exc:
             raise config_error(
                 "disk_dir",
@@ -121,7 +128,7 @@ class LowerTiers:
     async def _open_remote(self, transfers: Transfers) -> None:
         s = self.settings
         try:
-            tier = await asyncio.to_thread(self._remote_factory, s, transfers.pool, self.namespace)
+            tier = await asyncio.to_thread(self._remote_factory, s, transfers.pool, self.storage)
         except RemoteTierError as exc:  # its library is missing: the node cannot start so
             raise config_error("remote_tier", s.remote_tier, str(exc)) from None
         remote = RemoteLink(

@@ -452,18 +452,24 @@ class RemoteLink:
             self._on_call(op, time.perf_counter() - started, keys, req_id)
 
 
+#: Builds a namespace's remote tier: ``(settings, pool, storage identity)`` (``build_tier``).
 RemoteFactory = Callable[[Settings, HostPool, str], RemoteTier]
 
 
-def remote_namespace(namespace: str, block_bytes: int) -> str:
-    """Where a namespace's blocks live in the shared store: the service namespace and the block
-    size, so nodes whose blocks cannot be exchanged never meet there (the engine's own key
-    carries its model and layout, e.g. the vLLM tier's namespace digest)."""
-    return f"kvoffload/{namespace}/{block_bytes}"
+def remote_namespace(storage: str, block_bytes: int) -> str:
+    """Where a namespace's blocks live in the shared store, ``kvoffload/<storage>/<block_bytes>``:
+    its storage identity (``app.core.storage``: ``NAMESPACE@TENANT`` with tenants, the bare
+    namespace without) and the block size. Nodes share blocks only under the same identity (the
+    same namespace *and* owner: a namespace given to another tenant finds none of the old
+    owner's objects, which stay in the store for the nodes that still serve that owner) and the
+    same block size; the engine's own key carries its model and layout (e.g. the vLLM tier's
+    namespace digest)."""
+    return f"kvoffload/{storage}/{block_bytes}"
 
 
-def build_tier(settings: Settings, pool: HostPool, namespace: str) -> RemoteTier:
-    """The remote tier ``settings`` name, on ``pool`` (blocking: call it off the loop).
+def build_tier(settings: Settings, pool: HostPool, storage: str) -> RemoteTier:
+    """The remote tier ``settings`` name, on ``pool``, for the namespace of storage identity
+    ``storage`` (``remote_namespace``; blocking: call it off the loop).
 
     ``RemoteTierError`` when its library is missing; a store that cannot be reached yet is no
     error (the tier starts degraded and connects when it can).
@@ -484,4 +490,4 @@ def build_tier(settings: Settings, pool: HostPool, namespace: str) -> RemoteTier
         rdma_devices=s.mooncake_rdma_devices,
         timeout_s=s.remote_timeout_s,
     )
-    return MooncakeTier(pool, remote_namespace(namespace, s.block_bytes), config)
+    return MooncakeTier(pool, remote_namespace(storage, s.block_bytes), config)

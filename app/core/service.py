@@ -78,17 +78,22 @@ class Service:
         namespace: str = DEFAULT_NAMESPACE,
         quota: TenantQuota | None = None,
         remote_factory: RemoteFactory | None = None,
+        storage: str | None = None,
     ) -> None:
         """``registry``: where the metrics go (a new one by default); unused with metrics off.
 
-        ``namespace``: the name this service's blocks live under (one service per namespace;
-        ``app.core.tenancy``). ``quota``: the quotas of the tenant that owns it (None: none).
-        ``remote_factory(settings, pool, namespace)``: builds the remote tier when
-        ``remote_tier`` is on (default ``app.core.remote.build_tier``; tests give another
-        backend).
+        ``namespace``: the namespace this service is (one service per namespace;
+        ``app.core.tenancy``), as logs, metrics and the admin API name it. ``storage``: its
+        storage identity (``app.core.storage``), the name its blocks live under below the pool
+        (its disk directory, its remote key prefix), which must change whenever its owner does;
+        None: ``namespace`` itself (a service without tenants). ``quota``: the quotas of the
+        tenant that owns it (None: none). ``remote_factory(settings, pool, storage)``: builds
+        the remote tier when ``remote_tier`` is on (default ``app.core.remote.build_tier``;
+        tests give another backend).
         """
         self.settings = settings
         self.namespace = namespace
+        self.storage = namespace if storage is None else storage
         self.quota = quota
         if manager is None:
             manager = create_manager(
@@ -150,7 +155,7 @@ class Service:
         )
         self.lower = LowerTiers(
             settings,
-            namespace,
+            self.storage,
             self.manager,
             self.observer,
             on_event=self.drain_events,
@@ -366,6 +371,7 @@ def _started_fields(service: Service, transfers: Transfers) -> dict[str, object]
     return {
         "namespace": service.namespace,
         "tenant": None if service.quota is None else service.quota.tenant,
+        "storage": service.storage,
         "pool": transfers.pool.path,
         "pool_id": transfers.pool.pool_id,
         "num_blocks": s.num_blocks,
