@@ -45,12 +45,18 @@ from app.settings import (
     policy_params_accepted,
 )
 from manager import available_policies
+from manager.policies import policy_params_help
 
 # Exit status of a command whose reader closed stdout early (128 + SIGPIPE, as the shell
 # reports a process SIGPIPE killed).
 EXIT_BROKEN_PIPE = 141
 EXIT_BACKEND_FAILED = 1
 """``kvoffload serve`` after a sticky CUDA error: the supervisor should start a new process."""
+
+
+# Every policy's parameters and their bounds, from the registry (the one place they are
+# declared), for the --help of the flags that take them.
+_PARAMS_ACCEPTED = "Accepted: " + "; ".join(policy_params_help().splitlines())
 
 
 def parse_param(text: str) -> tuple[str, Any]:
@@ -95,7 +101,8 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         type=parse_param,
         default=argparse.SUPPRESS,
         metavar="NAME=VALUE",
-        help="eviction policy parameter (repeatable); env KVOFFLOAD_POLICY_PARAMS (JSON)",
+        help="eviction policy parameter (repeatable); env KVOFFLOAD_POLICY_PARAMS (JSON). "
+        + _PARAMS_ACCEPTED,
     )
 
 
@@ -165,7 +172,8 @@ def _build_parser() -> argparse.ArgumentParser:
         type=parse_param,
         default=[],
         metavar="NAME=VALUE",
-        help="policy parameter (repeatable; VALUE is JSON when it parses, else a string)",
+        help="policy parameter (repeatable; VALUE is JSON when it parses, else a string). "
+        + _PARAMS_ACCEPTED,
     )
     set_policy.add_argument("--if-match", help="only if the generation is still this one")
     policy_cmd.add_parser("shadow", help="projected hit ratio of every policy (shadow runs)")
@@ -293,7 +301,12 @@ def _admin(args: argparse.Namespace) -> int:
             answer = call(client)
     except KVOffloadError as exc:
         message = exc.message
-        if exc.code == "invalid_policy_params" and args.name in available_policies():
+        # The service's message names the bound; list what the policy accepts where it did not.
+        if (
+            exc.code == "invalid_policy_params"
+            and args.name in available_policies()
+            and "accepted" not in message
+        ):
             message += f"; accepted for {args.name}: {policy_params_accepted(args.name)}"
         print(f"kvoffload: {exc.status} {exc.code}: {message}", file=sys.stderr)
         return 1

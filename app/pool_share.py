@@ -9,8 +9,12 @@ drops that connection, and that client gets a ``PoolShareError``). In tenant mod
 connection waits for its request in a task of its own, with a deadline of its own
 (``REQUEST_TIMEOUT_S``); idle connections cannot starve the others: one peer process holds at
 most ``MAX_WAITING_PER_PEER`` waiting connections and all together ``MAX_WAITING_REQUESTS``,
-and past either bound the oldest waiting one is dropped, never the new one. Refusals are logged
-with the peer's pid, uid and gid and the reason; the token never is.
+and past either bound the oldest waiting one is dropped, never the new one. Descriptors passed
+by connections still waiting are bounded too (``MAX_PASSED_HELD`` over all of them), in the
+same way. A connection accepted while the process's descriptor table is in its reserve
+(``app.descriptors``) is closed at once, and a failed ``accept`` (a full table) waits a moment
+instead of spinning; both are counted, and logged at most once per ten seconds. Refusals are
+logged with the peer's pid, uid and gid and the reason; the token never is.
 """
 
 from __future__ import annotations
@@ -35,7 +39,10 @@ from kvoffload_client.pool_socket import (
     SharedPool,
 )
 
+from app.descriptors import RateLimitedLog, in_reserve
+
 __all__ = [
+    "MAX_PASSED_HELD",
     "MAX_WAITING_PER_PEER",
     "MAX_WAITING_REQUESTS",
     "REQUEST_TIMEOUT_S",
@@ -51,6 +58,10 @@ MAX_WAITING_REQUESTS = 1024
 MAX_WAITING_PER_PEER = 8
 """Connections of one peer process a tenant-mode server waits on at once; one more drops that
 peer's oldest waiting one."""
+MAX_PASSED_HELD = 4096
+"""Descriptors that waiting connections may hold at once, all together (each registration
+passes up to ``MAX_REGISTER_FDS``); past it the oldest waiting connections holding some are
+dropped, with what they passed."""
 
 log = logging.getLogger("kvoffload.pool_share")
 
@@ -130,8 +141,15 @@ class PoolShareServer:
         # Waiting connections and their peer, oldest first (a dict keeps insertion order).
         self._waiting: dict[asyncio.Task[None], tuple[int, int]] = {}
         self._conns: dict[asyncio.Task[None], socket.socket] = {}
+        # The descriptors each waiting connection passed so far (the lists its task fills).
+        self._passed: dict[asyncio.Task[None], list[int]] = {}
         self.dropped = 0
         """Waiting connections dropped to make room for newer ones (since start)."""
+        self.refused_in_reserve = 0
+        """Connections closed at once: the descriptor table was in its reserve."""
+        self.accept_failures = 0
+        """``accept`` calls that failed (a full descriptor table, mostly)."""
+        self._table_log = RateLimitedLog(log)
 
     def start(self) -> None:
         """Start answering connections (call from the event loop that will run the server)."""
@@ -160,8 +178,16 @@ class PoolShareServer:
             try:
                 conn, _ = await loop.sock_accept(self._sock)
             except OSError as exc:  # EMFILE and the like: wait instead of spinning
-                log.warning("pool socket cannot accept: %s", exc)
+                self.accept_failures += 1
+                self._table_log.warning("pool socket cannot accept", error=str(exc))
                 await asyncio.sleep(0.1)
+                continue
+            if in_reserve(conn.fileno()):
+                conn.close()
+                self.refused_in_reserve += 1
+                self._table_log.warning(
+                    "pool socket connection closed: the descriptor table is in its reserve"
+                )
                 continue
             if not self._read_request:
                 with conn:
@@ -170,13 +196,16 @@ class PoolShareServer:
             peer = _peer(conn)
             key = (peer.get("peer_pid", 0), peer.get("peer_uid", -1))
             self._make_room(key)
-            waiting = loop.create_task(self._tenant_answer(conn, peer))
+            passed: list[int] = []
+            waiting = loop.create_task(self._tenant_answer(conn, peer, passed))
             self._waiting[waiting] = key
             self._conns[waiting] = conn
+            self._passed[waiting] = passed
             waiting.add_done_callback(self._forget)
 
     def _forget(self, task: asyncio.Task[None]) -> None:
         self._waiting.pop(task, None)
+        self._passed.pop(task, None)
         # Closed here too: a task cancelled before it ran never reached its own ``with conn``.
         self._conns.pop(task).close()
 
@@ -205,8 +234,26 @@ class PoolShareServer:
             return
         _send_pool(conn, pool, peer)
 
-    async def _tenant_answer(self, conn: socket.socket, peer: dict[str, int]) -> None:
-        fds: list[int] = []
+    def _bound_passed(self) -> None:
+        """Drop the oldest waiting connections that hold passed descriptors while all of them
+        hold more than ``MAX_PASSED_HELD`` (the newest, still reading, is never dropped)."""
+        held = sum(len(fds) for t, fds in self._passed.items() if t in self._waiting)
+        if held <= MAX_PASSED_HELD:
+            return
+        current = asyncio.current_task()
+        for task, fds in list(self._passed.items()):
+            if held <= MAX_PASSED_HELD:
+                break
+            if task is current or not fds or task not in self._waiting:
+                continue
+            held -= len(fds)
+            self._waiting.pop(task)
+            task.cancel()  # its task closes the connection and what it passed
+            self.dropped += 1
+
+    async def _tenant_answer(
+        self, conn: socket.socket, peer: dict[str, int], fds: list[int]
+    ) -> None:
         try:
             with conn:
                 await self._answer(conn, peer, fds)
@@ -219,7 +266,7 @@ class PoolShareServer:
         conn.setblocking(False)  # read with recvmsg as the loop says it is readable
         try:
             async with asyncio.timeout(self._request_timeout_s):
-                line = await _read_request(conn, fds)
+                line = await _read_request(conn, fds, self._bound_passed)
         except TimeoutError:
             _refuse(conn, "request_timeout", peer)
             return
@@ -285,7 +332,9 @@ async def _readable(conn: socket.socket) -> None:
         loop.remove_reader(conn.fileno())
 
 
-async def _read_request(conn: socket.socket, fds: list[int]) -> bytes:
+async def _read_request(
+    conn: socket.socket, fds: list[int], on_passed: Callable[[], None] = lambda: None
+) -> bytes:
     """The request line without its newline, or, when none came within the limit, those bytes
     (too long: the caller refuses them). Descriptors passed with it (``SCM_RIGHTS``) are appended
     to ``fds`` as they come, close-on-exec, for the caller to close. The limit is
@@ -308,8 +357,11 @@ async def _read_request(conn: socket.socket, fds: list[int]) -> bytes:
         for level, kind, payload in ancillary:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds.extend(array.array("i", payload[: len(payload) - len(payload) % 4]))
+                on_passed()
         if flags & socket.MSG_CTRUNC or len(fds) > MAX_REGISTER_FDS:
             raise _TooManyDescriptors
+        if fds and in_reserve(max(fds)):
+            raise _TooManyDescriptors  # the table is nearly full: keep the rest for the service
         if not data:
             raise ConnectionAbortedError("the peer closed the connection without a request")
         buf += data

@@ -13,6 +13,15 @@ an address that cannot be listened on are refused as a ``ConfigError`` naming th
 Each listener's task binds its name for logging (``bind_listener``), so uvicorn's lines, written
 once per listener, say which listener they are about.
 
+Each listener serves its connections under a ``ConnectionGuard`` (``app.http.connections``):
+a request head must be complete within ``head_timeout_s`` (a silent connection is closed then),
+its body within ``body_timeout_s``; the engine listener holds at most
+``max_connections_per_peer`` connections of one peer and ``max_connections`` in all, sized
+against the descriptor limit so that a flood of it leaves the admin listener its
+``admin_max_connections`` and the process its own descriptors. The caps are checked before
+anything is bound (``ConfigError`` naming the setting); their metrics join the engine app's
+``/metrics``.
+
 The pool socket (``Settings.effective_pool_socket``: ``pool_socket``, by default the engine
 socket's path plus ``.pool``) hands engines the pool's descriptor (``app.pool_share``) while the
 service runs, on the same loop; it stops before the service frees the pool, and its file is
@@ -48,12 +57,15 @@ from app.core.handles import check_registration
 from app.core.tenancy import Tenancy
 from app.core.tenants import Credentials
 from app.core.transfers import check_machine
+from app.descriptors import raise_limit
 from app.http.apps import create_admin_app, create_app
+from app.http.connections import ConnectionGuard, guards_counts, listener_limits
 from app.http.errors import error_for
 from app.pool_share import PoolShareServer
 from app.settings import Settings, config_error
 from app.telemetry.calls import host_port
 from app.telemetry.logging import bind_listener, get_logger
+from app.telemetry.metrics import register_connections
 from transfer import HostPool
 
 log = get_logger("server")
@@ -180,16 +192,23 @@ def listen_unix(settings: Settings, path: Path, field: str, listener: str) -> so
     return sock
 
 
-def uvicorn_config(app: Any, *, graceful_shutdown_s: float = 1.0) -> uvicorn.Config:
+def uvicorn_config(
+    app: Any,
+    *,
+    graceful_shutdown_s: float = 1.0,
+    protocol: type[asyncio.Protocol] | None = None,
+) -> uvicorn.Config:
     """The uvicorn configuration of every listener (also the benchmarks' floor servers).
 
-    Our own loop, httptools, no websockets, no access log (the service writes one canonical
-    line per call), uvicorn leaves logging alone, and no ``Server`` or proxy headers.
+    Our own loop, httptools (``protocol``: a subclass of uvicorn's httptools protocol, the
+    listener's ``ConnectionGuard.protocol``), no websockets, no access log (the service writes
+    one canonical line per call), uvicorn leaves logging alone, and no ``Server`` or proxy
+    headers.
     """
     return uvicorn.Config(
         app,
         loop="none",
-        http="httptools",
+        http="httptools" if protocol is None else protocol,
         ws="none",
         lifespan="on",
         access_log=False,
@@ -394,13 +413,16 @@ async def serve(
     """Run both listeners until a signal (or a listener failing) stops them.
 
     ``ConfigError`` before anything starts when the settings ask for what the machine lacks
-    (a device, room for the pool: ``check_machine``) or name an address that cannot be
-    listened on (and when the pool cannot be made after all, as the service starts).
+    (a device, room for the pool: ``check_machine``; connection caps the descriptor limit
+    cannot hold: ``listener_limits``) or name an address that cannot be listened on (and when
+    the pool cannot be made after all, as the service starts).
     """
     credentials = None if settings.tenants is None else Credentials(settings.tenants)
     # Before any Service exists: each builds its manager's tables for its blocks at once.
     table = None if credentials is None else credentials.table
     check_machine(settings.model_copy(update={"num_blocks": Tenancy.total_blocks(settings, table)}))
+    # Sized against the descriptor limit in force now (raised by ``run`` before the loop).
+    guards = {name: ConnectionGuard(name, lim) for name, lim in listener_limits(settings).items()}
     socks = Sockets.bind(settings)
     if settings.admin_token_value() is None:
         log.warning(
@@ -410,11 +432,24 @@ async def serve(
     tenancy = Tenancy(settings, credentials=credentials)
     grace = settings.shutdown_grace_s
     public = Listener(
-        uvicorn_config(create_app(settings, tenancy=tenancy), graceful_shutdown_s=grace)
+        uvicorn_config(
+            create_app(settings, tenancy=tenancy),
+            graceful_shutdown_s=grace,
+            protocol=guards["engine"].protocol,
+        )
     )
     admin = Listener(
-        uvicorn_config(create_admin_app(settings, tenancy=tenancy), graceful_shutdown_s=grace)
+        uvicorn_config(
+            create_admin_app(settings, tenancy=tenancy),
+            graceful_shutdown_s=grace,
+            protocol=guards["admin"].protocol,
+        )
     )
+    # The process's connections: in the one service's registry, or with tenants the front
+    # registry (no tenant labels: they belong to no namespace). None: metrics off.
+    registry = tenancy.single.registry if tenancy.single is not None else tenancy.front_registry
+    if registry is not None:
+        register_connections(registry, lambda: guards_counts(guards.values()))
     servers = (public, admin)
     stopper = Stopper(servers, tenancy, settings.shutdown_delay_s)
     stopper.install()
@@ -429,9 +464,12 @@ async def serve(
                 pool_share.start()
             tasks = [
                 asyncio.create_task(
-                    _listen("engine", public, socks.engine), name="kvoffload-engine"
+                    _listen("engine", public, socks.engine, guards["engine"]),
+                    name="kvoffload-engine",
                 ),
-                asyncio.create_task(_listen("admin", admin, socks.admin), name="kvoffload-admin"),
+                asyncio.create_task(
+                    _listen("admin", admin, socks.admin, guards["admin"]), name="kvoffload-admin"
+                ),
             ]
             while not all(srv.started for srv in servers) and not any(t.done() for t in tasks):
                 await asyncio.sleep(0.01)
@@ -465,15 +503,22 @@ async def serve(
         log.info("stopped")
 
 
-async def _listen(name: str, server: Listener, socks: list[socket.socket]) -> None:
+async def _listen(
+    name: str, server: Listener, socks: list[socket.socket], guard: ConnectionGuard
+) -> None:
     bind_listener(name)  # in this task's own context: uvicorn's lines about it say its name
-    await server.serve(sockets=socks)
+    guard.start()  # its sweep's lines too
+    try:
+        await server.serve(sockets=socks)
+    finally:
+        guard.stop()
 
 
 def run(settings: Settings) -> None:
     """Run ``serve`` on a fresh uvloop event loop until it returns (``ConfigError``: refused
-    before serving, see ``serve``)."""
+    before serving, see ``serve``). The descriptor limit is raised first (``app.descriptors``)."""
     import uvloop
 
+    raise_limit()
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(serve(settings))

@@ -445,8 +445,56 @@ class Settings(AdminAuth):
         "handle, which the service opens with its own rights (only if every caller is trusted; "
         "else pass descriptors over the pool socket)",
     )
+    max_registrations: int = Field(
+        default=32,
+        gt=0,
+        le=1 << 16,
+        description="KV caches registered at once per namespace (one more: 429 quota_exceeded; "
+        "a tenants file may set it per namespace)",
+    )
+    max_mapped_bytes: int = Field(
+        default=64 << 30,
+        gt=0,
+        description="bytes of host memory the KV caches registered in one namespace may map (one "
+        "more: 429 quota_exceeded; a tenants file may set it per namespace)",
+    )
     admin_host: str = Field(default="127.0.0.1", description="admin API address")
     admin_port: int = Field(default=8001, ge=0, le=65535, description="admin port (0: any)")
+
+    # Connection bounds of both listeners (app/http/connections.py): slow or silent clients,
+    # and how many connections they may hold.
+    head_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="close a connection whose request head (request line and headers) is not "
+        "complete this long after the connection opened, or after the first byte of its next "
+        "request (both listeners)",
+    )
+    body_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="close a connection whose request, body included, is not complete this "
+        "long after its first byte (both listeners; at least head_timeout_s)",
+    )
+    max_connections: int | None = Field(
+        default=None,
+        gt=0,
+        description="engine listener (TCP and Unix socket together): connections open at once, "
+        "more are closed as they come (default: the descriptor limit RLIMIT_NOFILE less a "
+        "reserve for the process and admin_max_connections)",
+    )
+    max_connections_per_peer: int = Field(
+        default=256,
+        ge=0,
+        description="engine listener: connections one peer holds open at once, more are closed "
+        "as they come (TCP: its IP, or an IPv6 peer's /64; Unix socket: its uid; on loopback "
+        "every local TCP client is the one peer 127.0.0.1; 0: no cap)",
+    )
+    admin_max_connections: int = Field(
+        default=64,
+        gt=0,
+        description="admin listener: connections open at once, more are closed as they come",
+    )
 
     # Pool and policy.
     num_blocks: int = Field(default=4096, gt=0, description="host pool size in blocks")
@@ -767,6 +815,18 @@ class Settings(AdminAuth):
             self.metrics_token_file = None
         if self.metrics_token is not None and not self.metrics_token.get_secret_value():
             raise config_error("metrics_token", "", "accepted: a token that is not empty")
+        return self
+
+    @model_validator(mode="after")
+    def _check_connection_bounds(self) -> Settings:
+        # The body's bound runs from the same first byte as the head's: a shorter one would
+        # cut requests whose head the head bound let through.
+        if self.body_timeout_s < self.head_timeout_s:
+            raise config_error(
+                "body_timeout_s",
+                self.body_timeout_s,
+                f"accepted: at least {setting_names('head_timeout_s')} ({self.head_timeout_s:g})",
+            )
         return self
 
     @model_validator(mode="after")

@@ -7,7 +7,9 @@ One helper for every suite that needs a registered-by-path cache:
   ``KVCacheSpec.from_dict``) for tensors in those files;
 - ``ShmDevice``: one float16 tensor whose block dimension is 0, read and written by block
   through ``mmap`` (API, end-to-end and load tests). The transfer tests map files of any
-  layout with torch instead (``tests.transfer.helpers.write_shm_tensors``).
+  layout with torch instead (``tests.transfer.helpers.write_shm_tensors``);
+- ``MemfdDevice``: the same over a sealed memfd, registered by passing its descriptor (what
+  a service with tenants takes).
 
 Imports no torch, so load-test workers stay light.
 """
@@ -19,6 +21,8 @@ import os
 import uuid
 from collections.abc import Sequence
 from typing import Any
+
+from kvoffload_client.pool_socket import sealed_memfd
 
 SHM_DIR = "/dev/shm"
 
@@ -110,3 +114,35 @@ class ShmDevice:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class MemfdDevice(ShmDevice):
+    """A CPU KV cache in a sealed memfd (``sealed_memfd``), registered by descriptor: ``fd``
+    goes in the registration's ``fds``, and ``spec()`` names it as descriptor 0."""
+
+    def __init__(self, num_blocks: int, block_bytes: int, name: str | None = None) -> None:
+        if block_bytes % 2:
+            raise ValueError("block_bytes must be even (float16 elements)")
+        self.num_blocks = num_blocks
+        self.block_bytes = block_bytes
+        self.name = name or f"engine-{uuid.uuid4().hex[:8]}"
+        self.path = ""
+        self.fd = sealed_memfd(num_blocks * block_bytes, self.name)
+        self._map = mmap.mmap(self.fd, num_blocks * block_bytes)
+
+    def spec(self) -> dict[str, Any]:
+        """The registration body for the pool socket (``fds=[self.fd]``)."""
+        spec = super().spec()
+        spec["tensors"][0]["handle"] = {"kind": "shm", "fd": 0}
+        return spec
+
+    def close(self) -> None:
+        """Unmap and close the memfd. Idempotent."""
+        if not self._map.closed:
+            self._map.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> MemfdDevice:
+        return self

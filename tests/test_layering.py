@@ -24,6 +24,7 @@ APP_RANKS: dict[str, int] = {
     "app": 0,  # the package root: a docstring and the version lookup
     "app.settings": 0,
     "app.pool_share": 0,
+    "app.descriptors": 0,
     "app.telemetry": 1,
     "app.core": 2,
     "app.http": 3,

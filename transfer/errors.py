@@ -5,7 +5,9 @@ Hierarchy::
     TransferError
     ├── PoolError                 host pool sizing or allocation (zero size, no room in shm or RAM)
     ├── RegistrationError         a KV-cache registration is malformed or does not fit the pool
-    │                             (also a ValueError); the message names the offending numbers
+    │   │                         (also a ValueError); the message names the offending numbers
+    │   └── RegistrationLimitError  it would take the registry past a limit it was given
+    │                             (registrations held, bytes mapped): ``limit`` names it
     ├── UnknownCacheError         no KV cache is registered under that cache_id (also a LookupError)
     ├── InvalidJobError           a transfer job is malformed: block or slot out of range,
     │                             lengths differ, duplicate destination, unknown direction
@@ -32,6 +34,16 @@ class PoolError(TransferError):
 
 class RegistrationError(TransferError, ValueError):
     """A device KV-cache registration is malformed or incompatible with the host pool."""
+
+
+class RegistrationLimitError(RegistrationError):
+    """A registration would take the registry past ``limit`` (``max_registrations`` or
+    ``max_mapped_bytes``) of ``value``; nothing was published or kept mapped."""
+
+    def __init__(self, limit: str, value: int, detail: str) -> None:
+        super().__init__(f"at the {limit} limit of {value}: {detail}")
+        self.limit = limit
+        self.value = value
 
 
 class UnknownCacheError(TransferError, LookupError):

@@ -13,9 +13,21 @@ Handles (JSON, as sent to ``POST /v1/kv-caches``):
 
 - ``{"kind": "shm", "fd": 0}`` for a CPU "device", registered over the pool socket
   (``app.pool_share.register_kv_cache``): the K-th descriptor passed with the registration
-  (``SCM_RIGHTS``), a regular file open read-write holding at least ``prod(shape) * itemsize``
-  bytes. The service maps that descriptor, never a path: the caller proved it holds the file,
+  (``SCM_RIGHTS``): a memfd (``memfd_create`` with ``MFD_ALLOW_SEALING``, not a huge-page
+  one) sealed with ``F_SEAL_SHRINK``, open read-write, holding at least
+  ``prod(shape) * itemsize`` bytes. The seal is what makes a caller's memory safe to copy
+  from and to: a file the caller could shrink (or a sparse file on a full tmpfs, or a hole in
+  huge-page memory) turns the service's next copy into a SIGBUS that ends the process for
+  every tenant, whereas a sealed memfd can never lose a page the mapping covers (a hole
+  punched in it reads as zeros and is backed again on write). Every such refusal names the
+  rule. The service maps that descriptor, never a path: the caller proved it holds the file,
   so a refusal may say what is wrong with it. With tenants this is the only ``shm`` handle.
+
+Mappings. Every distinct file of a registration (tensors naming the same descriptor, or two
+descriptors of one file) is mapped once, as long as its longest tensor, and the tensors are
+views of that mapping. The mapping keeps no descriptor open (``mmap(2)`` directly, unmapped
+when the last view of it is gone), so a registration costs the process mappings, never
+descriptors.
 - ``{"kind": "shm", "path": "/dev/shm/engine0-layer0"}`` for a CPU "device": a shared-memory
   file the engine owns and writes. The path must resolve (symlinks and ``..`` followed) to a
   regular file inside ``/dev/shm`` holding at least ``prod(shape) * itemsize`` bytes. The
@@ -57,6 +69,12 @@ every ``lease_s`` seconds; ``expire`` forgets the lapsed ones, so a dead engine'
 A tensor may name its own ``device``, so one registration spans an engine's tensor-parallel
 ranks; a host block then holds every rank's slice of the block.
 
+Limits. A registry may bound the registrations it holds (``max_caches``) and the host memory
+they map (``max_bytes``: the lengths of their shared-memory mappings);
+a registration past either is refused with ``RegistrationLimitError`` before it is published
+(one that replaces a registration of the same name counts in place of it). Both can change
+while registrations are held (a reload of the tenants file); they apply to the next one.
+
 Registration is all-or-nothing: every check runs and every tensor is mapped before the cache
 is published, and a failure drops what was mapped. Registering a name that is already
 registered replaces the old registration (an engine that restarts re-registers); jobs already
@@ -68,6 +86,7 @@ from __future__ import annotations
 import base64
 import binascii
 import ctypes
+import errno
 import fcntl
 import logging
 import math
@@ -78,6 +97,7 @@ import secrets
 import stat
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,7 +105,7 @@ from typing import Any
 import torch
 
 from transfer.cudart import driver_libraries
-from transfer.errors import RegistrationError, UnknownCacheError
+from transfer.errors import RegistrationError, RegistrationLimitError, UnknownCacheError
 from transfer.host_pool import HostPool
 
 log = logging.getLogger(__name__)
@@ -485,6 +505,10 @@ class RegisteredCache:
     device: str
     layouts: tuple[TensorLayout, ...] = field(repr=False)
     tensors: tuple[torch.Tensor, ...] = field(repr=False, compare=False)
+    mapped_bytes: int = 0
+    """What counts against ``max_bytes``: the host memory it maps (its shared-memory
+    mappings' lengths; CPU tensors of ``register_tensors``). Device memory opened by CUDA IPC
+    is the engine's and counts nothing."""
 
     @property
     def devices(self) -> list[str]:
@@ -512,8 +536,14 @@ class KVCacheRegistry:
         *,
         shm_root: str = SHM_ROOT,
         clock: Callable[[], float] = time.monotonic,
+        max_caches: int | None = None,
+        max_bytes: int | None = None,
     ) -> None:
         self.pool = pool
+        self.max_caches = max_caches
+        """Registrations held at once (None: no limit); may change while held."""
+        self.max_bytes = max_bytes
+        """Bytes mapped by the registrations held (None: no limit); may change while held."""
         self._clock = clock
         self._leases: dict[str, tuple[float, float]] = {}  # cache_id -> (lease_s, expires)
         self._shm_root = os.path.realpath(shm_root)
@@ -537,23 +567,34 @@ class KVCacheRegistry:
                 f"bytes per block summed over the tensors is {per_block} ({detail}{more}), "
                 f"but the host pool's block_bytes is {self.pool.block_bytes}"
             )
+        self._check_limits(spec.name, 1, 0)  # the count now, before anything is mapped
         mapped: list[torch.Tensor] = []
         devices: list[str] = []
+        files = _Files()
+        passed = {
+            i: _fd_file(t, i, fds)
+            for i, t in enumerate(spec.tensors)
+            if t.handle["kind"] == "shm" and "fd" in t.handle
+        }
+        for i, (_fd, st, _where) in passed.items():
+            files.need(st, spec.tensors[i].nbytes)
         try:
             for i, t in enumerate(spec.tensors):
                 device = spec.device if t.device is None else t.device
-                if t.handle["kind"] == "shm" and "fd" in t.handle:
-                    mapped.append(_map_fd(t, i, fds))
+                if i in passed:
+                    mapped.append(files.view(*passed[i], t.nbytes))
                     devices.append("cpu")
                 elif t.handle["kind"] == "shm":
-                    mapped.append(self._map_shm(t, i))
+                    mapped.append(self._map_shm(t, i, files))
                     devices.append("cpu")
                 else:
                     uuid = t.device_uuid if t.device_uuid is not None else spec.device_uuid
                     tensor = _open_cuda_ipc(t, i, device, uuid)
                     mapped.append(tensor)
                     devices.append(str(tensor.device))
+            files.close()
         except BaseException:
+            files.close()
             mapped.clear()  # drops the mappings now (the only references)
             raise
         layouts = _layouts([(t.outer, t.inner_bytes, t.num_blocks) for t in spec.tensors], devices)
@@ -565,8 +606,13 @@ class KVCacheRegistry:
             device=spec.device,
             layouts=layouts,
             tensors=tuple(mapped),
+            mapped_bytes=files.mapped_bytes,
         )
-        self._publish(cache, spec.lease_s)
+        try:
+            self._publish(cache, spec.lease_s)
+        except BaseException:
+            mapped.clear()
+            raise
         return cache
 
     def register_tensors(
@@ -624,6 +670,7 @@ class KVCacheRegistry:
             device=devices[0],
             layouts=_layouts(geometry, devices),
             tensors=tuple(flat),
+            mapped_bytes=sum(t.numel() for t in flat if t.device.type == "cpu"),
         )
         self._publish(cache)
         return cache
@@ -690,8 +737,39 @@ class KVCacheRegistry:
         with self._lock:
             return len(self._caches)
 
+    def mapped_bytes(self) -> int:
+        """Bytes mapped by the registrations held (what ``max_bytes`` bounds)."""
+        with self._lock:
+            return sum(c.mapped_bytes for c in self._caches.values())
+
+    def _check_limits(self, name: str, adding: int, adding_bytes: int) -> None:
+        with self._lock:
+            self._check_limits_locked(name, adding, adding_bytes)
+
+    def _check_limits_locked(self, name: str, adding: int, adding_bytes: int) -> None:
+        """Refuse ``adding`` more registrations of ``adding_bytes`` under ``name`` (which
+        replaces the registration of that name, if any) past ``max_caches`` or ``max_bytes``."""
+        kept = [c for c in self._caches.values() if c.name != name]
+        limit = self.max_caches
+        if limit is not None and len(kept) + adding > limit:
+            raise RegistrationLimitError(
+                "max_registrations",
+                limit,
+                f"{len(kept)} KV caches registered; unregister one (or let its lease lapse) "
+                "first, or register under the name of one it replaces",
+            )
+        limit = self.max_bytes
+        held = sum(c.mapped_bytes for c in kept)
+        if limit is not None and held + adding_bytes > limit:
+            raise RegistrationLimitError(
+                "max_mapped_bytes",
+                limit,
+                f"{held} bytes mapped by the KV caches registered; this one maps {adding_bytes}",
+            )
+
     def _publish(self, cache: RegisteredCache, lease_s: float | None = None) -> None:
         with self._lock:
+            self._check_limits_locked(cache.name, 1, cache.mapped_bytes)
             for old_id in [cid for cid, c in self._caches.items() if c.name == cache.name]:
                 del self._caches[old_id]
                 self._leases.pop(old_id, None)
@@ -699,7 +777,7 @@ class KVCacheRegistry:
             if lease_s is not None:
                 self._leases[cache.cache_id] = (float(lease_s), self._clock() + lease_s)
 
-    def _map_shm(self, t: TensorSpec, i: int) -> torch.Tensor:
+    def _map_shm(self, t: TensorSpec, i: int, files: _Files) -> torch.Tensor:
         where = f"tensors[{i}].handle.path"
         path = t.handle["path"]
         shown = _shown(path)
@@ -724,20 +802,21 @@ class KVCacheRegistry:
                     f"{t.dtype} needs {t.nbytes}"
                 )
             # Map the descriptor we checked, not the path again (it could be swapped).
-            return torch.from_file(
-                f"/proc/self/fd/{fd}", shared=True, size=t.nbytes, dtype=torch.uint8
-            )
+            return files.view(fd, st, where, t.nbytes)
         finally:
             os.close(fd)
 
 
-def _map_fd(t: TensorSpec, i: int, fds: Sequence[int] | None) -> torch.Tensor:
-    """Map the passed descriptor a tensor's ``fd`` handle names, shared and read-write.
+TMPFS_MAGIC = 0x01021994
+"""``statfs.f_type`` of shmem: memfds (and tmpfs). Huge-page memfds are ``HUGETLBFS_MAGIC``."""
 
-    The descriptor itself is mapped (``mmap`` keeps a copy of it): reopening it by
-    ``/proc/self/fd`` would open the file again with the service's rights, which is what a
-    descriptor handle exists to avoid. It must be open read-write: a read-only one proves no
-    right to write the file."""
+
+def _fd_file(t: TensorSpec, i: int, fds: Sequence[int] | None) -> tuple[int, os.stat_result, str]:
+    """The passed descriptor a tensor's ``fd`` handle names, checked: ``(fd, its stat, where)``.
+
+    It must be a regular file open read-write (a read-only one proves no right to write the
+    file), at least the tensor's size, on shmem and sealed against shrinking (the module
+    docstring says why)."""
     where = f"tensors[{i}].handle.fd"
     k = t.handle["fd"]
     if fds is None:
@@ -753,14 +832,101 @@ def _map_fd(t: TensorSpec, i: int, fds: Sequence[int] | None) -> torch.Tensor:
         raise RegistrationError(f"{where}: descriptor {k} is not a regular file")
     if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
         raise RegistrationError(f"{where}: descriptor {k} is not open for reading and writing")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0  # a file system without seals
+    if _fs_type(fd) != TMPFS_MAGIC or not seals & fcntl.F_SEAL_SHRINK:
+        raise RegistrationError(
+            f"{where}: descriptor {k} is not a memfd sealed against shrinking; make it with "
+            "kvoffload_client.pool_socket.sealed_memfd(size) (memfd_create with "
+            "MFD_ALLOW_SEALING, then fcntl F_ADD_SEALS F_SEAL_SHRINK): a file its holder can "
+            "shrink, or a sparse file, would make the service's copies from or to it fault"
+        )
     if st.st_size < t.nbytes:
         raise RegistrationError(
             f"{where}: descriptor {k} holds {st.st_size} bytes, but shape {t.shape} of "
             f"{t.dtype} needs {t.nbytes}"
         )
-    mapped = mmap.mmap(fd, t.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    # The tensor holds the mapping alive (torch.frombuffer keeps a reference to its buffer).
-    return torch.frombuffer(mapped, dtype=torch.uint8)
+    return fd, st, where
+
+
+class _Files:
+    """The files of one registration, each mapped once (``view``), as long as its longest
+    tensor. ``close`` ends the registration's use of the table; mappings live on in the views."""
+
+    def __init__(self) -> None:
+        self._maps: dict[tuple[int, int], torch.Tensor] = {}
+        self._wanted: dict[tuple[int, int], int] = {}
+        self.mapped_bytes = 0
+        """The lengths of every mapping made, what the registration costs the process."""
+
+    def need(self, st: os.stat_result, nbytes: int) -> None:
+        """Say ahead that a tensor needs ``nbytes`` of the file ``st``, so that its one
+        mapping is made long enough for every tensor at once."""
+        key = (st.st_dev, st.st_ino)
+        self._wanted[key] = max(self._wanted.get(key, 0), nbytes)
+
+    def view(self, fd: int, st: os.stat_result, where: str, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of the file open as ``fd`` (``st`` its stat), mapped shared
+        read-write: a view of the file's one mapping (as long as ``need`` said, else remapped
+        longer when a later tensor needs more; the earlier views keep the shorter one)."""
+        key = (st.st_dev, st.st_ino)
+        have = self._maps.get(key)
+        if have is None or have.numel() < nbytes:
+            length = max(nbytes, self._wanted.get(key, 0))
+            have = self._maps[key] = _map_shared(fd, length, where)
+            self.mapped_bytes += length
+        return have[:nbytes]
+
+    def close(self) -> None:
+        self._maps.clear()
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.fstatfs.restype = ctypes.c_int
+_libc.fstatfs.argtypes = [ctypes.c_int, ctypes.c_void_p]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _fs_type(fd: int) -> int:
+    """``f_type`` of the file system holding ``fd`` (``fstatfs``; -1 when it fails). The field
+    opens ``struct statfs`` on every Linux ABI this runs on."""
+    buf = ctypes.create_string_buffer(512)  # struct statfs is 120 bytes on 64-bit Linux
+    if _libc.fstatfs(fd, buf) != 0:
+        return -1
+    return ctypes.c_long.from_buffer(buf).value
+
+
+def _map_shared(fd: int, nbytes: int, where: str) -> torch.Tensor:
+    """Map the first ``nbytes`` of ``fd`` shared read-write, as a flat ``uint8`` tensor.
+
+    ``mmap(2)`` is called directly: Python's ``mmap`` keeps a duplicate of the descriptor for
+    the life of the mapping, one per tensor, which let a single caller hold every descriptor
+    of the process. This mapping holds none; it is unmapped when its last view is gone (the
+    tensor keeps its buffer alive, and the buffer's finalizer unmaps)."""
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    addr = _libc.mmap(None, nbytes, prot, mmap.MAP_SHARED, fd, 0)
+    if addr is None or addr == _MAP_FAILED:
+        code = ctypes.get_errno()
+        raise RegistrationError(
+            f"{where}: cannot map {nbytes} bytes: {os.strerror(code) if code else 'failed'}"
+            + (" (the process is at its limit of mappings)" if code == errno.ENOMEM else "")
+        )
+    buf = (ctypes.c_uint8 * nbytes).from_address(addr)
+    weakref.finalize(buf, _libc.munmap, addr, nbytes)
+    return torch.frombuffer(buf, dtype=torch.uint8)
 
 
 def _device_uuids() -> list[str]:

@@ -17,10 +17,32 @@ pins and requests are held to its ``TenantQuota`` (``app.core.quota``) across th
 ``PermissionDeniedError`` (403); it never says whether a namespace it denies exists. The
 tenants file is reloaded when it changes (polled) or on ``request_reload`` (SIGHUP), with no
 restart: tokens and quotas apply from the next call; a new namespace gets a new space (started
-before any call can reach it); a namespace removed, or moved to another tenant, is taken out of
-resolution first and then stopped (its blocks are dropped); a namespace whose ``blocks`` changed
-keeps its pool until a restart (logged). A file that fails to load changes nothing (logged,
-counted in ``reload_failures``).
+before any call can reach it); a namespace whose ``blocks`` changed keeps its pool until a
+restart (logged). A file that fails to load changes nothing (logged, counted in
+``reload_failures``).
+
+**A namespace's blocks belong to the tenant that stored them.** Below the pool, a namespace's
+blocks live under its *storage identity* (``app.core.storage``): ``NAMESPACE@TENANT`` with
+tenants, the bare ``default`` without. Its disk directory is ``<disk_dir>/<identity>``, its
+remote prefix ``kvoffload/<identity>/<block_bytes>``. A namespace removed, or moved to another
+tenant, by a reload is taken out of resolution first, then its service is stopped (its pool,
+requests, jobs, registrations and KV events go with it) and then, its disk tier closed, its disk
+directory is deleted; one ``namespace removed; its blocks are dropped`` line tells what went
+(pool and disk blocks, files and bytes deleted). A namespace moved to another tenant is a new
+space under a new identity, so its new owner starts empty in the pool, on disk and in the remote
+store, and so does a namespace removed and added back (its directory is gone). The remote
+store's objects of the old identity are not deleted (other nodes may still serve them to their
+owner); no other identity can reach them.
+
+At start (``running``), before any namespace opens its disk tier, a service with tenants deletes
+the identity directories under ``--disk-dir`` of namespaces it no longer serves (removed, or
+given to another tenant, while it was down; and those named by the bare namespace, the layout
+before identities, whose owner was never recorded), and logs one line naming them. It keeps the
+bare ``default`` (the directory of a service without tenants, which no tenant's identity
+names). A service without tenants deletes nothing (a run without the tenants file does not know
+which namespaces are still served) and logs the identity directories it does not serve. Only a
+name that parses as an identity is ever deleted: anything else under ``--disk-dir`` is not the
+service's.
 """
 
 from __future__ import annotations
@@ -37,6 +59,13 @@ from prometheus_client import CollectorRegistry
 from app.core.errors import PermissionDeniedError
 from app.core.quota import TenantQuota
 from app.core.service import DEFAULT_NAMESPACE, Service
+from app.core.storage import (
+    NotDropped,
+    drop_disk_dir,
+    leftover_dirs,
+    parse_identity,
+    storage_identity,
+)
 from app.core.tenants import Credentials, NamespaceConfig, TenantsConfigError, TenantTable
 from app.core.transfers import check_machine
 from app.settings import Settings
@@ -126,7 +155,12 @@ class Tenancy:
         s = self.settings
         blocks = ns.blocks if ns.blocks is not None else s.num_blocks
         disk = ns.disk_bytes if ns.disk_bytes is not None else s.disk_bytes
-        return s.model_copy(update={"num_blocks": blocks, "disk_bytes": disk})
+        update: dict[str, object] = {"num_blocks": blocks, "disk_bytes": disk}
+        if ns.max_registrations is not None:
+            update["max_registrations"] = ns.max_registrations
+        if ns.max_mapped_bytes is not None:
+            update["max_mapped_bytes"] = ns.max_mapped_bytes
+        return s.model_copy(update=update)
 
     def _managers(self) -> list[OffloadManager]:
         return [space.service.manager.manager for space in self.spaces.values()]
@@ -134,7 +168,13 @@ class Tenancy:
     def _make_space(self, tenant: str, ns: NamespaceConfig) -> Space:
         settings = self._settings_of(ns)
         quota = self.quotas[tenant]
-        service = Service(settings, registry=CollectorRegistry(), namespace=ns.name, quota=quota)
+        service = Service(
+            settings,
+            registry=CollectorRegistry(),
+            namespace=ns.name,
+            quota=quota,
+            storage=storage_identity(ns.name, tenant),
+        )
         service.on_fatal = self._on_fatal
         quota.members.append(service.manager.manager)
         return Space(tenant, ns.name, service)
@@ -234,10 +274,13 @@ class Tenancy:
         """Hold every space running for the block, and watch the tenants file meanwhile.
 
         Reference counted like ``Service.running`` (each listener's lifespan holds it): the
-        first hold starts every space, the last one out stops them.
+        first hold deletes the disk directories of namespaces no longer served (module
+        docstring) and starts every space, the last one out stops them.
         """
         async with self._reload_lock:
             if self._users == 0:
+                # Before any disk tier opens: a directory it drops is opened by no store.
+                await asyncio.to_thread(self._sweep_disk)
                 started: list[Service] = []
                 try:
                     for service in self.services():
@@ -357,23 +400,18 @@ class Tenancy:
                 quota.max_pins, quota.max_requests = tenant.max_pins, tenant.max_requests
         old, new = before.namespaces(), after.namespaces()
         gone = [n for n in old if n not in new or before.owner(n) != after.owner(n)]
-        for name in gone:
-            space = self.spaces.pop(name, None)
-            if space is None:
-                continue
-            quota = self.quotas.get(space.tenant or "")
-            if quota is not None:
-                with contextlib.suppress(ValueError):
-                    quota.members.remove(space.service.manager.manager)
-            log.warning(
-                "namespace removed; its blocks are dropped",
-                extra={"fields": {"namespace": name, "tenant": space.tenant}},
-            )
-            if self._users:
-                space.service.begin_drain()
-                await space.service.stop()
+        # Every one of them out of resolution before the first await: no call reaches any.
+        taken = [(name, before.owner(name), self.spaces.pop(name, None)) for name in gone]
+        for name, owner, space in taken:
+            await self._drop(name, owner, space)
         for name, ns in new.items():
             if name in self.spaces:
+                # Registration bounds apply live, from the next registration on.
+                transfers = self.spaces[name].service.running_transfers()
+                if transfers is not None:
+                    limits = self._settings_of(ns)
+                    transfers.registry.max_caches = limits.max_registrations
+                    transfers.registry.max_bytes = limits.max_mapped_bytes
                 if (ns.blocks, ns.disk_bytes) != (old[name].blocks, old[name].disk_bytes):
                     log.warning(
                         "namespace size changed; it keeps its pool and disk until a restart",
@@ -408,3 +446,98 @@ class Tenancy:
             self.spaces[name] = space  # reachable only once it runs
         for name in [t for t in self.quotas if t not in after.tenants]:
             del self.quotas[name]
+
+    # ------------------------------------------------------------------ dropping storage
+
+    async def _drop(self, name: str, tenant: str | None, space: Space | None) -> None:
+        """Drop namespace ``name`` of ``tenant``, removed or given to another tenant by a
+        reload and already out of resolution (``space``: its space, None when it had none):
+        its service stopped, then its disk directory deleted (even without a space: one that
+        could not start may have a directory from an earlier run); logs one line with what
+        went."""
+        identity = storage_identity(name, tenant)
+        fields: dict[str, object] = {"namespace": name, "tenant": tenant, "storage": identity}
+        if space is not None:
+            service = space.service
+            quota = self.quotas.get(space.tenant or "")
+            if quota is not None:
+                with contextlib.suppress(ValueError):
+                    quota.members.remove(service.manager.manager)
+            stats = service.manager.manager.stats()
+            fields["pool_blocks"] = stats.ready + stats.pending
+            disk = service.disk
+            if disk is not None:
+                fields["disk_blocks"] = disk.state().get("blocks")
+            if self._users:
+                service.begin_drain()
+                try:
+                    await service.stop()
+                except Exception:
+                    # Its disk store may still be open: the directory's lock then keeps it
+                    # (refused and logged below); the reload goes on with the others.
+                    log.exception("namespace did not stop cleanly", extra={"fields": fields})
+        disk_dir = self.settings.disk_dir
+        if disk_dir is not None:
+            try:
+                dropped = await asyncio.to_thread(drop_disk_dir, disk_dir, identity)
+            except (NotDropped, OSError) as exc:
+                log.error(
+                    "namespace's disk directory not deleted; its blocks stay on disk, out of "
+                    "every other identity's reach",
+                    extra={"fields": {**fields, "error": str(exc)}},
+                )
+            else:
+                fields["disk_files_deleted"] = 0 if dropped is None else dropped.files
+                fields["disk_bytes_deleted"] = 0 if dropped is None else dropped.bytes
+        log.warning("namespace removed; its blocks are dropped", extra={"fields": fields})
+
+    def _sweep_disk(self) -> None:
+        """At start (blocking; before any disk tier opens): delete the identity directories
+        under ``--disk-dir`` of namespaces not served, as the module docstring says, and log
+        one line naming what was deleted and what was kept (and why)."""
+        disk_dir = self.settings.disk_dir
+        if disk_dir is None:
+            return
+        serving = {space.service.storage for space in self.spaces.values()}
+        try:
+            names = [n for n in leftover_dirs(disk_dir) if n not in serving]
+        except OSError as exc:  # the disk tier's own open reports an unusable directory
+            log.warning("disk directory not swept", extra={"fields": {"error": str(exc)}})
+            return
+        deleted: list[str] = []
+        files = size = 0
+        kept: dict[str, str] = {}
+        for name in names:
+            parsed = parse_identity(name)
+            assert parsed is not None  # leftover_dirs lists identities only
+            namespace, owner = parsed
+            if self.single is not None:
+                kept[name] = "a service without tenants does not know the tenants' namespaces"
+                continue
+            if owner is None and namespace == DEFAULT_NAMESPACE:
+                kept[name] = "the directory of a service without tenants"
+                continue
+            try:
+                # A bare name is an identity by chance as easily as by the layout before
+                # identities: deleted only where a disk store was.
+                dropped = drop_disk_dir(disk_dir, name, only_store=owner is None)
+            except (NotDropped, OSError) as exc:
+                kept[name] = str(exc)
+                continue
+            if dropped is not None:
+                deleted.append(name)
+                files += dropped.files
+                size += dropped.bytes
+        if not deleted and not kept:
+            return
+        fields = {"deleted": deleted, "files": files, "bytes": size, "kept": kept}
+        if deleted:
+            log.warning(
+                "disk directories of namespaces no longer served deleted; their blocks are dropped",
+                extra={"fields": fields},
+            )
+        else:
+            log.info(
+                "disk directories of namespaces not served here kept",
+                extra={"fields": fields},
+            )

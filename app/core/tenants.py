@@ -5,8 +5,9 @@ of ``NAME.toml`` files, one per tenant, holding the same keys at their top level
 ``*.toml`` files count, symbolic links followed; dotfiles and the ``..data`` links of a
 Kubernetes secret volume are skipped). Each tenant has ``tokens`` (one or more, each at least
 ``MIN_TOKEN_CHARS`` printable ASCII characters without spaces), ``namespaces`` (a table of
-name = blocks, or name = { blocks = N, disk_bytes = M } to give a namespace its own disk tier
-budget, or a list of names whose sizes the service chooses) and optional ``max_pins`` and
+name = blocks, or name = { blocks = N, disk_bytes = M, max_registrations = R,
+max_mapped_bytes = B } to give a namespace its own disk tier budget and KV-cache registration
+bounds, or a list of names whose sizes the service chooses) and optional ``max_pins`` and
 ``max_requests``. Names match ``NAME``. ``load_tenants`` refuses the whole file on the first
 problem (an unknown key, a bad name, a short or repeated token, a namespace of two tenants, a
 count that is not a positive integer, a tenant without namespaces, a file readable or writable
@@ -68,12 +69,15 @@ class TenantsConfigError(ConfigError):
 
 @dataclass(frozen=True, slots=True)
 class NamespaceConfig:
-    """A namespace: its name, its pool size in blocks and its disk tier's bytes (None: the
-    service's ``num_blocks`` / ``disk_bytes``)."""
+    """A namespace: its name, its pool size in blocks, its disk tier's bytes, and the KV-cache
+    registrations it may hold and the host memory they may map (None: the service's
+    ``num_blocks`` / ``disk_bytes`` / ``max_registrations`` / ``max_mapped_bytes``)."""
 
     name: str
     blocks: int | None
     disk_bytes: int | None = None
+    max_registrations: int | None = None
+    max_mapped_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,42 +295,43 @@ def _tenant(
 
 def _namespaces(root: Path, label: str, value: Any) -> tuple[NamespaceConfig, ...]:
     accepted = (
-        "accepted: namespaces = { NAME = BLOCKS or { blocks = N, disk_bytes = M }, ... } or "
-        "[NAME, ...], one or more"
+        "accepted: namespaces = { NAME = BLOCKS or { blocks = N, disk_bytes = M, "
+        "max_registrations = R, max_mapped_bytes = B }, ... } or [NAME, ...], one or more"
     )
-    found: list[tuple[str, int | None, int | None]]
+    found: list[NamespaceConfig]
     if isinstance(value, dict):
         found = [_namespace(root, label, name, v, accepted) for name, v in value.items()]
     elif isinstance(value, list):
         if not all(isinstance(name, str) for name in value):
             raise _refused(root, label, f"namespaces holds a non-string; {accepted}")
-        found = [(name, None, None) for name in value]
+        found = [NamespaceConfig(name, None) for name in value]
     else:
         found = []
     if not found:
         raise _refused(root, label, f"no namespaces; {accepted}")
     seen: set[str] = set()
-    for name, _, _ in found:
-        if not NAME.fullmatch(name):
-            raise _refused(root, label, f"namespace name {name!r}; {_NAME_ACCEPTED}")
-        if name in seen:
-            raise _refused(root, label, f"namespace {name!r} twice; accepted: each name once")
-        seen.add(name)
-    return tuple(NamespaceConfig(name, blocks, disk) for name, blocks, disk in found)
+    for ns in found:
+        if not NAME.fullmatch(ns.name):
+            raise _refused(root, label, f"namespace name {ns.name!r}; {_NAME_ACCEPTED}")
+        if ns.name in seen:
+            raise _refused(root, label, f"namespace {ns.name!r} twice; accepted: each name once")
+        seen.add(ns.name)
+    return tuple(found)
 
 
-def _namespace(
-    root: Path, label: str, name: str, value: Any, accepted: str
-) -> tuple[str, int | None, int | None]:
-    """``(name, blocks, disk_bytes)`` of one ``namespaces`` entry: a count, or a table."""
+NAMESPACE_KEYS = ("blocks", "disk_bytes", "max_registrations", "max_mapped_bytes")
+
+
+def _namespace(root: Path, label: str, name: str, value: Any, accepted: str) -> NamespaceConfig:
+    """One ``namespaces`` entry: a count of blocks, or a table of ``NAMESPACE_KEYS``."""
     key = f"namespaces.{name}"
     if not isinstance(value, dict):
-        return name, _positive(root, label, key, value), None
-    unknown = sorted(set(value) - {"blocks", "disk_bytes"})
+        return NamespaceConfig(name, _positive(root, label, key, value))
+    unknown = sorted(set(value) - set(NAMESPACE_KEYS))
     if unknown:
         raise _refused(root, label, f"{key} has unknown key(s) {_names(unknown)}; {accepted}")
-    blocks = _positive(root, label, f"{key}.blocks", value.get("blocks"))
-    return name, blocks, _positive(root, label, f"{key}.disk_bytes", value.get("disk_bytes"))
+    counts = {k: _positive(root, label, f"{key}.{k}", value.get(k)) for k in NAMESPACE_KEYS}
+    return NamespaceConfig(name, **counts)
 
 
 def _positive(root: Path, label: str, key: str, value: Any) -> int | None:

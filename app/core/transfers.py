@@ -186,7 +186,9 @@ class Transfers:
                 "more room",
             ) from None
         try:
-            registry = KVCacheRegistry(pool)
+            registry = KVCacheRegistry(
+                pool, max_caches=s.max_registrations, max_bytes=s.max_mapped_bytes
+            )
             worker = create_worker(
                 pool,
                 registry,

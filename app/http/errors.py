@@ -19,6 +19,7 @@ PermissionDeniedError         403     its reason: namespace_denied, namespace_re
                                       unknown_namespace
 HandleNotHeldError            403     handle_not_held
 QuotaExceededError            429/507 quota_exceeded (507 for blocks, 429 pins / requests)
+RegistrationLimitError        429     quota_exceeded (max_registrations, max_mapped_bytes)
 UnknownRequestError           404     unknown_request
 UnknownJobError               404     unknown_job
 UnknownCacheError             404     unknown_cache
@@ -82,6 +83,7 @@ from manager import (
 from transfer import (
     InvalidJobError,
     RegistrationError,
+    RegistrationLimitError,
     TransferError,
     UnknownCacheError,
 )
@@ -188,6 +190,8 @@ def error_for(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, ValidationError):
         return validation_error(exc.errors(include_url=False, include_input=False))
+    if isinstance(exc, RegistrationLimitError):  # before RegistrationError's 422 below
+        return APIError(429, "quota_exceeded", str(exc), quota=exc.limit)
     for exc_type, status, code in _MAPPED:
         if isinstance(exc, exc_type):
             return APIError(status, code, str(exc))

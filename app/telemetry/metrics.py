@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -657,3 +657,65 @@ def register_tenancy(
 ) -> None:
     """Export ``counts() -> (reloads, failures, in force)`` of the tenants file."""
     registry.register(_TenancyCollector(counts))
+
+
+# Why a listener's bounds (``app.http.connections``) closed a connection: the closed set of
+# values of the ``reason`` label, every one exported from the start (at 0) so rates and alerts
+# see a series before the first close.
+CONNECTION_CLOSE_REASONS = ("head_timeout", "body_timeout", "peer_cap", "listener_cap")
+
+
+@dataclass(frozen=True, slots=True)
+class ListenerConnections:
+    """One listener's connections as a scrape reads them: ``open`` now, its cap ``limit``, and
+    ``closed``: those its bounds closed, by reason (keys of ``CONNECTION_CLOSE_REASONS``)."""
+
+    listener: str
+    open: int
+    limit: int
+    closed: Mapping[str, int]
+
+
+class _ConnectionCollector(Collector):
+    """The listeners' connections, read at scrape time (the accept path pays nothing)."""
+
+    def __init__(self, listeners: Callable[[], Sequence[ListenerConnections]]) -> None:
+        self._listeners = listeners
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        rows = self._listeners()
+        opened = GaugeMetricFamily(
+            f"{PREFIX}_connections_open",
+            "Connections open on each listener (engine: TCP and the Unix socket together).",
+            labels=["listener"],
+        )
+        limit = GaugeMetricFamily(
+            f"{PREFIX}_connections_max",
+            "Connections each listener keeps open at most (more are closed as they come).",
+            labels=["listener"],
+        )
+        closed = CounterMetricFamily(
+            f"{PREFIX}_connections_closed",
+            "Connections the service closed, by listener and reason: head_timeout (request "
+            "head not complete in time), body_timeout (request body not complete in time), "
+            "peer_cap (the peer held its most), listener_cap (the listener held its most).",
+            labels=["listener", "reason"],
+        )
+        for row in rows:
+            opened.add_metric([row.listener], row.open)
+            limit.add_metric([row.listener], row.limit)
+            for reason in CONNECTION_CLOSE_REASONS:
+                closed.add_metric([row.listener, reason], row.closed.get(reason, 0))
+        yield opened
+        yield limit
+        yield closed
+
+
+def register_connections(
+    registry: CollectorRegistry, listeners: Callable[[], Sequence[ListenerConnections]]
+) -> None:
+    """Export ``listeners()``, one ``ListenerConnections`` per listener, at each scrape."""
+    registry.register(_ConnectionCollector(listeners))

@@ -24,7 +24,9 @@ Protocol (one exchange per connection), in one of two modes the server is starte
   line may be up to ``MAX_REGISTER_BYTES`` long once a descriptor came with its first bytes,
   with at most ``MAX_REGISTER_FDS`` descriptors. Client: ``register_kv_cache``. This is how a
   service with tenants takes a KV cache: it maps a file the caller proved it holds, never a
-  path it would open with its own rights.
+  path it would open with its own rights. Each such file must be a memfd sealed against
+  shrinking (``sealed_memfd`` makes one): the service copies from and to it, and a file its
+  holder could shrink would fault those copies.
 
 The answer is one line of JSON, ``PROTOCOL`` plus the layout (``pool_id``, ``num_blocks``,
 ``block_bytes``, ``offset``: byte offset of block 0 in the file), ended by ``\n`` and at most
@@ -56,6 +58,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import fcntl
 import json
 import mmap
 import os
@@ -79,6 +82,7 @@ __all__ = [
     "default_pool_socket",
     "receive_pool",
     "register_kv_cache",
+    "sealed_memfd",
 ]
 
 PROTOCOL = "kvoffload-pool/1"
@@ -201,6 +205,24 @@ def receive_pool(
         raise
 
 
+def sealed_memfd(size: int, name: str = "kvoffload-kv-cache") -> int:
+    """A new memfd of ``size`` zero bytes, sealed so that it can never shrink or grow: the
+    kind of file a service with tenants takes as a KV cache (``register_kv_cache``). The
+    descriptor is the caller's (close-on-exec); map it (``mmap.mmap(fd, size)``) and write
+    the cache through the mapping. ``OSError`` if the kernel refuses (no memfd, no room)."""
+    if not isinstance(size, int) or size <= 0:
+        raise ValueError(f"size must be a positive number of bytes, got {size!r}")
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def register_kv_cache(
     socket_path: str | os.PathLike[str],
     spec: dict[str, Any],
@@ -213,8 +235,8 @@ def register_kv_cache(
     """Register a KV cache by passing its files' descriptors over the pool socket.
 
     ``spec`` is the body ``POST /v1/kv-caches`` takes, except that a shared-memory tensor's
-    handle is ``{"kind": "shm", "fd": K}``: the K-th of ``fds`` (each a regular file open
-    read-write, e.g. a ``/dev/shm`` file or a memfd, at least the tensor's size). The service
+    handle is ``{"kind": "shm", "fd": K}``: the K-th of ``fds`` (each a memfd sealed against
+    shrinking, open read-write, at least the tensor's size: ``sealed_memfd``). The service
     maps the descriptors it receives, never a path: holding the descriptor is the proof that
     the caller may use the file. ``fds`` stay the caller's (the service gets copies).
 

@@ -1,8 +1,8 @@
-"""A CPU engine in a container of its own, as a real engine's would be: its KV cache is a file in
-its own ``/dev/shm``; it reaches kvoffload over TCP for the engine API and over the pool socket
-in a shared volume (``/run/kvoffload``) to register that cache by descriptor (``SCM_RIGHTS``),
-which is what a service with tenants requires. Nothing else is shared: no ``/dev/shm``, PID or
-IPC namespace.
+"""A CPU engine in a container of its own, as a real engine's would be: its KV cache is a memfd
+sealed against shrinking; it reaches kvoffload over TCP for the engine API and over the pool
+socket in a shared volume (``/run/kvoffload``) to register that cache by descriptor
+(``SCM_RIGHTS``), which is what a service with tenants requires. Nothing else is shared: no
+``/dev/shm``, PID or IPC namespace.
 
     cpu-engine store --seed S --blocks N     offload N blocks of S's bytes
     cpu-engine load --seed S --blocks N      look them up, onload them, compare the bytes
@@ -26,13 +26,13 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
 from kvoffload_client import KVOffloadClient
+from kvoffload_client.pool_socket import sealed_memfd
 
 
 def block_key(seed: str, i: int) -> bytes:
@@ -46,15 +46,14 @@ def block_bytes(seed: str, i: int, size: int) -> bytes:
 
 
 class Engine:
-    """One engine: a KV cache of ``2 * blocks`` blocks in a ``/dev/shm`` file, registered by
+    """One engine: a KV cache of ``2 * blocks`` blocks in a sealed memfd, registered by
     descriptor; blocks ``0..blocks-1`` are the ones stored, the rest are loaded into."""
 
     def __init__(self, client: KVOffloadClient, pool_socket: str, blocks: int) -> None:
         self.client = client
         self.blocks = blocks
         self.block_bytes = client.pool().block_bytes
-        self.file = tempfile.NamedTemporaryFile(prefix="cpu-engine-kv-", dir="/dev/shm")  # noqa: SIM115
-        self.file.truncate(2 * blocks * self.block_bytes)
+        self.fd = sealed_memfd(2 * blocks * self.block_bytes, "cpu-engine-kv")
         spec: dict[str, Any] = {
             "name": f"cpu-engine-{os.getpid()}",
             "device": "cpu",
@@ -67,23 +66,23 @@ class Engine:
                 }
             ],
         }
-        fd = os.open(self.file.name, os.O_RDWR)
         try:
-            self.cache = client.register_kv_cache(spec, fds=[fd], pool_socket=pool_socket)
-        finally:
-            os.close(fd)
+            self.cache = client.register_kv_cache(spec, fds=[self.fd], pool_socket=pool_socket)
+        except BaseException:
+            os.close(self.fd)
+            raise
 
     def write(self, block: int, data: bytes) -> None:
-        os.pwrite(self.file.fileno(), data, block * self.block_bytes)
+        os.pwrite(self.fd, data, block * self.block_bytes)
 
     def read(self, block: int) -> bytes:
-        return os.pread(self.file.fileno(), self.block_bytes, block * self.block_bytes)
+        return os.pread(self.fd, self.block_bytes, block * self.block_bytes)
 
     def close(self) -> None:
         try:
             self.client.unregister_kv_cache(self.cache.cache_id)
         finally:
-            self.file.close()
+            os.close(self.fd)
 
 
 def store(engine: Engine, seed: str) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 from kvoffload_client.client import AsyncKVOffloadClient
-from kvoffload_client.pool_socket import PoolShareError, register_kv_cache
+from kvoffload_client.pool_socket import PoolShareError, register_kv_cache, sealed_memfd
 
 from app.core.tenancy import Tenancy
 from app.core.tenants import Credentials
@@ -36,7 +36,7 @@ from tests.api.test_tenancy import (
     tenants_running,
     write_tenants,
 )
-from tests.shm_device import ShmDevice
+from tests.shm_device import MemfdDevice, ShmDevice
 
 pytestmark = pytest.mark.anyio
 
@@ -129,12 +129,6 @@ async def pool_socket(t: Tenants) -> AsyncIterator[str]:
         shutil.rmtree(where)
 
 
-def fd_spec(dev: ShmDevice) -> dict[str, Any]:
-    spec = dev.spec()
-    spec["tensors"][0]["handle"] = {"kind": "shm", "fd": 0}
-    return spec
-
-
 async def by_fd(path: str, spec: dict[str, Any], fd: int, token: str, ns: str) -> dict[str, Any]:
     """Register over the pool socket from another thread (the client blocks)."""
     return await asyncio.to_thread(register_kv_cache, path, spec, [fd], token=token, namespace=ns)
@@ -142,12 +136,11 @@ async def by_fd(path: str, spec: dict[str, Any], fd: int, token: str, ns: str) -
 
 async def test_b_cannot_register_a_s_file_and_learns_nothing_about_files(tmp_path: Path) -> None:
     async with tenants_running(tmp_path) as t, pool_socket(t) as sock:
-        with ShmDevice(4, BLOCK, name="alpha-cache") as dev:
-            fd = os.open(dev.path, os.O_RDWR | os.O_CLOEXEC)
-            try:
-                cache = await by_fd(sock, fd_spec(dev), fd, ALPHA, "a1")
-            finally:
-                os.close(fd)
+        with (
+            ShmDevice(4, BLOCK, name="alpha-cache") as dev,
+            MemfdDevice(4, BLOCK, name="alpha-cache") as sealed,
+        ):
+            cache = await by_fd(sock, sealed.spec(), sealed.fd, ALPHA, "a1")
             assert (cache["name"], cache["num_blocks"]) == ("alpha-cache", 4)
             # beta names alpha's file: refused before anything is opened, and the answer is
             # the same for alpha's file, a missing one, a directory and a file outside /dev/shm.
@@ -202,13 +195,8 @@ async def test_a_cuda_ipc_handle_is_named_not_held_and_refused(tmp_path: Path) -
 
 async def test_a_cache_registered_by_descriptor_offloads_and_onloads(tmp_path: Path) -> None:
     async with tenants_running(tmp_path) as t, pool_socket(t) as sock:
-        with ShmDevice(4, BLOCK) as dev:
-            fd = os.open(dev.path, os.O_RDWR | os.O_CLOEXEC)
-            try:
-                cache_id = (await by_fd(sock, fd_spec(dev), fd, BETA, "b1"))["cache_id"]
-            finally:
-                os.close(fd)
-            os.unlink(dev.path)  # the service holds the mapping, not the name
+        with MemfdDevice(4, BLOCK) as dev:
+            cache_id = (await by_fd(sock, dev.spec(), dev.fd, BETA, "b1"))["cache_id"]
             pattern = dev.fill(0, 21)
             keys = hexkeys(5)
             await t.call(BETA, "PUT", "/v1/requests/r", {})
@@ -225,34 +213,33 @@ async def test_a_cache_registered_by_descriptor_offloads_and_onloads(tmp_path: P
 
 async def test_a_descriptor_must_be_a_regular_file_open_read_write(tmp_path: Path) -> None:
     async with tenants_running(tmp_path) as t, pool_socket(t) as sock:
-        with ShmDevice(4, BLOCK) as dev:
+        with MemfdDevice(4, BLOCK) as dev:
             cases = [
                 (os.O_RDONLY, "not open for reading and writing"),
                 (os.O_WRONLY, "not open for reading and writing"),
             ]
             for flags, message in cases:
-                fd = os.open(dev.path, flags | os.O_CLOEXEC)
+                fd = os.open(f"/proc/self/fd/{dev.fd}", flags | os.O_CLOEXEC)
                 try:
                     with pytest.raises(PoolShareError, match=message) as info:
-                        await by_fd(sock, fd_spec(dev), fd, BETA, "b1")
+                        await by_fd(sock, dev.spec(), fd, BETA, "b1")
                 finally:
                     os.close(fd)
                 assert info.value.reason == "invalid_registration"
             r, w = os.pipe()
             try:
                 with pytest.raises(PoolShareError, match="not a regular file"):
-                    await by_fd(sock, fd_spec(dev), r, BETA, "b1")
+                    await by_fd(sock, dev.spec(), r, BETA, "b1")
             finally:
                 os.close(r)
                 os.close(w)
-            small = os.memfd_create("small")
+            small = sealed_memfd(10, "small")
             try:
-                os.ftruncate(small, 10)
                 with pytest.raises(PoolShareError, match="holds 10 bytes"):
-                    await by_fd(sock, fd_spec(dev), small, BETA, "b1")
+                    await by_fd(sock, dev.spec(), small, BETA, "b1")
                 # A stranger's token: refused by its reason alone.
                 with pytest.raises(PoolShareError) as info:
-                    await by_fd(sock, fd_spec(dev), small, "wrong-token-0000000000000", "b1")
+                    await by_fd(sock, dev.spec(), small, "wrong-token-0000000000000", "b1")
                 assert info.value.reason == "unknown_token"
                 assert "bytes" not in str(info.value)
             finally:
@@ -270,19 +257,15 @@ async def test_an_operator_may_trust_every_caller_with_paths(tmp_path: Path) -> 
 
 async def test_the_client_registers_by_descriptor_with_its_own_credentials(tmp_path: Path) -> None:
     async with tenants_running(tmp_path) as t, pool_socket(t) as sock:
-        with ShmDevice(4, BLOCK, name="via-client") as dev:
-            fd = os.open(dev.path, os.O_RDWR | os.O_CLOEXEC)
-            try:
-                async with AsyncKVOffloadClient("http://e", token=ALPHA, namespace="a2") as c:
-                    cache = await c.register_kv_cache(fd_spec(dev), [fd], pool_socket=sock)
-                    assert "ALPHA" not in repr(c)
-                    assert ALPHA not in repr(c)
-                async with AsyncKVOffloadClient("http://e", token=BETA, namespace="a2") as c:
-                    with pytest.raises(PoolShareError) as info:
-                        await c.register_kv_cache(fd_spec(dev), [fd], pool_socket=sock)
-                    assert info.value.reason == "namespace_denied"
-            finally:
-                os.close(fd)
+        with MemfdDevice(4, BLOCK, name="via-client") as dev:
+            async with AsyncKVOffloadClient("http://e", token=ALPHA, namespace="a2") as c:
+                cache = await c.register_kv_cache(dev.spec(), [dev.fd], pool_socket=sock)
+                assert "ALPHA" not in repr(c)
+                assert ALPHA not in repr(c)
+            async with AsyncKVOffloadClient("http://e", token=BETA, namespace="a2") as c:
+                with pytest.raises(PoolShareError) as info:
+                    await c.register_kv_cache(dev.spec(), [dev.fd], pool_socket=sock)
+                assert info.value.reason == "namespace_denied"
         assert cache.name == "via-client"
         mine = (await t.call(ALPHA, "GET", "/v1/kv-caches", None, "a2")).json()["kv_caches"]
         assert [c["cache_id"] for c in mine] == [cache.cache_id]

@@ -11,10 +11,12 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.exposition import generate_latest
 
 from app.telemetry.metrics import (
+    ListenerConnections,
     LiveRequestRow,
     Metrics,
     ServiceSnapshot,
     failure_reason,
+    register_connections,
     register_tenancy,
 )
 from manager import ReqContext, create_manager
@@ -254,6 +256,8 @@ def test_exported_families_match_the_deploy_catalogue_exactly(manager) -> None:
     met.disk_io("write", 0.002, 3, None)
     met.disk_io("read", 0.001, 2, "r")
     register_tenancy(reg, lambda: (2, 1, False))  # with --tenants, the front registry's
+    # kvoffload serve's listeners (app.server), in the registry /metrics serves.
+    register_connections(reg, lambda: [ListenerConnections("engine", 3, 8, {"peer_cap": 2})])
     exported = {}
     for family in reg.collect():
         name = family.name + ("_total" if family.type == "counter" else "")
@@ -324,3 +328,25 @@ def test_disk_tier_families_follow_its_state() -> None:
     plain = CollectorRegistry()
     Metrics(plain, snapshot=lambda: snapshot_of(manager))
     assert not [f for f in plain.collect() if f.name.startswith("kvoffload_disk")]
+
+
+def test_connection_families_export_every_reason_of_every_listener_from_zero() -> None:
+    reg = CollectorRegistry()
+    rows = [
+        ListenerConnections("engine", 5, 700, {"head_timeout": 4, "listener_cap": 1}),
+        ListenerConnections("admin", 1, 64, {}),
+    ]
+    register_connections(reg, lambda: rows)
+    assert reg.get_sample_value("kvoffload_connections_open", {"listener": "engine"}) == 5
+    assert reg.get_sample_value("kvoffload_connections_max", {"listener": "admin"}) == 64
+    closed = {
+        (s.labels["listener"], s.labels["reason"]): s.value
+        for family in reg.collect()
+        if family.name == "kvoffload_connections_closed"
+        for s in family.samples
+        if s.name.endswith("_total")
+    }
+    assert len(closed) == 8  # 2 listeners x 4 reasons, zeros included: rates start at once
+    assert closed["engine", "head_timeout"] == 4
+    assert closed["engine", "listener_cap"] == 1
+    assert closed["admin", "peer_cap"] == 0

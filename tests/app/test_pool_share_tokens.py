@@ -350,3 +350,47 @@ def test_a_client_with_credentials_gets_the_pool_from_an_open_service(
             assert got.pool_id == "pool-a"
             os.close(got.fd)
         assert written_through(receive_pool(sock_path, token=TOKEN_B), pools["a"])
+
+
+def test_descriptors_held_by_waiting_connections_are_bounded(
+    sock_path: str, pools: dict[str, SharedPool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Connections that pass descriptors and never end their line hold at most
+    ``MAX_PASSED_HELD`` of them together: the oldest such holder is dropped, with what it
+    passed, never the newest (a registration sends its descriptors and line at once)."""
+    from app import pool_share
+
+    monkeypatch.setattr(pool_share, "MAX_PASSED_HELD", 16)
+    spare = os.memfd_create("passed", os.MFD_CLOEXEC)
+    conns = []
+    try:
+        with tenant_server(sock_path, pools, request_timeout_s=30):
+            for _ in range(5):
+                conn = connect(sock_path)
+                socket.send_fds(conn, [b'{"register_kv_cache": {'], [spare] * 8)
+                conns.append(conn)
+            # Each waiting holder keeps 8; past 16 together the oldest go.
+            for conn in conns[:3]:
+                assert json.loads(conn.recv(4096) or b'{"error": "closed"}') == {"error": "closed"}
+            for conn in conns[3:]:
+                conn.settimeout(0.3)
+                with pytest.raises(TimeoutError):
+                    conn.recv(1)  # still waited on
+    finally:
+        for conn in conns:
+            conn.close()
+        os.close(spare)
+
+
+def test_a_connection_in_the_descriptor_reserve_is_closed_at_once(
+    sock_path: str, pools: dict[str, SharedPool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from app import pool_share
+
+    monkeypatch.setattr(pool_share, "in_reserve", lambda fd: True)
+    with tenant_server(sock_path, pools):
+        conn = connect(sock_path)
+        with conn:
+            assert conn.recv(1) == b""  # closed unanswered
+        with pytest.raises(PoolShareError):
+            receive_pool(sock_path, token=TOKEN_A, timeout_s=2)

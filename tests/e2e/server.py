@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -54,7 +54,15 @@ def wait_for(what: str, probe: Callable[[], T | None], within_s: float, every_s:
 class ServerProcess:
     """One ``kvoffload serve`` subprocess and its addresses."""
 
-    def __init__(self, workdir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        *extra: str,
+        env: dict[str, str] | None = None,
+        wrapper: Sequence[str] = (),
+    ) -> None:
+        """``wrapper``: a command line the service runs under (``prlimit ... --``, ``setpriv
+        ...``), before its own."""
         self.port = free_port()
         self.admin_port = free_port()
         self.uds = workdir / "kv.sock"
@@ -62,6 +70,7 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.admin_url = f"http://127.0.0.1:{self.admin_port}"
         self.argv = [
+            *wrapper,
             sys.executable,
             "-m",
             "app.cli",

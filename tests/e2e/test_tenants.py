@@ -212,12 +212,13 @@ def test_kv_caches_register_by_descriptor_and_idle_clients_starve_nobody(
     server: ServerProcess,
 ) -> None:
     # Issue #21 against the real server (uvloop, both sockets): beta cannot register alpha's
-    # file by path (on TCP or the Unix socket) and learns nothing; alpha registers it by passing
-    # its descriptor over the pool socket; 70 idle connections on that socket starve nobody.
-    from tests.shm_device import ShmDevice
+    # file by path (on TCP or the Unix socket) and learns nothing; alpha registers its cache in
+    # a sealed memfd by passing its descriptor over the pool socket; 70 idle connections on
+    # that socket starve nobody.
+    from tests.shm_device import MemfdDevice, ShmDevice
 
     pool_socket = default_pool_socket(str(server.uds))
-    with ShmDevice(4, BLOCK, name="alpha-kv") as dev:
+    with ShmDevice(4, BLOCK, name="alpha-kv") as dev, MemfdDevice(4, BLOCK, "alpha-kv") as mem:
         for beta in (
             KVOffloadClient(server.url, token=BETA),
             KVOffloadClient(uds=str(server.uds), token=BETA),
@@ -226,13 +227,10 @@ def test_kv_caches_register_by_descriptor_and_idle_clients_starve_nobody(
                 beta.register_kv_cache(dev.spec())
             assert (refused.value.status, refused.value.code) == (403, "handle_not_held")
             assert dev.path not in str(refused.value)
-        fd = os.open(dev.path, os.O_RDWR | os.O_CLOEXEC)
         idle = []
         try:
-            spec = dev.spec()
-            spec["tensors"][0]["handle"] = {"kind": "shm", "fd": 0}
             with KVOffloadClient(uds=str(server.uds), token=ALPHA) as alpha:
-                cache = alpha.register_kv_cache(spec, fds=[fd])
+                cache = alpha.register_kv_cache(mem.spec(), fds=[mem.fd])
                 assert [c.cache_id for c in alpha.kv_caches()] == [cache.cache_id]
             for _ in range(70):
                 conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -241,7 +239,6 @@ def test_kv_caches_register_by_descriptor_and_idle_clients_starve_nobody(
             got = receive_pool(pool_socket, timeout_s=5, token=BETA)
             os.close(got.fd)
         finally:
-            os.close(fd)
             for conn in idle:
                 conn.close()
     assert "Traceback" not in server.log()

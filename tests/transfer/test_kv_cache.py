@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import base64
 import copy
+import ctypes
+import fcntl
+import gc
 import logging
 import os
 from typing import Any
 
 import pytest
 import torch
+from kvoffload_client.pool_socket import sealed_memfd
 
 from tests.shm_device import shm_spec
 from tests.transfer.helpers import write_shm_tensors
@@ -17,6 +21,7 @@ from transfer import (
     KVCacheRegistry,
     KVCacheSpec,
     RegistrationError,
+    RegistrationLimitError,
     TensorSpec,
     UnknownCacheError,
     export_cuda_ipc_handle,
@@ -503,23 +508,150 @@ def test_a_registration_on_another_gpu_is_refused(make_pool, two_gpus, monkeypat
         KVCacheSpec.from_dict({**ipc_body(ipc_handle()), "device_uuid": "cuda:1"})
 
 
+def memfds_like(paths: list[str]) -> list[int]:
+    """Sealed memfds holding copies of the files at ``paths`` (what a tenant passes)."""
+    fds = []
+    for path in paths:
+        with open(path, "rb") as f:
+            data = f.read()
+        fd = sealed_memfd(len(data))
+        os.pwrite(fd, data, 0)
+        fds.append(fd)
+    return fds
+
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def maps_of(name: str) -> int:
+    """Mappings of this process whose file is the memfd ``name``."""
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if f"/memfd:{name} " in line + " ")
+
+
 def test_a_passed_descriptor_is_mapped_shared_and_no_path_is_opened(registry, files) -> None:
     spec = body(files)
-    fds = [os.open(path, os.O_RDWR | os.O_CLOEXEC) for path in files]
+    fds = memfds_like(files)
     try:
         for i, tensor in enumerate(spec["tensors"]):
             tensor["handle"] = {"kind": "shm", "fd": 1 - i}  # any order
         fds.reverse()
-        for path in files:
-            os.rename(path, path + ".moved")  # the service never looks the names up
         cache = registry.register(KVCacheSpec.from_dict(spec), fds)
+        cache.tensors[1][5] = 42
+        assert os.pread(fds[0], 1, 5) == b"\x2a"
     finally:
         for fd in fds:
             os.close(fd)  # the registry keeps its own mapping
-    cache.tensors[1][5] = 42
-    with open(files[1] + ".moved", "rb") as f:
-        f.seek(5)
-        assert f.read(1) == b"\x2a"
+    assert cache.tensors[1][5] == 42
+
+
+def test_a_descriptor_must_be_a_sealed_memfd(registry, files, tmp_path) -> None:
+    """A file its holder can shrink (or a sparse file on a full tmpfs) would fault the
+    service's copies: only a memfd sealed against shrinking is taken, and nothing is mapped."""
+    spec = body(files)
+    for tensor in spec["tensors"]:
+        tensor["handle"] = {"kind": "shm", "fd": 0}
+    nbytes = max(os.path.getsize(p) for p in files)
+    on_disk = tmp_path / "on-disk"
+    on_disk.write_bytes(b"\0" * nbytes)
+    unsealed = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+    os.ftruncate(unsealed, nbytes)
+    grow_only = os.memfd_create("grow-only", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(grow_only, nbytes)
+    fcntl.fcntl(grow_only, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW)
+    candidates = {
+        "a /dev/shm file": os.open(files[0], os.O_RDWR | os.O_CLOEXEC),
+        "a file on disk": os.open(on_disk, os.O_RDWR | os.O_CLOEXEC),
+        "an unsealed memfd": unsealed,
+        "a memfd sealed against growing only": grow_only,
+    }
+    try:
+        for what, fd in candidates.items():
+            with pytest.raises(RegistrationError, match="not a memfd sealed against shrinking"):
+                registry.register(KVCacheSpec.from_dict(spec), [fd])
+            assert len(registry) == 0, what
+    finally:
+        for fd in candidates.values():
+            os.close(fd)
+
+
+def test_a_sealed_memfd_cannot_be_shrunk_under_the_service(registry, files) -> None:
+    spec = body(files)
+    fds = memfds_like(files)
+    for i, tensor in enumerate(spec["tensors"]):
+        tensor["handle"] = {"kind": "shm", "fd": i}
+    try:
+        cache = registry.register(KVCacheSpec.from_dict(spec), fds)
+        with pytest.raises(PermissionError):
+            os.ftruncate(fds[0], 0)
+        # A hole punched in it reads as zeros and is backed again on write: no fault.
+        fallocate = ctypes.CDLL(None, use_errno=True).fallocate
+        fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+        punch = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+        assert fallocate(fds[0], punch, 0, os.fstat(fds[0]).st_size) == 0
+        assert int(cache.tensors[0].sum()) == 0
+        cache.tensors[0].fill_(7)
+        assert os.pread(fds[0], 2, 0) == b"\x07\x07"
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_one_mapping_per_file_however_many_tensors_name_it(make_pool) -> None:
+    """3,000 tensors naming one passed descriptor (the attack that held 19,966 of 20,000
+    descriptors with 23 registrations) map the file once and keep no descriptor open."""
+    block = 64
+    registry = KVCacheRegistry(make_pool(4, 3000 * block, pin=False))
+    name = "one-file-many-tensors"
+    fd = sealed_memfd(4 * block, name)
+    tensor = {"shape": [4, block], "dtype": "uint8", "block_dim": 0}
+    spec = {
+        "name": "many",
+        "device": "cpu",
+        "tensors": [{**tensor, "handle": {"kind": "shm", "fd": 0}} for _ in range(3000)],
+    }
+    try:
+        before = fd_count()
+        caches = [
+            registry.register(KVCacheSpec.from_dict({**spec, "name": f"many-{i}"}), [fd])
+            for i in range(3)
+        ]
+        assert fd_count() == before
+        assert maps_of(name) == 3  # one per registration, not one per tensor
+        assert [c.mapped_bytes for c in caches] == [4 * block] * 3
+        caches[0].tensors[2999][block] = 9  # every tensor is a view of the one mapping
+        assert os.pread(fd, 1, block) == b"\x09"
+        for cache in caches:
+            registry.unregister(cache.cache_id)
+        del caches, cache
+        gc.collect()
+        assert maps_of(name) == 0  # the last view gone, the mapping goes
+    finally:
+        os.close(fd)
+
+
+def test_registrations_and_mapped_bytes_are_bounded(make_pool, files) -> None:
+    registry = KVCacheRegistry(make_pool(16, BLOCK_BYTES, pin=False), max_caches=2)
+    spec = body(files)
+    size = sum(os.path.getsize(p) for p in files)
+    first = registry.register(KVCacheSpec.from_dict({**spec, "name": "a"}))
+    registry.register(KVCacheSpec.from_dict({**spec, "name": "b"}))
+    with pytest.raises(RegistrationLimitError, match="max_registrations limit of 2") as refused:
+        registry.register(KVCacheSpec.from_dict({**spec, "name": "c"}))
+    assert refused.value.limit == "max_registrations"
+    assert sorted(c.name for c in registry.list()) == ["a", "b"]
+    # Registering a name again replaces it: no more held.
+    again = registry.register(KVCacheSpec.from_dict({**spec, "name": "a"}))
+    assert again.cache_id != first.cache_id
+    assert registry.mapped_bytes() == 2 * size
+    registry.max_caches, registry.max_bytes = None, 2 * size + size - 1
+    with pytest.raises(RegistrationLimitError, match="max_mapped_bytes"):
+        registry.register(KVCacheSpec.from_dict({**spec, "name": "c"}))
+    assert len(registry) == 2
+    registry.max_bytes = 3 * size
+    registry.register(KVCacheSpec.from_dict({**spec, "name": "c"}))
+    assert registry.mapped_bytes() == 3 * size
 
 
 def test_a_descriptor_handle_needs_its_descriptor(registry, files) -> None:
@@ -528,13 +660,13 @@ def test_a_descriptor_handle_needs_its_descriptor(registry, files) -> None:
         tensor["handle"] = {"kind": "shm", "fd": 0}
     with pytest.raises(RegistrationError, match="passed over the pool socket"):
         registry.register(KVCacheSpec.from_dict(spec))  # an HTTP call: none can come
-    fd = os.open(files[0], os.O_RDWR | os.O_CLOEXEC)
+    fds = memfds_like(files[:1])
     try:
         spec["tensors"][1]["handle"] = {"kind": "shm", "fd": 1}
         with pytest.raises(RegistrationError, match=r"tensors\[1\].handle.fd is 1, but 1"):
-            registry.register(KVCacheSpec.from_dict(spec), [fd])
+            registry.register(KVCacheSpec.from_dict(spec), fds)
     finally:
-        os.close(fd)
+        os.close(fds[0])
     spec["tensors"][0]["handle"] = {"kind": "shm", "fd": 0, "path": files[0]}
     with pytest.raises(RegistrationError, match="path or fd, not both"):
         KVCacheSpec.from_dict(spec)
