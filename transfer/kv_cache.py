@@ -567,7 +567,8 @@ class KVCacheRegistry:
                 f"bytes per block summed over the tensors is {per_block} ({detail}{more}), "
                 f"but the host pool's block_bytes is {self.pool.block_bytes}"
             )
-        self._check_limits(spec.name, 1, 0)  # the count now, before anything is mapped
+        with self._lock:  # the count now, before anything is mapped
+            self._check_limits_locked(spec.name, 0)
         mapped: list[torch.Tensor] = []
         devices: list[str] = []
         files = _Files()
@@ -592,11 +593,11 @@ class KVCacheRegistry:
                     tensor = _open_cuda_ipc(t, i, device, uuid)
                     mapped.append(tensor)
                     devices.append(str(tensor.device))
-            files.close()
         except BaseException:
-            files.close()
             mapped.clear()  # drops the mappings now (the only references)
             raise
+        finally:
+            files.close()
         layouts = _layouts([(t.outer, t.inner_bytes, t.num_blocks) for t in spec.tensors], devices)
         cache = RegisteredCache(
             cache_id=_new_id(),
@@ -608,11 +609,7 @@ class KVCacheRegistry:
             tensors=tuple(mapped),
             mapped_bytes=files.mapped_bytes,
         )
-        try:
-            self._publish(cache, spec.lease_s)
-        except BaseException:
-            mapped.clear()
-            raise
+        self._publish(cache, spec.lease_s)
         return cache
 
     def register_tensors(
@@ -742,16 +739,12 @@ class KVCacheRegistry:
         with self._lock:
             return sum(c.mapped_bytes for c in self._caches.values())
 
-    def _check_limits(self, name: str, adding: int, adding_bytes: int) -> None:
-        with self._lock:
-            self._check_limits_locked(name, adding, adding_bytes)
-
-    def _check_limits_locked(self, name: str, adding: int, adding_bytes: int) -> None:
-        """Refuse ``adding`` more registrations of ``adding_bytes`` under ``name`` (which
-        replaces the registration of that name, if any) past ``max_caches`` or ``max_bytes``."""
+    def _check_limits_locked(self, name: str, adding_bytes: int) -> None:
+        """Refuse one more registration of ``adding_bytes`` under ``name`` (which replaces the
+        registration of that name, if any) past ``max_caches`` or ``max_bytes``."""
         kept = [c for c in self._caches.values() if c.name != name]
         limit = self.max_caches
-        if limit is not None and len(kept) + adding > limit:
+        if limit is not None and len(kept) + 1 > limit:
             raise RegistrationLimitError(
                 "max_registrations",
                 limit,
@@ -769,7 +762,7 @@ class KVCacheRegistry:
 
     def _publish(self, cache: RegisteredCache, lease_s: float | None = None) -> None:
         with self._lock:
-            self._check_limits_locked(cache.name, 1, cache.mapped_bytes)
+            self._check_limits_locked(cache.name, cache.mapped_bytes)
             for old_id in [cid for cid, c in self._caches.items() if c.name == cache.name]:
                 del self._caches[old_id]
                 self._leases.pop(old_id, None)
