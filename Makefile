@@ -171,6 +171,7 @@ bench: setup
 	$(PY) bench/tenant_isolation.py
 	$(PY) bench/log_flood.py
 	$(PY) bench/pool_idle.py
+	$(PY) bench/tenant_hardening.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis bench/results

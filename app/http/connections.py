@@ -210,15 +210,15 @@ class GuardedProtocol(HttpToolsProtocol):
         if self.guard_phase == IDLE:
             self.guard_since = self.loop.time()
         self.guard_phase = HEAD
-        super().on_message_begin()
+        HttpToolsProtocol.on_message_begin(self)  # no super object per request
 
     def on_headers_complete(self) -> None:
         self.guard_phase = BODY
-        super().on_headers_complete()
+        HttpToolsProtocol.on_headers_complete(self)
 
     def on_message_complete(self) -> None:
         self.guard_phase = IDLE
-        super().on_message_complete()
+        HttpToolsProtocol.on_message_complete(self)
 
 
 class ConnectionGuard:
