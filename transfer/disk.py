@@ -12,8 +12,11 @@ meet). ``root`` holds one file of its own besides the namespaces' directories:
 and the namespace's directory holds:
 
 - ``blocks``: slot ``i`` at offset ``i x slot_bytes`` (``block_bytes`` rounded up to 4 KiB).
-  Sparse: a slot takes disk space once written. Written and read with ``O_DIRECT`` when the
-  filesystem and the block size allow it (``direct``), buffered otherwise.
+  Allocated to its full size when the store opens (``posix_fallocate``; ``preallocated``), after
+  checking that the filesystem has room for both files (``DiskSpaceError`` otherwise, before
+  anything is read or allocated). Written and read with ``O_DIRECT`` when the filesystem and
+  the block size allow it (``direct``), buffered otherwise; runs of adjacent slots go in one
+  ``preadv`` / ``pwritev`` (``RUN_BYTES`` at most).
 - ``index``: a 4 KiB header (magic ``KVODISK1``, format version ``FORMAT_VERSION``, block and
   slot size, slot count), then one 128-byte entry per slot: magic ``KVO2``, key length, write
   sequence number, key (64 bytes, zero padded), the block's MAC (keyed BLAKE3, 32 bytes, over
@@ -49,8 +52,9 @@ it), never returned as good. The keys are readable by the service alone: someone
 write the files but not read ``.key`` can still not make a block or an entry that passes (an
 unkeyed checksum, as format 1's xxh3, anyone can recompute).
 
-Restart: ``open`` reads the index file in one pass (128 bytes per slot: 512 MiB for 1 TB of
-256 KiB blocks, a sequential read) and keeps the entries whose own MAC holds; ``listed()``
+Restart: ``open`` reads the index file in one sequential pass, ``_INDEX_CHUNK`` bytes at a
+time (128 bytes per slot: 512 MiB for 1 TB of 256 KiB blocks; empty entries skipped in C), and
+keeps the entries whose own MAC holds; ``listed()``
 returns them oldest write first. An entry that is not empty and fails its MAC (forged, torn,
 written under another key or into another directory) is cleared and counted in
 ``checksum_failures`` and ``unauthenticated_dropped``. An index of another format version (format
@@ -67,9 +71,12 @@ Faults: an ``OSError`` on a write (disk full, read-only, I/O error) or a read ma
 ``degraded`` (``health()``); the failed blocks are reported failed, nothing raises out of the
 data calls. ``probe()`` tries a real write and returns the store to ``ok`` when it works.
 
-Data calls run their blocks on a small pool of I/O threads (``io_threads``); they block the
-caller, so the service calls them off its event loop. The MACs (BLAKE3, about 5.5 GiB/s a core
-at 1 MiB blocks) release the GIL.
+Data calls run their blocks on a small pool of I/O threads (``io_threads``: the requests in
+flight); they block the caller, so the service calls them off its event loop. The MACs
+(BLAKE3, about 4-5.5 GiB/s a core at 1 MiB blocks; it releases the GIL) run on MAC threads
+(one per core, ``io_threads`` at most): a read's I/O thread hands its run's checks over and
+issues its next read at once, and a write's MACs are computed while its bytes are written, so
+no I/O thread waits on a hash and the disk keeps ``io_threads`` requests in flight.
 """
 
 from __future__ import annotations
@@ -86,10 +93,12 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 
+import numpy as np
 from blake3 import blake3
 
 from transfer.errors import TransferError
@@ -102,6 +111,7 @@ __all__ = [
     "KEY_FILE",
     "DiskError",
     "DiskHealth",
+    "DiskSpaceError",
     "DiskStore",
     "block_mac",
     "disk_bytes_for",
@@ -166,6 +176,18 @@ class DiskError(TransferError):
     the fix)."""
 
 
+class DiskSpaceError(DiskError):
+    """The filesystem under the tier's directory has less free space than the store needs
+    (``disk_bytes`` asks for more than there is). ``needed``: the bytes the store's files take
+    at their full size; ``available``: the filesystem's free bytes plus what the store's files
+    already hold (a restart keeps them). Raised at open, before the blocks file is allocated."""
+
+    def __init__(self, message: str, *, needed: int, available: int) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.available = available
+
+
 def slots_for(disk_bytes: int, block_bytes: int) -> int:
     """How many block slots fit in ``disk_bytes`` with the index, the probe page and the
     directory's own page."""
@@ -191,6 +213,16 @@ def disk_bytes_for(slots: int, block_bytes: int) -> int:
 def min_disk_bytes(block_bytes: int) -> int:
     """The smallest ``disk_bytes`` that holds one block of ``block_bytes``."""
     return disk_bytes_for(1, block_bytes)
+
+
+def _human(n: int) -> str:
+    """``n`` bytes in the largest binary unit that keeps it >= 1 (one decimal)."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.1f} {unit}" if unit != "B" else f"{n} B"
+        size /= 1024
+    raise AssertionError("unreachable")
 
 
 def _index_pages(num_slots: int) -> int:
@@ -592,9 +624,11 @@ class DiskStore:
             except BlockingIOError:
                 raise DiskError(f"{directory} is in use by another process") from None
             self._data_fd = _open_file(self._dir_fd, directory, "blocks", os.O_RDWR)
-            self.direct = self._set_direct(direct)
             self._index_fd = _open_file(self._dir_fd, directory, "index", os.O_RDWR)
             self._check_probe()
+            # Before anything costs time or memory per slot (the index read, the allocation):
+            # a tier larger than its filesystem is refused at once.
+            self._check_space()
             self.index = _IndexFile(
                 self._index_fd,
                 self._data_fd,
@@ -603,6 +637,8 @@ class DiskStore:
                 self.slot_bytes,
                 num_slots,
             )
+            self.preallocated = self._preallocate()
+            self.direct = self._set_direct(direct)
         except OSError as exc:
             self._close_fds()
             raise DiskError(f"cannot use {directory}: {exc.strerror or exc}") from None
@@ -616,6 +652,11 @@ class DiskStore:
         self._staging = mmap.mmap(-1, max(1, staging_blocks) * self.slot_bytes)
         self._staging_free = list(range(staging_blocks - 1, -1, -1))
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoffload-disk")
+        # MAC threads: the I/O threads hand them the hashing, so that each I/O thread issues
+        # its next request at once. More than the cores would only queue on them.
+        self._macs = ThreadPoolExecutor(
+            max(1, min(io_threads, os.cpu_count() or 1)), thread_name_prefix="kvoffload-disk-mac"
+        )
         self._mutex = threading.Lock()
         self._held: dict[int, int] = {}  # pool slots a read still writes into -> count
         self._state: DiskState = "ok"
@@ -630,6 +671,54 @@ class DiskStore:
         self.preadv: Callable[[int, list[memoryview], int], int] = os.preadv
 
     # ------------------------------------------------------------------ opening
+
+    def _check_space(self) -> None:
+        """``DiskSpaceError`` when the files at their full size (``disk_bytes_for`` the slot
+        count) exceed the filesystem's free space plus what the store's files already hold (a
+        restart reuses them; a fresh start frees them). ``f_bavail``: the space an unprivileged
+        user may take, so root's reserve is never counted on."""
+        needed = disk_bytes_for(self.num_slots, self.block_bytes)
+        vfs = os.fstatvfs(self._dir_fd)
+        free = vfs.f_bavail * vfs.f_frsize
+        held = sum(os.fstat(fd).st_blocks * 512 for fd in (self._data_fd, self._index_fd))
+        available = free + held
+        if needed > available:
+            raise DiskSpaceError(
+                f"{self.directory}: the disk tier needs {needed} bytes ({_human(needed)}: "
+                f"{self.num_slots} slots of {self.slot_bytes} bytes and their index) but its "
+                f"filesystem has {available} bytes ({_human(available)}) free, this tier's "
+                f"files included; fix: set disk_bytes to at most {available}, or free space "
+                "on that filesystem",
+                needed=needed,
+                available=available,
+            )
+
+    def _preallocate(self) -> bool:
+        """Allocate the blocks file to its full size now (``posix_fallocate``): its space is
+        taken at start, and its extents are laid out at once rather than slot by slot as
+        writes come (concurrent O_DIRECT writes into holes scatter them; ext4 also journals
+        each such allocation). Whether it was done (False: the filesystem cannot; the space
+        was still checked). ``DiskSpaceError`` when the filesystem filled up meanwhile.
+
+        The index is not preallocated: 128 B per slot, it grows page by page as written, so
+        a filesystem that fills up later still shows as a failed demotion and a degraded tier
+        (``health``) rather than going unnoticed until the next start."""
+        try:
+            os.posix_fallocate(self._data_fd, 0, self.num_slots * self.slot_bytes)
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                return False
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                needed = disk_bytes_for(self.num_slots, self.block_bytes)
+                raise DiskSpaceError(
+                    f"{self.directory}: the disk tier needs {needed} bytes "
+                    f"({_human(needed)}) but its filesystem filled up while they were "
+                    "allocated; fix: lower disk_bytes, or free space on that filesystem",
+                    needed=needed,
+                    available=0,
+                ) from None
+            raise
+        return True
 
     def _set_direct(self, direct: bool | None) -> bool:
         """Turn ``O_DIRECT`` on for the blocks file where asked and allowed; whether it is on.
@@ -674,7 +763,9 @@ class DiskStore:
 
     def stage(self, pool_slots: Sequence[int]) -> list[int] | None:
         """Copy pool slots into free staging buffers (on the caller's thread, before the pool
-        slots are reused); their buffer ids, or None when too few are free (nothing copied)."""
+        slots are reused); their buffer ids, or None when too few are free (nothing copied).
+        One thread: a second one copying half (measured) moved no more bytes a second, the
+        copy being bound by the memory's bandwidth, not the core."""
         with self._mutex:
             if len(self._staging_free) < len(pool_slots):
                 return None
@@ -722,27 +813,37 @@ class DiskStore:
         sb, first = self.slot_bytes, run[0][0]
         staging = memoryview(self._staging)
         views = [staging[buf * sb : (buf + 1) * sb] for _, _, buf in run]
+        keys = [key for _, key, _ in run]
+        # The MACs are computed on a MAC thread while this one writes (the staged bytes do not
+        # change meanwhile): the write's time is not followed by the hashing's.
+        hashing: Future[list[bytes]] | None = None
+        with contextlib.suppress(RuntimeError):  # MAC threads shut down: hashed below
+            hashing = self._macs.submit(self._block_macs, keys, views)
         try:
             self.index.clear(first, len(run))
             written = self.pwritev(self._data_fd, views, first * sb)
             if written != sb * len(run):
                 raise OSError(errno.EIO, f"short write ({written} of {sb * len(run)} bytes)")
-            macs = [
-                block_mac(self._keys.block, key, v[: self.block_bytes])
-                for (_, key, _), v in zip(run, views, strict=True)
-            ]
-            self.index.write(first, [(key, m) for (_, key, _), m in zip(run, macs, strict=True)])
+            macs = self._block_macs(keys, views) if hashing is None else hashing.result()
+            self.index.write(first, list(zip(keys, macs, strict=True)))
         except OSError as exc:
             self._failed("write", exc)
             self._count("write_failures", len(run))
             return [False] * len(run)
         finally:
-            for v in views:
-                v.release()
+            if hashing is not None:
+                futures_wait([hashing])  # it reads the views released below
+            _release(views)
             staging.release()
         self._count("writes", len(run))
         self._count("bytes_written", sb * len(run))
         return [True] * len(run)
+
+    def _block_macs(self, keys: list[bytes], views: list[memoryview]) -> list[bytes]:
+        """The MAC of each staged block (``views``: whole slots; the MAC covers the block's
+        bytes only)."""
+        bb = self.block_bytes
+        return [block_mac(self._keys.block, k, v[:bb]) for k, v in zip(keys, views, strict=True)]
 
     def _run_blocks(self, block_bytes: int) -> int:
         return max(1, min(_IOV_MAX, RUN_BYTES // block_bytes))
@@ -799,8 +900,7 @@ class DiskStore:
                         del self._held[pool_slot]
             done.set_result(results)
 
-        def ran(run: list[int], future: Future[list[bool]]) -> None:
-            oks = [False] * len(run) if future.exception() else future.result()
+        def ran(run: list[int], oks: list[bool]) -> None:
             for i, ok in zip(run, oks, strict=True):
                 results[i] = ok
             with self._mutex:
@@ -813,8 +913,9 @@ class DiskStore:
             settle()
             return done
         for at, run in enumerate(runs):
+            finish = _Once(functools.partial(ran, run), len(run))
             try:
-                future = self._pool.submit(self._read_run, [items[i] for i in run])
+                future = self._pool.submit(self._read_run, [items[i] for i in run], finish)
             except RuntimeError:  # the store closed: this run and the rest read nothing
                 self._count("read_failures", sum(len(r) for r in runs[at:]))
                 with self._mutex:
@@ -823,16 +924,21 @@ class DiskStore:
                 if last:
                     settle()
                 break
-            future.add_done_callback(functools.partial(ran, run))
+            # A run whose task raised (a bug, not an I/O error: those are caught) reads as
+            # failed rather than leaving the load waiting forever.
+            future.add_done_callback(finish.on_error)
         return done
 
-    def _read_run(self, run: list[tuple[int, bytes, int]]) -> list[bool]:
+    def _read_run(self, run: list[tuple[int, bytes, int]], finish: _Once) -> None:
         """Read contiguous slots straight into their pool slots in one call (O_DIRECT: the
-        pool slots are page-aligned whole pages, as ``direct`` requires), then check each
-        against its entry's MAC (a False slot holds bytes nobody may use)."""
+        pool slots are page-aligned whole pages, as ``direct`` requires), then hand the MAC
+        checks to the MAC threads, so that this I/O thread starts its next read at once (the
+        disk keeps ``io_threads`` reads in flight). ``finish`` gets, per block, whether it
+        was read and matches its MAC (a False slot holds bytes nobody may use)."""
         if self._closed:
             self._count("read_failures", len(run))
-            return [False] * len(run)
+            finish([False] * len(run))
+            return
         pool = self.pool.tensor
         dests = [pool[pool_slot].numpy().data for _, _, pool_slot in run]
         want = self.block_bytes * len(run)
@@ -840,6 +946,28 @@ class DiskStore:
             got = self.preadv(self._data_fd, dests, run[0][0] * self.slot_bytes)
             if got != want:
                 raise OSError(errno.EIO, f"short read ({got} of {want} bytes)")
+        except OSError as exc:
+            _release(dests)
+            self._failed("read", exc)
+            self._count("read_failures", len(run))
+            finish([False] * len(run))
+            return
+        except BaseException:
+            _release(dests)
+            raise
+        try:
+            checking = self._macs.submit(self._check_run, run, dests, finish)
+        except RuntimeError:  # the MAC threads are shut down (closing): check here
+            self._check_run(run, dests, finish)
+            return
+        checking.add_done_callback(finish.on_error)
+
+    def _check_run(
+        self, run: list[tuple[int, bytes, int]], dests: list[memoryview], finish: _Once
+    ) -> None:
+        """Check each block read into ``dests`` against its entry's MAC (keyed BLAKE3, the
+        GIL released while it hashes), release the views, and ``finish`` with the result."""
+        try:
             ok = []
             for (slot, key, _), dest in zip(run, dests, strict=True):
                 entry = self.index.entries.get(slot)
@@ -848,18 +976,13 @@ class DiskStore:
                     and entry.key == key
                     and hmac.compare_digest(block_mac(self._keys.block, key, dest), entry.mac)
                 )
-        except OSError as exc:
-            self._failed("read", exc)
-            self._count("read_failures", len(run))
-            return [False] * len(run)
         finally:
-            for dest in dests:
-                dest.release()
+            _release(dests)
         good = ok.count(True)
         self._count("checksum_failures", len(run) - good)
         self._count("reads", good)
         self._count("bytes_read", self.block_bytes * good)
-        return ok
+        finish(ok)
 
     def held_slots(self) -> frozenset[int]:
         """Pool slots a read still writes into (a caller that gave up waiting must not reuse
@@ -941,7 +1064,8 @@ class DiskStore:
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)  # first: its tasks hand work to the MAC threads
+        self._macs.shutdown(wait=True)
         self._close_fds()
         self._staging.close()
 
@@ -998,17 +1122,15 @@ class _IndexFile:
             os.ftruncate(fd, 0)
             os.ftruncate(data_fd, 0)
         else:
-            raw = os.pread(fd, num_slots * ENTRY_BYTES, HEADER_BYTES)
             bad: list[int] = []
-            for slot in range(len(raw) // ENTRY_BYTES):
-                chunk = raw[slot * ENTRY_BYTES : (slot + 1) * ENTRY_BYTES]
-                if chunk == _EMPTY:
-                    continue
-                entry = _parse_entry(chunk, entry_key)
-                if entry is None:
-                    bad.append(slot)
-                else:
-                    self.entries[slot] = entry
+            span = min(size - HEADER_BYTES, num_slots * ENTRY_BYTES)
+            for first, raw in _index_chunks(fd, span):
+                for i in _nonempty(raw):
+                    entry = _parse_entry(raw[i * ENTRY_BYTES : (i + 1) * ENTRY_BYTES], entry_key)
+                    if entry is None:
+                        bad.append(first + i)
+                    else:
+                        self.entries[first + i] = entry
             # Cleared, so that the next start neither counts them again nor finds them.
             for slot in bad:
                 os.pwrite(fd, _EMPTY, HEADER_BYTES + slot * ENTRY_BYTES)
@@ -1067,11 +1189,70 @@ class _IndexFile:
 def _count_listed(fd: int, size: int, version: int) -> int:
     """Entries an index of another format version lists (format 1: those with its magic; a
     later one's layout is unknown: every entry that is not empty)."""
-    raw = os.pread(fd, max(0, size - HEADER_BYTES), HEADER_BYTES)
-    chunks = (raw[i : i + ENTRY_BYTES] for i in range(0, len(raw) - ENTRY_BYTES + 1, ENTRY_BYTES))
-    if version == 1:
-        return sum(1 for c in chunks if c[:4] == _V1_ENTRY_MAGIC)
-    return sum(1 for c in chunks if c != _EMPTY)
+    n = 0
+    for _, raw in _index_chunks(fd, max(0, size - HEADER_BYTES)):
+        if version == 1:
+            rows = np.frombuffer(raw, np.uint8).reshape(-1, ENTRY_BYTES)[:, :4]
+            magic = np.frombuffer(_V1_ENTRY_MAGIC, np.uint8)
+            n += int(np.count_nonzero((rows == magic).all(axis=1)))
+        else:
+            n += len(_nonempty(raw))
+    return n
+
+
+#: Bytes of the index read at a time at open: memory at open stays this, plus the entries
+#: listed, whatever the slot count (a whole-file read took 128 B per slot at once).
+_INDEX_CHUNK = 4 << 20
+
+
+def _index_chunks(fd: int, nbytes: int) -> Iterator[tuple[int, bytes]]:
+    """The first ``nbytes`` of the index's entries (whole entries only), ``_INDEX_CHUNK``
+    bytes at a time: (slot of the chunk's first entry, its bytes)."""
+    nbytes -= nbytes % ENTRY_BYTES
+    done = 0
+    while done < nbytes:
+        raw = os.pread(fd, min(_INDEX_CHUNK, nbytes - done), HEADER_BYTES + done)
+        raw = raw[: len(raw) - len(raw) % ENTRY_BYTES]
+        if not raw:  # the file ended early (shrunk meanwhile): nothing more is listed
+            return
+        yield done // ENTRY_BYTES, raw
+        done += len(raw)
+
+
+def _nonempty(raw: bytes) -> list[int]:
+    """Indices of the entries in ``raw`` that are not all zero bytes (in C: an index of
+    millions of empty slots is scanned without a Python step per slot)."""
+    if not raw or raw.count(0) == len(raw):
+        return []
+    rows = np.frombuffer(raw, np.uint8).reshape(-1, ENTRY_BYTES)
+    return [int(i) for i in np.flatnonzero(rows.any(axis=1))]
+
+
+class _Once:
+    """A run's completion: calls ``done(oks)`` the first time it is called, never again (a
+    run is finished by its read, its MAC check, or the error handler of whichever raised)."""
+
+    def __init__(self, done: Callable[[list[bool]], None], n: int) -> None:
+        self._done: Callable[[list[bool]], None] | None = done
+        self._n = n
+        self._lock = threading.Lock()
+
+    def __call__(self, oks: list[bool]) -> None:
+        with self._lock:
+            done, self._done = self._done, None
+        if done is not None:
+            done(oks)
+
+    def on_error(self, future: Future[None]) -> None:
+        """Done callback of a task that should have finished the run: finish it as failed if
+        the task raised (a no-op when it finished the run already)."""
+        if future.exception() is not None:
+            self([False] * self._n)
+
+
+def _release(views: list[memoryview]) -> None:
+    for v in views:
+        v.release()
 
 
 def _runs(order: list[int], slot_of: Callable[[int], int], cap: int) -> list[list[int]]:

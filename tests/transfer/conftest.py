@@ -16,6 +16,7 @@ from tests.shm_device import SHM_DIR
 from tests.transfer.helpers import ShmCache, build_shm_cache
 from tests.transfer.kvref import unique_prefix
 from transfer import HostPool, KVCacheRegistry
+from transfer.disk import DiskStore
 
 
 @pytest.fixture
@@ -52,3 +53,12 @@ def shm_cache(shm_prefix: str) -> Callable[..., ShmCache]:
         return build_shm_cache(registry, f"{shm_prefix}-c{count[0]}", n, seed, device)
 
     return build
+
+
+@pytest.fixture
+def stores() -> Iterator[list[DiskStore]]:
+    """Disk stores a test opens (append them): closed after it."""
+    opened: list[DiskStore] = []
+    yield opened
+    for store in opened:
+        store.close()

@@ -179,7 +179,8 @@ def test_an_index_of_another_block_size_starts_empty(
     s2 = DiskStore(str(directory), other, 8)
     try:
         assert s2.listed() == []
-        assert os.path.getsize(directory / "blocks") == 0
+        # Emptied, then allocated afresh at its full size: none of the old bytes is left.
+        assert (directory / "blocks").read_bytes() == bytes(8 * 2 * BLOCK)
     finally:
         s2.close()
     # And back at the first size: still empty (the other size rewrote the header).
