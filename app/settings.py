@@ -36,7 +36,14 @@ from typing import Any, Literal, TypeVar, get_args
 from kvoffload_client.client import TokenFileError
 from kvoffload_client.client import read_token_file as read_private_token_file
 from kvoffload_client.pool_socket import default_pool_socket
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 from pydantic_settings import (
@@ -550,6 +557,14 @@ class Settings(AdminAuth):
     event_buffer_size: int = Field(default=65536, gt=0, description="KV events kept")
     max_finished_jobs: int = Field(default=10000, gt=0, description="finished jobs kept")
 
+    # The tiers below the pool, in order (each one's settings follow: disk_*, remote_*).
+    tiers: list[str] | None = Field(
+        default=None,
+        description="tiers below the pool, in order, comma-separated (e.g. disk,remote): a "
+        "lookup names the first that holds a key; default: each tier configured (disk, then "
+        "remote)",
+    )
+
     # Remote tier: a store shared by nodes, behind the host pool (off by default).
     remote_tier: RemoteTierName = Field(
         default="none", description="remote tier behind the pool: none or mooncake"
@@ -746,9 +761,9 @@ class Settings(AdminAuth):
     def _lower_level(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value
 
-    @field_validator("shadow_policies", mode="before")
+    @field_validator("shadow_policies", "tiers", mode="before")
     @classmethod
-    def _split_policies(cls, value: Any) -> Any:
+    def _split_names(cls, value: Any, info: ValidationInfo) -> Any:
         # Flags and env give "lru,arc"; a JSON list (env, config file) is taken as it is.
         if isinstance(value, str):
             text = value.strip()
@@ -757,7 +772,7 @@ class Settings(AdminAuth):
                     return json.loads(text)
                 except json.JSONDecodeError:
                     raise config_error(
-                        "shadow_policies", value, "accepted: names separated by , or a JSON list"
+                        str(info.field_name), value, "accepted: names separated by , or a JSON list"
                     ) from None
             return [name.strip() for name in text.split(",") if name.strip()]
         return value

@@ -17,8 +17,21 @@ Part (a), bytes: for each block size, ``--mib`` MiB of blocks per timed call, me
   written. Its baseline, in the same rounds and in alternating order: raw O_DIRECT reads (one
   ``os.preadv`` per block, ``--threads`` threads) of N other blocks the tier demoted, never read
   since, from the tier's own blocks file into the service's own pool slots, so both sides read
-  the same file's extents into the same memory. Target: onload from disk >= 0.8x raw, the
-  median of the per-round ratios (raw seconds / onload seconds).
+  the same file's extents into the same memory.
+- fio (Debian's ``fio``; issue #32), the targets' denominator, in the same service rounds, on
+  the same filesystem (``--dir``): a file of its own of N blocks, ``--direct=1``,
+  ``--ioengine=libaio`` at ``--iodepth`` = ``--threads`` (the requests the tier keeps in
+  flight; ``psync`` with that many threads where fio lacks libaio), ``--bs`` = the block size:
+  sequential and random reads next to each onload (rotating order with the raw reads), and
+  sequential and random writes (over the file's written extents) and a sequential write into
+  a file made afresh (fio allocates it first, as the tier preallocates: unwritten extents, as a
+  tier's first fill writes) next to each demotion (alternating order). A demotion here is one
+  ``prepare-store`` that evicts N blocks, timed to the last of them written; the bytes are made
+  once, untimed, so no fill on the event loop is timed with it. Targets: onload >= 0.8x fio's
+  sequential read, demotion >= 0.8x fio's sequential write, each the median of the per-round
+  ratios (fio seconds / tier seconds). Without fio (or with ``--no-fio``) the bench says so and
+  leaves those columns out. The earlier target, onload >= 0.8x the raw per-block reads, is
+  still printed.
 
 Part (b), inside vLLM (needs vLLM 0.33, ``.venv-vllm``): the trace's first ``--b-requests``
 requests alternating over two engines, each vLLM 0.33's own ``TieringOffloadingManager`` with a
@@ -54,10 +67,12 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import json
 import mmap
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -70,6 +85,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from app.core.disk import DiskLink
 from app.settings import Settings
 from bench.harness import RESULTS_DIR, machine, read_trace, write_results
 from transfer.disk import DiskStore, block_mac, disk_bytes_for, slots_for
@@ -148,6 +164,87 @@ class Raw:
     def close(self) -> None:
         self.pool.shutdown()
         os.close(self.fd)
+
+
+#: fio's jobs, one per column: (column, fio's --rw).
+FIO_JOBS = (
+    ("seq_read", "read"),
+    ("rand_read", "randread"),
+    ("seq_write", "write"),
+    ("rand_write", "randwrite"),
+    # Into a file made afresh (fio allocates it with fallocate first, as the tier preallocates
+    # its blocks file): writes into unwritten extents, as a tier's first fill does.
+    ("seq_write_fresh", "write"),
+)
+
+
+class Fio:
+    """fio (Debian's package) on a file of its own in the bench's directory (the same
+    filesystem as the tier's blocks file): ``n`` blocks of ``block`` bytes, ``O_DIRECT``
+    (``--direct=1``), one job at queue depth ``depth`` (the tier's I/O threads: the requests
+    it keeps in flight). Engine: ``libaio`` (asynchronous, ``--iodepth`` requests in flight
+    from one thread); where fio lacks it, ``psync`` with ``depth`` threads (``--numjobs``),
+    each on its own part of the file. ``run(rw)``: the seconds fio took to move the ``n`` blocks
+    (its own clock: ``io_bytes / bw_bytes``, without the process's start). ``Fio.path()`` is
+    None when fio is not installed: the bench then says so and leaves its columns out."""
+
+    def __init__(self, directory: str, block: int, n: int, depth: int) -> None:
+        exe = Fio.path()
+        assert exe is not None
+        self.exe, self.block, self.n, self.depth = exe, block, n, depth
+        self.file = os.path.join(directory, "fio-file")
+        self.engine = "libaio" if self._has_engine("libaio") else "psync"
+        self.run("write")  # lays the file out (its extents allocated, as the tier's are)
+
+    @staticmethod
+    def path() -> str | None:
+        return shutil.which("fio")
+
+    def _has_engine(self, name: str) -> bool:
+        done = subprocess.run(
+            [self.exe, f"--enghelp={name}"], capture_output=True, text=True, check=False
+        )
+        return done.returncode == 0
+
+    def args(self, rw: str) -> list[str]:
+        """fio's command line for one ``rw`` pass over the file."""
+        size = self.n * self.block
+        cmd = [
+            self.exe,
+            "--name=kvoffload-baseline",
+            f"--filename={self.file}",
+            f"--rw={rw}",
+            f"--bs={self.block}",
+            "--direct=1",
+            f"--ioengine={self.engine}",
+            "--output-format=json",
+            "--randrepeat=0",
+        ]
+        if self.engine == "libaio":
+            return [*cmd, f"--size={size}", f"--iodepth={self.depth}"]
+        per = -(-self.n // self.depth) * self.block
+        return [
+            *cmd,
+            f"--size={per}",
+            f"--numjobs={self.depth}",
+            f"--offset_increment={per}",
+            "--thread",
+            "--group_reporting",
+        ]
+
+    def run(self, rw: str, fresh: bool = False) -> float:
+        if fresh:
+            self.close()
+        done = subprocess.run(self.args(rw), capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"fio {rw} failed: {done.stderr.strip() or done.stdout[-500:]}")
+        job = json.loads(done.stdout[done.stdout.index("{") :])["jobs"][0]
+        side = job["read" if "read" in rw else "write"]
+        return float(side["io_bytes"]) / float(side["bw_bytes"])
+
+    def close(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.file)
 
 
 class RawSlots:
@@ -309,22 +406,69 @@ async def store_keys(h: Any, req: str, keys: list[str], fill: int | None = None)
     await h.client.delete(f"/v1/requests/{req}")
 
 
+def disk_link(h: Any) -> DiskLink:
+    """The disk tier of harness ``h``'s service."""
+    disk = h.service.tiers.get("disk")
+    assert isinstance(disk, DiskLink)
+    return disk
+
+
 def demoted(h: Any) -> int:
-    return int(h.service.disk.counts["demoted"])
+    return int(disk_link(h).counts["demoted"])
 
 
 def dropped(h: Any) -> int:
-    return sum(v for k, v in h.service.disk.counts.items() if k.startswith("dropped_"))
+    return sum(v for k, v in disk_link(h).counts.items() if k.startswith("dropped_"))
 
 
 # ---------------------------------------------------------------------------- part (a): service
 
 
+def write_over(path: str) -> None:
+    """Write zeros over the whole file at ``path`` (O_DIRECT, 16 MiB a call), so that its
+    extents are written ones; the tier lists none of its slots yet, so nothing is lost."""
+    piece = 16 * MIB
+    buf = mmap.mmap(-1, piece)
+    fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+    try:
+        size = os.fstat(fd).st_size
+        for off in range(0, size, piece):
+            n = min(piece, size - off)
+            assert os.pwrite(fd, memoryview(buf)[:n], off) == n
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        buf.close()
+
+
 async def part_a_service(
-    base: str, block: int, mib: int, repeats: int, threads: int, batch_bytes: int
+    base: str,
+    block: int,
+    mib: int,
+    repeats: int,
+    threads: int,
+    batch_bytes: int,
+    use_fio: bool = True,
+    written_slots: bool = True,
 ) -> dict[str, Any]:
-    """End to end: demotion of N evicted blocks, onload of N disk-only keys (one call, one job)."""
+    """End to end: demotion of N evicted blocks, onload of N disk-only keys (one call, one job),
+    each in rounds with fio's passes over N blocks (``use_fio`` and fio installed) and the raw
+    per-block reads of the tier's own file, in rotating order. ``written_slots``: the tier's
+    (preallocated) blocks file is written over once before the rounds, as a tier whose slots
+    all held a block once is (its steady state; fio's writes overwrite too); False: the
+    demotions are the first writes of their slots (unwritten extents, slower here)."""
     n = mib * MIB // block
+    fio = Fio(base, block, n, threads) if use_fio and Fio.path() else None
+    fio_s: dict[str, list[float]] = {col: [] for col, _ in FIO_JOBS}
+
+    def fio_pass(*cols: str) -> None:
+        assert fio is not None
+        for col, rw in FIO_JOBS:
+            if col in cols:
+                if "read" in rw:
+                    drop_caches()
+                fio_s[col].append(fio.run(rw, fresh=col.endswith("_fresh")))
+
     # Chunk 0: the warm-up onload; then two per round (one onloaded, one read raw), each read
     # once, never before; the last chunk stays in the pool.
     chunks = 2 * repeats + 2
@@ -349,7 +493,7 @@ async def part_a_service(
     promote_s: list[float] = []
     dropped_ok = True
     async with service(**settings) as h:
-        disk = h.service.disk
+        disk = disk_link(h)
         assert disk is not None
         assert disk.store.direct
         # Phase stamps (profile): the store's calls and the job's launch after the promotion.
@@ -373,7 +517,7 @@ async def part_a_service(
             finally:
                 write_s.append(time.perf_counter() - t)
 
-        store.submit_reads, store.write_many = submit_reads, write_many
+        store.submit_reads, store.write_many = submit_reads, write_many  # type: ignore[method-assign]
         tracker = h.service.transfers().tracker
         real_launch = tracker.launch
 
@@ -382,23 +526,35 @@ async def part_a_service(
             return real_launch(*a, **k)
 
         tracker.launch = launch
+        if written_slots:
+            await asyncio.to_thread(write_over, os.path.join(store.directory, "blocks"))
         dev, cache_id = await h.device(n)
         chunk_keys = [[hexkey(c + 1, i) for i in range(n)] for c in range(chunks)]
         # Fill: chunk c+1's store evicts chunk c from the pool, to disk. The timed demotions
-        # are those of chunks 1.. (chunk 0's store evicts nothing).
+        # are those of chunks 1.. (chunk 0's store evicts nothing), each in a round with fio's
+        # writes (order alternating). Only chunk 0's bytes are made (random, untimed): the
+        # later chunks keep the bytes their slots hold, so no timed demotion waits on a fill
+        # that runs on the event loop.
         for c in range(chunks):
             want = demoted(h) + n
-            write_s.clear()
-            t = time.perf_counter()
-            await store_keys(h, f"fill{c}", chunk_keys[c], fill=c)
-            if c:
+            for who in [("fio", "tier"), ("tier", "fio")][c % 2] if c else ("tier",):
+                if who == "fio":
+                    if fio is not None:
+                        await asyncio.to_thread(
+                            fio_pass, "seq_write", "rand_write", "seq_write_fresh"
+                        )
+                    continue
+                write_s.clear()
+                t = time.perf_counter()
+                await store_keys(h, f"fill{c}", chunk_keys[c], fill=0 if c == 0 else None)
+                if c:
 
-                def all_out(w: int = want) -> bool:
-                    return demoted(h) + dropped(h) >= w
+                    def all_out(w: int = want) -> bool:
+                        return demoted(h) + dropped(h) >= w
 
-                await until(all_out)
-                demote_s.append(time.perf_counter() - t)
-                demote_write_s.append(sum(write_s))
+                    await until(all_out)
+                    demote_s.append(time.perf_counter() - t)
+                    demote_write_s.append(sum(write_s))
         assert dropped(h) == 0, dict(disk.counts)
         # Warm-up onload of chunk 0: evicts the last chunk (demoted: written now, untimed).
         blocks = list(range(n))
@@ -443,10 +599,17 @@ async def part_a_service(
         index = disk.index.index
         for r in range(repeats):
             tier_c, raw_c = 1 + 2 * r, 2 + 2 * r
-            raw_slots = [index.slot_of(bytes.fromhex(k)) for k in chunk_keys[raw_c]]
-            assert None not in raw_slots
-            for who in [("raw", "tier"), ("tier", "raw")][r % 2]:
+            found = [index.slot_of(bytes.fromhex(k)) for k in chunk_keys[raw_c]]
+            raw_slots = [slot for slot in found if slot is not None]
+            assert len(raw_slots) == len(found)
+            # Rotating order: each of the three goes first, second and last in turn.
+            order = ["fio", "raw", "tier"][r % 3 :] + ["fio", "raw", "tier"][: r % 3]
+            for who in order:
                 dropped_ok &= drop_caches()
+                if who == "fio":
+                    if fio is not None:
+                        await asyncio.to_thread(fio_pass, "seq_read", "rand_read")
+                    continue
                 if who == "raw":
                     raw_s.append(await asyncio.to_thread(raw.read, raw_slots))
                     continue
@@ -462,8 +625,38 @@ async def part_a_service(
         counters = disk.store.health().counters
     dev.close()
     shutil.rmtree(d, ignore_errors=True)
+    if fio is not None:
+        fio.close()
     nbytes = n * block
+
+    def per_round(base_s: list[float], tier_s: list[float]) -> list[float]:
+        """Per round: baseline seconds / tier seconds (the tier's share of the baseline's
+        speed); the rounds pair up in order."""
+        return [a / b for a, b in zip(base_s, tier_s, strict=False)]
+
+    fio_rec: dict[str, Any] = {"available": fio is not None}
+    if fio is not None:
+        fio_rec.update(
+            {
+                "engine": fio.engine,
+                "iodepth": threads,
+                "command_example": " ".join(fio.args("read")),
+                "seconds": fio_s,
+                **{f"{col}_gbps": gbps(nbytes, med(fio_s[col])) for col, _ in FIO_JOBS},
+                # The targets: onload >= 0.8x fio's sequential read, demotion >= 0.8x fio's
+                # sequential write (the tier's slots of one call are adjacent on disk), the
+                # median of the per-round ratios.
+                "onload_vs_seq_read_by_round": per_round(fio_s["seq_read"], onload_s),
+                "onload_vs_rand_read_by_round": per_round(fio_s["rand_read"], onload_s),
+                "demote_vs_seq_write_by_round": per_round(fio_s["seq_write"], demote_s),
+                "demote_vs_rand_write_by_round": per_round(fio_s["rand_write"], demote_s),
+                "demote_vs_seq_write_fresh_by_round": per_round(fio_s["seq_write_fresh"], demote_s),
+            }
+        )
+        for k in [k for k in fio_rec if k.endswith("_by_round")]:
+            fio_rec[k.removesuffix("_by_round")] = med(fio_rec[k])
     return {
+        "fio": fio_rec,
         "block_bytes": block,
         "blocks": n,
         "bytes": nbytes,
@@ -555,8 +748,8 @@ class Replay:
                         f"/v1/requests/{req}/complete-store", {"keys": r.json()["keys_to_store"]}
                     )
             await h.client.delete(f"/v1/requests/{req}")
-            if samples is not None and h.service.disk is not None and i % 50 == 0:
-                samples.append(h.service.disk.disk_usage())
+            if samples is not None and h.service.tiers.get("disk") is not None and i % 50 == 0:
+                samples.append(disk_link(h).disk_usage())
         return {
             "requests": len(requests),
             "blocks": asked,
@@ -613,21 +806,21 @@ async def part_c(
     async with service(**common, disk_dir=d, disk_bytes=disk_bytes) as h:
         w_head, w_tail = await replay(h, [head, tail], "warm")
         out["warm_disk_state"] = _disk_summary(h)
-        usage.append(h.service.disk.disk_usage())
+        usage.append(disk_link(h).disk_usage())
     shutil.rmtree(d, ignore_errors=True)
     # Restart: the prefix, a graceful stop, a new service on the same directory, the window.
     d = tempfile.mkdtemp(dir=base, prefix="restart-")
     async with service(**common, disk_dir=d, disk_bytes=disk_bytes) as h:
         (r_head,) = await replay(h, [head], "restart, before")
-        before_stop = h.service.disk.state()["blocks"]
+        before_stop = disk_link(h).state()["blocks"]
     usage.append(_dir_usage(d))
     t = time.perf_counter()
     async with service(**common, disk_dir=d, disk_bytes=disk_bytes) as h:
         out["restart_open_s"] = round(time.perf_counter() - t, 3)
-        restored = h.service.disk.restored
+        restored = disk_link(h).restored
         (r_tail,) = await replay(h, [tail], "restart, after")
         out["restart_disk_state"] = _disk_summary(h)
-        usage.append(h.service.disk.disk_usage())
+        usage.append(disk_link(h).disk_usage())
     shutil.rmtree(d, ignore_errors=True)
     # Cold: a fresh service without a disk tier serves the window.
     async with service(**common) as h:
@@ -661,7 +854,7 @@ def _dir_usage(d: str) -> int:
 
 
 def _disk_summary(h: Any) -> dict[str, Any]:
-    s = h.service.disk.state()
+    s = disk_link(h).state()
     return {
         "blocks": s["blocks"],
         "demoted": s["demotions"]["written"],
@@ -669,7 +862,7 @@ def _disk_summary(h: Any) -> dict[str, Any]:
         "dropped": s["demotions"]["dropped"],
         "evictions": s["evictions"],
         "promotions": s["promotions"],
-        "usage_bytes": h.service.disk.disk_usage(),
+        "usage_bytes": disk_link(h).disk_usage(),
     }
 
 
@@ -881,6 +1074,15 @@ def main() -> None:
         action="store_true",
         help="smoke test: 32 MiB, 3 repeats, 1000+200 requests (no disk hits in (c))",
     )
+    ap.add_argument(
+        "--no-fio", action="store_true", help="leave fio's baseline columns out of part (a)"
+    )
+    ap.add_argument(
+        "--fresh-slots",
+        action="store_true",
+        help="part (a): demote into never-written slots (a tier's first fill) instead of over "
+        "slots written once (its steady state, the default)",
+    )
     ap.add_argument("--out", default=str(RESULTS_DIR / "disk_tier.json"))
     args = ap.parse_args()
     if args.quick:
@@ -895,6 +1097,12 @@ def main() -> None:
         "args": vars(args),
     }
     started = time.time()
+    if "a" in parts and not args.no_fio and Fio.path() is None:
+        print(
+            "[a] fio not found (Debian: apt-get install -y fio): its baseline columns, the "
+            "targets' denominators, are left out of this run",
+            flush=True,
+        )
     try:
         if "a" in parts:
             record["a"] = []
@@ -903,7 +1111,14 @@ def main() -> None:
                 st = part_a_store(base, block, args.mib, args.repeats, args.threads)
                 sv = asyncio.run(
                     part_a_service(
-                        base, block, args.mib, args.repeats, args.threads, args.disk_batch_bytes
+                        base,
+                        block,
+                        args.mib,
+                        args.repeats,
+                        args.threads,
+                        args.disk_batch_bytes,
+                        use_fio=not args.no_fio,
+                        written_slots=not args.fresh_slots,
                     )
                 )
                 row = {"store": st, "service": sv}
@@ -943,17 +1158,66 @@ def main() -> None:
 
 def print_a_row(row: dict[str, Any]) -> None:
     st, sv = row["store"], row["service"]
+    fio = sv["fio"]
+    vs_fio = (
+        f"; fio seq r/w {fio['seq_read_gbps']:.2f}/{fio['seq_write_gbps']:.2f}, onload "
+        f"{fio['onload_vs_seq_read']:.2f}x, demotion {fio['demote_vs_seq_write']:.2f}x"
+        if fio["available"]
+        else "; fio: not run"
+    )
     print(
         f"[a] {st['block_bytes'] // KIB} KiB: raw r/w "
         f"{st['raw_read_gbps']:.2f}/{st['raw_write_gbps']:.2f}"
         f" store r/w {st['store_read_gbps']:.2f}/{st['store_write_gbps']:.2f}"
-        f" service onload {sv['onload_gbps']:.2f} demote {sv['demote_gbps']:.2f}",
+        f" service onload {sv['onload_gbps']:.2f} demote {sv['demote_gbps']:.2f}" + vs_fio,
         flush=True,
     )
 
 
+def print_fio_table(rows: list[dict[str, Any]]) -> None:
+    """Part (a) against fio: GB/s medians of the service rounds; ratios are medians of the
+    per-round ratios (tier seconds against fio's seconds of the same round)."""
+    fio_rows = [r for r in rows if r["service"]["fio"]["available"]]
+    if not fio_rows:
+        print("(a) vs fio: fio not run (not installed, or --no-fio): no fio columns")
+        return
+    f0 = fio_rows[0]["service"]["fio"]
+    print(
+        f"(a) vs fio ({f0['engine']}, O_DIRECT, iodepth {f0['iodepth']}, the tier's block "
+        "size), same rounds; GB/s medians; ratio = median of per-round ratios"
+    )
+    print(
+        f"{'block':>8} | {'fio seq read':>12} {'rand read':>9} | {'onload':>6} "
+        f"{'/seq':>5} {'/rand':>5} {'>=0.8':>5} | {'fio seq write':>13} {'rand write':>10} "
+        f"{'fresh file':>10} | {'demotion':>8} {'/seq':>5} {'/rand':>5} {'/fresh':>6} {'>=0.8':>5}"
+    )
+    for row in fio_rows:
+        sv = row["service"]
+        f = sv["fio"]
+        print(
+            f"{sv['block_bytes'] // KIB:>4} KiB | {f['seq_read_gbps']:>12.2f} "
+            f"{f['rand_read_gbps']:>9.2f} | {sv['onload_gbps']:>6.2f} "
+            f"{f['onload_vs_seq_read']:>5.2f} {f['onload_vs_rand_read']:>5.2f} "
+            f"{'pass' if f['onload_vs_seq_read'] >= 0.8 else 'FAIL':>5} | "
+            f"{f['seq_write_gbps']:>13.2f} {f['rand_write_gbps']:>10.2f} "
+            f"{f['seq_write_fresh_gbps']:>10.2f} | "
+            f"{sv['demote_gbps']:>8.2f} {f['demote_vs_seq_write']:>5.2f} "
+            f"{f['demote_vs_rand_write']:>5.2f} {f['demote_vs_seq_write_fresh']:>6.2f} "
+            f"{'pass' if f['demote_vs_seq_write'] >= 0.8 else 'FAIL':>5}"
+        )
+    for row in fio_rows:
+        sv, f = row["service"], row["service"]["fio"]
+        rounds = ", ".join(f"{x:.2f}" for x in f["onload_vs_seq_read_by_round"])
+        wrounds = ", ".join(f"{x:.2f}" for x in f["demote_vs_seq_write_by_round"])
+        print(
+            f"  {sv['block_bytes'] // KIB} KiB rounds: onload/fio seq read ({rounds}); "
+            f"demotion/fio seq write ({wrounds})"
+        )
+
+
 def print_tables(rec: dict[str, Any]) -> None:
     if "a" in rec:
+        print_fio_table(rec["a"])
         print("(a) GB/s, medians; ratios to raw O_DIRECT of the same bytes in the same rounds")
         print(f"{'':>8} | {'store rounds':<27} | service rounds")
         print(

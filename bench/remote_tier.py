@@ -325,7 +325,7 @@ def remote_flags(address: str, url: str) -> tuple[str, ...]:
 def wait_remote_ok(server: http_bench.Server, timeout_s: float = 60) -> None:
     with KVOffloadAdminClient(f"http://{HOST}:{server.admin_port}") as admin:
         deadline = time.monotonic() + timeout_s
-        while admin.stats()["remote"]["state"] != "ok":
+        while admin.stats()["tiers"]["remote"]["state"] != "ok":
             if time.monotonic() > deadline:
                 sys.exit(f"{server.name}: remote tier not ok within {timeout_s} s")
             time.sleep(0.2)
@@ -367,7 +367,7 @@ def lookup_part(
         ]
         table = http_bench.run_rounds(scenarios, rounds, seconds, load_core)
         with KVOffloadAdminClient(f"http://{HOST}:{servers['on'].admin_port}") as admin:
-            remote = admin.stats()["remote"]
+            remote = admin.stats()["tiers"]["remote"]
     finally:
         for server in servers.values():
             harness.stop_server(server.proc)
@@ -495,7 +495,7 @@ def replay_part(
                 remotes = []
                 for server in servers:
                     with KVOffloadAdminClient(f"http://{HOST}:{server.admin_port}") as admin:
-                        remotes.append(admin.stats()["remote"])
+                        remotes.append(admin.stats()["tiers"]["remote"])
                 out[mode]["remote"] = [
                     {k: r[k] for k in ("state", "written", "queue", "promotions", "counters")}
                     for r in remotes
@@ -592,6 +592,7 @@ async def onload_size(
     """One ``onload`` of remote-only keys (promotion and device copy in one job) against the
     raw client's ``batch_get_into`` of the same objects, paired per repetition; the service
     with ``--copy-threads copy_threads``."""
+    from app.core.remote import RemoteLink
     from tests.api.harness import make_settings, running
 
     n = batch_bytes // block_bytes
@@ -616,8 +617,8 @@ async def onload_size(
     onload_s: list[float] = []
     phases: list[dict[str, float]] = []
     async with running(settings) as h:
-        link = h.service.remote
-        assert link is not None
+        link = h.service.tiers.get("remote")
+        assert isinstance(link, RemoteLink)
         used_threads = getattr(h.service.transfers().worker, "copy_threads", None)
         deadline = time.monotonic() + 60
         while not link.tier.health().ok:

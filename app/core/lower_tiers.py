@@ -1,155 +1,227 @@
-"""A service's tiers below the host pool, while it runs: the disk tier (``--disk-dir``,
-``app.core.disk``) and the remote tier (``--remote-tier``, ``app.core.remote``).
+"""A service's tiers below the host pool, while it runs: one ordered chain of ``LowerTier``s.
 
-``LowerTiers.open(transfers)`` builds them from the settings on the running pool (off the loop:
-opening a disk directory or a Mooncake client blocks), starts them, and wires them: to the
-observed manager, which asks them on every lookup and load of keys the pool lacks (pool, then
-disk, then remote), and to the data path, whose lease expiry must not free the slots they write
-into. ``close()`` undoes it, remote first, then disk, each after its I/O on the pool ended;
-the service calls it before the pool goes. A directory or library that cannot serve is a
-``ConfigError`` naming the setting.
+The chain is built with the service (``TierChain(settings, ...)``): its order is ``tiers``
+(``--tiers disk,remote``), or, when that is not set, every registered backend that today's flags
+turn on, in registration order (the disk tier, ``--disk-dir``, then the remote tier,
+``--remote-tier``). A name that is not registered, named twice, or whose backend is not
+configured is a ``ConfigError`` naming ``tiers``. Backends are found by name in the registry of
+``app.core.tier``; the built-in ones register when this module imports them.
 
-Both tiers are opened under the namespace's *storage identity* (``app.core.storage``), never its
-bare name: the disk directory ``<disk_dir>/<identity>`` and the remote prefix
-``kvoffload/<identity>/<block_bytes>``. The identity names the owning tenant, so a namespace given
-to another tenant opens other tiers and finds none of the old owner's blocks.
+``open(pool)`` opens the tiers on the running pool, in order (each off the loop: opening a disk
+directory or a store client blocks), and starts them; a tier that cannot serve is a
+``ConfigError`` naming its setting, and those opened before it are closed again. ``close()``
+closes them in the reverse order, each after its I/O on the pool ended; the service calls it
+before the pool goes. Until ``open`` and after ``close`` the chain is empty and every verb is a
+no-op, so the observed manager and the data path hold it from their construction.
+
+What flows through it, tier by tier, in order:
+
+- a lookup of keys the pool lacks (``found``): each tier is asked about the keys the tiers
+  before it did not hold; a key is named by the first tier that holds it (``hit | pending |
+  <tier name> | miss`` on the wire);
+- a load of keys the pool lacks (``promote``): each tier promotes what it holds of the keys
+  still missing, in order;
+- a block the pool evicts (``evicted``) and a block that became ready (``stored``): offered to
+  every tier, each taking what its admission admits;
+- a request that pinned its keys (``loaded``), the keys an engine asked for (``asked``).
+
+Every tier opens under the namespace's *storage identity* (``app.core.storage``), never its bare
+name: the identity names the owning tenant, so a namespace given to another tenant opens other
+tiers and finds none of the old owner's blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
-from app.core.disk import DiskLink, open_disk
-from app.core.observed import ObservedManager
-from app.core.remote import RemoteFactory, RemoteLink
-from app.core.transfers import Transfers
+from prometheus_client.metrics_core import Metric
+
+# The built-in backends register themselves when imported.
+import app.core.disk
+import app.core.remote  # noqa: F401
+from app.core.tier import LowerTier, TierBackend, TierContext, backends
 from app.settings import Settings, config_error
-from app.telemetry.logging import get_logger
+from app.telemetry.metrics import TierReport
 from app.telemetry.observer import Observer
-from transfer import RemoteTierError
-from transfer.disk import DiskError
+from manager import BlockKey, OffloadManager
+from transfer import HostPool
 
-log = get_logger("service")
+#: Per key of a lookup: the name of the first tier that holds it, or None.
+Found = list[str | None]
 
 
-class LowerTiers:
-    """The disk and remote tiers of one namespace's service; see the module docstring."""
+def chain_order(settings: Settings, known: Mapping[str, TierBackend]) -> list[str]:
+    """The tier names ``settings`` put below the pool, in order (see the module docstring);
+    ``ConfigError`` naming ``tiers`` for a name not registered, named twice, or not
+    configured, or a configured tier that ``tiers`` leaves out."""
+    if settings.tiers is None:
+        return [name for name, backend in known.items() if backend.enabled(settings)]
+    names = list(settings.tiers)
+    accepted = f"accepted: a comma-separated list of {', '.join(known) or 'no tiers'}"
+    for name in names:
+        if name not in known:
+            raise config_error("tiers", ",".join(names), f"no tier named {name!r}; {accepted}")
+    if len(set(names)) != len(names):
+        raise config_error("tiers", ",".join(names), f"a tier is named twice; {accepted}")
+    left_out = [n for n, b in known.items() if b.enabled(settings) and n not in names]
+    if left_out:
+        raise config_error(
+            "tiers",
+            ",".join(names),
+            f"the {', '.join(left_out)} tier is configured but not in the chain; name it, or "
+            "drop its settings",
+        )
+    return names
+
+
+class TierChain:
+    """The ordered lower tiers of one namespace's service; see the module docstring."""
 
     def __init__(
         self,
         settings: Settings,
         storage: str,
-        manager: ObservedManager,
-        observer: Observer,
         *,
         on_event: Callable[[], None],
-        remote_factory: RemoteFactory,
+        overrides: Mapping[str, TierBackend] | None = None,
     ) -> None:
-        """``storage``: the namespace's storage identity (``app.core.storage``): the directory
-        name under ``disk_dir`` and the remote tier's namespace."""
+        """``storage``: the namespace's storage identity. ``overrides``: backends to use
+        instead of the registered ones of the same name (tests)."""
         self.settings = settings
         self.storage = storage
-        self.manager = manager
-        self.observer = observer
         self._on_event = on_event
-        self._remote_factory = remote_factory
-        self.disk: DiskLink | None = None
-        self.remote: RemoteLink | None = None
+        known = {**backends(), **(overrides or {})}
+        self.names = chain_order(settings, known)
+        self._backends = [known[name] for name in self.names]
+        self.tiers: list[LowerTier] = []
 
-    async def open(self, transfers: Transfers) -> None:
-        """Open the tiers the settings name (disk, then remote) on the running data path; on a
+    def __bool__(self) -> bool:
+        return bool(self.tiers)
+
+    def get(self, name: str) -> LowerTier | None:
+        """The open tier ``name``, or None."""
+        for tier in self.tiers:
+            if tier.name == name:
+                return tier
+        return None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def open(self, pool: HostPool, manager: OffloadManager, observer: Observer) -> None:
+        """Open and start the tiers in order on the running ``pool`` of ``manager``; on a
         failure, those opened are closed again and the error raised."""
-        s = self.settings
         try:
-            if s.disk_dir is not None:
-                await self._open_disk(transfers)
-            if s.remote_tier != "none":
-                await self._open_remote(transfers)
+            for name, backend in zip(self.names, self._backends, strict=True):
+                ctx = TierContext(
+                    name, self.settings, pool, manager, self.storage, observer, self._on_event
+                )
+                tier = await asyncio.to_thread(backend.open, ctx)
+                tier.start()
+                self.tiers.append(tier)
         except BaseException:
             await self.close()
             raise
+        if self.tiers:
+            manager.add_eviction_listener(self.evicted)
 
     async def close(self) -> None:
-        """Close the tiers (remote, then disk), each after its I/O on the pool ended."""
-        remote, self.remote = self.remote, None
-        disk, self.disk = self.disk, None
-        self.manager.remote = None
-        self.manager.disk = None
-        if remote is not None:
-            await remote.close()
-        if disk is not None:
-            await disk.close()
+        """Close the tiers, last first, each after its I/O on the pool ended."""
+        tiers, self.tiers = self.tiers, []
+        for tier in reversed(tiers):
+            await tier.close()
 
     def details(self) -> dict[str, str]:
-        """What a ready service still wants known (``/readyz`` details): a degraded remote
-        tier serves from the pool alone; a degraded disk tier takes no demotions."""
+        """What a ready service still wants known (``/readyz`` details): each degraded tier,
+        as ``<name>_tier``, with what it still does."""
         out: dict[str, str] = {}
-        remote = self.remote
-        if remote is not None and not (health := remote.health()).ok:
-            out["remote_tier"] = f"degraded: {health.last_error or 'unreachable'}"
-        disk = self.disk
-        if disk is not None and not (dhealth := disk.health()).ok:
-            out["disk_tier"] = f"degraded: {dhealth.last_error or 'failing'}"
+        for tier in self.tiers:
+            health = tier.health()
+            if not health.ok:
+                why = health.last_error or "failing"
+                out[f"{tier.name}_tier"] = f"degraded: {why}; {tier.degraded_means}"
         return out
 
-    async def _open_disk(self, transfers: Transfers) -> None:
-        s = self.settings
-        try:
-            store, index = await asyncio.to_thread(open_disk, s, transfers.pool, self.storage)
-        except DiskError as exc:
-            raise config_error(
-                "disk_dir",
-                s.disk_dir,
-                f"{exc}; accepted: a directory this process can write and no other kvoffload uses",
-            ) from None
-        per_batch = max(1, s.disk_batch_bytes // store.slot_bytes)
-        disk = DiskLink(
-            store,
-            index,
-            self.manager.manager,
-            batch_blocks=per_batch,
-            read_blocks=per_batch,
-            timeout_s=s.disk_timeout_s,
-            hold_s=s.lease_ttl_s,
-            on_event=self._on_event,
-            on_io=self.observer.disk_io,
-        )
-        disk.start()
-        if not store.direct:
-            log.warning(
-                "disk tier uses buffered I/O (O_DIRECT not available here)",
-                extra={"fields": {"directory": store.directory, "block_bytes": s.block_bytes}},
-            )
-        self.disk = disk
-        self.manager.disk = disk
-        self._link_writers(transfers)
+    def states(self) -> dict[str, dict[str, Any]]:
+        """Each open tier's ``state()``, by name, in order."""
+        return {tier.name: tier.state() for tier in self.tiers}
 
-    async def _open_remote(self, transfers: Transfers) -> None:
-        s = self.settings
-        try:
-            tier = await asyncio.to_thread(self._remote_factory, s, transfers.pool, self.storage)
-        except RemoteTierError as exc:  # its library is missing: the node cannot start so
-            raise config_error("remote_tier", s.remote_tier, str(exc)) from None
-        remote = RemoteLink(
-            tier,
-            self.manager.manager,
-            lookup_timeout_s=s.remote_lookup_timeout_s,
-            queue_blocks=s.remote_queue_blocks,
-            batch_blocks=s.remote_batch_blocks,
-            hold_s=s.lease_ttl_s,
-            sweep_s=s.remote_sweep_s,
-            tracked_blocks=s.remote_tracked_blocks,
-            removal_confirm_s=s.remote_removal_confirm_s,
-            on_event=self._on_event,
-            on_call=self.observer.remote_call,
-        )
-        remote.start()
-        self.remote = remote
-        self.manager.remote = remote
-        self._link_writers(transfers)
+    def reports(self) -> dict[str, TierReport]:
+        """Each open tier's ``report()``, by name (the ``kvoffload_tier_*`` families)."""
+        return {tier.name: tier.report() for tier in self.tiers}
 
-    def _link_writers(self, transfers: Transfers) -> None:
-        """Tell the data path which requests' reserved slots the lower tiers write into."""
-        tiers = [t for t in (self.disk, self.remote) if t is not None]
-        transfers.also_writing = lambda: set().union(*(t.writing() for t in tiers))
+    def metric_families(self) -> Iterator[Metric]:
+        """Every open tier's own metric families."""
+        for tier in self.tiers:
+            yield from tier.metric_families()
+
+    # ------------------------------------------------------------------ what flows through
+
+    def asked(self, keys: Sequence[BlockKey], req_id: str) -> None:
+        """An engine asked for ``keys``: every tier counts it for its admission."""
+        for tier in self.tiers:
+            tier.asked(keys, req_id)
+
+    async def found(self, keys: Sequence[BlockKey], req_id: str | None) -> Found:
+        """Per key, the name of the first tier that holds it (None: none does); each tier is
+        asked only about the keys the tiers before it lack."""
+        out: Found = [None] * len(keys)
+        left = list(range(len(keys)))
+        for tier in self.tiers:
+            if not left:
+                break
+            there = await tier.found([keys[i] for i in left], req_id)
+            still = []
+            for i, held in zip(left, there, strict=True):
+                if held:
+                    out[i] = tier.name
+                else:
+                    still.append(i)
+            left = still
+        return out
+
+    def promote(
+        self,
+        keys: Sequence[BlockKey],
+        req_id: str,
+        protect: Sequence[BlockKey],
+        manager: OffloadManager,
+    ) -> list[asyncio.Task[None]]:
+        """Start bringing ``keys`` the pool lacks into it for ``req_id``, each tier in order
+        taking what it holds of the keys still missing; the promotions started."""
+        started: list[asyncio.Task[None]] = []
+        for tier in self.tiers:
+            if not keys:
+                break
+            tasks = tier.promote(keys, req_id, protect)
+            if tasks:
+                started.extend(tasks)
+                keys = [k for k in keys if manager.slot_of(k) is None]
+        return started
+
+    def promotions_for(self, req_id: str) -> list[asyncio.Task[None]]:
+        """The promotions in flight for ``req_id`` on every tier."""
+        return [t for tier in self.tiers for t in tier.promotions.running_for(req_id)]
+
+    def loaded(self, req_id: str, keys: Sequence[BlockKey]) -> None:
+        """Request ``req_id`` pinned ``keys`` with its own load."""
+        for tier in self.tiers:
+            tier.loaded(req_id, keys)
+
+    def evicted(self, victims: list[BlockKey], slots: list[int]) -> None:
+        """Pool eviction listener: every tier takes what it admits of the victims."""
+        for tier in self.tiers:
+            tier.evicted(victims, slots)
+
+    def stored(self, keys: Sequence[BlockKey]) -> None:
+        """``keys`` became ready in the pool: every tier takes what it admits."""
+        for tier in self.tiers:
+            tier.stored(keys)
+
+    def writing(self) -> set[str]:
+        """Internal requests whose promotions write into reserved pool slots, on any tier."""
+        out: set[str] = set()
+        for tier in self.tiers:
+            out |= tier.writing()
+        return out

@@ -14,12 +14,11 @@ binds the job's ``req_id`` for logging (an engine call has it bound by the HTTP 
 ``prepare_store`` that finds no room raises ``NoSpaceError`` (after the observer has counted the
 refusal), so every caller sees one error type for it. In a tenant's namespace (``quota`` given)
 that refusal is the tenant's ``blocks`` quota (``QuotaExceededError``), and a new request or a
-load past its ``requests`` or ``pins`` quota is refused before the manager sees it. With a
-remote tier (``remote``), a load of keys the pool lacks sends for them (``app.core.remote``),
-whichever way it came (``prepare-load`` or an ``onload`` job). With a disk tier (``disk``,
-``app.core.disk``), every key looked up, loaded or stored is counted for its admission, and a
-load of keys the pool lacks reads those on disk first; the remote tier is asked for the rest
-(pool, then disk, then remote).
+load past its ``requests`` or ``pins`` quota is refused before the manager sees it. The tiers
+below the pool (``tiers``, ``app.core.lower_tiers``, empty until the service opens them) are
+told of every key looked up, loaded or stored (their admission), of every block that becomes
+ready (write-behind), of loads that pinned; a load of keys the pool lacks, whichever way it came
+(``prepare-load`` or an ``onload`` job), sends for them down the chain in order.
 
 Adding a request-scoped manager op: one method here (call, observe), one observer method.
 """
@@ -32,10 +31,9 @@ from typing import Any, TypeVar
 
 from structlog.contextvars import bind_contextvars
 
-from app.core.disk import DiskLink
 from app.core.errors import NoSpaceError, QuotaExceededError
+from app.core.lower_tiers import TierChain
 from app.core.quota import TenantQuota
-from app.core.remote import RemoteLink
 from app.telemetry.observer import Observer
 from app.telemetry.request_ids import safe_req_id
 from manager import (
@@ -56,18 +54,16 @@ class ObservedManager:
     """Request-scoped manager calls with their telemetry; see the module docstring."""
 
     def __init__(
-        self, manager: OffloadManager, observer: Observer, quota: TenantQuota | None = None
+        self,
+        manager: OffloadManager,
+        observer: Observer,
+        tiers: TierChain,
+        quota: TenantQuota | None = None,
     ) -> None:
         self.manager = manager
         self.observer = observer
+        self.tiers = tiers
         self.quota = quota
-        # The remote tier, while the service runs with one: told of every block that becomes
-        # ready here (write-behind), of loads of keys the pool lacks (promotion), and of loads
-        # that pinned (a promoted block's hold is let go).
-        self.remote: RemoteLink | None = None
-        # The disk tier, while the service runs with one: told of every key asked for
-        # (admission), of loads of keys the pool lacks (promotion), of loads that pinned.
-        self.disk: DiskLink | None = None
 
     def _call(self, op: str, req_id: str, call: Callable[..., T], *args: Any) -> T:
         """``call(*args)``; a raise is counted as ``op``'s error and re-raised."""
@@ -97,8 +93,7 @@ class ObservedManager:
     def lookup(self, keys: Sequence[BlockKey], ctx: ReqContext) -> LookupOutput:
         """Per-key state and ``hit_prefix``."""
         out = self._call("lookup", ctx.req_id, self.manager.lookup, keys, ctx)
-        if self.disk is not None:
-            self.disk.asked(keys, ctx.req_id)
+        self.tiers.asked(keys, ctx.req_id)
         self.observer.lookup(ctx.req_id, out)
         return out
 
@@ -106,17 +101,14 @@ class ObservedManager:
         """Pin ready keys; their host slots."""
         if self.quota is not None:
             self._call("prepare_load", ctx.req_id, self.quota.check_pins, self.manager, keys)
-        if self.disk is not None:
-            self.disk.asked(keys, ctx.req_id)
+        self.tiers.asked(keys, ctx.req_id)
         try:
             slots = self._call("prepare_load", ctx.req_id, self.manager.prepare_load, keys, ctx)
         except KeyNotReadyError as exc:
             if exc.missing:
                 self.promote(exc.missing, ctx.req_id, keys)  # pending, then hit
             raise
-        for tier in (self.disk, self.remote):
-            if tier is not None:
-                tier.loaded(ctx.req_id, keys)
+        self.tiers.loaded(ctx.req_id, keys)
         self.observer.prepare_load(ctx.req_id, len(slots))
         return slots
 
@@ -124,29 +116,14 @@ class ObservedManager:
         self, keys: Sequence[BlockKey], req_id: str, protect: Sequence[BlockKey] = ()
     ) -> list[asyncio.Task[None]]:
         """Start bringing ``keys`` the pool lacks into it for ``req_id`` from the lower tiers,
-        disk first, then remote for the rest; the promotions started (each task ends when its
-        blocks are ready or dropped). ``protect``: the load's other keys, never evicted to
-        make room for these."""
-        started: list[asyncio.Task[None]] = []
-        if self.disk is not None:
-            tasks = self.disk.promote(keys, req_id, protect)
-            if tasks:
-                started.extend(tasks)
-                keys = [k for k in keys if self.manager.slot_of(k) is None]
-        if self.remote is not None and keys:
-            task = self.remote.promote(keys, req_id, protect)
-            if task is not None:
-                started.append(task)
-        return started
+        in the chain's order; the promotions started (each task ends when its blocks are ready
+        or dropped). ``protect``: the load's other keys, never evicted to make room for
+        these."""
+        return self.tiers.promote(keys, req_id, protect, self.manager)
 
     def promotions_for(self, req_id: str) -> list[asyncio.Task[None]]:
         """The promotions in flight for ``req_id`` on every lower tier."""
-        return [
-            task
-            for tier in (self.disk, self.remote)
-            if tier is not None
-            for task in tier.promotions.running_for(req_id)
-        ]
+        return self.tiers.promotions_for(req_id)
 
     def touch(self, keys: Sequence[BlockKey], ctx: ReqContext) -> None:
         """Mark keys recently used."""
@@ -165,8 +142,7 @@ class ObservedManager:
     def prepare_store(self, keys: Sequence[BlockKey], ctx: ReqContext) -> PrepareStoreOutput:
         """Reserve slots for the new keys; ``NoSpaceError`` when no room can be made."""
         out = self._call("prepare_store", ctx.req_id, self.manager.prepare_store, keys, ctx)
-        if self.disk is not None:
-            self.disk.asked(keys, ctx.req_id)
+        self.tiers.asked(keys, ctx.req_id)
         self.observer.prepare_store(ctx.req_id, len(keys), out)
         if out is None:
             if self.quota is not None:
@@ -190,6 +166,6 @@ class ObservedManager:
         complete = self.manager.complete_store
         out = self._call("complete_store", ctx.req_id, complete, keys, ctx, success)
         self.observer.complete_store(ctx.req_id, out)
-        if out.completed and self.remote is not None:
-            self.remote.offer(out.completed)
+        if out.completed:
+            self.tiers.stored(out.completed)
         return out

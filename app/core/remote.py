@@ -2,7 +2,8 @@
 
 The tier itself (``transfer.remote``: ``MooncakeTier`` and any other backend with the same
 contract) moves bytes between host pool slots and a store shared by nodes, each call bounded and
-run on its own threads. ``RemoteLink`` decides *when*, and keeps the manager right while it does:
+run on its own threads. ``RemoteLink``, the ``remote`` tier of the lower-tier contract
+(``app.core.tier``, registered here), decides *when*, and keeps the manager right while it does:
 
 - **Lookups** (``found``): only the keys the pool lacks are asked about, in one batch per call,
   off the event loop (``asyncio.to_thread``) and for at most ``remote_lookup_timeout_s``; a
@@ -16,7 +17,7 @@ run on its own threads. ``RemoteLink`` decides *when*, and keeps the manager rig
   read in full are never made loadable. While a read may still write into its slots (it
   outlived its timeout), their stores stay pending; the request's id is in ``writing()`` so no
   lease expiry frees them under it.
-- **Write-behind** (``offer``): a block that becomes ready in the pool (an engine's or a job's
+- **Write-behind** (``stored``): a block that becomes ready in the pool (an engine's or a job's
   completed store) is queued; a background task puts batches of up to ``remote_batch_blocks``
   with ``put_from``, each block *held* in the pool (``OffloadManager.hold``: not evicted, its
   slot not reused) until the put has let go of its slot. The queue is bounded: what does not fit
@@ -57,12 +58,18 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+
 from app.core.promotion import Promotions
-from app.settings import Settings
+from app.core.tier import LowerTier, TierContext, register
+from app.settings import Settings, config_error
 from app.telemetry.logging import get_logger
+from app.telemetry.metrics import PREFIX, TierReport
 from manager import REMOTE_MEDIUM, BlockKey, OffloadManager
-from transfer import HostPool
-from transfer.remote import RemoteHealth, RemoteTier
+from transfer import HostPool, RemoteTierError
+from transfer.health import TierHealth
+from transfer.remote import RemoteTier
 
 log = get_logger("remote")
 
@@ -150,8 +157,10 @@ class WrittenKeys:
         return gone
 
 
-class RemoteLink:
+class RemoteLink(LowerTier):
     """The remote tier of one namespace's service; see the module docstring."""
+
+    degraded_means = "serves from the pool and the other tiers"
 
     def __init__(
         self,
@@ -167,6 +176,7 @@ class RemoteLink:
         removal_confirm_s: float = 120.0,
         on_event: Callable[[], None] = lambda: None,
         on_call: Callable[[str, float, int, str | None], None] | None = None,
+        name: str = "remote",
     ) -> None:
         """``hold_s``: how long a promoted block waits, held, for its request's load.
         ``sweep_s``: every tracked key is asked about at least this often (0: no sweep; lookups
@@ -174,8 +184,9 @@ class RemoteLink:
         tracked for removal. ``removal_confirm_s``: how long a key must keep being answered
         "not held" before it is reported removed. ``on_event``: called after the manager got
         a remote KV event (drain it). ``on_call(op, seconds, keys, req_id)``: each remote
-        call's latency."""
-        self.promotions = Promotions(manager, hold_s=hold_s, on_event=on_event, tier="remote")
+        call's latency. ``name``: the name the chain knows it by."""
+        self.name = name
+        self.promotions = Promotions(manager, hold_s=hold_s, on_event=on_event, tier=name)
         self.tier = tier
         self.manager = manager
         self.lookup_timeout_s = lookup_timeout_s
@@ -212,13 +223,13 @@ class RemoteLink:
                     await task
         self._drain = self._sweep = None
         await self.promotions.close()
-        self.counts["queue_dropped"] += len(self._queue)
+        self.counts["dropped_shutdown"] += len(self._queue)
         self._queue.clear()
         self._queued.clear()
         await asyncio.to_thread(self.tier.close)
 
-    def health(self) -> RemoteHealth:
-        """The tier's state and counters (never blocks)."""
+    def health(self) -> TierHealth:
+        """The store's state and counters (never blocks)."""
         return self.tier.health()
 
     def state(self) -> dict[str, Any]:
@@ -233,10 +244,12 @@ class RemoteLink:
             "misses": self.counts["lookup_misses"],
         }
         health["namespace"] = self.tier.namespace
+        dropped = self._dropped()
         health["queue"] = {
             "depth": len(self._queue),
             "capacity": self.queue_blocks,
-            "dropped": self.counts["queue_dropped"],
+            "dropped": sum(dropped.values()),
+            "dropped_by": dropped,
         }
         promoted = self.promotions.counts
         health["promotions"] = {
@@ -270,9 +283,29 @@ class RemoteLink:
     def queue_depth(self) -> int:
         return len(self._queue)
 
-    def writing(self) -> set[str]:
-        """Requests with a promotion in flight: their pending stores are being written."""
-        return self.promotions.writing()
+    def _dropped(self) -> dict[str, int]:
+        """Blocks not written behind, by reason (queue_full, degraded, shutdown)."""
+        return {
+            k.removeprefix("dropped_"): v
+            for k, v in sorted(self.counts.items())
+            if k.startswith("dropped_")
+        }
+
+    def report(self) -> TierReport:
+        counters = self.tier.health().counters
+        return TierReport(
+            up=self.tier.health().ok,
+            queue_depth=len(self._queue),
+            demoted=self.counts["written"],
+            dropped=self._dropped(),
+            promoted=self.promotions.counts["promoted_ready"],
+            bytes_read=counters.get("bytes_read", 0),
+            bytes_written=counters.get("bytes_written", 0),
+            incidents=counters.get("incidents", 0),
+        )
+
+    def metric_families(self) -> Iterator[Metric]:
+        return remote_families(self.state())
 
     # ------------------------------------------------------------------ lookups
 
@@ -302,14 +335,15 @@ class RemoteLink:
 
     def promote(
         self, keys: Sequence[BlockKey], req_id: str, protect: Sequence[BlockKey] = ()
-    ) -> asyncio.Task[None] | None:
+    ) -> list[asyncio.Task[None]]:
         """Start bringing the keys the pool lacks into it for request ``req_id``
-        (``app.core.promotion``); the task that settles it, or None when nothing started (the
-        tier is degraded or the pool has no room: the keys stay not ready). ``protect``: the
-        load's other keys, not evicted to make room."""
+        (``app.core.promotion``) in one read; the task that settles it, none when nothing
+        started (the tier is degraded or the pool has no room: the keys stay not ready).
+        ``protect``: the load's other keys, not evicted to make room."""
         if not self.tier.health().ok:
-            return None
-        return self.promotions.start(keys, req_id, self._read, protect)
+            return []
+        task = self.promotions.start(keys, req_id, self._read, protect)
+        return [] if task is None else [task]
 
     async def _read(self, keys: list[BlockKey], slots: list[int], req_id: str) -> list[bool]:
         started = time.perf_counter()
@@ -319,13 +353,9 @@ class RemoteLink:
         await self._until_released([s for s, good in zip(slots, ok, strict=True) if not good])
         return ok
 
-    def loaded(self, req_id: str, keys: Sequence[BlockKey]) -> None:
-        """Request ``req_id`` pinned ``keys`` with its own load (promoted blocks let go)."""
-        self.promotions.loaded(req_id, keys)
-
     # ------------------------------------------------------------------ write-behind
 
-    def offer(self, keys: Sequence[BlockKey]) -> None:
+    def stored(self, keys: Sequence[BlockKey]) -> None:
         """Queue blocks that became ready for the remote tier; what does not fit is dropped."""
         if not keys:
             return
@@ -336,7 +366,7 @@ class RemoteLink:
             if key in queued:
                 continue
             if taken >= room:
-                self.counts["queue_dropped"] += 1
+                self.counts["dropped_queue_full"] += 1
                 continue
             self._queue.append(key)
             queued.add(key)
@@ -361,7 +391,7 @@ class RemoteLink:
             self._queued.discard(key)
             batch.append(key)
         if not self.tier.health().ok:
-            self.counts["queue_dropped"] += len(batch)
+            self.counts["dropped_degraded"] += len(batch)
             return
         manager = self.manager
         held = manager.hold(batch)
@@ -452,8 +482,78 @@ class RemoteLink:
             self._on_call(op, time.perf_counter() - started, keys, req_id)
 
 
+# The remote tier's counters (``transfer.remote.COUNTERS``) exported as counters, by name.
+_REMOTE_COUNTERS = {
+    "hits": "Keys the remote tier found when asked by a lookup.",
+    "misses": "Keys the remote tier did not hold when asked by a lookup.",
+    "gets": "Blocks read in full from the remote tier into the pool.",
+    "get_failures": "Blocks not read from the remote tier (absent, failed, timed out, skipped).",
+    "puts": "Blocks written to the remote tier.",
+    "put_failures": "Blocks not written to the remote tier.",
+    "errors": "Remote tier calls that failed or answered errors.",
+    "timeouts": "Remote tier calls not finished within their timeout.",
+    "skipped": "Remote tier calls answered without the store while degraded.",
+}
+
 #: Builds a namespace's remote tier: ``(settings, pool, storage identity)`` (``build_tier``).
 RemoteFactory = Callable[[Settings, HostPool, str], RemoteTier]
+
+
+def remote_families(state: dict[str, Any]) -> Iterator[Metric]:
+    """The remote tier's own families (the ones every tier has are ``kvoffload_tier_*``)."""
+    counters = state.get("counters", {})
+    for name, doc in _REMOTE_COUNTERS.items():
+        yield CounterMetricFamily(f"{PREFIX}_remote_{name}", doc, value=counters.get(name, 0))
+    tracked = state["tracked"]
+    yield GaugeMetricFamily(
+        f"{PREFIX}_remote_tracked_blocks",
+        "Blocks this node wrote to the remote tier and asks after for having been removed.",
+        value=tracked["blocks"],
+    )
+    yield CounterMetricFamily(
+        f"{PREFIX}_remote_removed_blocks",
+        "Blocks this node wrote to the remote tier and reported removed (REMOTE "
+        "BlockRemoved): found gone (evicted, or lost with a master) or no longer tracked.",
+        value=tracked["removed"],
+    )
+
+
+class RemoteBackend:
+    """The ``remote`` tier backend: on with ``--remote-tier``; ``factory`` builds the store
+    client (``build_tier``: Mooncake; tests give another ``transfer.remote.RemoteTier``)."""
+
+    def __init__(self, factory: RemoteFactory | None = None) -> None:
+        self.factory = factory
+
+    def enabled(self, settings: Settings) -> bool:
+        return settings.remote_tier != "none"
+
+    def open(self, ctx: TierContext) -> RemoteLink:
+        s = ctx.settings
+        if s.remote_tier == "none":
+            raise config_error("tiers", "remote", "the remote tier needs --remote-tier")
+        factory = self.factory or build_tier
+        try:
+            tier = factory(s, ctx.pool, ctx.storage)
+        except RemoteTierError as exc:  # its library is missing: the node cannot start so
+            raise config_error("remote_tier", s.remote_tier, str(exc)) from None
+        return RemoteLink(
+            tier,
+            ctx.manager,
+            lookup_timeout_s=s.remote_lookup_timeout_s,
+            queue_blocks=s.remote_queue_blocks,
+            batch_blocks=s.remote_batch_blocks,
+            hold_s=s.lease_ttl_s,
+            sweep_s=s.remote_sweep_s,
+            tracked_blocks=s.remote_tracked_blocks,
+            removal_confirm_s=s.remote_removal_confirm_s,
+            on_event=ctx.on_event,
+            on_call=lambda op, sec, n, req: ctx.observer.tier_io(ctx.name, op, sec, n, req),
+            name=ctx.name,
+        )
+
+
+register("remote", RemoteBackend())
 
 
 def remote_namespace(storage: str, block_bytes: int) -> str:

@@ -15,8 +15,8 @@ Both listeners (engine API and admin API) share one ``Service``, a composition o
   service; None when ``metrics_enabled`` is off) whose state collector reads ``snapshot()``.
 - ``shadow``: with shadow evaluation on, the ``ShadowRunner`` (``app.core.shadow``) fed every
   finished request's chain by the manager (it only queues), replaying them off the request path.
-- ``lower``: the tiers below the pool while running (``app.core.lower_tiers``: ``disk`` and
-  ``remote``), opened on the pool at start and closed before it.
+- ``tiers``: the chain of tiers below the pool (``app.core.lower_tiers``: by default the disk
+  tier, then the remote tier, as configured), opened on the pool at start and closed before it.
 
 Background tasks while running (``app.core.background``): the *completion pump* (``pump``:
 woken from the worker thread when a job ends; it completes jobs in the manager), the *lease
@@ -34,21 +34,20 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Literal
 
 from prometheus_client import CollectorRegistry
 
 from app.core.admin import Admin
 from app.core.background import CompletionPump, LeaseSweeper
-from app.core.disk import DiskLink
 from app.core.errors import ServiceUnavailableError
 from app.core.events import EventBuffer
-from app.core.lower_tiers import LowerTiers
+from app.core.lower_tiers import TierChain
 from app.core.observed import ObservedManager
 from app.core.quota import TenantQuota
-from app.core.remote import RemoteFactory, RemoteLink, build_tier
 from app.core.shadow import ShadowRunner
+from app.core.tier import TierBackend
 from app.core.transfers import Transfers
 from app.settings import Settings
 from app.telemetry.logging import get_logger
@@ -77,7 +76,7 @@ class Service:
         registry: CollectorRegistry | None = None,
         namespace: str = DEFAULT_NAMESPACE,
         quota: TenantQuota | None = None,
-        remote_factory: RemoteFactory | None = None,
+        tier_backends: Mapping[str, TierBackend] | None = None,
         storage: str | None = None,
     ) -> None:
         """``registry``: where the metrics go (a new one by default); unused with metrics off.
@@ -87,9 +86,10 @@ class Service:
         storage identity (``app.core.storage``), the name its blocks live under below the pool
         (its disk directory, its remote key prefix), which must change whenever its owner does;
         None: ``namespace`` itself (a service without tenants). ``quota``: the quotas of the
-        tenant that owns it (None: none). ``remote_factory(settings, pool, storage)``: builds
-        the remote tier when ``remote_tier`` is on (default ``app.core.remote.build_tier``;
-        tests give another backend).
+        tenant that owns it (None: none). ``tier_backends``: tier backends by name, used
+        instead of the registered ones of the same name (``app.core.tier``; tests give their
+        own). A ``tiers`` chain that names an unknown or unconfigured tier is a ``ConfigError``
+        here, before anything starts.
         """
         self.settings = settings
         self.namespace = namespace
@@ -120,6 +120,9 @@ class Service:
         self._transfers: Transfers | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._lock = asyncio.Lock()
+        self.tiers = TierChain(
+            settings, self.storage, on_event=self.drain_events, overrides=tier_backends
+        )
 
         self.registry: CollectorRegistry | None = None
         self.metrics: Metrics | None = None
@@ -130,8 +133,7 @@ class Service:
                 snapshot=self.snapshot,
                 live_request_series=settings.metrics_live_requests,
                 max_live_series=settings.metrics_live_requests_max,
-                remote_tier=settings.remote_tier != "none",
-                disk_tier=settings.disk_dir is not None,
+                tiers=self.tiers.names,
             )
         self.request_counts = (
             RequestCounts(_REQUEST_COUNTS_SLACK * settings.metrics_live_requests_max)
@@ -143,7 +145,7 @@ class Service:
             hit_window=settings.metrics_hit_window,
             request_counts=self.request_counts,
         )
-        self.manager = ObservedManager(manager, self.observer, quota)
+        self.manager = ObservedManager(manager, self.observer, self.tiers, quota)
         self.pump = CompletionPump(lambda: self._transfers, self.observer, self.drain_events)
         self.sweeper = LeaseSweeper(
             settings,
@@ -152,14 +154,6 @@ class Service:
             self.drain_events,
             self._check_fatal,
             self.request_counts,
-        )
-        self.lower = LowerTiers(
-            settings,
-            self.storage,
-            self.manager,
-            self.observer,
-            on_event=self.drain_events,
-            remote_factory=remote_factory or build_tier,
         )
         self.shadow: ShadowRunner | None = None
         if settings.shadow_enabled:
@@ -206,10 +200,12 @@ class Service:
                 raise RuntimeError(f"service cannot start from state {self.state!r}")
             s = self.settings
             self.pump.bind(asyncio.get_running_loop())
-            transfers = await Transfers.open(s, self.manager, self.pump.wake)
+            transfers = await Transfers.open(
+                s, self.manager, self.pump.wake, also_writing=self.tiers.writing
+            )
             self._transfers = transfers
             try:
-                await self.lower.open(transfers)
+                await self.tiers.open(transfers.pool, self.manager.manager, self.observer)
             except BaseException:
                 for record in await transfers.close():
                     self.observer.transfer_done(record)
@@ -243,7 +239,7 @@ class Service:
             self._tasks = []
             assert self._transfers is not None
             # Before the pool goes: the tiers wait for their calls still touching it.
-            await self.lower.close()
+            await self.tiers.close()
             for record in await self._transfers.close():
                 self.observer.transfer_done(record)
             self.drain_events()
@@ -274,18 +270,8 @@ class Service:
         return None
 
     def details(self) -> dict[str, str]:
-        """What a ready service still wants known (``/readyz`` details; ``LowerTiers``)."""
-        return self.lower.details()
-
-    @property
-    def disk(self) -> DiskLink | None:
-        """The disk tier below the pool, while running with one (``--disk-dir``)."""
-        return self.lower.disk
-
-    @property
-    def remote(self) -> RemoteLink | None:
-        """The remote tier behind the pool, while running with one (``--remote-tier``)."""
-        return self.lower.remote
+        """What a ready service still wants known (``/readyz`` details: degraded tiers)."""
+        return self.tiers.details()
 
     def transfers(self) -> Transfers:
         """The running data path; ``ServiceUnavailableError`` when the service is not running."""
@@ -360,14 +346,14 @@ class Service:
             prefix_hit_ratio=self.observer.hit_window.ratio(),
             projected_hit_ratio=projected,
             live_requests=rows,
-            remote=None if self.remote is None else self.remote.state(),
-            disk=None if self.disk is None else self.disk.state(),
+            tier_reports=self.tiers.reports(),
+            tier_metrics=list(self.tiers.metric_families()),
         )
 
 
 def _started_fields(service: Service, transfers: Transfers) -> dict[str, object]:
     """What the ``service started`` line says: where the pool is and what serves it."""
-    s, disk, shadow = service.settings, service.disk, service.shadow
+    s, shadow = service.settings, service.shadow
     return {
         "namespace": service.namespace,
         "tenant": None if service.quota is None else service.quota.tenant,
@@ -382,12 +368,5 @@ def _started_fields(service: Service, transfers: Transfers) -> dict[str, object]
         "faults": s.faults_enabled,
         "metrics": service.metrics is not None,
         "shadow_policies": None if shadow is None else shadow.evaluator.policies,
-        "disk": None
-        if disk is None
-        else {
-            "directory": disk.store.directory,
-            "slots": disk.index.num_slots,
-            "direct_io": disk.store.direct,
-            "restored_blocks": disk.restored,
-        },
+        "tiers": {tier.name: tier.summary() for tier in service.tiers.tiers},
     }

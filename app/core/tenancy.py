@@ -465,9 +465,9 @@ class Tenancy:
                     quota.members.remove(service.manager.manager)
             stats = service.manager.manager.stats()
             fields["pool_blocks"] = stats.ready + stats.pending
-            disk = service.disk
-            if disk is not None:
-                fields["disk_blocks"] = disk.state().get("blocks")
+            for name, state in service.tiers.states().items():
+                if "blocks" in state:
+                    fields[f"{name}_blocks"] = state["blocks"]
             if self._users:
                 service.begin_drain()
                 try:

@@ -143,6 +143,7 @@ class Transfers:
         pool: HostPool,
         registry: KVCacheRegistry,
         worker: TransferWorker,
+        also_writing: Callable[[], set[str]] | None = None,
     ) -> None:
         self.settings = settings
         self.manager = manager
@@ -153,7 +154,7 @@ class Transfers:
         self.draining = False
         self.closed = False
         # Other writers into the pool's reserved slots (the lower tiers' promotions).
-        self.also_writing: Callable[[], set[str]] | None = None
+        self.also_writing = also_writing
         # Loads waiting for their keys to be brought up from a lower tier.
         self._deferred: set[asyncio.Task[None]] = set()
         # Replaced on every batch of finished jobs; waiters hold the one current when they
@@ -162,10 +163,17 @@ class Transfers:
 
     @classmethod
     async def open(
-        cls, settings: Settings, manager: ObservedManager, on_finished: Callable[[], None]
+        cls,
+        settings: Settings,
+        manager: ObservedManager,
+        on_finished: Callable[[], None],
+        *,
+        also_writing: Callable[[], set[str]] | None = None,
     ) -> Transfers:
         """Create the pool (off the loop: a large pinned pool takes a while), the registry and
-        the worker; ``on_finished`` is called from the worker thread when a job ends."""
+        the worker; ``on_finished`` is called from the worker thread when a job ends.
+        ``also_writing``: the internal requests of other writers into the pool's reserved
+        slots (the lower tiers' promotions), whose stores no lease expiry may drop."""
         s = settings
         check_machine(s)
         try:
@@ -201,7 +209,7 @@ class Transfers:
         except BaseException:
             pool.close()
             raise
-        return cls(settings, manager, pool, registry, worker)
+        return cls(settings, manager, pool, registry, worker, also_writing)
 
     async def close(self) -> list[JobRecord]:
         """Stop the worker (running jobs end or fail within the grace), complete what ended,

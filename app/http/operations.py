@@ -20,7 +20,7 @@ from app.core.service import Service
 from app.http import schemas as s
 from app.http.errors import too_many
 from app.http.limits import transfer_params_error
-from manager import BlockKey, LookupOutput, LookupResult, ReqContext
+from manager import BlockKey, LookupResult, ReqContext
 from transfer import JobRecord
 
 Run = Callable[[Service, str, Any], tuple[int, str]]
@@ -42,8 +42,8 @@ class Operation:
     run: Run
     # Other success statuses, with what they mean (documented next to ``status``).
     other_ok: tuple[tuple[int, str], ...] = ()
-    # Run in place of ``run`` when the service has a remote tier (it awaits the tier).
-    run_remote: RunAsync | None = None
+    # Run in place of ``run`` when the service has tiers below the pool (it awaits them).
+    run_tiers: RunAsync | None = None
 
 
 def hex_list(keys: Sequence[BlockKey]) -> str:
@@ -76,11 +76,8 @@ _RESULT_JSON = {
     LookupResult.HIT: '"hit"',
     LookupResult.PENDING: '"pending"',
     LookupResult.MISS: '"miss"',
-    LookupResult.REMOTE: '"remote"',
-    LookupResult.DISK: '"disk"',
 }
-_HIT, _MISS, _REMOTE = LookupResult.HIT, LookupResult.MISS, LookupResult.REMOTE
-_DISK = LookupResult.DISK
+_MISS = LookupResult.MISS
 
 
 def _run_start(service: Service, req_id: str, body: s.StartRequestBody) -> tuple[int, str]:
@@ -107,54 +104,42 @@ def _run_finish(service: Service, req_id: str, body: s.FinishRequestBody) -> tup
 def _run_lookup(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str]:
     keys = body.keys
     _limit_keys(service, keys)
-    return 200, _lookup_json(_lookup_pool_disk(service, keys, req_id))
-
-
-def _lookup_pool_disk(service: Service, keys: Sequence[BlockKey], req_id: str) -> LookupOutput:
-    """The pool's answer, with the keys it lacks that the disk tier holds marked ``disk`` (the
-    disk's index is in memory: no key waits on the disk)."""
     out = service.manager.lookup(keys, ReqContext(req_id))
-    disk = service.disk
-    results = out.results
-    if disk is not None and out.hit_prefix < len(results):
-        misses = [i for i, r in enumerate(results) if r is _MISS]
-        if misses:
-            found = disk.found([keys[i] for i in misses])
-            for i, there in zip(misses, found, strict=True):
-                if there:
-                    results[i] = _DISK
-    return out
+    return 200, _lookup_json(out.results, out.hit_prefix)
 
 
-async def _run_lookup_remote(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str]:
-    """``lookup`` with a remote tier: the keys neither the pool nor the disk holds are asked
-    about in one batch (never the keys they hold: an all-hit lookup does not wait on the
-    tier)."""
+async def _run_lookup_tiers(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str]:
+    """``lookup`` with tiers below the pool: the keys the pool lacks are asked of the chain
+    (each tier about those the tiers before it lack), and named by the first tier that holds
+    them; an all-hit lookup asks no tier."""
     keys = body.keys
     _limit_keys(service, keys)
-    out = _lookup_pool_disk(service, keys, req_id)
-    results = out.results
-    if out.hit_prefix < len(results) and service.remote is not None:
+    out = service.manager.lookup(keys, ReqContext(req_id))
+    results: list[LookupResult | str] = list(out.results)
+    if out.hit_prefix < len(results):
         misses = [i for i, r in enumerate(results) if r is _MISS]
         if misses:
-            found = await service.remote.found([keys[i] for i in misses], req_id)
-            for i, there in zip(misses, found, strict=True):
-                if there:
-                    results[i] = _REMOTE
-    return 200, _lookup_json(out)
+            found = await service.tiers.found([keys[i] for i in misses], req_id)
+            for i, tier in zip(misses, found, strict=True):
+                if tier is not None:
+                    results[i] = tier
+    return 200, _lookup_json(results, out.hit_prefix)
 
 
-def _lookup_json(out: LookupOutput) -> str:
-    results = out.results
+def _lookup_json(results: Sequence[LookupResult | str], hit_prefix: int) -> str:
+    """The lookup answer; ``results`` holds the pool's states and, for keys a lower tier
+    holds, that tier's name (a registered name: no JSON escaping needed)."""
     n = len(results)
     # The common answers (all hits, all misses) are built without a per-key loop.
-    if out.hit_prefix == n:
+    if hit_prefix == n:
         text = ",".join(['"hit"'] * n)
     elif n and results.count(_MISS) == n:
         text = ",".join(['"miss"'] * n)
     else:
-        text = ",".join(map(_RESULT_JSON.__getitem__, results))
-    return f'{{"results":[{text}],"hit_prefix":{out.hit_prefix}}}'
+        text = ",".join(
+            _RESULT_JSON[r] if isinstance(r, LookupResult) else f'"{r}"' for r in results
+        )
+    return f'{{"results":[{text}],"hit_prefix":{hit_prefix}}}'
 
 
 def _run_prepare_load(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str]:
@@ -248,7 +233,7 @@ OPERATIONS: tuple[Operation, ...] = (
         "Per-key state (hit, pending, miss; disk and remote with those tiers) and the count of "
         "leading hits",
         _run_lookup,
-        run_remote=_run_lookup_remote,
+        run_tiers=_run_lookup_tiers,
     ),
     Operation(
         "start_request",

@@ -256,12 +256,21 @@ class FinishRequestAnswer(Answer):
 
 
 class LookupAnswer(Answer):
-    """Per-key state and the count of leading hits (pool hits only). ``disk``: not in the pool
-    but on the node's disk tier; ``remote``: in neither but in the service's remote tier. An
-    onload of such keys brings them in and loads them in one job; a prepare-load answers 409
-    and brings them in (pending, then hit)."""
+    """Per-key state and the count of leading hits (pool hits only): ``hit``, ``pending``,
+    ``miss``, or the name of the first tier below the pool that holds the key (the tiers the
+    service runs, in its ``--tiers`` order: ``disk``, ``remote``, ...). An onload of such keys
+    brings them in and loads them in one job; a prepare-load answers 409 and brings them in
+    (pending, then hit)."""
 
-    results: list[Literal["hit", "pending", "miss", "disk", "remote"]]
+    results: list[
+        Annotated[
+            str,
+            Field(
+                pattern=r"^[a-z][a-z0-9_]{0,15}$",
+                examples=["hit", "pending", "miss", "disk", "remote"],
+            ),
+        ]
+    ]
     hit_prefix: int
 
 
@@ -574,16 +583,12 @@ class StatsAnswer(Answer):
     jobs: JobsStats
     events: EventsStats
     kv_caches: int
-    remote: dict[str, Any] | None = Field(
-        default=None,
-        description="the remote tier (null: none): state ok or degraded, since, last error, "
-        "counters, write-behind queue, promotions",
-    )
-    disk: dict[str, Any] | None = Field(
-        default=None,
-        description="the disk tier (null: none): state ok or degraded, since, last error, "
-        "counters, blocks and slots, demotions (written, refused, dropped by reason), "
-        "evictions, promotions, corrupt blocks dropped",
+    tiers: dict[str, dict[str, Any]] = Field(
+        description="each tier below the pool by name, in the chain's order (empty: none). "
+        "Every tier says its state (ok or degraded), since when and its last error; the disk "
+        "tier adds counters, blocks and slots, demotions (written, refused, dropped by "
+        "reason), evictions, promotions and corrupt blocks dropped; the remote tier adds "
+        "counters, its write-behind queue, promotions and the blocks it tracks for removal"
     )
 
 

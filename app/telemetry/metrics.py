@@ -68,6 +68,26 @@ def failure_reason(reason: str | None) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class TierReport:
+    """What every tier below the pool exports, under its name as the ``tier`` label
+    (``kvoffload_tier_*``; ``app.core.tier``): whether it serves, demoted blocks waiting to be
+    written, written, and dropped by reason, blocks promoted into the pool, bytes each way,
+    incidents (ok -> degraded). ``blocks`` / ``capacity_blocks``: what it holds and can hold,
+    None for a tier that does not know (a store shared by nodes)."""
+
+    up: bool
+    queue_depth: int
+    demoted: int
+    dropped: Mapping[str, int]
+    promoted: int
+    bytes_read: int
+    bytes_written: int
+    incidents: int
+    blocks: int | None = None
+    capacity_blocks: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class LiveRequestRow:
     """One row of the live-request table."""
 
@@ -92,10 +112,10 @@ class ServiceSnapshot:
     prefix_hit_ratio: float | None = None
     projected_hit_ratio: dict[str, float] = field(default_factory=dict)
     live_requests: list[LiveRequestRow] = field(default_factory=list)
-    # The remote tier's state (``RemoteLink.state()``), None without one.
-    remote: dict[str, Any] | None = None
-    # The disk tier's state (``DiskLink.state()``), None without one.
-    disk: dict[str, Any] | None = None
+    # Each lower tier's report (the ``kvoffload_tier_*`` families), by tier name.
+    tier_reports: dict[str, TierReport] = field(default_factory=dict)
+    # The lower tiers' own families (``LowerTier.metric_families``), read with the snapshot.
+    tier_metrics: list[Metric] = field(default_factory=list)
 
 
 class _StateCollector(Collector):
@@ -203,10 +223,9 @@ class _StateCollector(Collector):
         for name, ratio in sorted(snap.projected_hit_ratio.items()):
             projected.add_metric([name], ratio)
         yield projected
-        if snap.remote is not None:
-            yield from _remote_families(snap.remote)
-        if snap.disk is not None:
-            yield from _disk_families(snap.disk)
+        if snap.tier_reports:
+            yield from _tier_families(snap.tier_reports)
+        yield from snap.tier_metrics
         if self._live_series:
             table = GaugeMetricFamily(
                 f"{PREFIX}_request_blocks",
@@ -222,118 +241,61 @@ class _StateCollector(Collector):
             yield table
 
 
-# The remote tier's counters (``transfer.remote.COUNTERS``) exported as counters, by name.
-_REMOTE_COUNTERS = {
-    "hits": "Keys the remote tier found when asked by a lookup.",
-    "misses": "Keys the remote tier did not hold when asked by a lookup.",
-    "gets": "Blocks read in full from the remote tier into the pool.",
-    "get_failures": "Blocks not read from the remote tier (absent, failed, timed out, skipped).",
-    "puts": "Blocks written to the remote tier.",
-    "put_failures": "Blocks not written to the remote tier.",
-    "bytes_read": "Bytes read from the remote tier into the pool.",
-    "bytes_written": "Bytes written from the pool to the remote tier.",
-    "errors": "Remote tier calls that failed or answered errors.",
-    "timeouts": "Remote tier calls not finished within their timeout.",
-    "incidents": "Times the remote tier went from ok to degraded.",
-    "skipped": "Remote tier calls answered without the store while degraded.",
-}
+def _tier_families(reports: Mapping[str, TierReport]) -> Iterator[Metric]:
+    """The families every lower tier exports, by ``tier`` (``TierReport``)."""
+    labels = ["tier"]
 
+    def gauge(name: str, doc: str, value: Callable[[TierReport], int | None]) -> Metric:
+        family = GaugeMetricFamily(f"{PREFIX}_tier_{name}", doc, labels=labels)
+        for tier, report in reports.items():
+            v = value(report)
+            if v is not None:
+                family.add_metric([tier], v)
+        return family
 
-def _remote_families(state: dict[str, Any]) -> Iterator[Metric]:
-    yield GaugeMetricFamily(
-        f"{PREFIX}_remote_tier_up",
-        "1 while the remote tier answers (ok), 0 while degraded (local pool only).",
-        value=1 if state["state"] == "ok" else 0,
+    def counter(name: str, doc: str, value: Callable[[TierReport], int]) -> Metric:
+        family = CounterMetricFamily(f"{PREFIX}_tier_{name}", doc, labels=labels)
+        for tier, report in reports.items():
+            family.add_metric([tier], value(report))
+        return family
+
+    yield gauge(
+        "up",
+        "1 while the tier serves (ok), 0 while degraded (what it still does: /readyz details).",
+        lambda r: 1 if r.up else 0,
     )
-    counters = state.get("counters", {})
-    for name, doc in _REMOTE_COUNTERS.items():
-        yield CounterMetricFamily(f"{PREFIX}_remote_{name}", doc, value=counters.get(name, 0))
-    queue = state["queue"]
-    yield GaugeMetricFamily(
-        f"{PREFIX}_remote_queue_depth", "Blocks waiting to be written behind.",
-        value=queue["depth"],
+    yield gauge("blocks", "Blocks the tier holds, loadable (tiers that know).", lambda r: r.blocks)
+    yield gauge(
+        "capacity_blocks",
+        "Blocks the tier can hold (tiers that know).",
+        lambda r: r.capacity_blocks,
+    )
+    yield gauge(
+        "queue_depth", "Demoted blocks waiting to be written to the tier.", lambda r: r.queue_depth
+    )
+    yield counter(
+        "demoted_blocks", "Blocks written to the tier (demoted, or written behind).",
+        lambda r: r.demoted,
     )  # fmt: skip
-    yield CounterMetricFamily(
-        f"{PREFIX}_remote_queue_dropped",
-        "Blocks not written behind: the queue was full or the tier degraded.",
-        value=queue["dropped"],
-    )
-    promotions = state["promotions"]
-    yield CounterMetricFamily(
-        f"{PREFIX}_remote_promoted_blocks",
-        "Blocks brought from the remote tier into the pool for a load.",
-        value=promotions["loaded"],
-    )
-    tracked = state["tracked"]
-    yield GaugeMetricFamily(
-        f"{PREFIX}_remote_tracked_blocks",
-        "Blocks this node wrote to the remote tier and asks after for having been removed.",
-        value=tracked["blocks"],
-    )
-    yield CounterMetricFamily(
-        f"{PREFIX}_remote_removed_blocks",
-        "Blocks this node wrote to the remote tier and reported removed (REMOTE BlockRemoved): "
-        "found gone (evicted, or lost with a master) or no longer tracked.",
-        value=tracked["removed"],
-    )
-
-
-# The disk tier's counters (``transfer.disk.DISK_COUNTERS``) exported as counters, by name.
-_DISK_COUNTERS = {
-    "writes": "Blocks written whole to the disk tier (demotions).",
-    "write_failures": "Blocks a disk write did not store (I/O error, disk full, read-only).",
-    "reads": "Blocks read back whole from the disk tier with a matching checksum.",
-    "read_failures": "Blocks a disk read could not read (I/O error, short read).",
-    "checksum_failures": "Blocks read from disk whose bytes did not match their checksum "
-    "(torn or corrupt: dropped, never loaded).",
-    "bytes_written": "Bytes written to the disk tier.",
-    "bytes_read": "Bytes read from the disk tier into the pool.",
-    "incidents": "Times the disk tier went from ok to degraded.",
-}
-
-
-def _disk_families(state: dict[str, Any]) -> Iterator[Metric]:
-    yield GaugeMetricFamily(
-        f"{PREFIX}_disk_tier_up",
-        "1 while the disk tier takes demotions (ok), 0 while degraded (pool and disk reads only).",
-        value=1 if state["state"] == "ok" else 0,
-    )
-    counters = state.get("counters", {})
-    for name, doc in _DISK_COUNTERS.items():
-        yield CounterMetricFamily(f"{PREFIX}_disk_{name}", doc, value=counters.get(name, 0))
-    yield GaugeMetricFamily(
-        f"{PREFIX}_disk_blocks", "Blocks on the disk tier, loadable.", value=state["blocks"]
-    )
-    yield GaugeMetricFamily(
-        f"{PREFIX}_disk_capacity_blocks", "Block slots of the disk tier.", value=state["slots"]
-    )
-    yield GaugeMetricFamily(
-        f"{PREFIX}_disk_queue_depth", "Evicted blocks staged, waiting to be written to disk.",
-        value=state["queue"]["depth"],
-    )  # fmt: skip
-    demotions = state["demotions"]
     dropped = CounterMetricFamily(
-        f"{PREFIX}_disk_demotions_dropped",
-        "Admitted evicted blocks not written to disk, by reason (degraded, staging_full, "
-        "no_room, write_failed, shutdown).",
-        labels=["reason"],
+        f"{PREFIX}_tier_demotions_dropped",
+        "Blocks the tier was given and did not write, by reason (degraded, staging_full, "
+        "no_room, write_failed, queue_full, shutdown, duplicate).",
+        labels=["tier", "reason"],
     )
-    for reason, n in sorted(demotions["dropped"].items()):
-        dropped.add_metric([reason], n)
+    for tier, report in reports.items():
+        for reason, n in sorted(report.dropped.items()):
+            dropped.add_metric([tier, reason], n)
     yield dropped
-    yield CounterMetricFamily(
-        f"{PREFIX}_disk_admissions_refused",
-        "Evicted blocks not demoted: asked for fewer than --disk-admit-after times.",
-        value=demotions["refused_admission"],
+    yield counter(
+        "promoted_blocks", "Blocks brought from the tier into the pool for a load.",
+        lambda r: r.promoted,
+    )  # fmt: skip
+    yield counter("bytes_read", "Bytes read from the tier into the pool.", lambda r: r.bytes_read)
+    yield counter(
+        "bytes_written", "Bytes written from the pool to the tier.", lambda r: r.bytes_written
     )
-    yield CounterMetricFamily(
-        f"{PREFIX}_disk_evictions", "Blocks the disk tier evicted to make room.",
-        value=state["evictions"],
-    )  # fmt: skip
-    yield CounterMetricFamily(
-        f"{PREFIX}_disk_promoted_blocks", "Blocks brought from the disk tier into the pool.",
-        value=state["promotions"]["loaded"],
-    )  # fmt: skip
+    yield counter("incidents", "Times the tier went from ok to degraded.", lambda r: r.incidents)
 
 
 class _CounterSeries:
@@ -472,8 +434,7 @@ class Metrics:
         live_request_series: bool = False,
         max_live_series: int = 500,
         clock: Callable[[], float] = time.time,
-        remote_tier: bool = False,
-        disk_tier: bool = False,
+        tiers: Sequence[str] = (),
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._clock = clock
@@ -512,27 +473,18 @@ class Metrics:
         self.policy_switches = _Counter(
             f"{PREFIX}_policy_switches", "Live policy switches.", ("from_policy", "to_policy")
         )
-        # Only with a remote tier (its families would otherwise be exported empty).
-        self.remote_duration = _Histogram(
-            f"{PREFIX}_remote_call_duration_seconds",
-            "Remote tier calls by op (exists: a lookup's question, get: a promotion, put: "
-            "write-behind, sweep: asking after blocks written for having been evicted); the "
+        # Only with tiers below the pool (the families would otherwise be exported empty).
+        self.tier_io_duration = _Histogram(
+            f"{PREFIX}_tier_io_duration_seconds",
+            "I/O calls of the tiers below the pool, by tier and op (disk: read, a promotion, and "
+            "write, demotions; remote: exists, a lookup's question, get, put, sweep); the "
             "exemplar names the engine request that caused it.",
-            ("op",), TRANSFER_BUCKETS,
+            ("tier", "op"), TRANSFER_BUCKETS,
         )  # fmt: skip
-        self.remote_keys = _Counter(
-            f"{PREFIX}_remote_call_keys", "Keys named by remote tier calls, by op.", ("op",)
-        )
-        # Only with a disk tier.
-        self.disk_duration = _Histogram(
-            f"{PREFIX}_disk_io_duration_seconds",
-            "Disk tier I/O batches by op (read: a promotion, write: demotions); the exemplar "
-            "names the engine request that caused a read.",
-            ("op",), TRANSFER_BUCKETS,
+        self.tier_io_keys = _Counter(
+            f"{PREFIX}_tier_io_keys", "Keys (blocks) named by the tiers' I/O calls, by op.",
+            ("tier", "op"),
         )  # fmt: skip
-        self.disk_io_blocks = _Counter(
-            f"{PREFIX}_disk_io_blocks", "Blocks named by disk tier I/O batches, by op.", ("op",)
-        )
         self.registry.register(
             _CallCollector(
                 [
@@ -545,8 +497,7 @@ class Metrics:
                     self.transfer_duration,
                     self.transfer_failures,
                     self.policy_switches,
-                    *((self.remote_duration, self.remote_keys) if remote_tier else ()),
-                    *((self.disk_duration, self.disk_io_blocks) if disk_tier else ()),
+                    *((self.tier_io_duration, self.tier_io_keys) if tiers else ()),
                 ]
             )
         )
@@ -609,19 +560,13 @@ class Metrics:
         """One effective live policy switch."""
         self.policy_switches.inc((from_policy, to_policy), 1, None, self._clock())
 
-    def remote_call(self, op: str, seconds: float, keys: int, req_id: str | None) -> None:
-        """One remote tier call: its latency and keys, the engine request as exemplar."""
+    def tier_io(self, tier: str, op: str, seconds: float, keys: int, req_id: str | None) -> None:
+        """One I/O call of lower tier ``tier``: its latency and keys (or blocks), the engine
+        request as exemplar."""
         ex = exemplar_id(req_id)
         now = self._clock()
-        self.remote_duration.observe((op,), seconds, ex, now)
-        self.remote_keys.inc((op,), keys, ex, now)
-
-    def disk_io(self, op: str, seconds: float, blocks: int, req_id: str | None) -> None:
-        """One disk tier I/O batch: its latency and blocks, the engine request as exemplar."""
-        ex = exemplar_id(req_id)
-        now = self._clock()
-        self.disk_duration.observe((op,), seconds, ex, now)
-        self.disk_io_blocks.inc((op,), blocks, ex, now)
+        self.tier_io_duration.observe((tier, op), seconds, ex, now)
+        self.tier_io_keys.inc((tier, op), keys, ex, now)
 
 
 class _TenancyCollector(Collector):

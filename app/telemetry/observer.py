@@ -270,15 +270,11 @@ class Observer:
         if self.metrics is not None:
             self.metrics.policy_switched(from_policy, to_policy)
 
-    def remote_call(self, op: str, seconds: float, keys: int, req_id: str | None) -> None:
-        """One remote tier call (``app.core.remote``)."""
+    def tier_io(self, tier: str, op: str, seconds: float, keys: int, req_id: str | None) -> None:
+        """One I/O call of a lower tier (``app.core.tier``)."""
         if self.metrics is not None:
-            self.metrics.remote_call(op, seconds, keys, safe_req_id(req_id) if req_id else None)
-
-    def disk_io(self, op: str, seconds: float, blocks: int, req_id: str | None) -> None:
-        """One disk tier I/O batch (``app.core.disk``)."""
-        if self.metrics is not None:
-            self.metrics.disk_io(op, seconds, blocks, safe_req_id(req_id) if req_id else None)
+            rid = safe_req_id(req_id) if req_id else None
+            self.metrics.tier_io(tier, op, seconds, keys, rid)
 
     # ------------------------------------------------------------------ HTTP calls
 

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import errno
 import os
+import shutil
 import subprocess
 import threading
 import time
@@ -24,6 +25,8 @@ import pytest
 
 import app.core.disk as disk_module
 from app.core.disk import DiskLink
+from app.core.service import Service
+from app.settings import ConfigError
 from tests.api.harness import BLOCK, Harness, hexkeys, make_settings, running
 from transfer.disk import DiskStore, disk_bytes_for
 
@@ -49,8 +52,9 @@ async def disk_node(directory: Path, **overrides: Any) -> AsyncIterator[Harness]
 
 
 def link(h: Harness) -> DiskLink:
-    assert h.service.disk is not None
-    return h.service.disk
+    disk = h.service.tiers.get("disk")
+    assert isinstance(disk, DiskLink)
+    return disk
 
 
 def gated(store: DiskStore, call: str) -> threading.Event:
@@ -93,7 +97,7 @@ async def store(h: Harness, req: str, keys: list[str]) -> dict[str, bytes]:
 async def stats(h: Harness) -> dict[str, Any]:
     r = await h.admin.get("/admin/v1/stats")
     assert r.status_code == 200, r.text
-    disk: dict[str, Any] = r.json()["disk"]
+    disk: dict[str, Any] = r.json()["tiers"]["disk"]
     return disk
 
 
@@ -361,21 +365,6 @@ async def test_io_errors_degrade_the_tier_and_a_failed_read_is_a_miss(tmp_path: 
         assert all(c.status < 500 for c in h.calls)
 
 
-@pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], check=False)
-    if done.returncode != 0:
-        pytest.skip("mount -t tmpfs refused here (no CAP_SYS_ADMIN in this container)")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def fill_up(mnt: Path) -> Path:
     """Another process fills the filesystem until ENOSPC; the filler file."""
     filler = mnt / "filler"
@@ -581,7 +570,7 @@ async def test_promotion_while_the_disk_evicts_under_store_pressure(tmp_path: Pa
         data.update(await store(h, "w2", more))
         await demoted(h, 32)
         assert (await stats(h))["evictions"] >= 16
-        assert d.found([bytes.fromhex(k)]) == [True]  # pinned: not evicted under its read
+        assert d.index.found([bytes.fromhex(k)]) == [True]  # pinned: not evicted under its read
         assert await lookup(h, "r", [k]) == ["pending"]
 
         # Now pin every disk block with reads of their own, and push more victims down.
@@ -589,7 +578,7 @@ async def test_promotion_while_the_disk_evicts_under_store_pressure(tmp_path: Pa
         rest = [
             x
             for x in sorted(disk_events(await events(h), "BlockStored"))
-            if d.found([bytes.fromhex(x)])[0] and x != k
+            if d.index.found([bytes.fromhex(x)])[0] and x != k
         ]
         r = await h.post("/v1/requests/r2/prepare-load", {"keys": rest})
         assert r.status_code == 409
@@ -642,8 +631,8 @@ async def test_a_block_evicted_twice_before_it_is_written_leaks_no_staging_buffe
         assert slot is not None
         # The listener, as the pool calls it on two evictions of K (between them the engine
         # stored K again, same bytes, in another slot).
-        d.on_evicted([k], [slot])
-        d.on_evicted([k], [slot])
+        d.evicted([k], [slot])
+        d.evicted([k], [slot])
         assert d.store.staging_free == d.store.staging_blocks - 8 - 2
         gate.set()
 
@@ -651,7 +640,7 @@ async def test_a_block_evicted_twice_before_it_is_written_leaks_no_staging_buffe
             return d.store.staging_free == d.store.staging_blocks and not d._queue
 
         await until(settled)
-        assert d.found([k]) == [True]
+        assert d.index.found([k]) == [True]
         (on_disk,) = [s for key, s in d.store.listed() if key == k]
         assert d.store.read_many([(on_disk, k, slot)]) == [True]  # same bytes, same slot
         assert pool_bytes(h, slot) == data[keys[-1]]
@@ -1022,7 +1011,7 @@ async def test_mixed_concurrent_stores_onloads_and_loads_never_serve_wrong_bytes
         # a promotion is always checked, bytes included.
         m = h.service.manager.manager
         disk_only = [k for k in universe if m.slot_of(bytes.fromhex(k)) is None]
-        disk_only = [k for k in disk_only if d.found([bytes.fromhex(k)])[0]]
+        disk_only = [k for k in disk_only if d.index.found([bytes.fromhex(k)])[0]]
         assert disk_only, s
         await h.start("last")
         last, blocks = disk_only[:2], [0, 1][: len(disk_only[:2])]
@@ -1079,3 +1068,52 @@ async def test_the_engines_own_complete_store_cannot_complete_a_promotion(
         await h.client.delete("/v1/requests/w")
         d.store.preadv = os.preadv
         await invariants(h)
+
+
+@pytest.mark.parametrize(("slots", "at_once"), [(64, 2), (6, 1)])
+async def test_demotion_batches_are_written_two_at_once_where_the_disk_has_room(
+    tmp_path: Path, slots: int, at_once: int
+) -> None:
+    # Batches of two blocks. 64 slots: a second batch is written while the first is (the
+    # device's queue never empties between them); 6 slots: a batch in flight holds slots a
+    # second would need, so one at a time (nothing dropped for want of room).
+    async with disk_node(
+        tmp_path, disk_bytes=disk_bytes_for(slots, 4096), disk_batch_bytes=2 * 4096
+    ) as h:
+        d = link(h)
+        gate = threading.Event()
+        entered: list[int] = []
+        real = d.store.write_many
+
+        def held(items: Any) -> list[bool]:
+            entered.append(len(items))
+            gate.wait(10)
+            return real(items)
+
+        d.store.write_many = held  # type: ignore[method-assign]
+        await store(h, "w", hexkeys(*range(1, 41)))  # 8 evicted from a pool of 32
+
+        async def writing() -> bool:
+            return len(entered) >= at_once
+
+        await until(writing)
+        await asyncio.sleep(0.2)  # the next batch waits for one of these to end
+        assert entered == [2] * at_once
+        gate.set()
+        await demoted(h, 8)
+        assert sum(v for k, v in d.counts.items() if k.startswith("dropped_")) == 0
+
+
+async def test_a_disk_bytes_past_the_free_space_stops_the_start_naming_it(tmp_path: Path) -> None:
+    free = shutil.disk_usage(tmp_path).free
+    settings = make_settings(
+        disk_dir=tmp_path / "d", disk_bytes=4 * free + (1 << 40), disk_admit_after=1
+    )
+    service = Service(settings)
+    with pytest.raises(ConfigError) as err:
+        async with service.running():
+            pass
+    assert err.value.field == "disk_bytes"
+    assert "free" in str(err.value)
+    # Refused before anything is allocated.
+    assert sum(p.stat().st_blocks for p in (tmp_path / "d").rglob("*") if p.is_file()) < 2048

@@ -110,7 +110,7 @@ async def demoted(t: Tenants, ns: str, count: int) -> None:
     """Wait until the disk tier of ``ns`` holds ``count`` blocks."""
 
     async def done() -> bool:
-        return bool((await admin_stats(t, ns))["disk"]["blocks"] == count)
+        return bool((await admin_stats(t, ns))["tiers"]["disk"]["blocks"] == count)
 
     await until(done)
 
@@ -217,7 +217,7 @@ async def test_a_namespace_removed_and_added_back_starts_empty_for_its_own_tenan
         write_tenants(t.path, tenants(["a1", "a2"], ["b1"]))
         assert await t.tenancy.reload()
         await sees_nothing(t, ALICE, "a2", written)
-        stats = (await admin_stats(t, "a2"))["disk"]
+        stats = (await admin_stats(t, "a2"))["tiers"]["disk"]
         assert (stats["blocks"], stats["restored"]) == (0, 0)
 
 
@@ -400,7 +400,7 @@ async def test_the_remote_tier_of_a_namespace_given_to_another_tenant_is_another
         # Alice's objects are still in the shared store, under her identity only.
         assert all(name.startswith("kvoffload/a2@alice/4096/") for name in store.blocks)
         assert len(store.blocks) == len(keys)
-        stats = (await admin_stats(t, "a2"))["remote"]
+        stats = (await admin_stats(t, "a2"))["tiers"]["remote"]
         assert stats["namespace"] == "kvoffload/a2@bob/4096"
     # One tier per identity opened: a2's second owner got a prefix of its own.
     assert sorted(tier.namespace for tier in tiers) == [

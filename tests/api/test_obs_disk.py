@@ -68,7 +68,7 @@ async def store(h: Harness, req: str, keys: list[str], fill: int) -> dict[str, b
 
 async def demoted(h: Harness, count: int) -> None:
     async def done() -> bool:
-        disk = (await h.admin.get("/admin/v1/stats")).json()["disk"]
+        disk = (await h.admin.get("/admin/v1/stats")).json()["tiers"]["disk"]
         return bool(disk["demotions"]["written"] >= count and disk["queue"]["depth"] == 0)
 
     await until(done)
@@ -115,49 +115,63 @@ async def test_a_demotion_and_a_promotion_show_in_the_disk_metrics(tmp_path: Pat
         await demoted(h, 5)  # the pool block the promotion displaced
         ex = await scrape(h)
 
-    # The disk families as the catalogue has them (the per-call families this test leaves
-    # empty are checked in test_obs_metrics), and every one of them exported.
-    assert [p for p in catalogue_mismatches(ex) if p.startswith("kvoffload_disk_")] == []
+    # The disk's own families and every tier's, as the catalogue has them (the per-call
+    # families this test leaves empty are checked in test_obs_metrics), all exported.
+    assert [p for p in catalogue_mismatches(ex) if p.startswith(TIER_FAMILIES)] == []
     disk = {name for name in catalogue() if name.startswith("kvoffload_disk_")}
-    assert len(disk) == 18
-    assert {base_name(name) for name in disk} <= set(ex.families)
-    assert ex.value("kvoffload_disk_tier_up") == 1
-    assert ex.value("kvoffload_disk_capacity_blocks") == slots
+    assert len(disk) == 7
+    tier = {name for name in catalogue() if name.startswith("kvoffload_tier_")}
+    assert len(tier) == 12
+    assert {base_name(name) for name in disk | tier} <= set(ex.families)
+    assert ex.value("kvoffload_tier_up", tier="disk") == 1
+    assert ex.value("kvoffload_tier_capacity_blocks", tier="disk") == slots
     # Inclusive: the promoted block stays on disk; the one it displaced in the pool went down.
-    assert ex.value("kvoffload_disk_blocks") == 5
-    assert ex.value("kvoffload_disk_queue_depth") == 0
+    assert ex.value("kvoffload_tier_blocks", tier="disk") == 5
+    assert ex.value("kvoffload_tier_queue_depth", tier="disk") == 0
     assert ex.value("kvoffload_disk_writes_total") == 5
-    assert ex.value("kvoffload_disk_bytes_written_total") == 5 * BLOCK
+    assert ex.value("kvoffload_tier_bytes_written_total", tier="disk") == 5 * BLOCK
     assert ex.value("kvoffload_disk_reads_total") == 1
-    assert ex.value("kvoffload_disk_bytes_read_total") == BLOCK
-    assert ex.value("kvoffload_disk_promoted_blocks_total") == 1
+    assert ex.value("kvoffload_tier_bytes_read_total", tier="disk") == BLOCK
+    assert ex.value("kvoffload_tier_promoted_blocks_total", tier="disk") == 1
+    assert ex.value("kvoffload_tier_incidents_total", tier="disk") == 0
     for name in (
         "kvoffload_disk_write_failures_total",
         "kvoffload_disk_read_failures_total",
         "kvoffload_disk_checksum_failures_total",
-        "kvoffload_disk_incidents_total",
         "kvoffload_disk_admissions_refused_total",
         "kvoffload_disk_evictions_total",
     ):
         assert ex.value(name) == 0, name
     # Nothing dropped (a reason may show with 0 once its path ran).
-    assert all(s.value == 0 for s in ex.samples("kvoffload_disk_demotions_dropped_total"))
+    assert all(
+        s.value == 0 for s in ex.samples("kvoffload_tier_demotions_dropped_total", tier="disk")
+    )
     # One read batch for the promotion, its request as the exemplar; write batches have none.
-    assert ex.value("kvoffload_disk_io_duration_seconds_count", op="read") == 1
-    assert ex.value("kvoffload_disk_io_blocks_total", op="read") == 1
-    assert ex.exemplar_ids("kvoffload_disk_io_duration_seconds_bucket", op="read") == {"r-disk"}
-    assert ex.exemplar_ids("kvoffload_disk_io_blocks_total", op="read") == {"r-disk"}
-    assert ex.value("kvoffload_disk_io_blocks_total", op="write") == 5
-    writes = ex.value("kvoffload_disk_io_duration_seconds_count", op="write")
+    assert ex.value("kvoffload_tier_io_duration_seconds_count", tier="disk", op="read") == 1
+    assert ex.value("kvoffload_tier_io_keys_total", tier="disk", op="read") == 1
+    assert ex.exemplar_ids("kvoffload_tier_io_duration_seconds_bucket", tier="disk", op="read") == {
+        "r-disk"
+    }
+    assert ex.exemplar_ids("kvoffload_tier_io_keys_total", tier="disk", op="read") == {"r-disk"}
+    assert ex.value("kvoffload_tier_io_keys_total", tier="disk", op="write") == 5
+    writes = ex.value("kvoffload_tier_io_duration_seconds_count", tier="disk", op="write")
     assert writes is not None
     assert writes >= 3  # batches of at most two blocks
-    assert ex.exemplar_ids("kvoffload_disk_io_duration_seconds_bucket", op="write") == set()
+    assert (
+        ex.exemplar_ids("kvoffload_tier_io_duration_seconds_bucket", tier="disk", op="write")
+        == set()
+    )
     assert disk_selectors_not_live(ex) == []
+
+
+#: The families a disk tier exports: its own and every tier's (labelled ``tier``).
+TIER_FAMILIES = ("kvoffload_disk_", "kvoffload_tier_")
 
 
 def disk_selectors_not_live(ex: Exposition) -> list[str]:
     """Every disk series a rule or a dashboard panel selects that the scrape lacks, or lacks
-    with a label it matches on or, for ``=``, with that value (``kvoffload_disk_*`` only)."""
+    with a label it matches on or, for ``=``, with that value (``kvoffload_disk_*``, and
+    ``kvoffload_tier_*`` unless it selects another tier)."""
     live: dict[str, list[dict[str, str]]] = {}
     for _, samples in ex.families.values():
         for sample in samples:
@@ -170,8 +184,12 @@ def disk_selectors_not_live(ex: Exposition) -> list[str]:
     for where, analysis in found:
         for selector in analysis.selectors:
             name = selector.name
-            if name is None or not name.startswith("kvoffload_disk_"):
+            if name is None or not name.startswith(TIER_FAMILIES):
                 continue
+            if any(
+                m.label == "tier" and m.op == "=" and m.value != "disk" for m in selector.matchers
+            ):
+                continue  # another tier's series
             if name not in live:
                 problems.append(f"{where}: {name} not exported")
                 continue
@@ -192,7 +210,7 @@ async def test_blocks_asked_too_rarely_are_refused_admission(tmp_path: Path) -> 
         ex = await scrape(h)
     assert ex.value("kvoffload_disk_admissions_refused_total") == 4
     assert ex.value("kvoffload_disk_writes_total") == 0
-    assert ex.value("kvoffload_disk_blocks") == 0
+    assert ex.value("kvoffload_tier_blocks", tier="disk") == 0
 
 
 def corrupt_every_block(disk_dir: Path) -> None:
@@ -232,14 +250,19 @@ async def test_a_corrupt_block_is_a_checksum_failure_never_a_hit(tmp_path: Path)
     assert ex.value("kvoffload_disk_checksum_failures_total") == 1
     assert ex.value("kvoffload_disk_reads_total") == 0
     assert ex.value("kvoffload_disk_read_failures_total") == 0
-    assert ex.value("kvoffload_disk_promoted_blocks_total") == 0
+    assert ex.value("kvoffload_tier_promoted_blocks_total", tier="disk") == 0
     # The read batch still ran for the request (its exemplar), the tier stays up.
-    assert ex.exemplar_ids("kvoffload_disk_io_duration_seconds_bucket", op="read") == {"r-bad"}
-    assert ex.value("kvoffload_disk_tier_up") == 1
+    assert ex.exemplar_ids("kvoffload_tier_io_duration_seconds_bucket", tier="disk", op="read") == {
+        "r-bad"
+    }
+    assert ex.value("kvoffload_tier_up", tier="disk") == 1
 
 
 async def test_a_corrupt_block_is_not_a_dropped_demotion(tmp_path: Path) -> None:
     ex = await corrupt_read(tmp_path)
-    reasons = {s.labels["reason"] for s in ex.samples("kvoffload_disk_demotions_dropped_total")}
+    reasons = {
+        s.labels["reason"]
+        for s in ex.samples("kvoffload_tier_demotions_dropped_total", tier="disk")
+    }
     assert "bad" not in reasons
-    assert [p for p in catalogue_mismatches(ex) if p.startswith("kvoffload_disk_")] == []
+    assert [p for p in catalogue_mismatches(ex) if p.startswith(TIER_FAMILIES)] == []

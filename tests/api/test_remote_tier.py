@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from app.core.remote import RemoteBackend, RemoteLink
 from app.settings import Settings
 from tests.api.harness import BLOCK, Harness, hexkeys, make_settings, running
 from transfer import HostPool
@@ -127,8 +128,15 @@ async def node(store: MemoryStore, **overrides: Any) -> AsyncIterator[Harness]:
     def factory(settings: Settings, pool: HostPool, namespace: str) -> MemoryTier:
         return MemoryTier(store, pool, f"kvoffload/{namespace}/{settings.block_bytes}")
 
-    async with running(remote_settings(**overrides), remote_factory=factory) as h:
+    backend = RemoteBackend(factory)
+    async with running(remote_settings(**overrides), tier_backends={"remote": backend}) as h:
         yield h
+
+
+def remote_of(h: Harness) -> RemoteLink:
+    remote = h.service.tiers.get("remote")
+    assert isinstance(remote, RemoteLink)
+    return remote
 
 
 def pool_bytes(h: Harness, slot: int) -> bytes:
@@ -161,7 +169,7 @@ async def until(predicate: Any, timeout_s: float = 5.0) -> None:
 async def written(h: Harness, count: int) -> None:
     async def done() -> bool:
         stats = (await h.admin.get("/admin/v1/stats")).json()
-        return bool(stats["remote"]["written"] >= count)
+        return bool(stats["tiers"]["remote"]["written"] >= count)
 
     await until(done)
 
@@ -196,7 +204,7 @@ async def test_a_prefix_stored_on_one_node_loads_with_identical_bytes_on_another
         await b.post("/v1/requests/r/complete-load", {"keys": keys})
         assert (await b.client.delete("/v1/requests/r")).status_code == 200
         assert manager.num_pinned == 0
-        stats = (await b.admin.get("/admin/v1/stats")).json()["remote"]
+        stats = (await b.admin.get("/admin/v1/stats")).json()["tiers"]["remote"]
         assert stats["promotions"]["loaded"] == 3
         assert stats["state"] == "ok"
 
@@ -206,8 +214,7 @@ async def test_pool_hits_never_ask_the_remote_tier() -> None:
     keys = hexkeys(1, 2)
     async with node(store) as a:
         await store_on(a, "w", keys, fill=1)
-        assert a.service.remote is not None
-        tier = a.service.remote.tier
+        tier = remote_of(a).tier
         assert isinstance(tier, MemoryTier)
         asked = tier.counters["hits"] + tier.counters["misses"]
         r = await a.post("/v1/requests/w/lookup", {"keys": keys})
@@ -234,10 +241,10 @@ async def test_a_degraded_tier_means_misses_readiness_with_details_and_no_writes
         r = await a.post("/v1/requests/w/lookup", {"keys": keys})
         assert r.json()["hit_prefix"] == 2
         await store_on(a, "w2", hexkeys(5), fill=9)
-        stats = (await a.admin.get("/admin/v1/stats")).json()["remote"]
+        stats = (await a.admin.get("/admin/v1/stats")).json()["tiers"]["remote"]
 
         async def dropped() -> bool:
-            s = (await a.admin.get("/admin/v1/stats")).json()["remote"]
+            s = (await a.admin.get("/admin/v1/stats")).json()["tiers"]["remote"]
             return bool(s["queue"]["dropped"] >= 1)
 
         await until(dropped)
@@ -279,7 +286,7 @@ async def test_an_abort_during_a_slow_get_keeps_the_slots_until_it_ends() -> Non
         store.get_delay = 0.3
         await b.start("r")
         assert (await b.post("/v1/requests/r/prepare-load", {"keys": keys})).status_code == 409
-        writing = b.service.remote.writing()  # type: ignore[union-attr]
+        writing = remote_of(b).writing()
         assert [w.startswith("kvoffload-remote-promote-") for w in writing] == [True]
         assert b.service.transfers().writing() == writing
         r = await b.client.delete("/v1/requests/r", params={"abort": "true"})
@@ -294,19 +301,20 @@ async def test_an_abort_during_a_slow_get_keeps_the_slots_until_it_ends() -> Non
 
         await until(landed)
         assert "r" not in manager.request_ids  # the engine's own request is gone, as it asked
-        assert not b.service.remote.writing()  # type: ignore[union-attr]
+        assert not remote_of(b).writing()
 
 
 async def test_write_behind_queue_is_bounded_and_counts_drops() -> None:
     store = MemoryStore()
     async with node(store, remote_queue_blocks=2, remote_batch_blocks=1) as a:
         store.get_delay = 0.0
-        link = a.service.remote
+        link = remote_of(a)
         assert link is not None
-        link.offer([bytes([i]) for i in range(5)])  # not stored here: gone before the put
+        link.stored([bytes([i]) for i in range(5)])  # not stored here: gone before the put
         assert link.queue_depth <= 2
-        stats = (await a.admin.get("/admin/v1/stats")).json()["remote"]
+        stats = (await a.admin.get("/admin/v1/stats")).json()["tiers"]["remote"]
         assert stats["queue"]["dropped"] == 3
+        assert stats["queue"]["dropped_by"] == {"queue_full": 3}
         assert stats["queue"]["capacity"] == 2
 
 
@@ -320,8 +328,8 @@ async def test_metrics_show_the_remote_tier() -> None:
         text = (
             await b.client.get("/metrics", headers={"accept": "application/openmetrics-text"})
         ).text
-        assert "kvoffload_remote_tier_up 1.0" in text
-        assert 'kvoffload_remote_call_keys_total{op="exists"} 1.0 # {req_id="r"}' in text
+        assert 'kvoffload_tier_up{tier="remote"} 1.0' in text
+        assert 'kvoffload_tier_io_keys_total{op="exists",tier="remote"} 1.0 # {req_id="r"}' in text
         assert "kvoffload_remote_hits_total 1.0" in text
 
 
@@ -387,7 +395,7 @@ async def test_a_block_the_store_evicts_is_reported_removed_by_the_sweep() -> No
         await until(reported)
         await sweeps(store, 3)  # the others are still there
         assert await events(a, "BlockRemoved") == [[keys[1]]]
-        tracked = (await a.admin.get("/admin/v1/stats")).json()["remote"]["tracked"]
+        tracked = (await a.admin.get("/admin/v1/stats")).json()["tiers"]["remote"]["tracked"]
         assert tracked.pop("asked") >= 9  # three keys, three sweeps at least
         assert tracked == {
             "blocks": 2, "capacity": 262144, "suspected": 0, "removed": 1, "untracked": 0,
@@ -397,7 +405,7 @@ async def test_a_block_the_store_evicts_is_reported_removed_by_the_sweep() -> No
         assert "kvoffload_remote_removed_blocks_total 1.0" in text
         assert "kvoffload_remote_hits_total 0.0" in text  # sweeps are not lookups
         assert "kvoffload_remote_tracked_blocks 2.0" in text
-        assert 'kvoffload_remote_call_keys_total{op="sweep"}' in text
+        assert 'kvoffload_tier_io_keys_total{op="sweep",tier="remote"}' in text
         # The store loses all (1 and 3 go too), 2 is written again and evicted again: each
         # removal reported once, 2 twice, as each of its stores.
         store.blocks.clear()
@@ -411,7 +419,9 @@ async def test_a_block_the_store_evicts_is_reported_removed_by_the_sweep() -> No
 
         await until(all_reported)  # and nothing is left to report: none is tracked
         assert await removed_keys(a) == sorted([*keys, keys[1]])
-        assert (await a.admin.get("/admin/v1/stats")).json()["remote"]["tracked"]["blocks"] == 0
+        assert (await a.admin.get("/admin/v1/stats")).json()["tiers"]["remote"]["tracked"][
+            "blocks"
+        ] == 0
 
 
 async def test_a_lookup_that_finds_a_written_block_gone_reports_it_without_a_sweep() -> None:
@@ -428,8 +438,7 @@ async def test_a_lookup_that_finds_a_written_block_gone_reports_it_without_a_swe
         assert await events(a, "BlockRemoved") == [[keys[0]]]
         r = await a.post("/v1/requests/r/lookup", {"keys": keys})
         assert await events(a, "BlockRemoved") == [[keys[0]]]  # reported once
-        assert a.service.remote is not None
-        assert a.service.remote._sweep is None
+        assert remote_of(a)._sweep is None
 
 
 async def test_no_answer_is_not_a_removal() -> None:
@@ -466,7 +475,7 @@ async def test_no_answer_is_not_a_removal() -> None:
 async def test_a_block_stored_again_while_it_is_asked_after_is_not_reported() -> None:
     store = MemoryStore()
     async with node(store, remote_sweep_s=0) as a:
-        link = a.service.remote
+        link = remote_of(a)
         assert link is not None
         key = bytes.fromhex(hexkeys(1)[0])
         link._track([key])
@@ -488,14 +497,14 @@ async def test_tracking_is_bounded_and_the_head_of_the_line_is_reported_removed(
         await store_on(a, "w", keys, fill=3)
         await written(a, 3)
         assert await events(a, "BlockRemoved") == [keys[:1]]
-        tracked = (await a.admin.get("/admin/v1/stats")).json()["remote"]["tracked"]
+        tracked = (await a.admin.get("/admin/v1/stats")).json()["tiers"]["remote"]["tracked"]
         assert (tracked["blocks"], tracked["untracked"], tracked["removed"]) == (2, 1, 1)
 
 
 async def test_the_sweep_asks_after_every_block_once_per_period_in_slices() -> None:
     store = MemoryStore()
     async with node(store, remote_sweep_s=0) as a:  # no sweep of its own in between
-        link = a.service.remote
+        link = remote_of(a)
         assert link is not None
         link.sweep_s = 4
         keys = [i.to_bytes(8, "big") for i in range(100)]
@@ -519,11 +528,11 @@ async def test_a_block_is_reported_removed_only_once_it_stayed_gone_for_the_conf
         name = next(n for n in store.blocks if n.endswith(keys[0]))
         data = store.blocks.pop(name)  # gone for a moment
         await sweeps(store, 2)
-        stats = (await a.admin.get("/admin/v1/stats")).json()["remote"]["tracked"]
+        stats = (await a.admin.get("/admin/v1/stats")).json()["tiers"]["remote"]["tracked"]
         assert (stats["suspected"], stats["removed"]) == (1, 0)
         store.blocks[name] = data  # back: the suspicion is cleared
         await sweeps(store, 2)
-        stats = (await a.admin.get("/admin/v1/stats")).json()["remote"]["tracked"]
+        stats = (await a.admin.get("/admin/v1/stats")).json()["tiers"]["remote"]["tracked"]
         assert (stats["suspected"], stats["blocks"]) == (0, 2)
         await asyncio.sleep(0.5)  # longer than the confirm time: a fresh absence starts again
         gone_at = time.monotonic()

@@ -10,11 +10,14 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.exposition import generate_latest
 
+from app.core.disk import disk_families
+from app.core.remote import remote_families
 from app.telemetry.metrics import (
     ListenerConnections,
     LiveRequestRow,
     Metrics,
     ServiceSnapshot,
+    TierReport,
     failure_reason,
     register_connections,
     register_tenancy,
@@ -47,15 +50,45 @@ DISK_STATE = {
 }
 
 
+REMOTE_REPORT = TierReport(
+    up=False,
+    queue_depth=2,
+    demoted=6,
+    dropped={"queue_full": 1},
+    promoted=1,
+    bytes_read=0,
+    bytes_written=4096,
+    incidents=1,
+)
+DISK_REPORT = TierReport(
+    up=True,
+    queue_depth=1,
+    demoted=5,
+    dropped={"staging_full": 2},
+    promoted=2,
+    bytes_read=8192,
+    bytes_written=20480,
+    incidents=0,
+    blocks=4,
+    capacity_blocks=16,
+)
+
+
 def snapshot_of(
     m,
     live: list[LiveRequestRow] | None = None,
     remote: dict[str, Any] | None = None,
     disk: dict[str, Any] | None = None,
 ) -> ServiceSnapshot:
+    reports = {"disk": DISK_REPORT} if disk is not None else {}
+    if remote is not None:
+        reports["remote"] = REMOTE_REPORT
     return ServiceSnapshot(
-        remote=remote,
-        disk=disk,
+        tier_reports=reports,
+        tier_metrics=[
+            *(remote_families(remote) if remote is not None else ()),
+            *(disk_families(disk) if disk is not None else ()),
+        ],
         stats=m.stats(),
         policy=m.policy,
         block_bytes=4096,
@@ -239,8 +272,7 @@ def test_exported_families_match_the_deploy_catalogue_exactly(manager) -> None:
             manager, [LiveRequestRow("r", 1, 1, 1, 1)], remote=REMOTE_STATE, disk=DISK_STATE
         ),
         live_request_series=True,
-        remote_tier=True,
-        disk_tier=True,
+        tiers=["disk", "remote"],
     )
     ctx = ReqContext("r")
     manager.on_new_request(ctx)
@@ -252,9 +284,9 @@ def test_exported_families_match_the_deploy_catalogue_exactly(manager) -> None:
     met.transfer_done("store", True, 1, 0.1, None, "r")
     met.transfer_done("load", False, 0, 0.1, "deadline", "r")
     met.policy_switched("lru", "arc")
-    met.remote_call("exists", 0.001, 4, "r")
-    met.disk_io("write", 0.002, 3, None)
-    met.disk_io("read", 0.001, 2, "r")
+    met.tier_io("remote", "exists", 0.001, 4, "r")
+    met.tier_io("disk", "write", 0.002, 3, None)
+    met.tier_io("disk", "read", 0.001, 2, "r")
     register_tenancy(reg, lambda: (2, 1, False))  # with --tenants, the front registry's
     # kvoffload serve's listeners (app.server), in the registry /metrics serves.
     register_connections(reg, lambda: [ListenerConnections("engine", 3, 8, {"peer_cap": 2})])
@@ -272,19 +304,54 @@ def test_exported_families_match_the_deploy_catalogue_exactly(manager) -> None:
         assert with_exemplar == ("req_id" in entry.get("exemplar_labels", [])), name
 
 
-def test_remote_tier_families_follow_its_state() -> None:
-    from manager import create_manager
-
+def test_every_tier_exports_one_family_set_labelled_by_tier() -> None:
     manager = create_manager(8)
     reg = CollectorRegistry()
-    Metrics(reg, snapshot=lambda: snapshot_of(manager, remote=REMOTE_STATE), remote_tier=True)
-    assert reg.get_sample_value("kvoffload_remote_tier_up") == 0
+    met = Metrics(
+        reg,
+        snapshot=lambda: snapshot_of(manager, remote=REMOTE_STATE, disk=DISK_STATE),
+        tiers=["disk", "remote"],
+    )
+
+    def value(name: str, **labels: str) -> float | None:
+        return reg.get_sample_value(f"kvoffload_tier_{name}", labels)
+
+    assert value("up", tier="disk") == 1
+    assert value("up", tier="remote") == 0
+    assert value("blocks", tier="disk") == 4
+    assert value("blocks", tier="remote") is None  # a shared store's count is not known
+    assert value("capacity_blocks", tier="disk") == 16
+    assert value("queue_depth", tier="remote") == 2
+    assert value("demoted_blocks_total", tier="disk") == 5
+    assert value("demotions_dropped_total", tier="disk", reason="staging_full") == 2
+    assert value("demotions_dropped_total", tier="remote", reason="queue_full") == 1
+    assert value("promoted_blocks_total", tier="disk") == 2
+    assert value("bytes_read_total", tier="disk") == 8192
+    assert value("bytes_written_total", tier="remote") == 4096
+    assert value("incidents_total", tier="remote") == 1
+    met.tier_io("disk", "read", 0.003, 2, "req-7")
+    met.tier_io("disk", "write", 0.2, 32, None)
+    met.tier_io("remote", "exists", 0.001, 4, "req-8")
+    text = generate_latest(reg).decode()
+    assert 'kvoffload_tier_io_keys_total{op="read",tier="disk"} 2.0 # {req_id="req-7"} 2.0' in text
+    assert 'kvoffload_tier_io_keys_total{op="write",tier="disk"} 32.0\n' in text
+    assert 'kvoffload_tier_io_keys_total{op="exists",tier="remote"} 4.0' in text
+    assert (
+        'kvoffload_tier_io_duration_seconds_bucket{le="0.005",op="read",tier="disk"} 1.0 '
+        '# {req_id="req-7"}' in text
+    )
+    # No tier: no tier family at all.
+    plain = CollectorRegistry()
+    Metrics(plain, snapshot=lambda: snapshot_of(manager))
+    assert not [f for f in plain.collect() if f.name.startswith("kvoffload_tier")]
+
+
+def test_remote_tier_own_families_follow_its_state() -> None:
+    manager = create_manager(8)
+    reg = CollectorRegistry()
+    Metrics(reg, snapshot=lambda: snapshot_of(manager, remote=REMOTE_STATE), tiers=["remote"])
     assert reg.get_sample_value("kvoffload_remote_hits_total") == 3
     assert reg.get_sample_value("kvoffload_remote_misses_total") == 0
-    assert reg.get_sample_value("kvoffload_remote_bytes_written_total") == 4096
-    assert reg.get_sample_value("kvoffload_remote_queue_depth") == 2
-    assert reg.get_sample_value("kvoffload_remote_queue_dropped_total") == 1
-    assert reg.get_sample_value("kvoffload_remote_promoted_blocks_total") == 1
     assert reg.get_sample_value("kvoffload_remote_tracked_blocks") == 5
     assert reg.get_sample_value("kvoffload_remote_removed_blocks_total") == 4
     plain = CollectorRegistry()
@@ -292,39 +359,15 @@ def test_remote_tier_families_follow_its_state() -> None:
     assert not [f for f in plain.collect() if f.name.startswith("kvoffload_remote")]
 
 
-def test_disk_tier_families_follow_its_state() -> None:
+def test_disk_tier_own_families_follow_its_state() -> None:
     manager = create_manager(8)
     reg = CollectorRegistry()
-    met = Metrics(reg, snapshot=lambda: snapshot_of(manager, disk=DISK_STATE), disk_tier=True)
-    assert reg.get_sample_value("kvoffload_disk_tier_up") == 1
+    Metrics(reg, snapshot=lambda: snapshot_of(manager, disk=DISK_STATE), tiers=["disk"])
     assert reg.get_sample_value("kvoffload_disk_writes_total") == 5
     assert reg.get_sample_value("kvoffload_disk_write_failures_total") == 0
     assert reg.get_sample_value("kvoffload_disk_checksum_failures_total") == 1
-    assert reg.get_sample_value("kvoffload_disk_bytes_read_total") == 8192
-    assert reg.get_sample_value("kvoffload_disk_blocks") == 4
-    assert reg.get_sample_value("kvoffload_disk_capacity_blocks") == 16
-    assert reg.get_sample_value("kvoffload_disk_queue_depth") == 1
-    assert (
-        reg.get_sample_value("kvoffload_disk_demotions_dropped_total", {"reason": "staging_full"})
-        == 2
-    )
     assert reg.get_sample_value("kvoffload_disk_admissions_refused_total") == 3
     assert reg.get_sample_value("kvoffload_disk_evictions_total") == 1
-    assert reg.get_sample_value("kvoffload_disk_promoted_blocks_total") == 2
-    met.disk_io("read", 0.003, 2, "req-7")
-    met.disk_io("write", 0.2, 32, None)
-    text = generate_latest(reg).decode()
-    assert 'kvoffload_disk_io_blocks_total{op="read"} 2.0 # {req_id="req-7"} 2.0' in text
-    assert 'kvoffload_disk_io_blocks_total{op="write"} 32.0\n' in text
-    assert (
-        'kvoffload_disk_io_duration_seconds_bucket{le="0.005",op="read"} 1.0 # {req_id="req-7"}'
-        in text
-    )
-    degraded = CollectorRegistry()
-    Metrics(
-        degraded, snapshot=lambda: snapshot_of(manager, disk={**DISK_STATE, "state": "degraded"})
-    )
-    assert degraded.get_sample_value("kvoffload_disk_tier_up") == 0
     plain = CollectorRegistry()
     Metrics(plain, snapshot=lambda: snapshot_of(manager))
     assert not [f for f in plain.collect() if f.name.startswith("kvoffload_disk")]

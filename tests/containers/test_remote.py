@@ -100,16 +100,24 @@ def test_an_engine_on_a_stores_and_one_on_b_loads_the_same_bytes(
     )
     targets = ["127.0.0.1:8000", "127.0.0.1:8010"]
     with host_prometheus(workdir / "prometheus", targets, stack.project.metrics_token) as url:
-        up = scraped(url, 'kvoffload_remote_tier_up{job="kvoffload"}', instances=targets)
+        # The tiers below the pool share kvoffload_tier_*, labelled by tier.
+        up = scraped(url, 'kvoffload_tier_up{job="kvoffload", tier="remote"}', instances=targets)
         written = scraped(
             url,
-            'sum by (instance) (kvoffload_remote_bytes_written_total{instance="127.0.0.1:8000"})',
+            "sum by (instance) (kvoffload_tier_bytes_written_total"
+            '{tier="remote", instance="127.0.0.1:8000"})',
         )
         read = scraped(
-            url, 'sum by (instance) (kvoffload_remote_bytes_read_total{instance="127.0.0.1:8010"})'
+            url,
+            "sum by (instance) (kvoffload_tier_bytes_read_total"
+            '{tier="remote", instance="127.0.0.1:8010"})',
         )
     assert set(up) == set(targets)
     REPORT.record(
         "remote: Prometheus scrape",
-        {"kvoffload_remote_tier_up": up, "bytes written (A)": written, "bytes read (B)": read},
+        {
+            'kvoffload_tier_up{tier="remote"}': up,
+            "bytes written (A)": written,
+            "bytes read (B)": read,
+        },
     )

@@ -10,8 +10,10 @@ import pytest
 from tests.deploy.helpers import (
     CATALOGUE,
     DASHBOARD,
+    DEPLOY,
     K8S,
     README,
+    ROOT,
     TARGET_LABELS,
     all_rules,
     catalogue,
@@ -105,11 +107,97 @@ def test_req_id_is_an_exemplar_label_except_on_the_opt_in_live_request_gauge() -
         "kvoffload_transfer_bytes_total",
         "kvoffload_transfer_duration_seconds",
         "kvoffload_transfer_failures_total",
-        "kvoffload_remote_call_duration_seconds",
-        "kvoffload_remote_call_keys_total",
-        "kvoffload_disk_io_duration_seconds",  # a promotion's read; demotion writes have none
-        "kvoffload_disk_io_blocks_total",
+        # every lower tier's I/O calls; disk: a promotion's read, demotion writes have none
+        "kvoffload_tier_io_duration_seconds",
+        "kvoffload_tier_io_keys_total",
     }
+
+
+# The tiers below the pool share one family set labelled by tier; these were per tier before.
+RENAMED_TIER_FAMILIES = {
+    "kvoffload_disk_tier_up": "kvoffload_tier_up",
+    "kvoffload_remote_tier_up": "kvoffload_tier_up",
+    "kvoffload_disk_blocks": "kvoffload_tier_blocks",
+    "kvoffload_disk_capacity_blocks": "kvoffload_tier_capacity_blocks",
+    "kvoffload_disk_queue_depth": "kvoffload_tier_queue_depth",
+    "kvoffload_remote_queue_depth": "kvoffload_tier_queue_depth",
+    "kvoffload_disk_demotions_dropped_total": "kvoffload_tier_demotions_dropped_total",
+    "kvoffload_remote_queue_dropped_total": "kvoffload_tier_demotions_dropped_total",
+    "kvoffload_disk_promoted_blocks_total": "kvoffload_tier_promoted_blocks_total",
+    "kvoffload_remote_promoted_blocks_total": "kvoffload_tier_promoted_blocks_total",
+    "kvoffload_disk_bytes_read_total": "kvoffload_tier_bytes_read_total",
+    "kvoffload_remote_bytes_read_total": "kvoffload_tier_bytes_read_total",
+    "kvoffload_disk_bytes_written_total": "kvoffload_tier_bytes_written_total",
+    "kvoffload_remote_bytes_written_total": "kvoffload_tier_bytes_written_total",
+    "kvoffload_disk_incidents_total": "kvoffload_tier_incidents_total",
+    "kvoffload_remote_incidents_total": "kvoffload_tier_incidents_total",
+    "kvoffload_disk_io_duration_seconds": "kvoffload_tier_io_duration_seconds",
+    "kvoffload_remote_call_duration_seconds": "kvoffload_tier_io_duration_seconds",
+    "kvoffload_disk_io_blocks_total": "kvoffload_tier_io_keys_total",
+    "kvoffload_remote_call_keys_total": "kvoffload_tier_io_keys_total",
+}
+TIER_NAMES = ("disk", "remote")
+
+
+def test_lower_tiers_share_one_family_set_labelled_by_tier() -> None:
+    tier_families = {n: m for n, m in catalogue().items() if n.startswith("kvoffload_tier_")}
+    assert set(tier_families) == set(RENAMED_TIER_FAMILIES.values()) | {
+        "kvoffload_tier_demoted_blocks_total"
+    }
+    for name, metric in tier_families.items():
+        assert metric.labels[0] == "tier", name
+        # Bounded: the registered tier names, nothing per key or per request.
+        assert metric.label_values["tier"] == TIER_NAMES, name
+        assert metric.opt_in, f"{name}: only with a tier below the pool"
+    for old in RENAMED_TIER_FAMILIES:
+        assert old not in catalogue(), f"{old} was renamed to {RENAMED_TIER_FAMILIES[old]}"
+    # Both tiers' ops and drop reasons in one family.
+    io = catalogue()["kvoffload_tier_io_duration_seconds"]
+    assert io.labels == ("tier", "op")
+    assert set(io.label_values["op"]) == {"read", "write", "exists", "get", "put", "sweep"}
+    assert catalogue()["kvoffload_tier_io_keys_total"].label_values["op"] == io.label_values["op"]
+    dropped = catalogue()["kvoffload_tier_demotions_dropped_total"]
+    assert dropped.labels == ("tier", "reason")
+    assert set(dropped.label_values["reason"]) == {
+        "degraded",
+        "staging_full",
+        "no_room",
+        "write_failed",
+        "shutdown",
+        "duplicate",
+        "queue_full",
+    }
+    # What only one tier has keeps that tier's prefix and no tier label.
+    for name, metric in catalogue().items():
+        if name.startswith(("kvoffload_disk_", "kvoffload_remote_")):
+            assert "tier" not in metric.labels, name
+            assert metric.opt_in, name
+
+
+def test_renamed_tier_families_are_gone_from_deploy() -> None:
+    """No rule, panel, Kubernetes copy or container test names a family by its old name; the
+    README names them only in its rename table, each beside its new name."""
+    texts = [
+        *DEPLOY.glob("prometheus/**/*.yml"),
+        DASHBOARD,
+        *K8S.rglob("*.yaml"),
+        *(ROOT / "tests" / "containers").glob("*.py"),
+    ]
+    old = re.compile(r"\b(" + "|".join(map(re.escape, RENAMED_TIER_FAMILIES)) + r")(?![a-z_])")
+    found = [
+        f"{path.relative_to(ROOT)}: {m.group(1)}"
+        for path in texts
+        for m in old.finditer(path.read_text(encoding="utf-8"))
+    ]
+    assert not found, "\n".join(found)
+    rename_rows = {}
+    for line in README.read_text(encoding="utf-8").splitlines():
+        for m in old.finditer(line):
+            assert line.startswith("|"), f"deploy/README.md names {m.group(1)} outside a table"
+            rename_rows[m.group(1)] = line
+    for name, new in RENAMED_TIER_FAMILIES.items():
+        assert name in rename_rows, f"deploy/README.md's rename table lacks {name}"
+        assert f"`{new}" in rename_rows[name], f"{name}: its row does not name {new}"
 
 
 def test_keys_results_by_op_match_the_label_values() -> None:

@@ -124,6 +124,7 @@ def test_latency_heatmaps_show_exemplars(dashboard) -> None:
     for histogram in (
         "kvoffload_http_request_duration_seconds_bucket",
         "kvoffload_transfer_duration_seconds_bucket",
+        "kvoffload_tier_io_duration_seconds_bucket",
     ):
         panel = heatmaps[histogram]
         (target,) = panel["targets"]
@@ -199,97 +200,228 @@ def test_dashboard_provider_loads_the_directory_compose_mounts() -> None:
         assert var in env, f"Grafana has no {var} for the {ds['name']} data source"
 
 
-def test_remote_tier_panels(dashboard) -> None:
-    (up,) = _panels_using(dashboard, "kvoffload_remote_tier_up")
+# --- the tiers below the pool ----------------------------------------------------------------
+# One row of panels for every tier, by the ``tier`` label, then a row of the disk tier's own
+# panels and one of the remote tier's, below every other panel.
+
+
+def _rows(dashboard: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The tier rows by the word their title starts with: Tiers, Disk, Remote."""
+    rows = {}
+    for p in dashboard["panels"]:
+        if p["type"] == "row":
+            word = p["title"].split()[0]
+            if word in ("Tiers", "Disk", "Remote"):
+                assert word not in rows, f"two {word} rows"
+                rows[word] = p
+    assert set(rows) == {"Tiers", "Disk", "Remote"}, sorted(rows)
+    return rows
+
+
+def _y(panel: dict[str, Any]) -> int:
+    y: int = panel["gridPos"]["y"]
+    return y
+
+
+def _tier_generic(panel: dict[str, Any]) -> bool:
+    """Whether the panel shows a kvoffload_tier_* family for every tier (not one tier's)."""
+    return any(
+        m.name and m.name.startswith("kvoffload_tier_") and not _fixed_tier(m)
+        for expr in _exprs(panel)
+        for m in analyse(expr).selectors
+    )
+
+
+def _fixed_tier(selector: Any) -> str | None:
+    return next((m.value for m in selector.matchers if m.label == "tier" and m.op == "="), None)
+
+
+def _tiers_fixed(panel: dict[str, Any]) -> set[str]:
+    """The tiers the panel's kvoffload_tier_* selectors fix with tier="..."."""
+    return {
+        tier
+        for expr in _exprs(panel)
+        for m in analyse(expr).selectors
+        if m.name and m.name.startswith("kvoffload_tier_") and (tier := _fixed_tier(m))
+    }
+
+
+def _own(panel: dict[str, Any], tier: str) -> bool:
+    """Whether the panel shows one tier's own series: its prefix, or tier="<tier>"."""
+    return tier in _tiers_fixed(panel) or any(
+        name.startswith(f"kvoffload_{tier}_") for name in _names(panel)
+    )
+
+
+def test_tier_variable_lists_the_tiers(dashboard) -> None:
+    variables = [v["name"] for v in dashboard["templating"]["list"]]
+    (tier,) = [v for v in dashboard["templating"]["list"] if v["name"] == "tier"]
+    assert variables.index("tier") > variables.index("instance")
+    assert tier["type"] == "query"
+    query = tier["query"]["query"]
+    assert query.startswith("label_values(kvoffload_tier_up{")
+    assert query.endswith(", tier)")
+    assert tier["definition"] == query
+    assert tier["includeAll"] is True
+    assert tier["multi"] is True
+    assert tier["allValue"] == ".*"
+
+
+def test_every_tier_panels_show_each_tier(dashboard) -> None:
+    """The Tiers row: up, demoted and promoted blocks, drops by reason, bytes, queues,
+    incidents, I/O latency and keys by op, each by tier and for the tiers picked above."""
+    generic = [p for p in dashboard_panels(dashboard) if _tier_generic(p)]
+    for panel in generic:
+        for expr in _exprs(panel):
+            for m in analyse(expr).selectors:
+                if m.name and m.name.startswith("kvoffload_tier_"):
+                    assert ("tier", "=~", "$tier") in [
+                        (x.label, x.op, x.value) for x in m.matchers
+                    ], panel["title"]
+        if panel["type"] != "heatmap":
+            assert all("tier" in analyse(e).grouping_labels for e in _exprs(panel)), panel["title"]
+            legends = [t["legendFormat"] for t in panel["targets"]]
+            assert all("{{tier}}" in legend for legend in legends), panel["title"]
+
+    def one(*metrics: str) -> dict[str, Any]:
+        (panel,) = [p for p in generic if set(metrics) <= _names(p)]
+        return panel
+
+    up = one("kvoffload_tier_up")
     assert up["type"] == "stat"
     texts = {
         v["text"] for m in up["fieldConfig"]["defaults"]["mappings"] for v in m["options"].values()
     }
     assert texts == {"up", "degraded"}
-    assert _panels_using(dashboard, "kvoffload_remote_hits_total", "kvoffload_remote_misses_total")
-    assert _panels_using(dashboard, "kvoffload_remote_gets_total", "kvoffload_remote_puts_total")
-    (throughput,) = _panels_using(
-        dashboard, "kvoffload_remote_bytes_read_total", "kvoffload_remote_bytes_written_total"
-    )
+    assert _exprs(up) == [
+        'min by (tier) (kvoffload_tier_up{job=~"$job", instance=~"$instance", '
+        'tenant=~"$tenant", tier=~"$tier"})'
+    ], "one value per tier: its worst instance"
+    one("kvoffload_tier_demoted_blocks_total", "kvoffload_tier_promoted_blocks_total")
+    dropped = one("kvoffload_tier_demotions_dropped_total")
+    assert "by (tier, reason)" in _exprs(dropped)[0]
+    throughput = one("kvoffload_tier_bytes_read_total", "kvoffload_tier_bytes_written_total")
     assert throughput["fieldConfig"]["defaults"]["unit"] == "Bps"
-    assert _panels_using(
-        dashboard, "kvoffload_remote_errors_total", "kvoffload_remote_timeouts_total"
-    )
-    (queue,) = _panels_using(
-        dashboard, "kvoffload_remote_queue_depth", "kvoffload_remote_queue_dropped_total"
-    )
-    assert "by (instance)" in _exprs(queue)[0], "a queue is one node's"
-    (latency,) = _panels_using(dashboard, "kvoffload_remote_call_duration_seconds_bucket")
-    (expr,) = _exprs(latency)
-    assert expr.startswith("histogram_quantile(0.99, ")
-    assert "by (le, op)" in expr
-    assert latency["fieldConfig"]["defaults"]["unit"] == "s"
-    # One row holds them, below every other panel.
-    (row,) = [p for p in dashboard["panels"] if p["type"] == "row" and "Remote" in p["title"]]
-    remote = [p for p in dashboard_panels(dashboard) if _remote(p)]
-    assert len(remote) >= 7
-    assert all(p["gridPos"]["y"] > row["gridPos"]["y"] for p in remote)
-    others = [p for p in dashboard_panels(dashboard) if p["type"] != "row" and not _remote(p)]
-    assert all(p["gridPos"]["y"] < row["gridPos"]["y"] for p in others)
-
-
-def _remote(panel: dict[str, Any]) -> bool:
-    return any(name.startswith("kvoffload_remote_") for name in _names(panel))
-
-
-def test_disk_tier_panels(dashboard) -> None:
-    (up,) = _panels_using(dashboard, "kvoffload_disk_tier_up")
-    assert up["type"] == "stat"
-    texts = {
-        v["text"] for m in up["fieldConfig"]["defaults"]["mappings"] for v in m["options"].values()
-    }
-    assert texts == {"up", "degraded"}
-    assert _panels_using(dashboard, "kvoffload_disk_blocks", "kvoffload_disk_capacity_blocks")
-    assert _panels_using(dashboard, "kvoffload_disk_promoted_blocks_total")
-    (demotions,) = _panels_using(
-        dashboard,
-        "kvoffload_disk_writes_total",
-        "kvoffload_disk_demotions_dropped_total",
-        "kvoffload_disk_admissions_refused_total",
-    )
-    assert any("by (reason)" in e for e in _exprs(demotions))
-    assert _panels_using(dashboard, "kvoffload_disk_evictions_total")
-    assert _panels_using(dashboard, "kvoffload_disk_checksum_failures_total")
-    assert _panels_using(dashboard, "kvoffload_disk_queue_depth")
-    (throughput,) = _panels_using(
-        dashboard, "kvoffload_disk_bytes_read_total", "kvoffload_disk_bytes_written_total"
-    )
-    assert throughput["fieldConfig"]["defaults"]["unit"] == "Bps"
+    queue = one("kvoffload_tier_queue_depth")
+    assert "by (tier, instance)" in _exprs(queue)[0], "a queue is one node's"
+    one("kvoffload_tier_incidents_total")
+    keys = one("kvoffload_tier_io_keys_total")
+    assert "by (tier, op)" in _exprs(keys)[0]
     (latency,) = [
         p
-        for p in _panels_using(dashboard, "kvoffload_disk_io_duration_seconds_bucket")
-        if p["type"] == "timeseries"
+        for p in generic
+        if p["type"] == "timeseries" and "kvoffload_tier_io_duration_seconds_bucket" in _names(p)
     ]
     exprs = _exprs(latency)
     assert {e.split(",")[0] for e in exprs} == {
         "histogram_quantile(0.5",
         "histogram_quantile(0.99",
     }
-    assert all("by (le, op)" in e for e in exprs)
+    assert all("by (le, tier, op)" in e for e in exprs)
     assert latency["fieldConfig"]["defaults"]["unit"] == "s"
-    (heatmap,) = [p for p in dashboard_panels(dashboard) if p["type"] == "heatmap" and _disk(p)]
+    (heatmap,) = [p for p in generic if p["type"] == "heatmap"]
     (target,) = heatmap["targets"]
-    assert target["exemplar"] is True, "a slow read's req_id leads to its logs"
-    assert 'op="read"' in target["expr"]
-    # One row holds them, between the pool's rows above and the remote tier's row below.
-    (row,) = [p for p in dashboard["panels"] if p["type"] == "row" and "Disk" in p["title"]]
-    (remote_row,) = [
-        p for p in dashboard["panels"] if p["type"] == "row" and "Remote" in p["title"]
+    assert target["exemplar"] is True, "a slow promotion's req_id leads to its logs"
+    assert 'op=~"read|get"' in target["expr"], "the reads a load waits for, of every tier"
+    # Every family the tiers share is on a panel of the row.
+    shared = {n.removesuffix("_bucket") for p in generic for n in _names(p) if "_tier_" in n} - {
+        "kvoffload_tier_blocks",
+        "kvoffload_tier_capacity_blocks",
+    }  # disk only: its row
+    assert shared == {
+        "kvoffload_tier_up",
+        "kvoffload_tier_queue_depth",
+        "kvoffload_tier_demoted_blocks_total",
+        "kvoffload_tier_demotions_dropped_total",
+        "kvoffload_tier_promoted_blocks_total",
+        "kvoffload_tier_bytes_read_total",
+        "kvoffload_tier_bytes_written_total",
+        "kvoffload_tier_incidents_total",
+        "kvoffload_tier_io_duration_seconds",
+        "kvoffload_tier_io_keys_total",
+    }
+    # One row holds them, below every other panel and above the disk and remote rows.
+    rows = _rows(dashboard)
+    assert _y(rows["Tiers"]) < _y(rows["Disk"]) < _y(rows["Remote"])
+    assert len(generic) >= 9
+    assert all(_y(rows["Tiers"]) < _y(p) < _y(rows["Disk"]) for p in generic)
+    others = [
+        p
+        for p in dashboard_panels(dashboard)
+        if p["type"] != "row" and not _tier_generic(p) and not _own(p, "disk")
+        if not _own(p, "remote")
     ]
-    disk = [p for p in dashboard_panels(dashboard) if _disk(p)]
-    assert len(disk) >= 9
-    assert all(row["gridPos"]["y"] < p["gridPos"]["y"] < remote_row["gridPos"]["y"] for p in disk)
-    others = [p for p in dashboard_panels(dashboard) if p["type"] != "row" and not _disk(p)]
-    assert all(
-        p["gridPos"]["y"] < row["gridPos"]["y"] or p["gridPos"]["y"] > remote_row["gridPos"]["y"]
-        for p in others
+    assert others
+    assert all(_y(p) < _y(rows["Tiers"]) for p in others)
+
+
+def test_disk_tier_panels(dashboard) -> None:
+    disk = [p for p in dashboard_panels(dashboard) if _own(p, "disk")]
+    (capacity,) = [
+        p for p in disk if {"kvoffload_tier_blocks", "kvoffload_tier_capacity_blocks"} <= _names(p)
+    ]
+    assert _tiers_fixed(capacity) == {"disk"}
+    (demotions,) = [
+        p
+        for p in disk
+        if {"kvoffload_disk_writes_total", "kvoffload_disk_admissions_refused_total"} <= _names(p)
+    ]
+    assert "kvoffload_disk_reads_total" in _names(demotions)
+    assert [p for p in disk if "kvoffload_disk_evictions_total" in _names(p)]
+    (errors,) = [p for p in disk if "kvoffload_disk_checksum_failures_total" in _names(p)]
+    assert {
+        "kvoffload_disk_read_failures_total",
+        "kvoffload_disk_write_failures_total",
+        "kvoffload_tier_incidents_total",
+    } <= _names(errors)
+    assert _tiers_fixed(errors) == {"disk"}
+    # Every family of the disk tier's own is on a panel.
+    own = {n for p in disk for n in _names(p) if n.startswith("kvoffload_disk_")}
+    assert own == {
+        "kvoffload_disk_writes_total",
+        "kvoffload_disk_write_failures_total",
+        "kvoffload_disk_reads_total",
+        "kvoffload_disk_read_failures_total",
+        "kvoffload_disk_checksum_failures_total",
+        "kvoffload_disk_admissions_refused_total",
+        "kvoffload_disk_evictions_total",
+    }
+    # One row holds them, between the Tiers row above and the remote tier's row below.
+    rows = _rows(dashboard)
+    assert len(disk) >= 4
+    assert all(_y(rows["Disk"]) < _y(p) < _y(rows["Remote"]) for p in disk)
+    assert not [p for p in disk if _own(p, "remote") or _tier_generic(p)]
+
+
+def test_remote_tier_panels(dashboard) -> None:
+    remote = [p for p in dashboard_panels(dashboard) if _own(p, "remote")]
+
+    def one(*metrics: str) -> dict[str, Any]:
+        (panel,) = [p for p in remote if set(metrics) <= _names(p)]
+        return panel
+
+    hits = one("kvoffload_remote_hits_total", "kvoffload_remote_misses_total")
+    assert any("/" in e for e in _exprs(hits)), "the remote hit ratio"
+    one(
+        "kvoffload_remote_gets_total",
+        "kvoffload_remote_puts_total",
+        "kvoffload_remote_get_failures_total",
+        "kvoffload_remote_put_failures_total",
     )
-
-
-def _disk(panel: dict[str, Any]) -> bool:
-    return any(name.startswith("kvoffload_disk_") for name in _names(panel))
+    one(
+        "kvoffload_remote_errors_total",
+        "kvoffload_remote_timeouts_total",
+        "kvoffload_remote_skipped_total",
+    )
+    tracked = one("kvoffload_remote_tracked_blocks", "kvoffload_remote_removed_blocks_total")
+    assert all("by (instance)" in e for e in _exprs(tracked)), "what one node wrote"
+    # Every family of the remote tier's own is on a panel.
+    own = {n for p in remote for n in _names(p) if n.startswith("kvoffload_remote_")}
+    assert len(own) == 11
+    # One row holds them, below every other panel.
+    rows = _rows(dashboard)
+    assert len(remote) >= 4
+    assert all(_y(p) > _y(rows["Remote"]) for p in remote)
+    others = [p for p in dashboard_panels(dashboard) if p["type"] != "row" and p not in remote]
+    assert all(_y(p) < _y(rows["Remote"]) for p in others)
+    assert not [p for p in remote if _own(p, "disk") or _tier_generic(p)]

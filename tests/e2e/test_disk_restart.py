@@ -87,7 +87,7 @@ def onload_all(
 
 
 def disk_stats(admin: KVOffloadAdminClient) -> dict[str, object]:
-    disk: dict[str, object] = admin.stats()["disk"]
+    disk: dict[str, object] = admin.stats()["tiers"]["disk"]
     return disk
 
 

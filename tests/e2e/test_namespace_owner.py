@@ -86,7 +86,7 @@ def disk_blocks(srv: ServerProcess, ns: str) -> int:
         headers={"Authorization": f"Bearer {TOKEN}"},
     )
     assert r.status_code == 200, r.text
-    blocks: int = r.json()["disk"]["blocks"]
+    blocks: int = r.json()["tiers"]["disk"]["blocks"]
     return blocks
 
 

@@ -177,7 +177,7 @@ class ServeNode:
 
     def remote(self) -> dict[str, Any]:
         """The ``remote`` section of ``/admin/v1/stats``."""
-        section: dict[str, Any] = self.ask("stats")["remote"]
+        section: dict[str, Any] = self.ask("stats")["tiers"]["remote"]
         return section
 
     def stats(self) -> dict[str, Any]:

@@ -38,7 +38,7 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 def disk_stats(srv: ServerProcess) -> dict[str, object]:
     with KVOffloadAdminClient(srv.admin_url, token=TOKEN) as admin:
         stats = admin.stats()
-    disk = stats["disk"]
+    disk = stats["tiers"]["disk"]
     assert isinstance(disk, dict)
     return disk
 

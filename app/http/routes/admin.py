@@ -371,8 +371,7 @@ async def stats(request: Request, actor: Actor, service: ServiceDep) -> Response
                 "dropped": service.events.dropped,
             },
             "kv_caches": service.admin.kv_caches(),
-            "remote": None if service.remote is None else service.remote.state(),
-            "disk": None if service.disk is None else service.disk.state(),
+            "tiers": service.tiers.states(),
         }
     )
 

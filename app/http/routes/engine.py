@@ -44,7 +44,7 @@ def json_response(text: str | bytes, status: int = 200) -> Response:
 
 def _op_endpoint(op: Operation) -> Endpoint:
     parse = body_parser(op.body)
-    run, run_remote = op.run, op.run_remote
+    run, run_tiers = op.run, op.run_tiers
     name = op.name
 
     async def endpoint(request: Request, req_id: ReqIdPath) -> Response:
@@ -55,8 +55,8 @@ def _op_endpoint(op: Operation) -> Endpoint:
         check_path_param("req_id", req_id)
         service = service_of(request)
         body = parse(await read_body(request))
-        if run_remote is not None and service.remote is not None:
-            status, text = await run_remote(service, req_id, body)
+        if run_tiers is not None and service.tiers:
+            status, text = await run_tiers(service, req_id, body)
         else:
             status, text = run(service, req_id, body)
         return json_response(text, status)
@@ -154,12 +154,12 @@ class _BatchRunner:
         parts: list[str] = []
         errors: Counter[tuple[int, str]] = Counter()
         traced = False
-        remote = service.remote is not None
+        tiers = bool(service.tiers)
         for op in ops:
             try:
                 operation = BY_NAME[op.op]
-                if remote and operation.run_remote is not None:
-                    status, text = await operation.run_remote(service, op.req_id, op)
+                if tiers and operation.run_tiers is not None:
+                    status, text = await operation.run_tiers(service, op.req_id, op)
                 else:
                     status, text = operation.run(service, op.req_id, op)
             except Exception as exc:  # one op's failure must not abort the others

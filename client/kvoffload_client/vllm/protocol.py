@@ -17,9 +17,7 @@ from kvoffload_client.vllm.copier import Copier
 from kvoffload_client.vllm.keys import service_key
 from kvoffload_client.vllm.pool import MappedPool
 from kvoffload_client.vllm.state import (
-    LOWER_TIERS,
     M_FAULTS,
-    NOT_YET,
     PENDING_WAIT_S,
     Copy,
     Probe,
@@ -27,7 +25,9 @@ from kvoffload_client.vllm.state import (
     Shared,
     Step,
     Transfer,
+    in_lower_tier,
     in_parts,
+    not_yet,
 )
 
 
@@ -247,9 +247,9 @@ class BatchProtocol:
             for i, ref in enumerate(p.probes):
                 probe = ref[1]
                 state = None if hits is None else hits[i]
-                if state in NOT_YET and self._still_waiting(probe):
+                if not_yet(state) and self._still_waiting(probe):
                     self.reask.setdefault(p.req_id, []).append(ref)
-                    if state in LOWER_TIERS:
+                    if in_lower_tier(state):
                         skey = service_key(shared.prefix, ref[0])
                         self.promote.setdefault(p.req_id, []).append(skey)
                 else:

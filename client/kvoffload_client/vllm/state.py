@@ -41,10 +41,20 @@ M_FAULTS = "vllm:kv_offload_kvoffload_faults"
 M_STORES_DROPPED = "vllm:kv_offload_kvoffload_stores_dropped_blocks"
 M_LOADS_FAILED = "vllm:kv_offload_kvoffload_loads_failed_blocks"
 M_AVAILABLE = "vllm:kv_offload_kvoffload_available"
-#: Lookup answers for keys the service holds below the pool: promoted by a prepare-load.
-LOWER_TIERS = frozenset(("disk", "remote"))
-#: Lookup answers asked again while the probe may still wait.
-NOT_YET = frozenset(("pending", *LOWER_TIERS))
+#: The pool's own lookup answers. Any other answer names the tier below the pool that holds
+#: the key (``disk``, ``remote``, or whatever tier the service runs): a prepare-load promotes it.
+POOL_STATES = frozenset(("hit", "pending", "miss"))
+
+
+def in_lower_tier(state: str | None) -> bool:
+    """Whether a lookup answer names a tier below the pool (any name the pool does not use)."""
+    return state is not None and state not in POOL_STATES
+
+
+def not_yet(state: str | None) -> bool:
+    """Whether a lookup answer is asked again while the probe may still wait: a key being
+    stored, or one a lower tier holds (being promoted)."""
+    return state == "pending" or in_lower_tier(state)
 PENDING_WAIT_S = 0.5  # a key another engine is storing is asked again this long, then MISS
 TOKEN_FILE_ENV = "KVOFFLOAD_TOKEN_FILE"  # where token_file comes from when the config has none
 
