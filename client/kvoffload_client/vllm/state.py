@@ -55,6 +55,8 @@ def not_yet(state: str | None) -> bool:
     """Whether a lookup answer is asked again while the probe may still wait: a key being
     stored, or one a lower tier holds (being promoted)."""
     return state == "pending" or in_lower_tier(state)
+
+
 PENDING_WAIT_S = 0.5  # a key another engine is storing is asked again this long, then MISS
 TOKEN_FILE_ENV = "KVOFFLOAD_TOKEN_FILE"  # where token_file comes from when the config has none
 
