@@ -49,7 +49,8 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from app.core.promotion import Promotions
-from app.core.tier import LowerTier, TierContext, register
+from app.core.storage import Dropped, drop_disk_dir, leftover_dirs
+from app.core.tier import LowerTier, TierBackend, TierContext, register
 from app.settings import Settings, config_error
 from app.telemetry.logging import get_logger
 from app.telemetry.metrics import PREFIX, TierReport
@@ -498,8 +499,19 @@ def disk_families(state: dict[str, Any]) -> Iterator[Metric]:
     )
 
 
-class DiskBackend:
-    """The ``disk`` tier backend: on with ``--disk-dir``, in ``<disk_dir>/<storage identity>``."""
+class DiskBackend(TierBackend):
+    """The ``disk`` tier backend: on with ``--disk-dir``, in ``<disk_dir>/<storage identity>``;
+    an identity's blocks are its directory (``app.core.storage``)."""
+
+    def identities(self, settings: Settings) -> list[str]:
+        return [] if settings.disk_dir is None else leftover_dirs(settings.disk_dir)
+
+    def drop(
+        self, settings: Settings, identity: str, *, only_store: bool = False
+    ) -> Dropped | None:
+        if settings.disk_dir is None:
+            return None
+        return drop_disk_dir(settings.disk_dir, identity, only_store=only_store)
 
     def enabled(self, settings: Settings) -> bool:
         return settings.disk_dir is not None

@@ -62,7 +62,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from app.core.promotion import Promotions
-from app.core.tier import LowerTier, TierContext, register
+from app.core.tier import LowerTier, TierBackend, TierContext, register
 from app.settings import Settings, config_error
 from app.telemetry.logging import get_logger
 from app.telemetry.metrics import PREFIX, TierReport
@@ -518,7 +518,7 @@ def remote_families(state: dict[str, Any]) -> Iterator[Metric]:
     )
 
 
-class RemoteBackend:
+class RemoteBackend(TierBackend):
     """The ``remote`` tier backend: on with ``--remote-tier``; ``factory`` builds the store
     client (``build_tier``: Mooncake; tests give another ``transfer.remote.RemoteTier``)."""
 

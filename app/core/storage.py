@@ -15,16 +15,16 @@ owner finds nothing of the old owner's below the pool (no directory, no remote k
 or was not deleted. Deleting is the second line (the bytes are gone, not only unreachable):
 
 **Dropping.** ``drop_disk_dir`` deletes one identity's directory with everything in it, once its
-disk tier is closed: a tenants reload that removes a namespace or moves it to another tenant
-calls it after stopping the namespace's service (``app.core.tenancy``). ``leftover_dirs`` lists
-the identity directories under ``--disk-dir``; at start, a service with tenants drops those of
-namespaces it no longer serves (``app.core.tenancy``). Only a directory whose *name* parses as an
-identity is ever deleted (anything else under ``--disk-dir`` is not the service's), and only a
-real directory (not a symbolic link) of this process's user whose disk store is not open: its
-``lock`` (``transfer.disk.DiskStore`` holds it ``flock``-ed while open, in this process or
-another) is taken first and held while the directory is deleted. The remote tier's objects are not
-deleted: the store is shared by nodes, which may still serve them to the same owner, and they are
-out of every other identity's reach.
+disk tier is closed, and ``leftover_dirs`` lists the identity directories under ``--disk-dir``:
+they are the disk tier's ``TierBackend.drop`` and ``identities`` (``app.core.disk``), which the
+tenancy calls for a namespace a reload removes or moves to another tenant, after stopping its
+service, and at start for namespaces no longer served (``app.core.tenancy``). Only a directory
+whose *name* parses as an identity is ever deleted (anything else under ``--disk-dir`` is not
+the service's), and only a real directory (not a symbolic link) of this process's user whose
+disk store is not open: its ``lock`` (``transfer.disk.DiskStore`` holds it ``flock``-ed while
+open, in this process or another) is taken first and held while the directory is deleted. The
+remote tier's objects are not deleted: the store is shared by nodes, which may still serve them
+to the same owner, and they are out of every other identity's reach.
 
 Everything here blocks on the filesystem: call it off the event loop.
 """
@@ -71,9 +71,9 @@ def parse_identity(name: str) -> tuple[str, str | None] | None:
 
 
 @dataclass(frozen=True, slots=True)
-class DroppedDir:
-    """A directory ``drop_disk_dir`` deleted: its name, and the files and bytes (allocated on
-    disk, so a sparse file counts what it took) it held."""
+class Dropped:
+    """What a tier deleted of one storage identity (``drop_disk_dir``: a directory): its name,
+    and the files and bytes (allocated on disk, so a sparse file counts what it took) it held."""
 
     name: str
     files: int
@@ -81,7 +81,8 @@ class DroppedDir:
 
 
 class NotDropped(Exception):
-    """A directory ``drop_disk_dir`` refused to delete; ``str()`` says which and why."""
+    """A tier refused to delete an identity's blocks (``drop_disk_dir``: its directory);
+    ``str()`` says which and why."""
 
 
 def leftover_dirs(disk_dir: str | os.PathLike[str]) -> list[str]:
@@ -100,7 +101,7 @@ def leftover_dirs(disk_dir: str | os.PathLike[str]) -> list[str]:
 
 def drop_disk_dir(
     disk_dir: str | os.PathLike[str], name: str, *, only_store: bool = False
-) -> DroppedDir | None:
+) -> Dropped | None:
     """Delete the directory ``name`` under ``disk_dir`` and everything in it; what it held, or
     None when there is no such entry (nothing was ever demoted, or it is gone already).
 
@@ -132,7 +133,7 @@ def drop_disk_dir(
             shutil.rmtree(name, dir_fd=parent)
     finally:
         os.close(parent)
-    return DroppedDir(name, files, size)
+    return Dropped(name, files, size)
 
 
 @contextlib.contextmanager

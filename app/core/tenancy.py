@@ -23,26 +23,27 @@ restart (logged). A file that fails to load changes nothing (logged, counted in
 
 **A namespace's blocks belong to the tenant that stored them.** Below the pool, a namespace's
 blocks live under its *storage identity* (``app.core.storage``): ``NAMESPACE@TENANT`` with
-tenants, the bare ``default`` without. Its disk directory is ``<disk_dir>/<identity>``, its
-remote prefix ``kvoffload/<identity>/<block_bytes>``. A namespace removed, or moved to another
-tenant, by a reload is taken out of resolution first, then its service is stopped (its pool,
-requests, jobs, registrations and KV events go with it) and then, its disk tier closed, its disk
-directory is deleted; one ``namespace removed; its blocks are dropped`` line tells what went
-(pool and disk blocks, files and bytes deleted). A namespace moved to another tenant is a new
-space under a new identity, so its new owner starts empty in the pool, on disk and in the remote
-store, and so does a namespace removed and added back (its directory is gone). The remote
-store's objects of the old identity are not deleted (other nodes may still serve them to their
-owner); no other identity can reach them.
+tenants, the bare ``default`` without (the disk tier's directory ``<disk_dir>/<identity>``, the
+remote tier's prefix ``kvoffload/<identity>/<block_bytes>``). A namespace removed, or moved to
+another tenant, by a reload is taken out of resolution first, then its service is stopped (its
+pool, requests, jobs, registrations and KV events go with it) and then, its tiers closed, each
+tier deletes what it keeps under the identity (``TierBackend.drop``: the disk its directory);
+one ``namespace removed; its blocks are dropped`` line tells what went (pool and tier blocks,
+files and bytes deleted). A namespace moved to another tenant is a new space under a new
+identity, so its new owner starts empty in the pool and on every tier, and so does a namespace
+removed and added back. A tier whose store is shared by nodes (remote) deletes nothing: other
+nodes may still serve the old identity's objects to their owner, and no other identity can
+reach them.
 
-At start (``running``), before any namespace opens its disk tier, a service with tenants deletes
-the identity directories under ``--disk-dir`` of namespaces it no longer serves (removed, or
+At start (``running``), before any tier opens, a service with tenants deletes on every tier the
+blocks of identities it no longer serves (``TierBackend.identities``: namespaces removed, or
 given to another tenant, while it was down; and those named by the bare namespace, the layout
-before identities, whose owner was never recorded), and logs one line naming them. It keeps the
-bare ``default`` (the directory of a service without tenants, which no tenant's identity
-names). A service without tenants deletes nothing (a run without the tenants file does not know
-which namespaces are still served) and logs the identity directories it does not serve. Only a
-name that parses as an identity is ever deleted: anything else under ``--disk-dir`` is not the
-service's.
+before identities, whose owner was never recorded, only where the tier's own store is), and
+logs one line per tier naming them. It keeps the bare ``default`` (the storage of a service
+without tenants, which no tenant's identity names). A service without tenants deletes nothing
+(a run without the tenants file does not know which namespaces are still served) and logs the
+identities it does not serve. Only a name that parses as an identity is ever deleted: anything
+else is not the service's.
 """
 
 from __future__ import annotations
@@ -57,16 +58,12 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 
 from app.core.errors import PermissionDeniedError
+from app.core.lower_tiers import chain_order
 from app.core.quota import TenantQuota
 from app.core.service import DEFAULT_NAMESPACE, Service
-from app.core.storage import (
-    NotDropped,
-    drop_disk_dir,
-    leftover_dirs,
-    parse_identity,
-    storage_identity,
-)
+from app.core.storage import NotDropped, parse_identity, storage_identity
 from app.core.tenants import Credentials, NamespaceConfig, TenantsConfigError, TenantTable
+from app.core.tier import TierBackend, backends
 from app.core.transfers import check_machine
 from app.settings import Settings
 from app.telemetry.calls import CallInfo
@@ -274,13 +271,13 @@ class Tenancy:
         """Hold every space running for the block, and watch the tenants file meanwhile.
 
         Reference counted like ``Service.running`` (each listener's lifespan holds it): the
-        first hold deletes the disk directories of namespaces no longer served (module
+        first hold deletes, on every tier, the blocks of namespaces no longer served (module
         docstring) and starts every space, the last one out stops them.
         """
         async with self._reload_lock:
             if self._users == 0:
-                # Before any disk tier opens: a directory it drops is opened by no store.
-                await asyncio.to_thread(self._sweep_disk)
+                # Before any tier opens: what the sweep drops is opened by no store.
+                await asyncio.to_thread(self._sweep_storage)
                 started: list[Service] = []
                 try:
                     for service in self.services():
@@ -476,51 +473,60 @@ class Tenancy:
                     # Its disk store may still be open: the directory's lock then keeps it
                     # (refused and logged below); the reload goes on with the others.
                     log.exception("namespace did not stop cleanly", extra={"fields": fields})
-        disk_dir = self.settings.disk_dir
-        if disk_dir is not None:
+        for tier, backend in self._tier_backends():
             try:
-                dropped = await asyncio.to_thread(drop_disk_dir, disk_dir, identity)
+                dropped = await asyncio.to_thread(backend.drop, self.settings, identity)
             except (NotDropped, OSError) as exc:
                 log.error(
-                    "namespace's disk directory not deleted; its blocks stay on disk, out of "
-                    "every other identity's reach",
-                    extra={"fields": {**fields, "error": str(exc)}},
+                    "namespace's blocks on a tier not deleted; they stay there, out of every "
+                    "other identity's reach",
+                    extra={"fields": {**fields, "tier": tier, "error": str(exc)}},
                 )
             else:
-                fields["disk_files_deleted"] = 0 if dropped is None else dropped.files
-                fields["disk_bytes_deleted"] = 0 if dropped is None else dropped.bytes
+                if dropped is not None:
+                    fields[f"{tier}_files_deleted"] = dropped.files
+                    fields[f"{tier}_bytes_deleted"] = dropped.bytes
         log.warning("namespace removed; its blocks are dropped", extra={"fields": fields})
 
-    def _sweep_disk(self) -> None:
-        """At start (blocking; before any disk tier opens): delete the identity directories
-        under ``--disk-dir`` of namespaces not served, as the module docstring says, and log
-        one line naming what was deleted and what was kept (and why)."""
-        disk_dir = self.settings.disk_dir
-        if disk_dir is None:
-            return
+    def _tier_backends(self) -> list[tuple[str, TierBackend]]:
+        """The tiers the settings put below every namespace's pool, by name."""
+        known = backends()
+        return [(name, known[name]) for name in chain_order(self.settings, known)]
+
+    def _sweep_storage(self) -> None:
+        """At start (blocking; before any tier opens): delete, on every tier, the blocks of
+        the storage identities of namespaces not served, as the module docstring says, and log
+        one line per tier naming what was deleted and what was kept (and why)."""
         serving = {space.service.storage for space in self.spaces.values()}
+        for tier, backend in self._tier_backends():
+            self._sweep_tier(tier, backend, serving)
+
+    def _sweep_tier(self, tier: str, backend: TierBackend, serving: set[str]) -> None:
         try:
-            names = [n for n in leftover_dirs(disk_dir) if n not in serving]
-        except OSError as exc:  # the disk tier's own open reports an unusable directory
-            log.warning("disk directory not swept", extra={"fields": {"error": str(exc)}})
+            names = [n for n in backend.identities(self.settings) if n not in serving]
+        except OSError as exc:  # the tier's own open reports an unusable medium
+            log.warning(
+                "tier storage not swept", extra={"fields": {"tier": tier, "error": str(exc)}}
+            )
             return
         deleted: list[str] = []
         files = size = 0
         kept: dict[str, str] = {}
         for name in names:
             parsed = parse_identity(name)
-            assert parsed is not None  # leftover_dirs lists identities only
+            if parsed is None:
+                continue  # not the service's
             namespace, owner = parsed
             if self.single is not None:
                 kept[name] = "a service without tenants does not know the tenants' namespaces"
                 continue
             if owner is None and namespace == DEFAULT_NAMESPACE:
-                kept[name] = "the directory of a service without tenants"
+                kept[name] = "the storage of a service without tenants"
                 continue
             try:
                 # A bare name is an identity by chance as easily as by the layout before
-                # identities: deleted only where a disk store was.
-                dropped = drop_disk_dir(disk_dir, name, only_store=owner is None)
+                # identities: deleted only where the tier's own store is.
+                dropped = backend.drop(self.settings, name, only_store=owner is None)
             except (NotDropped, OSError) as exc:
                 kept[name] = str(exc)
                 continue
@@ -530,14 +536,13 @@ class Tenancy:
                 size += dropped.bytes
         if not deleted and not kept:
             return
-        fields = {"deleted": deleted, "files": files, "bytes": size, "kept": kept}
+        fields = {"tier": tier, "deleted": deleted, "files": files, "bytes": size, "kept": kept}
         if deleted:
             log.warning(
-                "disk directories of namespaces no longer served deleted; their blocks are dropped",
+                "blocks of namespaces no longer served deleted from a tier",
                 extra={"fields": fields},
             )
         else:
             log.info(
-                "disk directories of namespaces not served here kept",
-                extra={"fields": fields},
+                "blocks of namespaces not served here kept on a tier", extra={"fields": fields}
             )

@@ -40,11 +40,12 @@ import asyncio
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from prometheus_client.metrics_core import Metric
 
 from app.core.promotion import Promotions
+from app.core.storage import Dropped
 from app.settings import Settings
 from app.telemetry.metrics import TierReport
 from app.telemetry.observer import Observer
@@ -148,18 +149,38 @@ class LowerTier(abc.ABC):
         return self.promotions.writing()
 
 
-class TierBackend(Protocol):
-    """How a tier is made: registered by name with ``register``."""
+class TierBackend(abc.ABC):
+    """How a tier is made, and what it keeps under a storage identity while no service has it
+    open: registered by name with ``register``.
 
+    ``identities`` and ``drop`` let the tenancy delete the blocks of a namespace removed, or
+    given to another tenant (``app.core.tenancy``), without naming the tier: by default a tier
+    keeps nothing it would delete (a store shared by nodes keeps the old owner's blocks for the
+    nodes that still serve them, out of every other identity's reach). Both block: call them
+    off the loop, with no tier of that identity open."""
+
+    @abc.abstractmethod
     def enabled(self, settings: Settings) -> bool:
         """Whether ``settings`` turn this tier on when ``tiers`` is not set (today's flags:
         ``--disk-dir``, ``--remote-tier``)."""
-        ...
 
+    @abc.abstractmethod
     def open(self, ctx: TierContext) -> LowerTier:
         """The tier, built off the loop (it may block), not started; ``ConfigError`` naming
         the setting when it cannot serve."""
-        ...
+
+    def identities(self, settings: Settings) -> list[str]:
+        """The storage identities this tier holds blocks of now (none by default)."""
+        return []
+
+    def drop(
+        self, settings: Settings, identity: str, *, only_store: bool = False
+    ) -> Dropped | None:
+        """Delete the blocks this tier keeps under ``identity``; what went, None when it keeps
+        none. ``only_store``: only where this tier's own store is recognised (a bare name is an
+        identity by chance as easily as by design). ``NotDropped`` when it refuses (nothing
+        deleted); ``OSError`` when the medium refuses."""
+        return None
 
 
 _BACKENDS: dict[str, TierBackend] = {}

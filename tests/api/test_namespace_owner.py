@@ -234,10 +234,8 @@ async def test_a_namespace_given_away_while_the_service_was_down_is_deleted_at_s
     async with tenants_running(tmp_path, tenants(["a1"], ["b1", "a2"]), **disk(tmp_path)) as t:
         await sees_nothing(t, BOB, "a2", written)
         assert not bytes_on_disk(root, written)
-        (line,) = records(
-            caplog,
-            "disk directories of namespaces no longer served deleted; their blocks are dropped",
-        )
+        (line,) = records(caplog, "blocks of namespaces no longer served deleted from a tier")
+        assert line["tier"] == "disk"
         assert line["deleted"] == ["a2@alice"]
         assert line["bytes"] >= (STORED - POOL) * BLOCK
 
@@ -294,16 +292,15 @@ async def test_the_start_sweep_deletes_only_directories_of_namespaces_no_longer_
         # alice's a2 and carol's namespace are gone from the file; ``legacy`` is the layout
         # before identities (its owner never recorded): deleted. ``photos`` is no disk store.
         assert left == kept | {"b1@bob"}
-        (line,) = records(
-            caplog,
-            "disk directories of namespaces no longer served deleted; their blocks are dropped",
-        )
+        (line,) = records(caplog, "blocks of namespaces no longer served deleted from a tier")
+        assert line["tier"] == "disk"
         assert line["deleted"] == ["a2@alice", "gone@carol", "legacy"]
         assert set(line["kept"]) == {"default", "photos", "elsewhere"}
     else:
         # Without tenants the owners are unknown here: nothing deleted, the names logged.
         assert left == before
-        (line,) = records(caplog, "disk directories of namespaces not served here kept")
+        (line,) = records(caplog, "blocks of namespaces not served here kept on a tier")
+        assert line["tier"] == "disk"
         assert line["deleted"] == []
         assert set(line["kept"]) == {
             "a1@alice",

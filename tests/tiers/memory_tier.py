@@ -12,7 +12,8 @@ It exists to show what a new backend costs: this module alone. Importing it regi
   slots; a key that left the store meanwhile is a miss.
 - **Restart**: the store is kept per storage identity for the life of the process
   (``STORES``), so a service started again under the same identity finds its blocks, as a disk
-  tier would after a restart.
+  tier would after a restart; ``identities`` and ``drop`` let the tenancy delete an identity's
+  blocks (a namespace removed or given to another tenant), as it deletes a disk directory.
 - **Events**: each demotion batch is one ``BlockStored`` of medium ``MEMORY``, recorded on the
   next loop turn (``evicted`` runs inside the manager's ``prepare_store``, which a listener must
   not call back into).
@@ -27,7 +28,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from app.core.promotion import Promotions
-from app.core.tier import LowerTier, TierContext, register
+from app.core.storage import Dropped
+from app.core.tier import LowerTier, TierBackend, TierContext, register
 from app.settings import Settings
 from app.telemetry.metrics import TierReport
 from manager import BlockKey
@@ -153,7 +155,7 @@ class MemoryTier(LowerTier):
         return ok
 
 
-class MemoryBackend:
+class MemoryBackend(TierBackend):
     """The ``memory`` tier: only when ``--tiers`` names it; four times the pool's blocks."""
 
     def enabled(self, settings: Settings) -> bool:
@@ -161,6 +163,17 @@ class MemoryBackend:
 
     def open(self, ctx: TierContext) -> MemoryTier:
         return MemoryTier(ctx, capacity=4 * ctx.pool.num_blocks)
+
+    def identities(self, settings: Settings) -> list[str]:
+        return sorted(STORES)
+
+    def drop(
+        self, settings: Settings, identity: str, *, only_store: bool = False
+    ) -> Dropped | None:
+        blocks = STORES.pop(identity, None)
+        if blocks is None:
+            return None
+        return Dropped(identity, files=0, bytes=sum(map(len, blocks.values())))
 
 
 register("memory", MemoryBackend())

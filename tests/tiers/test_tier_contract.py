@@ -12,11 +12,14 @@ Each backend is checked for: demotion (a block the pool lets go reaches the tier
 names the tier for it), a one-call onload of blocks only the tier holds (bytes equal), faults (a
 broken tier drops what it is given without making the pool wait, reports itself degraded, and
 recovers), and a restart where the tier persists (the blocks are found again, bytes equal).
+Then the chain itself (order, refusals, names), and the tenancy's deletion of a dropped
+namespace's blocks through the contract, on a tier the service never names.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
@@ -406,3 +409,28 @@ def test_the_remote_backend_is_the_registered_one_unless_overridden() -> None:
     assert names.index("disk") < names.index("remote")
     assert isinstance(backends()["remote"], RemoteBackend)
     assert "memory" in backends()  # this module's import registered it
+
+
+async def test_a_namespace_given_away_drops_its_blocks_on_a_tier_the_service_never_names(
+    tmp_path: Path,
+) -> None:
+    """The tenancy deletes a dropped namespace's blocks through the contract (``identities``,
+    ``drop``): on the memory tier as on the disk, at a reload and at start."""
+    from tests.api.test_namespace_owner import ALICE, POOL, store_blocks, tenants
+    from tests.api.test_tenancy import tenants_running, write_tenants
+
+    memory_tier.STORES.clear()
+    memory_tier.STORES["gone@carol"] = collections.OrderedDict({b"k": b"x"})  # not served
+    keys = [f"{i:032x}" for i in range(1, 3 * POOL + 1)]
+    async with tenants_running(tmp_path, tenants(["a1", "a2"], ["b1"]), tiers=["memory"]) as t:
+        assert "gone@carol" not in memory_tier.STORES  # swept at start
+        await store_blocks(t, ALICE, "a2", keys)
+
+        async def held() -> bool:
+            return len(memory_tier.STORES.get("a2@alice", ())) == 2 * POOL
+
+        await until("the memory tier holds alice's evicted blocks", held)
+        write_tenants(t.path, tenants(["a1"], ["b1", "a2"]))
+        assert await t.tenancy.reload()
+        assert "a2@alice" not in memory_tier.STORES
+        assert t.tenancy.spaces["a2"].tenant == "bob"
