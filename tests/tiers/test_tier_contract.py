@@ -139,8 +139,12 @@ async def serving(backend: Backend) -> AsyncIterator[tuple[Service, Engine]]:
             engine.close()
 
 
-async def until(what: str, check: Callable[[], Any], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
+#: How long a condition may take to hold (a backend on a real store may need longer).
+UNTIL_S = 10.0
+
+
+async def until(what: str, check: Callable[[], Any]) -> None:
+    deadline = time.monotonic() + UNTIL_S
     while not await check():
         assert time.monotonic() < deadline, f"not in time: {what}"
         await asyncio.sleep(0.02)
