@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import tests.tiers.test_tier_contract as contract
+from app.core.tier import LowerTier
 from tests.remote.hosts import MooncakeMaster, TestNet
 from tests.tiers.test_tier_contract import (
     Backend,
@@ -42,6 +43,10 @@ def backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Backend
     net = TestNet.create(["master"])
     master = MooncakeMaster(net.hosts["master"], tmp_path).start()
     here = "127.0.0.1" if net.mode == "loopback" else master.host.addr.rsplit(".", 1)[0] + ".1"
+
+    def mends(tier: LowerTier) -> None:
+        master.start()
+
     try:
         yield Backend(
             "remote",
@@ -57,7 +62,7 @@ def backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Backend
             },
             {},
             lambda tier: master.stop(),
-            lambda tier: master.start(),
+            mends,
         )
     finally:
         master.stop()
