@@ -438,3 +438,37 @@ async def test_a_namespace_given_away_drops_its_blocks_on_a_tier_the_service_nev
         assert await t.tenancy.reload()
         assert "a2@alice" not in memory_tier.STORES
         assert t.tenancy.spaces["a2"].tenant == "bob"
+
+
+async def test_a_new_backend_is_in_the_tier_families_and_the_stats_by_its_name() -> None:
+    """Metrics, stats and readiness of a tier come from the contract: the memory tier, which
+    no service file names, exports the ``kvoffload_tier_*`` families under its own name."""
+    memory_tier.STORES.clear()
+    settings = make_settings(num_blocks=POOL_BLOCKS, tiers=["memory"])
+    service = Service(settings)
+    async with service.running():
+        engine = Engine(service)
+        try:
+            data = await demote(service, engine, "memory")
+            await engine.onload(list(data))
+            registry = service.registry
+            assert registry is not None
+
+            def value(name: str, **labels: str) -> float | None:
+                return registry.get_sample_value(name, {"tier": "memory", **labels})
+
+            assert value("kvoffload_tier_up") == 1
+            # The first N, and the N pool blocks their promotion evicted in turn.
+            assert value("kvoffload_tier_blocks") == 2 * N
+            assert value("kvoffload_tier_demoted_blocks_total") == 2 * N
+            assert value("kvoffload_tier_promoted_blocks_total") == N
+            assert value("kvoffload_tier_bytes_read_total") == N * settings.block_bytes
+            tier = service.tiers.get("memory")
+            assert isinstance(tier, memory_tier.MemoryTier)
+            tier.down = True
+            assert value("kvoffload_tier_up") == 0
+            assert value("kvoffload_tier_incidents_total") == 1
+            assert service.details()["memory_tier"].startswith("degraded: switched down")
+            assert service.tiers.states()["memory"]["state"] == "degraded"
+        finally:
+            engine.close()
