@@ -84,6 +84,11 @@ class DiskIndex:
     def num_slots(self) -> int:
         return self.index.num_blocks
 
+    @property
+    def blocks(self) -> int:
+        """Blocks on disk, loadable (O(1): no walk of the index)."""
+        return self.index.stats().ready
+
     # ------------------------------------------------------------------ admission
 
     def asked(self, keys: Sequence[BlockKey], asker: str | None = None) -> None:

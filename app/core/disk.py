@@ -50,7 +50,7 @@ from prometheus_client.metrics_core import Metric
 
 from app.core.promotion import Promotions
 from app.core.storage import Dropped, drop_disk_dir, leftover_dirs
-from app.core.tier import LowerTier, TierBackend, TierContext, register
+from app.core.tier import LowerTier, TierBackend, TierContext, dropped_by_reason, register
 from app.settings import Settings, config_error
 from app.telemetry.logging import get_logger
 from app.telemetry.metrics import PREFIX, TierReport
@@ -162,7 +162,7 @@ class DiskLink(LowerTier):
                 "directory": self.store.directory,
                 "direct_io": self.store.direct,
                 "slots": self.index.num_slots,
-                "blocks": len(index.resident_keys()),
+                "blocks": self.index.blocks,
                 "block_bytes": self.store.block_bytes,
                 "capacity_bytes": self.index.num_slots * self.store.slot_bytes,
                 "admit_after": self.index.admit_after,
@@ -176,11 +176,7 @@ class DiskLink(LowerTier):
                 "demotions": {
                     "written": self.counts["demoted"],
                     "refused_admission": self.index.refused,
-                    "dropped": {
-                        k.removeprefix("dropped_"): v
-                        for k, v in sorted(self.counts.items())
-                        if k.startswith("dropped_")
-                    },
+                    "dropped": dropped_by_reason(self.counts),
                 },
                 "evictions": self.counts["evicted"],
                 "promotions": {
@@ -204,16 +200,12 @@ class DiskLink(LowerTier):
             up=health.ok,
             queue_depth=len(self._queue),
             demoted=self.counts["demoted"],
-            dropped={
-                k.removeprefix("dropped_"): v
-                for k, v in self.counts.items()
-                if k.startswith("dropped_")
-            },
+            dropped=dropped_by_reason(self.counts),
             promoted=self.promotions.counts["promoted_ready"],
             bytes_read=counters.get("bytes_read", 0),
             bytes_written=counters.get("bytes_written", 0),
             incidents=counters.get("incidents", 0),
-            blocks=len(self.index.index.resident_keys()),
+            blocks=self.index.blocks,
             capacity_blocks=self.index.num_slots,
         )
 

@@ -62,7 +62,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from app.core.promotion import Promotions
-from app.core.tier import LowerTier, TierBackend, TierContext, register
+from app.core.tier import LowerTier, TierBackend, TierContext, dropped_by_reason, register
 from app.settings import Settings, config_error
 from app.telemetry.logging import get_logger
 from app.telemetry.metrics import PREFIX, TierReport
@@ -244,7 +244,7 @@ class RemoteLink(LowerTier):
             "misses": self.counts["lookup_misses"],
         }
         health["namespace"] = self.tier.namespace
-        dropped = self._dropped()
+        dropped = dropped_by_reason(self.counts)
         health["queue"] = {
             "depth": len(self._queue),
             "capacity": self.queue_blocks,
@@ -283,21 +283,13 @@ class RemoteLink(LowerTier):
     def queue_depth(self) -> int:
         return len(self._queue)
 
-    def _dropped(self) -> dict[str, int]:
-        """Blocks not written behind, by reason (queue_full, degraded, shutdown)."""
-        return {
-            k.removeprefix("dropped_"): v
-            for k, v in sorted(self.counts.items())
-            if k.startswith("dropped_")
-        }
-
     def report(self) -> TierReport:
         counters = self.tier.health().counters
         return TierReport(
             up=self.tier.health().ok,
             queue_depth=len(self._queue),
             demoted=self.counts["written"],
-            dropped=self._dropped(),
+            dropped=dropped_by_reason(self.counts),
             promoted=self.promotions.counts["promoted_ready"],
             bytes_read=counters.get("bytes_read", 0),
             bytes_written=counters.get("bytes_written", 0),

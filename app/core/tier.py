@@ -76,6 +76,14 @@ class TierContext:
     on_event: Callable[[], None]
 
 
+def dropped_by_reason(counts: Mapping[str, int]) -> dict[str, int]:
+    """A tier's dropped demotions by reason, from its counts keyed ``dropped_<reason>``
+    (``TierReport.dropped``, and its ``state()``), sorted by reason."""
+    return {
+        k.removeprefix("dropped_"): v for k, v in sorted(counts.items()) if k.startswith("dropped_")
+    }
+
+
 class LowerTier(abc.ABC):
     """One tier below the pool; see the module docstring. Subclasses set ``name`` (the name
     it is opened under: ``TierContext.name``) and ``promotions``, and implement the abstract

@@ -230,8 +230,8 @@ OPERATIONS: tuple[Operation, ...] = (
         s.LookupAnswer,
         200,
         _KEYS_ERRORS,
-        "Per-key state (hit, pending, miss; disk and remote with those tiers) and the count of "
-        "leading hits",
+        "Per-key state (hit, pending, miss, or the name of the first tier below the pool that "
+        "holds it) and the count of leading hits",
         _run_lookup,
         run_tiers=_run_lookup_tiers,
     ),
