@@ -640,8 +640,8 @@ class Settings(AdminAuth):
     disk_staging_bytes: int = Field(
         default=128 << 20,
         gt=0,
-        description="memory for evicted blocks on their way to disk, per namespace (at least "
-        "one block; more evicted than fits: dropped, counted)",
+        description="memory for evicted blocks on their way to disk, per namespace, taken at "
+        "start (at least one block; more evicted than fits: dropped, counted)",
     )
     disk_batch_bytes: int = Field(
         default=16 << 20,

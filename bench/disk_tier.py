@@ -194,6 +194,7 @@ class Fio:
         self.exe, self.block, self.n, self.depth = exe, block, n, depth
         self.file = os.path.join(directory, "fio-file")
         self.engine = "libaio" if self._has_engine("libaio") else "psync"
+        self.cpu_s: dict[str, list[float]] = {}  # per --rw: fio's CPU seconds of each pass
         self.run("write")  # lays the file out (its extents allocated, as the tier's are)
 
     @staticmethod
@@ -240,6 +241,9 @@ class Fio:
             raise RuntimeError(f"fio {rw} failed: {done.stderr.strip() or done.stdout[-500:]}")
         job = json.loads(done.stdout[done.stdout.index("{") :])["jobs"][0]
         side = job["read" if "read" in rw else "write"]
+        # fio's own CPU (user + system, percent of its run time), for the CPU per GB column.
+        cpu = (float(job["usr_cpu"]) + float(job["sys_cpu"])) / 100 * job["job_runtime"] / 1000
+        self.cpu_s.setdefault(rw, []).append(cpu)
         return float(side["io_bytes"]) / float(side["bw_bytes"])
 
     def close(self) -> None:
@@ -485,7 +489,7 @@ async def part_a_service(
         "disk_batch_bytes": max(block, batch_bytes),
     }
     demote_s: list[float] = []
-    demote_write_s: list[float] = []
+    demote_cpu_s: list[float] = []
     phases: list[dict[str, float]] = []
     onload_s: list[float] = []
     pool_onload_s: list[float] = []
@@ -499,7 +503,7 @@ async def part_a_service(
         # Phase stamps (profile): the store's calls and the job's launch after the promotion.
         stamps: list[tuple[str, float]] = []
         store = disk.store
-        real_submit, real_write = store.submit_reads, store.write_many
+        real_submit = store.submit_reads
 
         def submit_reads(items: Any) -> Any:
             stamps.append(("read0", time.perf_counter()))
@@ -507,17 +511,7 @@ async def part_a_service(
             future.add_done_callback(lambda _: stamps.append(("read1", time.perf_counter())))
             return future
 
-        write_s: list[float] = []
-
-        def write_many(items: Any) -> list[bool]:
-            t = time.perf_counter()
-            try:
-                ok: list[bool] = real_write(items)
-                return ok
-            finally:
-                write_s.append(time.perf_counter() - t)
-
-        store.submit_reads, store.write_many = submit_reads, write_many  # type: ignore[method-assign]
+        store.submit_reads = submit_reads  # type: ignore[method-assign]
         tracker = h.service.transfers().tracker
         real_launch = tracker.launch
 
@@ -544,8 +538,7 @@ async def part_a_service(
                             fio_pass, "seq_write", "rand_write", "seq_write_fresh"
                         )
                     continue
-                write_s.clear()
-                t = time.perf_counter()
+                t, cpu = time.perf_counter(), time.process_time()
                 await store_keys(h, f"fill{c}", chunk_keys[c], fill=0 if c == 0 else None)
                 if c:
 
@@ -554,7 +547,8 @@ async def part_a_service(
 
                     await until(all_out)
                     demote_s.append(time.perf_counter() - t)
-                    demote_write_s.append(sum(write_s))
+                    # Every thread of this process: the loop's copy, the MACs, the I/O calls.
+                    demote_cpu_s.append(time.process_time() - cpu)
         assert dropped(h) == 0, dict(disk.counts)
         # Warm-up onload of chunk 0: evicts the last chunk (demoted: written now, untimed).
         blocks = list(range(n))
@@ -643,6 +637,7 @@ async def part_a_service(
                 "command_example": " ".join(fio.args("read")),
                 "seconds": fio_s,
                 **{f"{col}_gbps": gbps(nbytes, med(fio_s[col])) for col, _ in FIO_JOBS},
+                "seq_write_cpu_s_per_gb": med(fio.cpu_s["write"]) / (nbytes / 1e9),
                 # The targets: onload >= 0.8x fio's sequential read, demotion >= 0.8x fio's
                 # sequential write (the tier's slots of one call are adjacent on disk), the
                 # median of the per-round ratios.
@@ -664,7 +659,7 @@ async def part_a_service(
         "cache_dropped": dropped_ok,
         "seconds": {
             "demote": demote_s,
-            "demote_in_write_many": demote_write_s,
+            "demote_cpu": demote_cpu_s,
             "onload": onload_s,
             "onload_pool_hits": pool_onload_s,
             "raw_read": raw_s,
@@ -674,6 +669,8 @@ async def part_a_service(
             k: med([p[k] for p in phases]) for k in ("to_read", "read", "read_to_launch", "job")
         },
         "demote_gbps": gbps(nbytes, med(demote_s)),
+        # CPU seconds of the whole process per demoted GB (the machine has os.cpu_count()).
+        "demote_cpu_s_per_gb": med(demote_cpu_s) / (nbytes / 1e9),
         "onload_gbps": gbps(nbytes, med(onload_s)),
         # Per round: raw seconds / onload seconds (>= 0.8 is the target), and their median.
         "onload_ratio_by_round": [a / b for a, b in zip(raw_s, onload_s, strict=True)],
@@ -1161,7 +1158,8 @@ def print_a_row(row: dict[str, Any]) -> None:
     fio = sv["fio"]
     vs_fio = (
         f"; fio seq r/w {fio['seq_read_gbps']:.2f}/{fio['seq_write_gbps']:.2f}, onload "
-        f"{fio['onload_vs_seq_read']:.2f}x, demotion {fio['demote_vs_seq_write']:.2f}x"
+        f"{fio['onload_vs_seq_read']:.2f}x, demotion {fio['demote_vs_seq_write']:.2f}x; CPU s/GB "
+        f"demotion {sv['demote_cpu_s_per_gb']:.2f}, fio write {fio['seq_write_cpu_s_per_gb']:.2f}"
         if fio["available"]
         else "; fio: not run"
     )

@@ -97,6 +97,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from blake3 import blake3
@@ -650,6 +651,13 @@ class DiskStore:
         # Page-aligned (mmap) buffers for blocks on their way from the pool to the disk.
         self.staging_blocks = staging_blocks
         self._staging = mmap.mmap(-1, max(1, staging_blocks) * self.slot_bytes)
+        _prefault_huge(self._staging)
+        # numpy's copy into it releases the GIL (a slice assignment into the mmap holds it
+        # through each block: the I/O threads, back from their writes, waited up to the
+        # interpreter's 5 ms switch interval for it, and the disk idled meanwhile).
+        self._staging_rows: np.ndarray[Any, np.dtype[np.uint8]] | None = np.frombuffer(
+            self._staging, dtype=np.uint8
+        ).reshape(-1, self.slot_bytes)
         self._staging_free = list(range(staging_blocks - 1, -1, -1))
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoffload-disk")
         # MAC threads: the I/O threads hand them the hashing, so that each I/O thread issues
@@ -763,18 +771,20 @@ class DiskStore:
 
     def stage(self, pool_slots: Sequence[int]) -> list[int] | None:
         """Copy pool slots into free staging buffers (on the caller's thread, before the pool
-        slots are reused); their buffer ids, or None when too few are free (nothing copied).
+        slots are reused); their buffer ids, or None when too few are free or the store is
+        closed (nothing copied).
         One thread: a second one copying half (measured) moved no more bytes a second, the
-        copy being bound by the memory's bandwidth, not the core."""
+        copy being bound by the memory's bandwidth, not the core; it lets go of the GIL while
+        it copies, so the I/O threads keep the disk busy meanwhile."""
+        rows = self._staging_rows
         with self._mutex:
-            if len(self._staging_free) < len(pool_slots):
+            if rows is None or len(self._staging_free) < len(pool_slots):
                 return None
             ids = [self._staging_free.pop() for _ in pool_slots]
         pool = self.pool.tensor.numpy()
         bb = self.block_bytes
         for buf, slot in zip(ids, pool_slots, strict=True):
-            off = buf * self.slot_bytes
-            self._staging[off : off + bb] = pool[slot].data
+            rows[buf, :bb] = pool[slot]
         return ids
 
     def unstage(self, ids: Sequence[int]) -> None:
@@ -789,9 +799,17 @@ class DiskStore:
     # ------------------------------------------------------------------ writes
 
     def write_many(self, items: Sequence[tuple[int, bytes, int]]) -> list[bool]:
-        """Write staged blocks: ``(disk_slot, key, staging_id)`` each; per item, whether the
-        block is whole on disk and listed. Blocks; runs of contiguous slots go to the I/O
-        threads, one system call each (``RUN_BYTES`` at most)."""
+        """``submit_writes(items)``, waited for."""
+        return self.submit_writes(items).result()
+
+    def submit_writes(self, items: Sequence[tuple[int, bytes, int]]) -> Future[list[bool]]:
+        """Start writing staged blocks: ``(disk_slot, key, staging_id)`` each; the future says,
+        per item, whether the block is whole on disk and listed. Runs of contiguous slots go
+        to the I/O threads now, one system call each (``RUN_BYTES`` at most), queued behind
+        the writes submitted before, so that a caller may submit a batch and stage the next
+        while it is written. The staging buffers must stay untouched until the future is
+        done."""
+        done: Future[list[bool]] = Future()
         results = [False] * len(items)
         good = [
             i
@@ -799,11 +817,35 @@ class DiskStore:
             if len(key) <= _MAX_KEY and 0 <= slot < self.num_slots
         ]
         runs = _runs(good, lambda i: items[i][0], self._run_blocks(self.slot_bytes))
-        done = self._pool.map(lambda r: self._write_run([items[i] for i in r]), runs)
-        for run, oks in zip(runs, done, strict=True):
-            for i, ok in zip(run, oks, strict=True):
-                results[i] = ok
-        return results
+        left = [len(runs)]
+        if not runs:
+            done.set_result(results)
+            return done
+
+        def ran(run: list[int], future: Future[list[bool]]) -> None:
+            # A run whose task raised (a bug, not an I/O error: those are caught) counts as
+            # not written, rather than leaving the caller waiting forever.
+            oks = future.result() if future.exception() is None else [False] * len(run)
+            with self._mutex:
+                for i, ok in zip(run, oks, strict=True):
+                    results[i] = ok
+                left[0] -= 1
+                last = not left[0]
+            if last:
+                done.set_result(results)
+
+        for at, run in enumerate(runs):
+            try:
+                future = self._pool.submit(self._write_run, [items[i] for i in run])
+            except RuntimeError:  # the store closed: this run and the rest write nothing
+                with self._mutex:
+                    left[0] -= len(runs) - at
+                    last = not left[0]
+                if last:
+                    done.set_result(results)
+                break
+            future.add_done_callback(functools.partial(ran, run))
+        return done
 
     def _write_run(self, run: list[tuple[int, bytes, int]]) -> list[bool]:
         """Write blocks to contiguous slots: entries cleared, bytes written in one call, then
@@ -1067,6 +1109,7 @@ class DiskStore:
         self._pool.shutdown(wait=True)  # first: its tasks hand work to the MAC threads
         self._macs.shutdown(wait=True)
         self._close_fds()
+        self._staging_rows = None  # its export of the mapping ends before the mapping
         self._staging.close()
 
     def _close_fds(self) -> None:
@@ -1248,6 +1291,19 @@ class _Once:
         the task raised (a no-op when it finished the run already)."""
         if future.exception() is not None:
             self([False] * self._n)
+
+
+def _prefault_huge(buf: mmap.mmap) -> None:
+    """Back ``buf`` with huge pages where the kernel gives them (``MADV_HUGEPAGE``; THP in
+    ``madvise`` or ``always`` mode) and fault it in now, in one pass. Why: an O_DIRECT request
+    is split where its memory is not physically contiguous, and a block of scattered 4 KiB
+    pages (256 of them in 1 MiB) exceeds a virtio disk's 254 segments a request: each write
+    became two, and the disk took them at 0.55x the speed of the same writes from contiguous
+    memory (measured: 2.1 against 3.8 GB/s). Faulting at open also keeps the first eviction's
+    page faults (and the kernel's compaction for huge pages) off the loop."""
+    with contextlib.suppress(AttributeError, OSError):  # no THP: 4 KiB pages, still faulted
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    np.frombuffer(buf, dtype=np.uint8)[::PAGE] = 0
 
 
 def _release(views: list[memoryview]) -> None:

@@ -10,10 +10,12 @@ It is the ``disk`` tier of the lower-tier contract (``app.core.tier``), register
   stores; a block is demoted only once asked ``--disk-admit-after`` times.
 - **Demote on evict** (``evicted``, told of every pool eviction): when the pool evicts blocks to
   make room, the admitted ones not yet on disk are copied into staging buffers right there,
-  before their slots are handed out again (a memcpy on the loop; no disk I/O), and queued. A
-  background task writes the queue in batches on the store's I/O threads. Never write-through:
-  a block reaches the disk only when the pool lets it go. No staging buffer free, or the tier
-  degraded: the demotion is dropped and counted, never waited for.
+  before their slots are handed out again (a memcpy on the loop that lets go of the GIL), a
+  ``--disk-batch-bytes`` batch at a time, each batch's write handed to the store's I/O threads
+  as soon as it is copied (on a disk of a few batches, the ones that would hold more than half
+  its slots wait for a background task), so the disk writes while the loop copies. Never
+  write-through: a block reaches the disk only when the pool lets it go. No staging buffer
+  free, or the tier degraded: the demotion is dropped and counted, never waited for.
 - **Lookups** (``found``): the in-memory index answers at once; the disk is not read.
 - **Promotion** (``promote``): ``app.core.promotion`` with a read straight from disk into the
   reserved pool slots, checked against each block's keyed MAC. A block that fails (torn,
@@ -63,9 +65,6 @@ log = get_logger("disk")
 
 #: How often a degraded store tries a write again.
 PROBE_S = 1.0
-#: Demotion batches written at once (each ``--disk-batch-bytes``, on the store's I/O threads).
-WRITES_IN_FLIGHT = 2
-
 OnIO = Callable[[str, float, int, str | None], None]
 
 
@@ -105,9 +104,14 @@ class DiskLink(LowerTier):
         self._tasks: list[asyncio.Task[None]] = []
         self.counts: collections.Counter[str] = collections.Counter()
         self._writing: set[asyncio.Task[None]] = set()  # batches being written
-        # A batch in flight holds its disk slots (pending, not evictable): on a disk of a few
-        # batches a second one would find no room and drop its blocks, so it waits its turn.
-        self._max_writes = WRITES_IN_FLIGHT if index.num_slots >= 4 * batch_blocks else 1
+        # Batches written at once. Every staged batch is handed to the I/O threads as soon as
+        # it is copied (their queue keeps --disk-io-threads requests on the device, the
+        # staging bytes bound the rest): a cap of a few batches left the device idle while the
+        # loop copied the rest of a large eviction (the batches done were settled only after
+        # it). But a batch in flight holds its disk slots (pending, not evictable): on a disk
+        # of a few batches a second one would find no room and drop its blocks, so at most
+        # half the disk is being written at once.
+        self._max_writes = max(1, index.num_slots // (2 * batch_blocks))
         # Index entries the store dropped at open for failing their MAC: corrupt blocks too.
         self.counts["corrupt_dropped"] = store.unauthenticated_dropped
         self.restored = 0
@@ -233,9 +237,15 @@ class DiskLink(LowerTier):
 
     # ------------------------------------------------------------------ demotion
 
-    def evicted(self, victims: list[BlockKey], slots: list[int]) -> None:
+    def evicted(
+        self, victims: list[BlockKey], slots: list[int], *, promoting: bool = False
+    ) -> None:
         """The pool evicts ``victims``: stage the admitted ones for the disk (see the module
-        docstring). Runs inside the manager's ``prepare_store``: never calls the manager."""
+        docstring), a batch at a time, each batch's write started as soon as it is staged, so
+        that the disk writes while the next batch is copied. Runs inside the manager's
+        ``prepare_store``: never calls the manager (events wait for the loop). ``promoting``:
+        only staged; the writer reserves their disk slots after the promotion, so that no
+        block the same load reads next is evicted for them."""
         chosen = self.index.select(victims)
         if not chosen:
             return
@@ -243,11 +253,15 @@ class DiskLink(LowerTier):
             self._count_dropped("degraded", len(chosen))
             return
         slot_of = dict(zip(victims, slots, strict=True))
-        staged = self.store.stage([slot_of[k] for k in chosen])
-        if staged is None:
-            self._count_dropped("staging_full", len(chosen))
-            return
-        self._queue.extend(zip(chosen, staged, strict=True))
+        for at in range(0, len(chosen), self.batch_blocks):
+            part = chosen[at : at + self.batch_blocks]
+            staged = self.store.stage([slot_of[k] for k in part])
+            if staged is None:
+                self._count_dropped("staging_full", len(chosen) - at)
+                break
+            self._queue.extend(zip(part, staged, strict=True))
+            if not promoting:
+                self._start_writes(defer_events=True)
         self._wakeup.set()
 
     def _count_dropped(self, why: str, n: int) -> None:
@@ -260,27 +274,47 @@ class DiskLink(LowerTier):
             self._queue.clear()
 
     async def _write_loop(self) -> None:
-        # Up to WRITES_IN_FLIGHT batches written at once: one batch at a time leaves the
-        # device's queue empty between batches (demotion measured 0.42-0.54x fio's write).
-        writing = self._writing
+        # Batches left queued by ``evicted`` (the writes in flight at their limit) start as
+        # writes end.
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
             while self._queue:
-                while len(writing) >= self._max_writes:
-                    await asyncio.wait(writing, return_when=asyncio.FIRST_COMPLETED)
-                try:
-                    batch = self._take_batch()
-                except Exception:
-                    log.exception("disk write batch failed; its blocks are dropped")
-                    continue
-                if batch is None:
-                    continue
-                task = asyncio.get_running_loop().create_task(
-                    self._write(*batch), name="kvoffload-disk-write"
-                )
-                writing.add(task)
-                task.add_done_callback(self._written)
+                self._start_writes()
+                if self._queue and self._writing:
+                    await asyncio.wait(self._writing, return_when=asyncio.FIRST_COMPLETED)
+
+    def _start_writes(self, *, defer_events: bool = False) -> None:
+        """Take batches off the queue and start writing them, up to ``_max_writes`` at once:
+        each goes to the store's I/O threads now; a task on the loop settles it (one batch at
+        a time left the device's queue empty between batches: demotion measured 0.42-0.54x
+        fio's write). ``defer_events``: called inside
+        the manager's ``prepare_store``, so the disk's evictions are told on the loop after
+        it. Nothing starts before ``start`` (the loop's writer takes the queue then)."""
+        if not self._tasks:
+            return
+        loop = asyncio.get_running_loop()
+        while self._queue and len(self._writing) < self._max_writes:
+            try:
+                batch = self._take_batch(defer_events=defer_events)
+            except Exception:
+                log.exception("disk write batch failed; its blocks are dropped")
+                continue
+            if batch is None:
+                continue
+            op, staged = batch
+            items = [(slot, key, staged[key]) for key, slot in zip(op.keys, op.slots, strict=True)]
+            started = time.perf_counter()
+            try:
+                future = asyncio.wrap_future(self.store.submit_writes(items), loop=loop)
+            except BaseException:
+                self._settle_write(op, staged, items, started, [False] * len(items))
+                raise
+            task = loop.create_task(
+                self._await_write(op, staged, items, started, future), name="kvoffload-disk-write"
+            )
+            self._writing.add(task)
+            task.add_done_callback(self._written)
 
     def _written(self, task: asyncio.Task[None]) -> None:
         self._writing.discard(task)
@@ -291,12 +325,19 @@ class DiskLink(LowerTier):
         """Take one batch off the queue and write it (the graceful stop's drain)."""
         batch = self._take_batch()
         if batch is not None:
-            await self._write(*batch)
+            op, staged = batch
+            items = [(slot, key, staged[key]) for key, slot in zip(op.keys, op.slots, strict=True)]
+            started = time.perf_counter()
+            future = asyncio.wrap_future(self.store.submit_writes(items))
+            await self._await_write(op, staged, items, started, future)
 
-    def _take_batch(self) -> tuple[DiskOp, dict[BlockKey, int]] | None:
+    def _take_batch(
+        self, *, defer_events: bool = False
+    ) -> tuple[DiskOp, dict[BlockKey, int]] | None:
         """Up to ``batch_blocks`` staged blocks off the queue, their disk slots reserved (the
         index op and each key's staging buffer); None when none is left to write (each
-        dropped one counted, its buffer given back)."""
+        dropped one counted, its buffer given back). ``defer_events``: the disk blocks
+        evicted for room are told on the loop's next turn (see ``_start_writes``)."""
         batch: list[tuple[BlockKey, int]] = []
         while self._queue and len(batch) < self.batch_blocks:
             batch.append(self._queue.popleft())
@@ -335,18 +376,38 @@ class DiskLink(LowerTier):
         if op is None:
             return None
         if op.evicted:
-            self._removed(op.evicted, "evicted")
+            if defer_events:
+                asyncio.get_running_loop().call_soon(self._removed, op.evicted, "evicted")
+            else:
+                self._removed(op.evicted, "evicted")
         return op, staged
 
-    async def _write(self, op: DiskOp, staged: dict[BlockKey, int]) -> None:
-        """Write a batch ``_take_batch`` reserved; its blocks become loadable (or are dropped,
-        counted, when the write fails) and its staging buffers go back."""
-        items = [(slot, key, staged[key]) for key, slot in zip(op.keys, op.slots, strict=True)]
-        started = time.perf_counter()
+    async def _await_write(
+        self,
+        op: DiskOp,
+        staged: dict[BlockKey, int],
+        items: list[tuple[int, BlockKey, int]],
+        started: float,
+        future: asyncio.Future[list[bool]],
+    ) -> None:
+        ok = [False] * len(items)
         try:
-            ok = await asyncio.to_thread(self.store.write_many, items)
+            ok = await future
         finally:
-            self.store.unstage(list(staged.values()))
+            self._settle_write(op, staged, items, started, ok)
+
+    def _settle_write(
+        self,
+        op: DiskOp,
+        staged: dict[BlockKey, int],
+        items: list[tuple[int, BlockKey, int]],
+        started: float,
+        ok: list[bool],
+    ) -> None:
+        """A batch ``_take_batch`` reserved is written (``ok`` per item): its blocks become
+        loadable (or are dropped, counted, where the write failed) and its staging buffers
+        go back."""
+        self.store.unstage(list(staged.values()))
         self._io("write", started, len(items), None)
         done = self.index.written(op, ok)
         self.counts["demoted"] += len(done)

@@ -96,6 +96,7 @@ class TierChain:
         self.names = chain_order(settings, known)
         self._backends = [known[name] for name in self.names]
         self.tiers: list[LowerTier] = []
+        self._promoting = False  # inside promote: pool evictions make room for a load
 
     def __bool__(self) -> bool:
         return bool(self.tiers)
@@ -191,13 +192,17 @@ class TierChain:
         """Start bringing ``keys`` the pool lacks into it for ``req_id``, each tier in order
         taking what it holds of the keys still missing; the promotions started."""
         started: list[asyncio.Task[None]] = []
-        for tier in self.tiers:
-            if not keys:
-                break
-            tasks = tier.promote(keys, req_id, protect)
-            if tasks:
-                started.extend(tasks)
-                keys = [k for k in keys if manager.slot_of(k) is None]
+        self._promoting = True
+        try:
+            for tier in self.tiers:
+                if not keys:
+                    break
+                tasks = tier.promote(keys, req_id, protect)
+                if tasks:
+                    started.extend(tasks)
+                    keys = [k for k in keys if manager.slot_of(k) is None]
+        finally:
+            self._promoting = False
         return started
 
     def promotions_for(self, req_id: str) -> list[asyncio.Task[None]]:
@@ -210,9 +215,10 @@ class TierChain:
             tier.loaded(req_id, keys)
 
     def evicted(self, victims: list[BlockKey], slots: list[int]) -> None:
-        """Pool eviction listener: every tier takes what it admits of the victims."""
+        """Pool eviction listener: every tier takes what it admits of the victims (told when
+        the room is for a promotion, ``LowerTier.evicted``)."""
         for tier in self.tiers:
-            tier.evicted(victims, slots)
+            tier.evicted(victims, slots, promoting=self._promoting)
 
     def stored(self, keys: Sequence[BlockKey]) -> None:
         """``keys`` became ready in the pool: every tier takes what it admits."""

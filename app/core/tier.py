@@ -14,7 +14,9 @@ them:
   keys itself; ``writing`` names the internal requests whose slots a read still writes into.
 - **take demoted blocks**: ``evicted(victims, slots)`` is the pool's eviction listener (the
   victims' bytes are still in their slots: copy what you keep before returning, never call the
-  manager), ``stored(keys)`` is told of every block that became ready in the pool. A tier takes
+  manager; ``promoting``: the room is for a promotion, so evict none of the tier's own blocks
+  before the loop's next turn), ``stored(keys)`` is told of every block that became ready in
+  the pool. A tier takes
   what its admission admits, writes behind in the background, bounded, and drops and counts
   what does not fit: it never makes the pool wait.
 - **admission**: ``asked(keys, req_id)`` counts every key an engine looks up, loads or stores.
@@ -139,9 +141,14 @@ class LowerTier(abc.ABC):
         """An engine asked for ``keys`` (lookup, load or store): admission's count."""
         return None
 
-    def evicted(self, victims: list[BlockKey], slots: list[int]) -> None:
+    def evicted(
+        self, victims: list[BlockKey], slots: list[int], *, promoting: bool = False
+    ) -> None:
         """The pool evicts ``victims`` from ``slots`` (their bytes still there): take what the
-        tier admits. Runs inside the manager's ``prepare_store``: never call the manager."""
+        tier admits. Runs inside the manager's ``prepare_store``: never call the manager.
+        ``promoting``: the room is for a promotion (``promote``, of this tier or another),
+        whose load may want this tier's blocks next: the tier may copy the victims now but
+        must evict none of its own blocks for them until the loop's next turn."""
         return None
 
     def stored(self, keys: Sequence[BlockKey]) -> None:

@@ -613,8 +613,10 @@ async def test_a_block_evicted_twice_before_it_is_written_leaks_no_staging_buffe
     """The pool evicts K, K is queued for the disk; the engine stores K again and the pool
     evicts it again before the writer reached the first copy: K is queued twice. Both staging
     buffers come back, K is written once, with its bytes."""
-    async with disk_node(tmp_path) as h:
+    # Batches of 32 on a disk of 64: one write in flight at most (half the disk).
+    async with disk_node(tmp_path, disk_batch_bytes=32 * 4096) as h:
         d = link(h)
+        assert d._max_writes == 1
         keys = hexkeys(*range(1, 33))
         data = await store(h, "w", keys)
         gate = gated(d.store, "pwritev")
@@ -1070,27 +1072,27 @@ async def test_the_engines_own_complete_store_cannot_complete_a_promotion(
         await invariants(h)
 
 
-@pytest.mark.parametrize(("slots", "at_once"), [(64, 2), (6, 1)])
-async def test_demotion_batches_are_written_two_at_once_where_the_disk_has_room(
+@pytest.mark.parametrize(("slots", "at_once"), [(64, 4), (16, 4), (8, 2), (6, 1)])
+async def test_demotion_batches_are_written_several_at_once_where_the_disk_has_room(
     tmp_path: Path, slots: int, at_once: int
 ) -> None:
-    # Batches of two blocks. 64 slots: a second batch is written while the first is (the
-    # device's queue never empties between them); 6 slots: a batch in flight holds slots a
-    # second would need, so one at a time (nothing dropped for want of room).
+    # Batches of two blocks, four evicted at once. 64 and 16 slots: all four are written at
+    # once (the device's queue never empties between them); 8 and 6 slots: a batch in flight
+    # holds slots another would need, so at most half the disk is being written, nothing
+    # dropped for want of room.
     async with disk_node(
         tmp_path, disk_bytes=disk_bytes_for(slots, 4096), disk_batch_bytes=2 * 4096
     ) as h:
         d = link(h)
-        gate = threading.Event()
+        gate = gated(d.store, "pwritev")
         entered: list[int] = []
-        real = d.store.write_many
+        real = d.store.submit_writes
 
-        def held(items: Any) -> list[bool]:
+        def counted(items: Any) -> Any:
             entered.append(len(items))
-            gate.wait(10)
             return real(items)
 
-        d.store.write_many = held  # type: ignore[method-assign]
+        d.store.submit_writes = counted  # type: ignore[method-assign]
         await store(h, "w", hexkeys(*range(1, 41)))  # 8 evicted from a pool of 32
 
         async def writing() -> bool:
@@ -1102,6 +1104,38 @@ async def test_demotion_batches_are_written_two_at_once_where_the_disk_has_room(
         gate.set()
         await demoted(h, 8)
         assert sum(v for k, v in d.counts.items() if k.startswith("dropped_")) == 0
+
+
+async def test_a_large_eviction_is_written_batch_by_batch_while_it_is_staged(
+    tmp_path: Path,
+) -> None:
+    """One prepare-store that evicts four batches: each batch's write starts as soon as it is
+    staged, before the next is copied (the disk writes while the loop copies), and every
+    block reaches the disk with its bytes."""
+    async with disk_node(tmp_path, disk_batch_bytes=2 * 4096) as h:
+        d = link(h)
+        data = await store(h, "w", hexkeys(*range(1, 33)))  # the pool of 32 full
+        calls: list[str] = []
+        real_stage, real_submit = d.store.stage, d.store.submit_writes
+
+        def stage(pool_slots: Any) -> Any:
+            calls.append(f"stage {len(pool_slots)}")
+            return real_stage(pool_slots)
+
+        def submit(items: Any) -> Any:
+            calls.append(f"write {len(items)}")
+            return real_submit(items)
+
+        d.store.stage = stage  # type: ignore[method-assign]
+        d.store.submit_writes = submit  # type: ignore[method-assign]
+        await store(h, "w2", hexkeys(*range(100, 108)))  # one prepare-store: 8 evicted
+        assert calls == ["stage 2", "write 2"] * 4
+        await demoted(h, 8)
+        listed = d.store.listed()
+        assert len(listed) == 8
+        for key, slot in listed:  # read back into pool slot 0 (the test ends: its bytes may go)
+            assert d.store.read_many([(slot, key, 0)]) == [True]
+            assert pool_bytes(h, 0) == data[key.hex()]
 
 
 async def test_a_disk_bytes_past_the_free_space_stops_the_start_naming_it(tmp_path: Path) -> None:

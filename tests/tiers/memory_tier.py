@@ -105,7 +105,9 @@ class MemoryTier(LowerTier):
             "promoted": self.promotions.counts["promoted_ready"],
         }
 
-    def evicted(self, victims: list[BlockKey], slots: list[int]) -> None:
+    def evicted(
+        self, victims: list[BlockKey], slots: list[int], *, promoting: bool = False
+    ) -> None:
         if self.down:
             self.counts["dropped_degraded"] += len(victims)
             return

@@ -320,3 +320,50 @@ def test_reads_submitted_to_a_closed_store_read_nothing(pool: HostPool, open_sto
     store.close()
     assert store.submit_reads([(0, b"k", 5)]).result(10) == [False]
     assert store.held_slots() == frozenset()
+
+
+def test_submitted_writes_run_in_order_and_settle_per_item(
+    pool: HostPool, open_store: Opener
+) -> None:
+    """``submit_writes`` returns at once; runs go to the I/O threads in submission order (one
+    thread: strictly); the future says per item whether its block is on disk and listed (a key
+    too long or a slot out of range: False, nothing written for it)."""
+    store = open_store(io_threads=1)
+    data = {i: fill(pool, i, i) for i in range(4)}
+    staged = store.stage([0, 1, 2, 3])
+    assert staged is not None
+    gate = threading.Event()
+    order: list[int] = []
+    real = store.pwritev
+
+    def held(fd: int, bufs: list[memoryview], off: int) -> int:
+        gate.wait(10)
+        order.append(off // store.slot_bytes)
+        return int(real(fd, bufs, off))
+
+    store.pwritev = held
+    first = store.submit_writes([(5, b"k0", staged[0]), (2, b"k1", staged[1])])
+    second = store.submit_writes(
+        [(4, b"k2", staged[2]), (3, b"k3", staged[3]), (99, b"k9", staged[3])]
+    )
+    assert not first.done()
+    gate.set()
+    assert first.result(10) == [True, True]
+    assert second.result(10) == [True, True, False]
+    assert order == [2, 5, 3]  # submission by submission; 3 and 4 one run
+    store.unstage(staged)
+    assert dict(store.listed()) == {b"k0": 5, b"k1": 2, b"k2": 4, b"k3": 3}
+    reads = [(5, b"k0", 8), (2, b"k1", 9), (4, b"k2", 10), (3, b"k3", 11)]
+    assert store.read_many(reads) == [True] * 4
+    assert [slot_bytes(pool, s) for s in (8, 9, 10, 11)] == [data[i] for i in range(4)]
+    assert store.submit_writes([]).result() == []
+
+
+def test_a_closed_store_stages_and_writes_nothing(pool: HostPool, open_store: Opener) -> None:
+    store = open_store()
+    fill(pool, 0, 1)
+    staged = store.stage([0])
+    assert staged is not None
+    store.close()
+    assert store.stage([1]) is None
+    assert store.submit_writes([(0, b"k", staged[0])]).result(10) == [False]
