@@ -5,6 +5,7 @@
 #   make bench  run every benchmark (tables on stdout, JSON under bench/results/)
 #   make test-vllm  the tier's tests inside vLLM 0.33.0's real code (own venv: .venv-vllm)
 #   make test-remote  the remote tier against a real Mooncake Store (adds the mooncake extra)
+#   make test-object  the object tier against a real S3 server (a one-node Ceph RGW; root)
 #   make image  the service's image from a wheelhouse built here (no registry, no network inside)
 #   make test-deploy  the image and the compose files run for real in Docker (needs dockerd, root)
 
@@ -28,7 +29,7 @@ CPU_TORCH ?= torch==2.13.0
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-vllm test-remote lint format bench clean wheelhouse base-image image \
+.PHONY: setup run test test-vllm test-remote test-object lint format bench clean wheelhouse base-image image \
 	test-deploy
 
 # vLLM test environment: vLLM without its dependencies (its CUDA stack is not needed on CPU),
@@ -74,8 +75,9 @@ $(DEV_STAMP): pyproject.toml client/pyproject.toml $(CONSTRAINTS) $(TORCH_STAMP)
 run: $(SERVE_STAMP)
 	$(VENV)/bin/kvoffload serve
 
+# tests/object needs a Ceph cluster of its own: `make test-object` runs it.
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --ignore=tests/object $(PYTEST_ARGS)
 
 $(VLLM_STAMP): pyproject.toml client/pyproject.toml requirements/vllm-test.txt
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
@@ -102,6 +104,13 @@ $(MOONCAKE_STAMP): pyproject.toml $(CONSTRAINTS) $(DEV_STAMP)
 test-remote: $(MOONCAKE_STAMP)
 	KVOFFLOAD_REQUIRE_MOONCAKE=1 $(PY) -m pytest tests/remote tests/transfer/test_remote.py $(PYTEST_ARGS)
 
+# The object tier against a real S3 server: a one-node Ceph (monitor, OSD, RADOS Gateway) on
+# 127.0.0.1, brought up from nothing by tests/object/rgw.py and torn down after. Needs Debian's
+# ceph-mon, ceph-osd, radosgw and ceph-common (.ci/run installs them); KVOFFLOAD_REQUIRE_CEPH=1:
+# their absence fails the run instead of skipping it.
+test-object: setup
+	KVOFFLOAD_REQUIRE_CEPH=1 $(PY) -m pytest tests/object $(PYTEST_ARGS)
+
 # --- the image ------------------------------------------------------------------------------
 # The image is built from a wheelhouse made here, so the build needs no registry and no network:
 # torch (TORCH_SPEC from TORCH_INDEX_URL: the CPU build by default; a CUDA build with
@@ -127,7 +136,7 @@ wheelhouse:
 	# The torch file itself as a requirement, so that its own dependencies come along and no
 	# other build of the same version is taken.
 	$(WHEEL_PYTHON) -m pip wheel -q -w $(WHEELHOUSE) -c $(CONSTRAINTS) $(WHEELHOUSE)/torch-*.whl \
-		./client '.[mooncake]'
+		./client '.[mooncake,object]'
 	$(WHEEL_PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])' >$(WHEELHOUSE)/PYTHON
 	@echo "wheelhouse: $$(ls $(WHEELHOUSE)/*.whl | wc -l) wheels, $$(du -sh $(WHEELHOUSE) | cut -f1)," \
 		"for Python $$(cat $(WHEELHOUSE)/PYTHON), in $(WHEELHOUSE)"

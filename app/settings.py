@@ -557,12 +557,12 @@ class Settings(AdminAuth):
     event_buffer_size: int = Field(default=65536, gt=0, description="KV events kept")
     max_finished_jobs: int = Field(default=10000, gt=0, description="finished jobs kept")
 
-    # The tiers below the pool, in order (each one's settings follow: disk_*, remote_*).
+    # The tiers below the pool, in order (each one's settings follow: remote_*, object_*, disk_*).
     tiers: list[str] | None = Field(
         default=None,
-        description="tiers below the pool, in order, comma-separated (e.g. disk,remote): a "
+        description="tiers below the pool, in order, comma-separated (e.g. disk,object): a "
         "lookup names the first that holds a key; default: each tier configured (disk, then "
-        "remote)",
+        "remote, then object)",
     )
 
     # Remote tier: a store shared by nodes, behind the host pool (off by default).
@@ -620,6 +620,74 @@ class Settings(AdminAuth):
         gt=0,
         description="blocks written to the remote tier tracked for removal (more: the one asked "
         "after longest ago is reported removed)",
+    )
+
+    # Object tier: an S3 bucket (AWS S3, MinIO, Ceph RGW) shared by nodes (off by default).
+    # Credentials: AWS's standard sources (environment, shared files, web identity), never
+    # settings.
+    object_bucket: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{1,253}[A-Za-z0-9]$",
+        description="S3 bucket of the object tier (unset: no object tier): 3 to 255 letters, "
+        "digits, '.', '_', '-'",
+    )
+    object_endpoint: str | None = Field(
+        default=None,
+        description="S3 endpoint URL, e.g. http://127.0.0.1:7480 (unset: AWS's, for the region)",
+    )
+    object_region: str = Field(default="us-east-1", min_length=1, description="S3 region")
+    object_prefix: str = Field(
+        default="kvoffload",
+        description="key prefix in the bucket; objects go under "
+        "<prefix>/<namespace>/<block bytes>/<key>",
+    )
+    object_addressing: Literal["path", "virtual"] = Field(
+        default="path",
+        description="S3 addressing: path (endpoint/bucket/key: MinIO, Ceph) or virtual "
+        "(bucket.endpoint/key: AWS)",
+    )
+    object_verify_tls: bool = Field(
+        default=True, description="verify the endpoint's TLS certificate (false: accept any)"
+    )
+    object_bytes: int = Field(
+        default=64 << 30,
+        gt=0,
+        description="bytes of objects this node keeps in the bucket, per namespace (more: the "
+        "least recently used are deleted)",
+    )
+    object_mac_key_file: Path | None = Field(
+        default=None,
+        description="file of a secret every node shares, keying the MAC each object carries "
+        "(unset: a checksum, no defence against writers of the bucket)",
+    )
+    object_timeout_s: float = Field(
+        default=5.0, gt=0, description="bound on each object tier batch (gets, puts, deletes)"
+    )
+    object_lookup_timeout_s: float = Field(
+        default=0.05,
+        gt=0,
+        description="how long a lookup waits for the object tier before answering miss",
+    )
+    object_concurrency: int = Field(
+        default=16, gt=0, le=256, description="object tier requests in flight at once"
+    )
+    object_queue_blocks: int = Field(
+        default=4096, gt=0, description="object write-behind queue bound, in blocks (more: dropped)"
+    )
+    object_batch_blocks: int = Field(
+        default=64, gt=0, description="blocks per object write-behind batch"
+    )
+    object_sweep_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="each object this node wrote is asked after (a HEAD) at least this often, "
+        "to report objects a lifecycle rule expired (0: only lookups notice)",
+    )
+    object_removal_confirm_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="an object is reported removed once the bucket has answered it is not "
+        "there for this long",
     )
 
     # Disk tier: blocks the pool evicts, on a local disk below it (off by default).

@@ -399,12 +399,14 @@ def leading(results: list[str], states: tuple[str, ...]) -> int:
     return n
 
 
-def replay_request(client: KVOffloadClient, req: str, keys: list[bytes]) -> tuple[int, int]:
-    """One trace request as an engine runs it; (pool hits, remote hits promoted) of its
+def replay_request(
+    client: KVOffloadClient, req: str, keys: list[bytes], tier: str = "remote"
+) -> tuple[int, int]:
+    """One trace request as an engine runs it; (pool hits, hits in ``tier`` promoted) of its
     leading blocks."""
     client.start_request(req)
     first = client.lookup(req, keys).results
-    reach = leading(first, ("hit", "remote"))
+    reach = leading(first, ("hit", tier))
     prefix = leading(first, ("hit",))
     if reach > prefix:
         wanted = keys[:reach]
@@ -434,9 +436,10 @@ def replay_request(client: KVOffloadClient, req: str, keys: list[bytes]) -> tupl
 
 
 def replay_nodes(
-    servers: list[http_bench.Server], requests: list[list[bytes]], tag: str
+    servers: list[http_bench.Server], requests: list[list[bytes]], tag: str, tier: str = "remote"
 ) -> dict[str, Any]:
-    """The requests alternating between ``servers``; hit counts per node and in all."""
+    """The requests alternating between ``servers``; hit counts per node and in all (hits
+    promoted from ``tier`` counted as ``remote_hits``)."""
     clients = [KVOffloadClient(uds=s.uds, timeout=30) for s in servers]
     per_node: list[dict[str, Any]] = [
         {"blocks": 0, "pool_hits": 0, "remote_hits": 0} for _ in servers
@@ -445,7 +448,7 @@ def replay_nodes(
     try:
         for i, keys in enumerate(requests):
             node = i % len(servers)
-            pool, remote = replay_request(clients[node], f"{tag}-{i}", keys)
+            pool, remote = replay_request(clients[node], f"{tag}-{i}", keys, tier)
             per_node[node]["blocks"] += len(keys)
             per_node[node]["pool_hits"] += pool
             per_node[node]["remote_hits"] += remote

@@ -556,6 +556,8 @@ class DiskBackend(TierBackend):
     """The ``disk`` tier backend: on with ``--disk-dir``, in ``<disk_dir>/<storage identity>``;
     an identity's blocks are its directory (``app.core.storage``)."""
 
+    position = 10
+
     def identities(self, settings: Settings) -> list[str]:
         return [] if settings.disk_dir is None else leftover_dirs(settings.disk_dir)
 

@@ -2,10 +2,11 @@
 
 The chain is built with the service (``TierChain(settings, ...)``): its order is ``tiers``
 (``--tiers disk,remote``), or, when that is not set, every registered backend that today's flags
-turn on, in registration order (the disk tier, ``--disk-dir``, then the remote tier,
-``--remote-tier``). A name that is not registered, named twice, or whose backend is not
-configured is a ``ConfigError`` naming ``tiers``. Backends are found by name in the registry of
-``app.core.tier``; the built-in ones register when this module imports them.
+turn on, in their backends' ``position`` order (the disk tier, ``--disk-dir``, then the remote
+tier, ``--remote-tier``, then the object tier, ``--object-bucket``). A name that is not
+registered, named twice, or whose backend is not configured is a ``ConfigError`` naming
+``tiers``. Backends are found by name in the registry of ``app.core.tier``; the built-in ones
+register when this module imports them.
 
 ``open(pool)`` opens the tiers on the running pool, in order (each off the loop: opening a disk
 directory or a store client blocks), and starts them; a tier that cannot serve is a
@@ -38,8 +39,9 @@ from typing import Any
 
 from prometheus_client.metrics_core import Metric
 
-# The built-in backends register themselves when imported.
+# The built-in backends register themselves when imported (their positions order them).
 import app.core.disk
+import app.core.object
 import app.core.remote  # noqa: F401
 from app.core.tier import LowerTier, TierBackend, TierContext, backends
 from app.settings import Settings, config_error

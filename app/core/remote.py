@@ -121,6 +121,12 @@ class WrittenKeys:
             absent.pop(key, None)
         return dropped
 
+    def forget(self, keys: Sequence[BlockKey]) -> None:
+        """No longer track ``keys`` (the caller deleted them and reports it)."""
+        for key in keys:
+            self._line.pop(key, None)
+            self._absent_since.pop(key, None)
+
     def stamps_of(self, keys: Sequence[BlockKey]) -> list[int | None]:
         """Each key's stamp now (None: not tracked), to hand to ``settle`` with the answer."""
         line = self._line
@@ -161,6 +167,8 @@ class RemoteLink(LowerTier):
     """The remote tier of one namespace's service; see the module docstring."""
 
     degraded_means = "serves from the pool and the other tiers"
+    #: The medium of its KV events.
+    medium = REMOTE_MEDIUM
 
     def __init__(
         self,
@@ -403,7 +411,7 @@ class RemoteLink(LowerTier):
         self.counts["written"] += len(stored)
         self.counts["put_failed"] += len(keys) - len(stored)
         if stored:
-            manager.record_event("stored", stored, REMOTE_MEDIUM)
+            manager.record_event("stored", stored, self.medium)
             self._track(stored)
             self._on_event()
 
@@ -427,7 +435,7 @@ class RemoteLink(LowerTier):
 
     def _removed(self, keys: list[BlockKey]) -> None:
         self.counts["removed"] += len(keys)
-        self.manager.record_event("removed", keys, REMOTE_MEDIUM)
+        self.manager.record_event("removed", keys, self.medium)
         self._on_event()
 
     async def sweep(self) -> int:
@@ -513,6 +521,8 @@ def remote_families(state: dict[str, Any]) -> Iterator[Metric]:
 class RemoteBackend(TierBackend):
     """The ``remote`` tier backend: on with ``--remote-tier``; ``factory`` builds the store
     client (``build_tier``: Mooncake; tests give another ``transfer.remote.RemoteTier``)."""
+
+    position = 20
 
     def __init__(self, factory: RemoteFactory | None = None) -> None:
         self.factory = factory

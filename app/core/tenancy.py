@@ -157,6 +157,8 @@ class Tenancy:
             update["max_registrations"] = ns.max_registrations
         if ns.max_mapped_bytes is not None:
             update["max_mapped_bytes"] = ns.max_mapped_bytes
+        if ns.object_bytes is not None:
+            update["object_bytes"] = ns.object_bytes
         return s.model_copy(update=update)
 
     def _managers(self) -> list[OffloadManager]:
@@ -409,16 +411,12 @@ class Tenancy:
                     limits = self._settings_of(ns)
                     transfers.registry.max_caches = limits.max_registrations
                     transfers.registry.max_bytes = limits.max_mapped_bytes
-                if (ns.blocks, ns.disk_bytes) != (old[name].blocks, old[name].disk_bytes):
+                sizes = ("blocks", "disk_bytes", "object_bytes")
+                if [getattr(ns, k) for k in sizes] != [getattr(old[name], k) for k in sizes]:
                     log.warning(
-                        "namespace size changed; it keeps its pool and disk until a restart",
-                        extra={
-                            "fields": {
-                                "namespace": name,
-                                "blocks": ns.blocks,
-                                "disk_bytes": ns.disk_bytes,
-                            }
-                        },
+                        "namespace size changed; it keeps its pool, disk and object bounds "
+                        "until a restart",
+                        extra={"fields": {"namespace": name, **{k: getattr(ns, k) for k in sizes}}},
                     )
                 continue
             owner = after.owner(name)

@@ -1,22 +1,22 @@
 """Engine credentials: the tenants file, its tokens, and who a call's bearer token names.
 
-**The file.** ``--tenants PATH`` names a TOML file of ``[tenants.NAME]`` tables, or a directory
-of ``NAME.toml`` files, one per tenant, holding the same keys at their top level (only regular
-``*.toml`` files count, symbolic links followed; dotfiles and the ``..data`` links of a
-Kubernetes secret volume are skipped). Each tenant has ``tokens`` (one or more, each at least
-``MIN_TOKEN_CHARS`` printable ASCII characters without spaces), ``namespaces`` (a table of
-name = blocks, or name = { blocks = N, disk_bytes = M, max_registrations = R,
-max_mapped_bytes = B } to give a namespace its own disk tier budget and KV-cache registration
-bounds, or a list of names whose sizes the service chooses) and optional ``max_pins`` and
-``max_requests``. Names match ``NAME``. ``load_tenants`` refuses the whole file on the first
-problem (an unknown key, a bad name, a short or repeated token, a namespace of two tenants, a
-count that is not a positive integer, a tenant without namespaces, a file readable or writable
-by others, a directory others may write to, no tenant at all) with a ``TenantsConfigError``: one
-line naming the file and the tenant, never a token. A directory writable by others (the tenants
-directory, or the one holding the tenants file) is accepted only with its sticky bit (``/tmp``;
-a Kubernetes secret volume is mounted 1777), where nobody can rename or remove another's file,
-and then every tenant file must belong to the service's user or to root: anyone else could
-otherwise add a tenant of their own.
+**The file.** ``--tenants PATH`` names a TOML file of ``[tenants.NAME]`` tables, or a directory of
+``NAME.toml`` files, one per tenant, holding the same keys at their top level (only regular
+``*.toml`` files count, symbolic links followed; dotfiles and the ``..data`` links of a Kubernetes
+secret volume are skipped). Each tenant has ``tokens`` (one or more, each at least
+``MIN_TOKEN_CHARS`` printable ASCII characters without spaces), ``namespaces`` (a table of name =
+blocks, or name = { blocks = N, disk_bytes = M, object_bytes = O, max_registrations = R,
+max_mapped_bytes = B } to give a namespace its own disk and object tier budgets and KV-cache
+registration bounds, or a list of names whose sizes the service chooses) and optional ``max_pins``
+and ``max_requests``. Names match ``NAME``. ``load_tenants`` refuses the whole file on the first
+problem (an unknown key, a bad name, a short or repeated token, a namespace of two tenants, a count
+that is not a positive integer, a tenant without namespaces, a file readable or writable by others,
+a directory others may write to, no tenant at all) with a ``TenantsConfigError``: one line naming
+the file and the tenant, never a token. A directory writable by others (the tenants directory, or
+the one holding the tenants file) is accepted only with its sticky bit (``/tmp``; a Kubernetes
+secret volume is mounted 1777), where nobody can rename or remove another's file, and then every
+tenant file must belong to the service's user or to root: anyone else could otherwise add a tenant
+of their own.
 
 **Tokens.** Only SHA-256 digests of the tokens are kept. ``Credentials.authenticate`` digests
 the presented token and looks the digest up: the time it takes depends on the digest, never on
@@ -69,15 +69,17 @@ class TenantsConfigError(ConfigError):
 
 @dataclass(frozen=True, slots=True)
 class NamespaceConfig:
-    """A namespace: its name, its pool size in blocks, its disk tier's bytes, and the KV-cache
-    registrations it may hold and the host memory they may map (None: the service's
-    ``num_blocks`` / ``disk_bytes`` / ``max_registrations`` / ``max_mapped_bytes``)."""
+    """A namespace: its name, its pool size in blocks, its disk tier's bytes, the KV-cache
+    registrations it may hold and the host memory they may map, and the bytes it keeps in the
+    object tier's bucket (None: the service's ``num_blocks`` / ``disk_bytes`` /
+    ``max_registrations`` / ``max_mapped_bytes`` / ``object_bytes``)."""
 
     name: str
     blocks: int | None
     disk_bytes: int | None = None
     max_registrations: int | None = None
     max_mapped_bytes: int | None = None
+    object_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,7 +298,8 @@ def _tenant(
 def _namespaces(root: Path, label: str, value: Any) -> tuple[NamespaceConfig, ...]:
     accepted = (
         "accepted: namespaces = { NAME = BLOCKS or { blocks = N, disk_bytes = M, "
-        "max_registrations = R, max_mapped_bytes = B }, ... } or [NAME, ...], one or more"
+        "object_bytes = O, max_registrations = R, max_mapped_bytes = B }, ... } or "
+        "[NAME, ...], one or more"
     )
     found: list[NamespaceConfig]
     if isinstance(value, dict):
@@ -319,7 +322,7 @@ def _namespaces(root: Path, label: str, value: Any) -> tuple[NamespaceConfig, ..
     return tuple(found)
 
 
-NAMESPACE_KEYS = ("blocks", "disk_bytes", "max_registrations", "max_mapped_bytes")
+NAMESPACE_KEYS = ("blocks", "disk_bytes", "max_registrations", "max_mapped_bytes", "object_bytes")
 
 
 def _namespace(root: Path, label: str, name: str, value: Any, accepted: str) -> NamespaceConfig:

@@ -174,6 +174,10 @@ class TierBackend(abc.ABC):
     nodes that still serve them, out of every other identity's reach). Both block: call them
     off the loop, with no tier of that identity open."""
 
+    #: Where the tier goes in a chain built without ``tiers`` (nearest the pool first): the
+    #: built-in ones 10 (disk), 20 (remote), 30 (object); any other after them.
+    position: int = 100
+
     @abc.abstractmethod
     def enabled(self, settings: Settings) -> bool:
         """Whether ``settings`` turn this tier on when ``tiers`` is not set (today's flags:
@@ -220,5 +224,7 @@ def unregister(name: str) -> None:
 
 
 def backends() -> Mapping[str, TierBackend]:
-    """The registered backends by name, in registration order."""
-    return dict(_BACKENDS)
+    """The registered backends by name, in their ``position`` order (registration order among
+    equals): the default chain's order, whatever order their modules were imported in."""
+    ranked = sorted(enumerate(_BACKENDS.items()), key=lambda e: (e[1][1].position, e[0]))
+    return {name: backend for _, (name, backend) in ranked}

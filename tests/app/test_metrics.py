@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.exposition import generate_latest
 
 from app.core.disk import disk_families
+from app.core.object import object_families
 from app.core.remote import remote_families
 from app.telemetry.metrics import (
     ListenerConnections,
@@ -74,20 +75,39 @@ DISK_REPORT = TierReport(
 )
 
 
+OBJECT_STATE = {"counters": {"checksum_failures": 1, "deletes": 4}}
+OBJECT_REPORT = TierReport(
+    up=True,
+    queue_depth=0,
+    demoted=9,
+    dropped={},
+    promoted=3,
+    bytes_read=12288,
+    bytes_written=36864,
+    incidents=0,
+    blocks=5,
+    capacity_blocks=6,
+)
+
+
 def snapshot_of(
     m,
     live: list[LiveRequestRow] | None = None,
     remote: dict[str, Any] | None = None,
     disk: dict[str, Any] | None = None,
+    obj: dict[str, Any] | None = None,
 ) -> ServiceSnapshot:
     reports = {"disk": DISK_REPORT} if disk is not None else {}
     if remote is not None:
         reports["remote"] = REMOTE_REPORT
+    if obj is not None:
+        reports["object"] = OBJECT_REPORT
     return ServiceSnapshot(
         tier_reports=reports,
         tier_metrics=[
             *(remote_families(remote) if remote is not None else ()),
             *(disk_families(disk) if disk is not None else ()),
+            *(object_families(obj) if obj is not None else ()),
         ],
         stats=m.stats(),
         policy=m.policy,
@@ -269,10 +289,14 @@ def test_exported_families_match_the_deploy_catalogue_exactly(manager) -> None:
     met = Metrics(
         reg,
         snapshot=lambda: snapshot_of(
-            manager, [LiveRequestRow("r", 1, 1, 1, 1)], remote=REMOTE_STATE, disk=DISK_STATE
+            manager,
+            [LiveRequestRow("r", 1, 1, 1, 1)],
+            remote=REMOTE_STATE,
+            disk=DISK_STATE,
+            obj=OBJECT_STATE,
         ),
         live_request_series=True,
-        tiers=["disk", "remote"],
+        tiers=["disk", "remote", "object"],
     )
     ctx = ReqContext("r")
     manager.on_new_request(ctx)
@@ -287,6 +311,7 @@ def test_exported_families_match_the_deploy_catalogue_exactly(manager) -> None:
     met.tier_io("remote", "exists", 0.001, 4, "r")
     met.tier_io("disk", "write", 0.002, 3, None)
     met.tier_io("disk", "read", 0.001, 2, "r")
+    met.tier_io("object", "delete", 0.003, 4, None)
     register_tenancy(reg, lambda: (2, 1, False))  # with --tenants, the front registry's
     # kvoffload serve's listeners (app.server), in the registry /metrics serves.
     register_connections(reg, lambda: [ListenerConnections("engine", 3, 8, {"peer_cap": 2})])

@@ -154,10 +154,18 @@ def test_lower_tiers_share_one_family_set_labelled_by_tier() -> None:
         assert metric.opt_in, f"{name}: only with a tier below the pool"
     for old in RENAMED_TIER_FAMILIES:
         assert old not in catalogue(), f"{old} was renamed to {RENAMED_TIER_FAMILIES[old]}"
-    # Both tiers' ops and drop reasons in one family.
+    # Every tier's ops and drop reasons in one family (the object tier adds delete).
     io = catalogue()["kvoffload_tier_io_duration_seconds"]
     assert io.labels == ("tier", "op")
-    assert set(io.label_values["op"]) == {"read", "write", "exists", "get", "put", "sweep"}
+    assert set(io.label_values["op"]) == {
+        "read",
+        "write",
+        "exists",
+        "get",
+        "put",
+        "sweep",
+        "delete",
+    }
     assert catalogue()["kvoffload_tier_io_keys_total"].label_values["op"] == io.label_values["op"]
     dropped = catalogue()["kvoffload_tier_demotions_dropped_total"]
     assert dropped.labels == ("tier", "reason")
@@ -172,9 +180,22 @@ def test_lower_tiers_share_one_family_set_labelled_by_tier() -> None:
     }
     # What only one tier has keeps that tier's prefix and no tier label.
     for name, metric in catalogue().items():
-        if name.startswith(("kvoffload_disk_", "kvoffload_remote_")):
+        if name.startswith(("kvoffload_disk_", "kvoffload_remote_", "kvoffload_object_")):
             assert "tier" not in metric.labels, name
             assert metric.opt_in, name
+
+
+def test_object_tier_families_are_the_ones_it_exports() -> None:
+    """kvoffload_object_* are the object tier's own families (app.core.object), counters
+    without labels, exported only with --object-bucket."""
+    from app.core.object import object_families
+
+    exported = {family.name + "_total" for family in object_families({})}
+    listed = {name for name in catalogue() if name.startswith("kvoffload_object_")}
+    assert listed == exported
+    for name in listed:
+        metric = catalogue()[name]
+        assert (metric.type, metric.labels, metric.opt_in) == ("counter", (), True), name
 
 
 def test_renamed_tier_families_are_gone_from_deploy() -> None:

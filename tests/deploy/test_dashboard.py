@@ -202,19 +202,19 @@ def test_dashboard_provider_loads_the_directory_compose_mounts() -> None:
 
 # --- the tiers below the pool ----------------------------------------------------------------
 # One row of panels for every tier, by the ``tier`` label, then a row of the disk tier's own
-# panels and one of the remote tier's, below every other panel.
+# panels, one of the remote tier's and one of the object tier's, below every other panel.
 
 
 def _rows(dashboard: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The tier rows by the word their title starts with: Tiers, Disk, Remote."""
+    """The tier rows by the word their title starts with: Tiers, Disk, Remote, Object."""
     rows = {}
     for p in dashboard["panels"]:
         if p["type"] == "row":
             word = p["title"].split()[0]
-            if word in ("Tiers", "Disk", "Remote"):
+            if word in ("Tiers", "Disk", "Remote", "Object"):
                 assert word not in rows, f"two {word} rows"
                 rows[word] = p
-    assert set(rows) == {"Tiers", "Disk", "Remote"}, sorted(rows)
+    assert set(rows) == {"Tiers", "Disk", "Remote", "Object"}, sorted(rows)
     return rows
 
 
@@ -340,16 +340,16 @@ def test_every_tier_panels_show_each_tier(dashboard) -> None:
         "kvoffload_tier_io_duration_seconds",
         "kvoffload_tier_io_keys_total",
     }
-    # One row holds them, below every other panel and above the disk and remote rows.
+    # One row holds them, below every other panel and above the disk, remote and object rows.
     rows = _rows(dashboard)
-    assert _y(rows["Tiers"]) < _y(rows["Disk"]) < _y(rows["Remote"])
+    assert _y(rows["Tiers"]) < _y(rows["Disk"]) < _y(rows["Remote"]) < _y(rows["Object"])
     assert len(generic) >= 9
     assert all(_y(rows["Tiers"]) < _y(p) < _y(rows["Disk"]) for p in generic)
     others = [
         p
         for p in dashboard_panels(dashboard)
         if p["type"] != "row" and not _tier_generic(p) and not _own(p, "disk")
-        if not _own(p, "remote")
+        if not _own(p, "remote") and not _own(p, "object")
     ]
     assert others
     assert all(_y(p) < _y(rows["Tiers"]) for p in others)
@@ -418,10 +418,49 @@ def test_remote_tier_panels(dashboard) -> None:
     # Every family of the remote tier's own is on a panel.
     own = {n for p in remote for n in _names(p) if n.startswith("kvoffload_remote_")}
     assert len(own) == 11
-    # One row holds them, below every other panel.
+    # One row holds them, between the disk tier's row and the object tier's row below.
     rows = _rows(dashboard)
     assert len(remote) >= 4
-    assert all(_y(p) > _y(rows["Remote"]) for p in remote)
-    others = [p for p in dashboard_panels(dashboard) if p["type"] != "row" and p not in remote]
+    assert all(_y(rows["Remote"]) < _y(p) < _y(rows["Object"]) for p in remote)
+    others = [
+        p
+        for p in dashboard_panels(dashboard)
+        if p["type"] != "row" and p not in remote and not _own(p, "object")
+    ]
     assert all(_y(p) < _y(rows["Remote"]) for p in others)
-    assert not [p for p in remote if _own(p, "disk") or _tier_generic(p)]
+    assert not [p for p in remote if _own(p, "disk") or _own(p, "object") or _tier_generic(p)]
+
+
+def test_object_tier_panels(dashboard) -> None:
+    obj = [p for p in dashboard_panels(dashboard) if _own(p, "object")]
+
+    def one(*metrics: str) -> dict[str, Any]:
+        (panel,) = [p for p in obj if set(metrics) <= _names(p)]
+        return panel
+
+    # The bound: the objects this node keeps against the objects it may keep.
+    bound = one("kvoffload_tier_blocks", "kvoffload_tier_capacity_blocks")
+    assert _tiers_fixed(bound) == {"object"}
+    one("kvoffload_object_deletes_total", "kvoffload_object_delete_failures_total")
+    errors = one("kvoffload_object_errors_total", "kvoffload_object_timeouts_total")
+    assert _tiers_fixed(errors) <= {"object"}
+    (checksum,) = [p for p in obj if "kvoffload_object_checksum_failures_total" in _names(p)]
+    assert "KvoffloadObjectChecksumFailures" in checksum["description"]
+    # What one node wrote and deleted: per instance.
+    assert all("by (instance)" in e for p in obj for e in _exprs(p))
+    # Every family of the object tier's own is on a panel.
+    own = {n for p in obj for n in _names(p) if n.startswith("kvoffload_object_")}
+    assert own == {
+        "kvoffload_object_checksum_failures_total",
+        "kvoffload_object_deletes_total",
+        "kvoffload_object_delete_failures_total",
+        "kvoffload_object_errors_total",
+        "kvoffload_object_timeouts_total",
+    }
+    # One row holds them, below every other panel.
+    rows = _rows(dashboard)
+    assert len(obj) >= 4
+    assert all(_y(p) > _y(rows["Object"]) for p in obj)
+    others = [p for p in dashboard_panels(dashboard) if p["type"] != "row" and p not in obj]
+    assert all(_y(p) < _y(rows["Object"]) for p in others)
+    assert not [p for p in obj if _own(p, "disk") or _own(p, "remote") or _tier_generic(p)]

@@ -3,6 +3,7 @@ together (ports, secrets, mounts, /dev/shm size); every KVOFFLOAD_* variable is 
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -65,7 +66,8 @@ def test_dockerfile_entrypoint_healthcheck_and_install() -> None:
     assert instructions["ENTRYPOINT"] == '["kvoffload", "serve", "--host", "0.0.0.0"]'
     assert "/livez" in instructions["HEALTHCHECK"]
     text = DOCKERFILE.read_text(encoding="utf-8")
-    assert '--no-index --find-links /wheelhouse "kvoffload[mooncake]"' in text
+    # Both lower tiers' libraries: the remote tier's (mooncake) and the object tier's (object).
+    assert '--no-index --find-links /wheelhouse "kvoffload[mooncake,object]"' in text
     assert "PIP_NO_INDEX=1" in text, "no package index is asked inside the build"
     assert "syntax=" not in text, "a syntax directive makes BuildKit pull its frontend image"
 
@@ -191,7 +193,18 @@ COMPOSE_STACKS = {
     "remote": ["docker-compose.remote.yml"],
     "vllm": ["docker-compose.yml", "docker-compose.vllm.yml"],
     "disk": ["docker-compose.yml", "docker-compose.disk.yml"],
+    "object": ["docker-compose.yml", "docker-compose.object.yml"],
 }
+# What a stack needs from the shell that runs compose (the object tier's bucket is required).
+COMPOSE_ENV = {"object": {"KVOFFLOAD_OBJECT_BUCKET": "kvoffload-check"}}
+
+
+def test_every_compose_file_is_in_a_checked_stack() -> None:
+    listed = {f for files in COMPOSE_STACKS.values() for f in files}
+    # docker-compose.ha.yml overrides the remote stack: tests/containers runs the pair.
+    assert {p.name for p in DEPLOY.glob("docker-compose*.yml")} - listed == {
+        "docker-compose.ha.yml"
+    }
 
 
 def _has(command: list[str]) -> bool:
@@ -220,6 +233,7 @@ def test_docker_compose_config_validates(tmp_path, compose: str, stack: str) -> 
         "grafana_admin_password",
         "kvoffload_engine_token",
         "vllm_token",
+        "kvoffload_object_mac_key",
     ):
         (project / "secrets" / name).write_text("test\n")
     files = [arg for f in COMPOSE_STACKS[stack] for arg in ("-f", str(project / f))]
@@ -229,6 +243,7 @@ def test_docker_compose_config_validates(tmp_path, compose: str, stack: str) -> 
         text=True,
         timeout=60,
         check=False,
+        env={**os.environ, **COMPOSE_ENV.get(stack, {})},
     )
     assert proc.returncode == 0, proc.stderr
     # Nothing compose only warns about is left unread (1.29 ignores `configs:` off a swarm).
