@@ -22,6 +22,7 @@ from app.core.object import OBJECT_MEDIUM, ObjectLink
 from app.core.service import Service
 from manager.spec import BlockRemoved
 from tests.api.harness import make_settings, running
+from tests.object.fault_proxy import FaultProxy
 from tests.object.rgw import USER_ID, RadosGateway
 from tests.object.test_tier_contract import aws_keys, object_settings
 from tests.tiers.test_tier_contract import POOL_BLOCKS, Engine, N, demote, keys_of, until
@@ -305,3 +306,50 @@ async def test_with_a_shared_secret_only_nodes_that_hold_it_load_the_objects(
         state, got = await engine_c.onload(keys)
         assert state == "done"
         assert got == [data[k] for k in keys]
+
+
+@pytest.mark.parametrize("fault", ["slowdown", "cut"])
+async def test_slowdown_or_a_cut_network_degrade_the_tier_and_nothing_is_lost(
+    rgw: RadosGateway, bucket: str, aws_keys: None, fault: str
+) -> None:
+    """Every request answered 503 SlowDown (past the client's retries), or every connection
+    reset (a cut link): the tier goes degraded, lookups answer miss at once, the pool keeps
+    serving and storing, nothing is loaded wrong; restored, the tier comes back by itself and
+    every block written before the fault loads with its bytes."""
+    proxy = await FaultProxy(("127.0.0.1", rgw.port)).start()
+    try:
+        async with node(rgw, bucket, object_endpoint=proxy.endpoint, object_timeout_s=2.0) as (
+            service,
+            engine,
+            link,
+        ):
+            data = await demote(service, engine, "object")
+            keys = list(data)
+            proxy.set(fault)  # type: ignore[arg-type]
+
+            async def degraded() -> bool:
+                return not link.health().ok
+
+            await until("degraded", degraded)
+            assert await service.tiers.found(keys, None) == [None] * N
+            more = await engine.offload(keys_of(*range(200, 200 + POOL_BLOCKS)), seed=7000)
+            state, got = await engine.onload(list(more)[-4:])
+            assert state == "done"
+            assert got == [more[k] for k in list(more)[-4:]]
+            assert link.state()["queue"]["dropped_by"].get("degraded", 0) > 0
+            if fault == "slowdown":
+                assert proxy.requests_refused > 0
+            proxy.set("pass")
+
+            async def back() -> bool:
+                return link.health().ok and await service.tiers.found(keys, None) == (
+                    ["object"] * N
+                )
+
+            await until("the tier is back and finds every block", back)
+            state, got = await engine.onload(keys)
+            assert state == "done"
+            assert got == [data[k] for k in keys]
+            assert link.health().counters["checksum_failures"] == 0
+    finally:
+        await proxy.close()

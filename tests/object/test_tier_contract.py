@@ -3,7 +3,7 @@
 The same tests as for the disk, the remote store and the memory tier, run on the service core
 with its ``object`` tier (the registered backend, nothing overridden) on a bucket of its own on
 the session's gateway (``tests/object/rgw.py``). Credentials come the way an operator gives
-them: AWS's environment variables. A fault is the gateway stopped (and started again). The
+them: AWS's environment variables. A fault is the gateway killed (SIGKILL) and started again. The
 bucket outlives the service, so the restart test applies.
 """
 
@@ -61,7 +61,7 @@ def backend(
     monkeypatch.setattr(contract, "UNTIL_S", 30.0)
 
     def breaks(tier: LowerTier) -> None:
-        rgw.stop_gateway()
+        rgw.kill_gateway()  # SIGKILL: no goodbye to its clients
 
     def mends(tier: LowerTier) -> None:
         rgw.start_gateway()
