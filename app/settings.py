@@ -668,6 +668,13 @@ class Settings(AdminAuth):
         gt=0,
         description="how long a lookup waits for the object tier before answering miss",
     )
+    object_negative_cache_s: float = Field(
+        default=1.0,
+        ge=0,
+        description="a key the bucket answered it does not hold is a miss without asking again "
+        "for this long (0: always ask): another node's new block is found this much later at "
+        "most",
+    )
     object_concurrency: int = Field(
         default=16, gt=0, le=256, description="object tier requests in flight at once"
     )

@@ -25,6 +25,18 @@ leading ``object`` keys, load of the leading hits, store of the rest): hit ratio
 served / blocks) and bytes read from the bucket, the two nodes sharing the bucket against the
 same two nodes without it.
 
+**(d) Layout: one object per block, or several blocks packed in one.** The raw client alone,
+``--mib`` of 256 KiB blocks on ``--concurrency`` threads, in alternating rounds: one object per
+block (PUT each, GET each: the tier's layout) against four blocks packed in one 1 MiB object
+(PUT each pack; GET each pack whole, as a load that wants all four; and GET each block as a
+256 KiB range of its pack, as a load of scattered blocks does).
+
+**(e) What a miss costs a lookup.** An in-process service with the object tier: lookups of 32
+keys the pool lacks and the bucket does not hold, fresh keys each time (one HEAD each, all at
+once), the same 32 asked again (as an engine asks a waiting request's prefix step after step:
+answered by the negative cache, ``--object-negative-cache-s``), and 32 pool hits (the bucket
+never asked), in rotating order; p50 of each.
+
 Run (root, Debian's Ceph installed; ``make test-object``'s cluster): ``.venv/bin/python
 bench/object_tier.py [--quick]``. Prints a table per part and writes
 ``bench/results/object_tier.json``.
@@ -245,6 +257,96 @@ async def size_part(
     }
 
 
+def layout_part(rgw: RadosGateway, mib: int, reps: int, concurrency: int) -> dict[str, Any]:
+    """(d): one object per 256 KiB block against packs of four, raw client."""
+    import obstore
+
+    block, per = 256 << 10, 4
+    n = mib * (1 << 20) // block
+    raw = Raw(rgw, make_bucket(rgw), concurrency)
+    data = os.urandom(block * per)
+    cols = ("put_each", "put_packed", "get_each", "get_packed", "get_ranges")
+    out: dict[str, list[float]] = {c: [] for c in cols}
+    run = secrets.token_hex(3)
+
+    def ranged(path: str) -> int:
+        at = int(path.rsplit("@", 1)[1])
+        name = path.rsplit("@", 1)[0]
+        return len(obstore.get_range(raw.store, name, start=at * block, length=block))
+
+    for rep in range(reps + 1):
+        each = [f"each/{run}/{rep}/{i}" for i in range(n)]
+        packs = [f"packed/{run}/{rep}/{i}" for i in range(n // per)]
+        ranges = [f"{p}@{j}" for p in packs for j in range(per)]
+        times: dict[str, float] = {}
+        order = [("each", "packed"), ("packed", "each")][rep % 2]
+        for who in order:
+            if who == "each":
+                times["put_each"] = raw.put(each, data[:block])
+            else:
+                times["put_packed"] = raw.put(packs, data)
+        for who in order:
+            if who == "each":
+                times["get_each"] = raw.get(each)
+            else:
+                times["get_packed"] = raw.get(packs)
+                times["get_ranges"] = raw._timed(ranged, ranges)
+        if rep:
+            for k, v in times.items():
+                out[k].append(v)
+    raw.close()
+    nbytes = n * block
+    rec: dict[str, Any] = {"block_bytes": block, "blocks_per_pack": per, "blocks": n}
+    rec["seconds"] = out
+    for c in cols:
+        rec[f"{c}_gbps"] = nbytes / statistics.median(out[c]) / 1e9
+    for c in ("put_packed", "get_packed", "get_ranges"):
+        base = "put_each" if c.startswith("put") else "get_each"
+        rec[f"{c}_vs_each"] = statistics.median(
+            [a / b for a, b in zip(out[base], out[c], strict=True)]
+        )
+    return rec
+
+
+async def lookup_part(rgw: RadosGateway, reps: int) -> dict[str, Any]:
+    """(e): lookups of 32 misses (the bucket asked) against 32 pool hits."""
+    from tests.api.harness import make_settings, running
+
+    settings = make_settings(
+        num_blocks=64,
+        tiers=["object"],
+        object_bucket=make_bucket(rgw),
+        object_endpoint=rgw.endpoint,
+        object_region=rgw.region,
+        object_lookup_timeout_s=1.0,
+    )
+    hits = [f"{i:032x}" for i in range(32)]
+    again = [f"a{i:031x}" for i in range(32)]
+    out: dict[str, list[float]] = {"misses": [], "misses_again": [], "hits": []}
+    async with running(settings) as h:
+        await h.start("r")
+        r = await h.post("/v1/requests/r/prepare-store", {"keys": hits})
+        assert r.status_code == 200, r.text
+        r = await h.post("/v1/requests/r/complete-store", {"keys": hits})
+        assert r.status_code == 200, r.text
+        for rep in range(20 * reps):
+            misses = [f"e{rep:07x}{i:024x}" for i in range(32)]
+            kinds = [("misses", misses), ("misses_again", again), ("hits", hits)]
+            for who, keys in kinds[rep % 3 :] + kinds[: rep % 3]:
+                t = time.perf_counter()
+                r = await h.post("/v1/requests/r/lookup", {"keys": keys})
+                out[who].append(time.perf_counter() - t)
+                want = "hit" if who == "hits" else "miss"
+                assert r.json()["results"] == [want] * 32, r.text
+    return {
+        "keys": 32,
+        "seconds": out,
+        "misses_p50_ms": 1000 * statistics.median(out["misses"]),
+        "misses_again_p50_ms": 1000 * statistics.median(out["misses_again"]),
+        "hits_p50_ms": 1000 * statistics.median(out["hits"]),
+    }
+
+
 def replay_part(rgw: RadosGateway, workdir: Path, num_blocks: int, limit: int) -> dict[str, Any]:
     """(c): two nodes sharing a bucket vs the same two nodes without it."""
     requests = harness.read_trace(limit=limit)
@@ -304,7 +406,11 @@ def wait_ok(server: http_bench.Server, timeout_s: float = 60) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--parts", default="ab,c", help="ab (onload, demotion), c (two nodes)")
+    ap.add_argument(
+        "--parts",
+        default="ab,c,d,e",
+        help="ab (onload, demotion), c (two nodes), d (layout), e (a miss's cost)",
+    )
     ap.add_argument("--mib", type=int, default=32, help="MiB per timed call (a, b)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--concurrency", type=int, default=16, help="the tier's and the raw client's")
@@ -334,6 +440,18 @@ def main(argv: list[str] | None = None) -> int:
                 ]
                 record["sizes"] = rows
                 print_sizes(rows, args.mib)
+            if "d" in parts:
+                record["layout"] = layout_part(rgw, args.mib, args.reps, args.concurrency)
+                print_layout(record["layout"])
+            if "e" in parts:
+                record["lookups"] = asyncio.run(lookup_part(rgw, args.reps))
+                lk = record["lookups"]
+                print(
+                    f"\n(e) lookup of 32 keys, p50: {lk['misses_p50_ms']:.2f} ms when the "
+                    f"bucket is asked (none there), {lk['misses_again_p50_ms']:.2f} ms for the "
+                    f"same misses again (negative cache), {lk['hits_p50_ms']:.2f} ms when the "
+                    "pool holds them"
+                )
             if "c" in parts:
                 record["replay"] = replay_part(
                     rgw, Path(tmp), args.replay_blocks, args.replay_requests
@@ -357,6 +475,22 @@ def print_sizes(rows: list[dict[str, Any]], mib: int) -> None:
             f" {r['raw_put_gbps']:7.3f} {r['demote_gbps']:9.3f} {r['demote_ratio']:6.2f}"
             f" {'pass' if r['demote_ratio'] >= TARGET else 'FAIL':>5}"
         )
+
+
+def print_layout(rec: dict[str, Any]) -> None:
+    print(
+        f"\n(d) {rec['blocks']} blocks of 256 KiB, raw client, GB/s medians; ratio to one object "
+        "per block, median of per-repetition ratios"
+    )
+    print(
+        f"  PUT: one object per block {rec['put_each_gbps']:.3f}, packed by "
+        f"{rec['blocks_per_pack']} {rec['put_packed_gbps']:.3f} ({rec['put_packed_vs_each']:.2f}x)"
+    )
+    print(
+        f"  GET: one object per block {rec['get_each_gbps']:.3f}, whole packs "
+        f"{rec['get_packed_gbps']:.3f} ({rec['get_packed_vs_each']:.2f}x), blocks as ranges "
+        f"of packs {rec['get_ranges_gbps']:.3f} ({rec['get_ranges_vs_each']:.2f}x)"
+    )
 
 
 def print_replay(part: dict[str, Any]) -> None:

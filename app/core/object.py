@@ -53,6 +53,8 @@ OBJECT_MEDIUM = "OBJECT"
 DELETE_BATCH = 1000
 #: How often deletes held back by a failure are tried again.
 DELETE_RETRY_S = 1.0
+#: Keys the negative cache remembers at most (the oldest answer goes first).
+NEGATIVE_MAX = 65536
 
 
 class ObjectLink(RemoteLink):
@@ -61,10 +63,21 @@ class ObjectLink(RemoteLink):
     degraded_means = "serves from the pool and the other tiers; blocks in the bucket wait"
     medium = OBJECT_MEDIUM
 
-    def __init__(self, tier: S3Tier, *args: Any, capacity_blocks: int, **kwargs: Any) -> None:
-        """``capacity_blocks``: objects this node keeps in the bucket at most (the bound); the
-        rest as ``RemoteLink``."""
+    def __init__(
+        self,
+        tier: S3Tier,
+        *args: Any,
+        capacity_blocks: int,
+        negative_s: float = 0.0,
+        **kwargs: Any,
+    ) -> None:
+        """``capacity_blocks``: objects this node keeps in the bucket at most (the bound);
+        ``negative_s``: how long a key the bucket answered it does not hold is a miss without
+        asking again (0: always ask); the rest as ``RemoteLink``."""
         super().__init__(tier, *args, **kwargs)
+        self.negative_s = negative_s
+        # Key -> until when (monotonic) the bucket's "not there" stands, oldest answer first.
+        self._absent: dict[BlockKey, float] = {}
         self.store = tier
         self.capacity_blocks = capacity_blocks
         # Written by this node, least recently used first: what the bound deletes.
@@ -95,8 +108,9 @@ class ObjectLink(RemoteLink):
         """Keys just written: most recently used now; past the bound, the least recently used
         are doomed (deleted in the background, then reported removed)."""
         super()._track(keys)
-        kept = self.kept
+        kept, absent = self.kept, self._absent
         for key in keys:
+            absent.pop(key, None)  # this node's own write is there now
             kept[key] = None
             kept.move_to_end(key)
         over = len(kept) - self.capacity_blocks
@@ -118,9 +132,36 @@ class ObjectLink(RemoteLink):
         super()._removed(keys)
 
     async def found(self, keys: Sequence[BlockKey], req_id: str | None = None) -> list[bool]:
-        answer = await super().found(keys, req_id)
+        """Per key, whether the bucket holds it (``RemoteLink.found``), a key it answered "not
+        there" within ``negative_s`` a miss without asking: a lookup of the same missing prefix
+        step after step costs one HEAD per key per ``negative_s``, not per step. Another node's
+        new object is found at most ``negative_s`` late; this node's own writes at once."""
+        absent = self._absent
+        if absent and self.negative_s > 0:
+            now = time.monotonic()
+            ask = [absent.get(k, 0.0) <= now for k in keys]
+            wanted = [k for k, a in zip(keys, ask, strict=True) if a]
+            told = iter(await super().found(wanted, req_id))
+            answer = [next(told) if a else False for a in ask]
+            self.counts["lookups_cached_absent"] += ask.count(False)
+        else:
+            answer = await super().found(keys, req_id)
         self._used([k for k, there in zip(keys, answer, strict=True) if there])
         return answer
+
+    def _settle(
+        self, keys: list[BlockKey], stamps: list[int | None], answer: Sequence[bool | None]
+    ) -> None:
+        super()._settle(keys, stamps, answer)
+        if self.negative_s <= 0:
+            return
+        absent, until = self._absent, time.monotonic() + self.negative_s
+        for key, there in zip(keys, answer, strict=True):
+            if there is False:  # the bucket's own answer (None: no answer, nothing learnt)
+                absent.pop(key, None)
+                absent[key] = until
+        for _ in range(len(absent) - NEGATIVE_MAX):
+            del absent[next(iter(absent))]
 
     def promote(
         self, keys: Sequence[BlockKey], req_id: str, protect: Sequence[BlockKey] = ()
@@ -168,6 +209,8 @@ class ObjectLink(RemoteLink):
         health = super().state()
         obj = self.store.config
         health["bucket"] = obj.bucket
+        health["lookups"]["cached_absent"] = self.counts["lookups_cached_absent"]
+        health["lookups"]["negative_cache_s"] = self.negative_s
         health["bound"] = {
             "blocks": len(self.kept),
             "capacity_blocks": self.capacity_blocks,
@@ -253,6 +296,7 @@ class ObjectBackend(TierBackend):
             on_call=lambda op, sec, n, req: ctx.observer.tier_io(ctx.name, op, sec, n, req),
             name=ctx.name,
             capacity_blocks=capacity,
+            negative_s=s.object_negative_cache_s,
         )
 
 

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import shutil
 import subprocess
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -353,3 +354,33 @@ async def test_slowdown_or_a_cut_network_degrade_the_tier_and_nothing_is_lost(
             assert link.health().counters["checksum_failures"] == 0
     finally:
         await proxy.close()
+
+
+async def test_a_miss_is_remembered_briefly_and_a_new_object_found_after(
+    rgw: RadosGateway, bucket: str, aws_keys: None
+) -> None:
+    """Node B asked about keys the bucket lacked: for ``object_negative_cache_s`` it answers
+    them miss without asking (node A's write of them meanwhile is found that much later at
+    most); node A's own writes are never hidden from A."""
+    async with (
+        node(rgw, bucket, object_negative_cache_s=1.5) as (a, engine_a, _),
+        node(rgw, bucket, object_negative_cache_s=1.5) as (b, _, link_b),
+    ):
+        keys = keys_of(*range(8))
+        assert await b.tiers.found(keys, None) == [None] * 8  # asked: not there
+        assert await a.tiers.found(keys, None) == [None] * 8
+        await engine_a.offload(keys, seed=50)
+
+        async def a_finds() -> bool:
+            return await a.tiers.found(keys, None) == ["object"] * 8
+
+        await until("node A finds its own writes at once", a_finds)
+        started = time.monotonic()
+        assert await b.tiers.found(keys, None) == [None] * 8  # remembered, not asked
+        assert link_b.state()["lookups"]["cached_absent"] >= 8
+
+        async def b_finds() -> bool:
+            return await b.tiers.found(keys, None) == ["object"] * 8
+
+        await until("node B finds them once its memory of the miss ends", b_finds)
+        assert time.monotonic() - started <= 1.5 + 1.0
