@@ -293,7 +293,7 @@ class S3Tier:
         if not keys:
             return []
         calls = [(self._put, (k, s)) for k, s in zip(keys, slots, strict=True)]
-        outcomes = self._batch("put", calls, slots)
+        outcomes = self._batch("put", calls, slots, released_by_call=True)
         stored = [o == _Outcome.OK for o in outcomes]
         self._count(
             puts=sum(stored),
@@ -389,10 +389,13 @@ class S3Tier:
         what: str,
         calls: list[tuple[Callable[..., str], tuple[Any, ...]]],
         slots: Sequence[int],
+        *,
+        released_by_call: bool = False,
     ) -> list[str]:
         """Run each call on the tier's threads and wait at most ``timeout_s`` for all of
         them: each one's outcome (``ERROR`` where skipped, failed or late). ``slots`` are held
-        until their call ends (a put releases its own as soon as it copied it)."""
+        until their call ends; ``released_by_call``: each call releases its own slot itself,
+        once (a put, as soon as it copied it), so this does not."""
         with self._lock:
             if self._closed or self._state != "ok":
                 self._counters["skipped"] += 1
@@ -404,7 +407,7 @@ class S3Tier:
             try:
                 return fn(*args)
             finally:
-                if slot is not None and fn is not self._put:
+                if slot is not None and not released_by_call:
                     self._release([slot])
 
         futures: list[concurrent.futures.Future[str] | None] = []

@@ -4,6 +4,8 @@ recovers, are tests/object's, on a real one)."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ import pytest
 from app.core.service import Service
 from app.settings import ConfigError
 from tests.api.harness import make_settings
+from transfer import HostPool
 
 pytestmark = pytest.mark.anyio
 
@@ -86,3 +89,46 @@ async def test_the_keys_never_show_in_the_stats_or_the_config_repr(
         shown = repr(tier.state()) + repr(tier.store)  # type: ignore[attr-defined]
         assert "very-secret-example-key" not in shown
         assert "AKIDEXAMPLE" not in shown
+
+
+def test_a_put_lets_go_of_its_slot_once_and_not_of_another_call_s_hold() -> None:
+    """A GET that outlived its batch still writes into slot 3, which stays held; a PUT out of
+    the same slot meanwhile releases its own hold only (a second release would let the slot
+    be reused under the late GET)."""
+    from transfer.s3 import S3Config, S3Tier
+
+    gate, entered = threading.Event(), threading.Event()
+
+    class Client:  # the library's calls the tier makes, the GET held at a gate
+        def get(self, store: object, path: str) -> object:
+            entered.set()
+            gate.wait(10)
+            raise FileNotFoundError(path)
+
+        def put(self, store: object, path: str, body: object) -> None:
+            return None
+
+    pool = HostPool.create(8, 4096, pin=False)
+    config = S3Config(
+        bucket="kv-cache",
+        endpoint="http://127.0.0.1:9",
+        access_key_id="AKIDEXAMPLE",
+        secret_access_key="secret-example",
+        timeout_s=0.3,
+        probe_interval_s=60,
+    )
+    with S3Tier(pool, "kvoffload/default/4096", config) as tier:
+        tier._client = Client()
+        tier._state = "ok"  # nothing listens at the endpoint: as if the probe had answered
+        assert tier.get_into([b"k"], [3]) == [False]  # late: its batch gave up
+        assert entered.is_set()
+        assert tier.held_slots() == {3}
+        tier._state = "ok"  # the late batch degraded it
+        assert tier.put_from([b"k"], [3]) == [True]
+        assert tier.held_slots() == {3}  # the GET's hold, still
+        gate.set()
+        deadline = time.monotonic() + 10
+        while tier.held_slots():
+            assert time.monotonic() < deadline, "the GET never let go"
+            time.sleep(0.01)
+    pool.close()
