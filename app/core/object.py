@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -222,18 +223,9 @@ class ObjectLink(RemoteLink):
         return health
 
     def report(self) -> TierReport:
-        base = super().report()
-        return TierReport(
-            up=base.up,
-            queue_depth=base.queue_depth,
-            demoted=base.demoted,
-            dropped=base.dropped,
-            promoted=base.promoted,
-            bytes_read=base.bytes_read,
-            bytes_written=base.bytes_written,
-            incidents=base.incidents,
-            blocks=len(self.kept),
-            capacity_blocks=self.capacity_blocks,
+        # The remote tier's report, with what a bounded tier knows: its count and capacity.
+        return dataclasses.replace(
+            super().report(), blocks=len(self.kept), capacity_blocks=self.capacity_blocks
         )
 
     def metric_families(self) -> Iterator[Metric]:
@@ -269,10 +261,7 @@ class ObjectBackend(TierBackend):
         s = ctx.settings
         if s.object_bucket is None:
             raise config_error("tiers", "object", "the object tier needs --object-bucket")
-        try:
-            tier = S3Tier(ctx.pool, object_namespace(s, ctx.storage), s3_config(s))
-        except RemoteTierError as exc:
-            raise config_error("object_bucket", s.object_bucket, str(exc)) from None
+        # Every setting checked before the client exists: a refusal leaves no probe running.
         capacity = s.object_bytes // (s.block_bytes + MAC_BYTES)
         if capacity < 1:
             raise config_error(
@@ -280,6 +269,11 @@ class ObjectBackend(TierBackend):
                 s.object_bytes,
                 f"holds no object of {s.block_bytes + MAC_BYTES} bytes (a block and its MAC)",
             )
+        config = s3_config(s)
+        try:
+            tier = S3Tier(ctx.pool, object_namespace(s, ctx.storage), config)
+        except RemoteTierError as exc:
+            raise config_error("object_bucket", s.object_bucket, str(exc)) from None
         return ObjectLink(
             tier,
             ctx.manager,
