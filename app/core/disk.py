@@ -44,7 +44,7 @@ import collections
 import contextlib
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily
@@ -288,9 +288,9 @@ class DiskLink(LowerTier):
         """Take batches off the queue and start writing them, up to ``_max_writes`` at once:
         each goes to the store's I/O threads now; a task on the loop settles it (one batch at
         a time left the device's queue empty between batches: demotion measured 0.42-0.54x
-        fio's write). ``defer_events``: called inside
-        the manager's ``prepare_store``, so the disk's evictions are told on the loop after
-        it. Nothing starts before ``start`` (the loop's writer takes the queue then)."""
+        fio's write). ``defer_events``: called inside the manager's ``prepare_store``, so the
+        disk's evictions are told on the loop after it. Nothing starts before ``start`` (the
+        loop's writer takes the queue then)."""
         if not self._tasks:
             return
         loop = asyncio.get_running_loop()
@@ -302,17 +302,8 @@ class DiskLink(LowerTier):
                 continue
             if batch is None:
                 continue
-            op, staged = batch
-            items = [(slot, key, staged[key]) for key, slot in zip(op.keys, op.slots, strict=True)]
-            started = time.perf_counter()
-            try:
-                future = asyncio.wrap_future(self.store.submit_writes(items), loop=loop)
-            except BaseException:
-                self._settle_write(op, staged, items, started, [False] * len(items))
-                raise
-            task = loop.create_task(
-                self._await_write(op, staged, items, started, future), name="kvoffload-disk-write"
-            )
+            # Submitted here, settled by the task.
+            task = loop.create_task(self._submit(*batch), name="kvoffload-disk-write")
             self._writing.add(task)
             task.add_done_callback(self._written)
 
@@ -325,11 +316,7 @@ class DiskLink(LowerTier):
         """Take one batch off the queue and write it (the graceful stop's drain)."""
         batch = self._take_batch()
         if batch is not None:
-            op, staged = batch
-            items = [(slot, key, staged[key]) for key, slot in zip(op.keys, op.slots, strict=True)]
-            started = time.perf_counter()
-            future = asyncio.wrap_future(self.store.submit_writes(items))
-            await self._await_write(op, staged, items, started, future)
+            await self._submit(*batch)
 
     def _take_batch(
         self, *, defer_events: bool = False
@@ -381,6 +368,19 @@ class DiskLink(LowerTier):
             else:
                 self._removed(op.evicted, "evicted")
         return op, staged
+
+    def _submit(self, op: DiskOp, staged: dict[BlockKey, int]) -> Coroutine[Any, Any, None]:
+        """Hand a batch ``_take_batch`` reserved to the store's I/O threads now (not when a
+        task gets to it: the loop may still be copying the next batch); the coroutine that
+        settles it."""
+        items = [(slot, key, staged[key]) for key, slot in zip(op.keys, op.slots, strict=True)]
+        started = time.perf_counter()
+        try:
+            future = asyncio.wrap_future(self.store.submit_writes(items))
+        except BaseException:
+            self._settle_write(op, staged, items, started, [False] * len(items))
+            raise
+        return self._await_write(op, staged, items, started, future)
 
     async def _await_write(
         self,
