@@ -10,12 +10,12 @@ import secrets
 import shutil
 import subprocess
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -32,6 +32,15 @@ LOG_DIR = ROOT / "build" / "test-deploy-logs"
 COMPOSE_V2 = ("docker", "compose")
 COMPOSE_V1 = ("docker-compose",)
 HEALTHY_WITHIN_S = 120.0
+# Lines of each container's log that a failed wait shows (each line cut to LOG_LINE_CHARS: the
+# Mooncake master logs a line of several KB every 10 s).
+LOG_TAIL = 40
+LOG_LINE_CHARS = 400
+# The label Compose (v2 and 1.29) puts on every container and volume of a project.
+PROJECT_LABEL = "com.docker.compose.project"
+SERVICE_LABEL = "com.docker.compose.service"
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -143,6 +152,80 @@ class Stack:
     def up(self, services: Sequence[str]) -> None:
         self("up", "-d", "--no-build", *services)
 
+    def leftovers(self) -> list[str]:
+        """This project's containers (name and status) and volumes now: none, unless a run was
+        cut short before its teardown (CI's job killed, ^C twice, a reboot)."""
+        label = f"label={PROJECT_LABEL}={self.name}"
+        containers = run(
+            ["docker", "ps", "-a", "--filter", label, "--format", "{{.Names}}: {{.Status}}"]
+        ).split("\n")
+        volumes = run(["docker", "volume", "ls", "-q", "--filter", label]).split()
+        return [c for c in containers if c] + [f"volume {v}" for v in volumes]
+
+    def clear(self) -> None:
+        """Take down, with its volumes, whatever an earlier run left of this project, so that the
+        stack starts from nothing. Compose would otherwise keep or restart the old containers:
+        after an HA run cut short past its SIGKILL, ``up mooncake-master`` restarts the killed
+        master while the old standby, still up, holds the leader key in etcd, and the master
+        stands by for good."""
+        left = self.leftovers()
+        if not left:
+            return
+        REPORT.record(f"{self.name}: left by an earlier run, taken down first", left)
+        self("down", "-v", "--remove-orphans", "-t", "5", timeout=180)
+        volumes = [v.removeprefix("volume ") for v in self.leftovers() if v.startswith("volume ")]
+        if volumes:
+            run(["docker", "volume", "rm", "-f", *volumes], timeout=60)
+        still = self.leftovers()
+        assert not still, f"{self.name}: still there after taking it down: {still}"
+
+    def describe(self, services: Sequence[str] = ()) -> str:
+        """What ``services`` (all of the project's if none) say: each container's state (exit
+        code, restarts, start) and the last LOG_TAIL lines of its log, with Docker's
+        timestamps (a restarted container's log holds its earlier runs' lines too)."""
+        label = f"label={PROJECT_LABEL}={self.name}"
+        ids = run(["docker", "ps", "-aq", "--filter", label], check=False).split()
+        state = (
+            '{{.Name}} [{{index .Config.Labels "' + SERVICE_LABEL + '"}}] '
+            "{{.State.Status}} exit={{.State.ExitCode}} restarts={{.RestartCount}} "
+            "started={{.State.StartedAt}} "
+            "health={{if .State.Health}}{{.State.Health.Status}}{{else}}-{{end}}"
+        )
+        said = []
+        for cid in ids:
+            head = run(["docker", "inspect", "-f", state, cid], check=False).strip()
+            service = head.split("[", 1)[-1].split("]", 1)[0]
+            if services and service not in services:
+                continue
+            proc = subprocess.run(
+                ["docker", "logs", "--timestamps", "--tail", str(LOG_TAIL), cid],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+            lines = [ln[:LOG_LINE_CHARS] for ln in proc.stdout.splitlines()]
+            said.append("\n".join([f"--- {head.lstrip('/')}", *lines]))
+        return "\n".join(said) if said else f"(no containers of {self.name})"
+
+    def wait_for(
+        self,
+        what: str,
+        probe: Callable[[], T | None],
+        within_s: float,
+        services: Sequence[str] = (),
+        also: Callable[[], str] | None = None,
+    ) -> T:
+        """tests.e2e.server.wait_for, whose AssertionError also shows ``describe(services)``
+        and what ``also`` says, so that a failed wait explains itself."""
+        try:
+            return wait_for(what, probe, within_s)
+        except AssertionError as e:
+            said = [_said(also)] if also is not None else []
+            said.append(_said(lambda: self.describe(services)))
+            raise AssertionError("\n".join([str(e), *said])) from None
+
     def wait_healthy(self, services: Sequence[str]) -> float:
         """Seconds from now until every service's container reports healthy."""
         started = time.monotonic()
@@ -157,7 +240,7 @@ class Stack:
             assert not bad, f"unhealthy: {bad}\n{self.logs()}"
             return True if set(states.values()) == {"healthy"} else None
 
-        wait_for(f"{', '.join(services)} healthy", all_healthy, HEALTHY_WITHIN_S)
+        self.wait_for(f"{', '.join(services)} healthy", all_healthy, HEALTHY_WITHIN_S)
         return time.monotonic() - started
 
     def engine(self, service: str, *args: str) -> dict[str, Any]:
@@ -179,6 +262,14 @@ class Stack:
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         (LOG_DIR / f"{self.name}.log").write_text(self.logs(), encoding="utf-8")
         self("down", "-v", "--remove-orphans", "-t", "20", timeout=180, check=False)
+
+
+def _said(diagnose: Callable[[], str]) -> str:
+    """What ``diagnose`` says, or how it failed: a diagnosis never hides the failure it is for."""
+    try:
+        return diagnose()
+    except Exception as e:
+        return f"(diagnosis failed: {e!r})"
 
 
 def cpu_engine() -> ModuleType:

@@ -5,10 +5,17 @@ block node A stored before the kill is read on node B with equal bytes (0 lost, 
 blocks stored after the takeover reach B too.
 
 etcd runs from an image made here (the base image with Debian's etcd 3.4 and etcdctl, the
-binaries the host has), as ETCD_IMAGE, since no registry can be reached."""
+binaries the host has), as ETCD_IMAGE, since no registry can be reached.
+
+The stack starts from nothing: what an earlier run cut short left of the project is taken down
+first. Left up past its SIGKILL, the old standby leads and holds the leader key in etcd (its
+lease renewed every second), so the killed master, restarted by ``up``, stands by for good. A
+master that does not take the role it should fails with etcd's leader key, each master's address
+and election lines, and the tails of etcd's and the masters' logs."""
 
 from __future__ import annotations
 
+import re
 import secrets
 import shutil
 import subprocess
@@ -29,10 +36,16 @@ from tests.containers.stack import (
     run,
 )
 from tests.containers.test_remote import NODE_A, NODE_B, lookup
-from tests.e2e.server import wait_for
 
 BLOCKS = 8
 FILES = ["docker-compose.remote.yml", "docker-compose.ha.yml"]
+MASTERS = ("mooncake-master", "mooncake-master-standby")
+# A master takes the leader key in etcd at once when there is none (its lease: 5 s), then warms
+# up for that lease before it serves: "role=leader" about 5 s after it starts (5.2-5.8 s in
+# seven bring-ups, on 2 busy cores and a busy disk too). The bound is for a slow machine.
+LEADS_WITHIN_S = 60
+# The master's log lines about the election (glog: I/W/E, date, time, thread, file:line]).
+ELECTION = re.compile(r"Master runtime state|phase|[Ll]eadership|master_view|Failed to")
 
 
 # Building the image (the first module's setup) and bringing a stack up take minutes.
@@ -76,18 +89,91 @@ def role(container: str) -> str | None:
     return "standby" if "-> standby, role=standby" in said[-1] else None
 
 
+def election(stack: Stack) -> str:
+    """Who leads as etcd has it (the leader key, its lease's time to live) and as each master
+    says (its address, its election lines with Docker's timestamps)."""
+    etcd = stack.container("etcd")
+    etcdctl = ["docker", "exec", etcd, "etcdctl", "--endpoints=http://127.0.0.1:2379"]
+    keys = run([*etcdctl, "get", "--prefix", "mooncake-store/", "-w", "fields"], check=False)
+    said = ["etcd, mooncake-store/*:"]
+    for line in keys.splitlines():
+        if line.startswith(('"Key"', '"Value"', '"Lease"')):
+            said.append(f"  {line}")
+        if line.startswith('"Lease"') and line.split(":", 1)[1].strip() != "0":
+            lease = format(int(line.split(":", 1)[1]), "x")
+            ttl = run([*etcdctl, "lease", "timetolive", lease], check=False).strip()
+            said.append(f"  {ttl}")
+    for service in MASTERS:
+        ids = stack("ps", "-a", "-q", service, check=False).split()
+        for cid in ids:
+            where = run(
+                [
+                    "docker",
+                    "inspect",
+                    "-f",
+                    "{{.Name}} {{range .NetworkSettings.Networks}}{{.IPAddress}} {{end}}"
+                    "{{.State.Status}} restarts={{.RestartCount}} started={{.State.StartedAt}}",
+                    cid,
+                ],
+                check=False,
+            ).strip()
+            logs = subprocess.run(
+                ["docker", "logs", "--timestamps", cid],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                timeout=30,
+                check=False,
+            ).stdout
+            said.append("\n".join([f"{service}: {where.lstrip('/')}", *_election_lines(logs)]))
+    return "\n".join(said)
+
+
+def _election_lines(logs: str, last: int = 20) -> list[str]:
+    """The last ``last`` election lines of a master's log (with Docker's timestamps), a run of
+    the same message as one line with its count: a master that finds the leader key taken goes
+    candidate -> standby every second."""
+    runs: list[tuple[str, str, int]] = []  # (first line, message, how many)
+    for line in logs.splitlines():
+        if not ELECTION.search(line) or "-> candidate," in line:
+            continue
+        message = line.split("] ", 1)[-1]
+        if runs and runs[-1][1] == message:
+            first, _, count = runs[-1]
+            runs[-1] = (first, message, count + 1)
+        else:
+            runs.append((line, message, 1))
+    return [f"{first[:300]}" + (f"  (x{count})" if count > 1 else "") for first, _, count in runs][
+        -last:
+    ]
+
+
+def wait_role(stack: Stack, service: str, want: str, what: str, within_s: float) -> None:
+    """Until ``service``'s master says ``want``; failing, what etcd and the masters say."""
+    cid = stack.container(service)
+    stack.wait_for(
+        what,
+        lambda: role(cid) == want or None,
+        within_s,
+        services=["etcd", *MASTERS],
+        also=lambda: election(stack),
+    )
+
+
 @pytest.fixture(scope="module")
 def stack(image: str, etcd_image: str, workdir: Path) -> Iterator[Stack]:
     project = Project.make(workdir / "ha")
     stack = Stack(project, "kvotest-ha", FILES, COMPOSE_V2, image, ETCD_IMAGE=etcd_image)
+    # From nothing: a standby left up by a run cut short would hold the leader key.
+    stack.clear()
     try:
         # The leader first, then the standby: which one leads is then known.
         stack.up(["etcd", "mooncake-master"])
-        leader = stack.container("mooncake-master")
-        wait_for("the first master leads", lambda: role(leader) == "leader" or None, 60)
+        started = time.monotonic()
+        wait_role(stack, "mooncake-master", "leader", "the first master leads", LEADS_WITHIN_S)
+        REPORT.record("ha: first master led after (s)", round(time.monotonic() - started, 1))
         stack.up(["mooncake-master-standby"])
-        standby = stack.container("mooncake-master-standby")
-        wait_for("the second master stands by", lambda: role(standby) == "standby" or None, 60)
+        wait_role(stack, "mooncake-master-standby", "standby", "the second master stands by", 60)
         stack.up(["kvoffload-a", "kvoffload-b"])
         healthy = stack.wait_healthy(["kvoffload-a", "kvoffload-b"])
         REPORT.record("ha: nodes healthy (s)", round(healthy, 1))
@@ -113,10 +199,11 @@ def _remote_on_b(stack: Stack, engine_module: ModuleType, seed: str, within_s: f
     keys = [engine_module.block_key(seed, i) for i in range(BLOCKS)]
     token = stack.project.engine_token
     started = time.monotonic()
-    wait_for(
+    stack.wait_for(
         f"node B answers remote for every block of {seed}",
         lambda: set(lookup(NODE_B, token, keys)) == {"remote"} or None,
         within_s,
+        services=["kvoffload-b", *MASTERS],
     )
     return time.monotonic() - started
 
@@ -128,11 +215,9 @@ def test_a_killed_leader_loses_no_block_and_the_standby_serves(
     assert stack.engine("cpu-engine-a", "store", "--seed", before, "--blocks", str(BLOCKS))["ok"]
     _remote_on_b(stack, engine_module, before, 60)
 
-    leader = stack.container("mooncake-master")
-    standby = stack.container("mooncake-master-standby")
-    run(["docker", "kill", "--signal=KILL", leader])
+    run(["docker", "kill", "--signal=KILL", stack.container("mooncake-master")])
     killed = time.monotonic()
-    wait_for("the standby leads", lambda: role(standby) == "leader" or None, 90)
+    wait_role(stack, "mooncake-master-standby", "leader", "the standby leads", 90)
     took_over = time.monotonic() - killed
     # B's tier reconnects to the new leader; the blocks A stored before the kill are there.
     # B's Mooncake client follows the new leader by itself; seen here 20-70 s after the kill

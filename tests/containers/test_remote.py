@@ -37,6 +37,7 @@ def stack(image: str, workdir: Path) -> Iterator[Stack]:
     project = Project.make(workdir)
     stack = Stack(project, "kvotest-remote", ["docker-compose.remote.yml"], COMPOSE_V1, image)
     services = ["mooncake-master", "kvoffload-a", "kvoffload-b"]
+    stack.clear()
     try:
         stack.up(services)
         REPORT.record("remote: time to healthy (s)", round(stack.wait_healthy(services[1:]), 1))

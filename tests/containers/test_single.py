@@ -36,6 +36,7 @@ pytestmark = pytest.mark.timeout(900)
 def stack(image: str, workdir: Path) -> Iterator[Stack]:
     project = Project.make(workdir)
     stack = Stack(project, "kvotest-single", ["docker-compose.yml"], COMPOSE_V2, image)
+    stack.clear()
     try:
         stack.up(["kvoffload"])
         REPORT.record("single: time to healthy (s)", round(stack.wait_healthy(["kvoffload"]), 1))
