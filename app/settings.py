@@ -557,6 +557,29 @@ class Settings(AdminAuth):
     event_buffer_size: int = Field(default=65536, gt=0, description="KV events kept")
     max_finished_jobs: int = Field(default=10000, gt=0, description="finished jobs kept")
 
+    # Cache control: retentions and prefetches (per namespace).
+    max_retained_blocks: int | None = Field(
+        default=None,
+        gt=0,
+        description="distinct blocks retained at once per namespace, more: 429 (default: half "
+        "the pool; a namespace's max_retained_blocks in the tenants file)",
+    )
+    max_retentions: int = Field(
+        default=4096, gt=0, description="live retentions per namespace, more: 429"
+    )
+    retain_max_ttl_s: float = Field(
+        default=3600.0, gt=0, description="longest retention TTL (longer: 422)"
+    )
+    prefetch_max_keys: int | None = Field(
+        default=None,
+        gt=0,
+        description="keys prefetching or held by prefetches at once per namespace, more: 429 "
+        "(default: a quarter of the pool)",
+    )
+    prefetch_max_deadline_s: float = Field(
+        default=300.0, gt=0, description="longest prefetch deadline (longer: 422)"
+    )
+
     # The tiers below the pool, in order (each one's settings follow: remote_*, object_*, disk_*).
     tiers: list[str] | None = Field(
         default=None,
@@ -872,6 +895,21 @@ class Settings(AdminAuth):
                 "empty; accepted: policy names (--shadow-enabled false turns shadows off)",
             )
         return value
+
+    @property
+    def effective_max_retained_blocks(self) -> int:
+        """Distinct blocks a namespace may retain at once (default: half its pool)."""
+        if self.max_retained_blocks is not None:
+            return self.max_retained_blocks
+        return max(1, self.num_blocks // 2)
+
+    @property
+    def effective_prefetch_max_keys(self) -> int:
+        """Keys a namespace's prefetches may promote or hold at once (default: a quarter of
+        its pool)."""
+        if self.prefetch_max_keys is not None:
+            return self.prefetch_max_keys
+        return max(1, self.num_blocks // 4)
 
     @property
     def effective_request_idle_ttl_s(self) -> float:

@@ -18,6 +18,7 @@ from manager.errors import (
     StateConflictError,
     UnknownPolicyError,
     UnknownRequestError,
+    UnknownRetentionError,
 )
 from manager.policies import EvictionPolicy, available_policies, create_policy, register_policy
 from manager.reuse import ReuseFilter
@@ -42,6 +43,7 @@ from manager.spec import (
     ReqContext,
     RequestLeases,
     ResetCounts,
+    RetentionInfo,
 )
 from manager.tiers import DiskIndex, DiskOp
 
@@ -76,10 +78,12 @@ __all__ = [
     "ReqContext",
     "RequestLeases",
     "ResetCounts",
+    "RetentionInfo",
     "ReuseFilter",
     "StateConflictError",
     "UnknownPolicyError",
     "UnknownRequestError",
+    "UnknownRetentionError",
     "available_policies",
     "create_manager",
     "create_policy",

@@ -21,6 +21,11 @@ Primitives (all batch-native, all carrying a ``ReqContext``):
   silent for longer than the TTL (a crashed engine cannot leak the pool), and end orphaned
   reservations whose writer has not reported within the deadline (an engine that aborts and
   never reports cannot hold the pool either). Time comes only from the injected clock.
+- ``retain(keys, ttl_s, name)`` / ``renew_retention`` / ``release_retention`` /
+  ``expire_retentions``: named retentions (``manager.retention``) keep their keys' ready blocks
+  out of eviction until their TTL passes; such a *kept* block leaves the policy's order and
+  returns to it when the last retention naming it ends. ``demote(keys)``: evict chosen blocks
+  now, through the eviction listeners (a lower tier takes them).
 - ``take_events()``: KV events since the last call, drained once, in order.
 - ``switch_policy(name, params)``: rebuild a new policy from the resident blocks, coldest first;
   block state is untouched and no block is lost. ``reset()``: drop every unpinned ready block.
@@ -38,8 +43,9 @@ tables compare by equality, as dicts do: an object equal to a held key (a ``byte
 Block states: a key is *pending* from ``prepare_store`` until ``complete_store``, then *ready*;
 a ready block with a ref count above zero is *pinned*. The policy only holds ready blocks, and
 the manager only lets it evict ready blocks with a zero ref count that are not part of the
-store offer being served. Invariant: ``free + pending + ready == num_blocks``, where *pending*
-also counts the reserved slots of dropped in-flight stores.
+store offer being served; retained ready blocks are not in the policy at all. Invariant:
+``free + pending + ready == num_blocks``, where *pending* also counts the reserved slots of
+dropped in-flight stores.
 
 Not thread-safe: the service calls it from one event loop, each call runs to completion.
 """
@@ -59,6 +65,7 @@ from manager.errors import (
     UnknownRequestError,
 )
 from manager.policies import CanEvict, EvictionPolicy, create_policy, policy_class
+from manager.retention import RetentionTable
 from manager.reuse import ReuseFilter
 from manager.spec import (
     MAX_KEY_BYTES,
@@ -78,6 +85,7 @@ from manager.spec import (
     ReqContext,
     RequestLeases,
     ResetCounts,
+    RetentionInfo,
 )
 
 HIT = LookupResult.HIT
@@ -200,6 +208,12 @@ class OffloadManager:
         self._refs: dict[BlockKey, int] = {}
         # Holds taken outside requests (``hold``), also counted in ``_refs``.
         self._held: Counter[BlockKey] = Counter()
+        # Retentions (``retain``): the keys some live retention names, and of those the ones
+        # ready in the pool (``_kept``), which are out of the policy's order so that no
+        # eviction ever looks at them and the policies' fast paths stay as they are.
+        self._retentions = RetentionTable()
+        self._retained = self._retentions.counts
+        self._kept: set[BlockKey] = set()
         # Free slots as a stack whose top is the end of the list, read top-down when handing
         # out: stored descending, a fresh pool hands out 0, 1, 2, ... so a batch gets one
         # ascending run, which the transfer backends copy as one piece (``_push_free``).
@@ -229,6 +243,10 @@ class OffloadManager:
         self._reservations_expired = 0
         self._policy_switches = 0
         self._events_dropped = 0
+        self._retentions_started = 0
+        self._retentions_expired = 0
+        self._retentions_released = 0
+        self._demoted = 0
 
     # ------------------------------------------------------------------ requests
 
@@ -670,6 +688,14 @@ class OffloadManager:
         # ``protected`` holds only the last kind; so the policy is asked only when it can
         # succeed, and a refusal costs no scan.
         evictable = len(slot_of) - len(self._pending) - len(refs) - len(protected)
+        kept = self._kept
+        if kept:
+            # Kept blocks are ready but out of the policy. This bound counts a kept block that
+            # is also pinned or offered twice; only when it falls short is the overlap counted.
+            evictable -= len(kept)
+            if shortfall > evictable:
+                evictable += sum(map(kept.__contains__, refs))
+                evictable += sum(map(kept.__contains__, protected))
         if shortfall > evictable:
             return None
         # No filter at all when nothing is pinned or protected: the policies' fast path, which
@@ -766,7 +792,7 @@ class OffloadManager:
             if mine:
                 self._pending.difference_update(mine)
                 self._stores_completed += len(mine)
-                self._policy.insert(mine)
+                self._admit(mine)
                 self._emit(BlockStored(self._next_seq(), mine))
                 req.orderings += 1
         elif mine:
@@ -816,8 +842,9 @@ class OffloadManager:
     def switch_policy(self, name: str, params: Mapping[str, Any] | None = None) -> PolicySwitch:
         """Replace the eviction policy live.
 
-        The new policy is built from the resident ready blocks, coldest first; slots, ref counts,
-        pending stores and readiness are untouched. The same name with the same parameters is a
+        The new policy is built from the resident ready blocks, coldest first (retained ones stay
+        out of it until released); slots, ref counts, pending stores, readiness and retentions
+        are untouched. The same name with the same parameters is a
         no-op (``changed`` false, generation kept). An unknown name or bad parameters raise a
         ``PolicyError`` and change nothing.
         """
@@ -827,7 +854,7 @@ class OffloadManager:
             return PolicySwitch(previous, previous, 0, changed=False)
         new_policy = create_policy(name, self.num_blocks, parsed)
         migrated = new_policy.rebuild(self._policy.coldest_first())
-        ready = len(self._slot) - len(self._pending)
+        ready = len(self._slot) - len(self._pending) - len(self._kept)
         if migrated != len(self._policy) or migrated != ready:
             raise AssertionError(f"policy rebuild migrated {migrated} of {ready} ready blocks")
         self._policy = new_policy
@@ -836,16 +863,17 @@ class OffloadManager:
         return PolicySwitch(previous, self.policy, migrated, changed=True)
 
     def reset(self) -> ResetCounts:
-        """Drop every ready block that no request has pinned.
+        """Drop every ready block that no request has pinned and no retention names.
 
-        Pinned blocks (a load may be reading them) and pending stores (a copy may be writing
-        them) are kept. Emits ``AllBlocksCleared`` when no ready block remains, else a
-        ``BlockRemoved`` listing the dropped keys.
+        Pinned blocks (a load may be reading them), retained blocks and pending stores (a copy
+        may be writing them) are kept. Emits ``AllBlocksCleared`` when no ready block remains,
+        else a ``BlockRemoved`` listing the dropped keys.
         """
         refs = self._refs
         in_flight = self._pending
         slot_of = self._slot
-        victims = [k for k in slot_of if k not in refs and k not in in_flight]
+        kept = self._kept
+        victims = [k for k in slot_of if k not in refs and k not in in_flight and k not in kept]
         self._push_free(list(map(slot_of.pop, victims)))
         self._policy.remove(victims)
         if len(slot_of) == len(in_flight):  # no ready block left
@@ -856,7 +884,139 @@ class OffloadManager:
             dropped=len(victims),
             kept_pinned=len(refs),
             kept_pending=len(in_flight) + self._num_reserved,
+            kept_retained=sum(1 for k in kept if k not in refs),
         )
+
+    # ------------------------------------------------------------------ retentions and hints
+
+    def _admit(self, keys: list[BlockKey]) -> None:
+        """``keys`` just became ready: into the policy, except the retained ones, kept out."""
+        retained = self._retained
+        if retained and not retained.keys().isdisjoint(keys):
+            self._kept.update(k for k in keys if k in retained)
+            keys = [k for k in keys if k not in retained]
+        self._policy.insert(keys)
+
+    def retain(self, keys: Sequence[BlockKey], ttl_s: float, name: str) -> RetentionInfo:
+        """Keep ``keys`` in the pool against eviction for ``ttl_s`` seconds, as retention
+        ``name`` (``manager.retention``: a taken name gets the keys it lacks and its TTL
+        restarted). A retained key that is ready is never evicted, by a store or a
+        promotion, until the last retention naming it ends; one that is not resident yet is
+        kept from the moment it becomes ready. Retaining makes no room: when the pool is full
+        of pinned and retained blocks, ``prepare_store`` refuses as it does for pins.
+        ``InvalidArgumentError`` for a bad key, name or TTL; nothing changes then."""
+        _check_keys(keys)
+        added = self._retentions.add(name, keys, ttl_s, self._clock())
+        if added.created:
+            self._retentions_started += 1
+        slot_of, in_flight = self._slot, self._pending
+        ready = [k for k in added.newly_retained if k in slot_of and k not in in_flight]
+        if ready:
+            self._policy.remove(ready)
+            self._kept.update(ready)
+        return self._retention_info(name, added=len(added.added), created=added.created)
+
+    def renew_retention(self, name: str, ttl_s: float) -> RetentionInfo:
+        """Restart retention ``name``'s TTL (``UnknownRetentionError`` if there is none)."""
+        self._retentions.renew(name, ttl_s, self._clock())
+        return self._retention_info(name)
+
+    def release_retention(self, name: str) -> RetentionInfo:
+        """End retention ``name`` now; what it was. Its keys no other retention names go back
+        to the policy (head hotter than tail), evictable again."""
+        info = self._retention_info(name)
+        self._end_retention(name)
+        self._retentions_released += 1
+        return info
+
+    def expire_retentions(self) -> list[RetentionInfo]:
+        """End every retention whose TTL has passed (by the injected clock); what they were."""
+        now = self._clock()
+        out = []
+        for name in self._retentions.due(now):
+            out.append(self._retention_info(name))
+            self._end_retention(name)
+        self._retentions_expired += len(out)
+        return out
+
+    def retentions(self) -> list[RetentionInfo]:
+        """Every live retention, oldest first."""
+        return [self._retention_info(n) for n in self._retentions.names()]
+
+    def retention(self, name: str) -> RetentionInfo:
+        """Retention ``name`` now (``UnknownRetentionError`` if there is none)."""
+        return self._retention_info(name)
+
+    def retention_keys(self, name: str) -> list[BlockKey]:
+        """The keys retention ``name`` names, head to tail."""
+        return self._retentions.keys_of(name)
+
+    def new_retained(self, name: str, keys: Sequence[BlockKey]) -> int:
+        """How many distinct keys of ``keys`` no retention names yet: how much retaining
+        them would add to ``stats().retained`` (a quota's measure); changes nothing."""
+        return self._retentions.new_keys(name, keys)
+
+    def retained_where(self) -> tuple[int, int, list[BlockKey]]:
+        """Where the retained keys are: how many are ready in the pool, how many pending
+        there, and the keys not in the pool (one pass over the retained keys)."""
+        slot_of, in_flight = self._slot, self._pending
+        absent = [k for k in self._retained if k not in slot_of]
+        pending = sum(1 for k in self._retained if k in in_flight)
+        return len(self._kept), pending, absent
+
+    def is_retained(self, key: BlockKey) -> bool:
+        """Whether a live retention names ``key``."""
+        return key in self._retained
+
+    @property
+    def num_retained(self) -> int:
+        """How many distinct keys live retentions name (``stats().retained``)."""
+        return len(self._retained)
+
+    @property
+    def num_retentions(self) -> int:
+        """How many retentions are live (``stats().retentions``)."""
+        return len(self._retentions)
+
+    def has_retention(self, name: str) -> bool:
+        """Whether retention ``name`` is live."""
+        return name in self._retentions
+
+    def _retention_info(self, name: str, *, added: int = 0, created: bool = False) -> RetentionInfo:
+        kept = self._kept
+        keys = self._retentions.keys_of(name) if kept else ()
+        in_pool = sum(map(kept.__contains__, keys))
+        return self._retentions.info(name, self._clock(), in_pool, added=added, created=created)
+
+    def _end_retention(self, name: str) -> None:
+        freed = self._retentions.remove(name)
+        kept = self._kept
+        back = [k for k in freed if k in kept]
+        if back:
+            kept.difference_update(back)
+            self._policy.insert(back)
+
+    def demote(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        """Evict the ready blocks among ``keys`` that nothing pins and no retention names, now,
+        as the policy would (the eviction listeners copy them down: a lower tier takes them);
+        the keys evicted, reported as one ``BlockRemoved`` event. Others are left as they are.
+        """
+        _check_keys(keys)
+        refs, in_flight, slot_of, kept = self._refs, self._pending, self._slot, self._kept
+        victims = [
+            k
+            for k in dict.fromkeys(keys)
+            if k in slot_of and k not in refs and k not in in_flight and k not in kept
+        ]
+        if victims:
+            self._policy.remove(victims)
+            freed = list(map(slot_of.pop, victims))
+            for listener in self._eviction_listeners:
+                listener(victims, freed)
+            self._push_free(freed)
+            self._demoted += len(victims)
+            self._emit_removed(victims)
+        return victims
 
     # ------------------------------------------------------------------ introspection
 
@@ -888,6 +1048,13 @@ class OffloadManager:
             reservations_expired=self._reservations_expired,
             policy_switches=self._policy_switches,
             events_dropped=self._events_dropped,
+            retentions=len(self._retentions),
+            retained=len(self._retained),
+            retained_ready=len(self._kept),
+            retentions_started=self._retentions_started,
+            retentions_expired=self._retentions_expired,
+            retentions_released=self._retentions_released,
+            demoted=self._demoted,
         )
 
     def requests(self) -> list[RequestLeases]:
@@ -964,7 +1131,7 @@ class OffloadManager:
         taken = set(slots)
         self._free = [s for s in self._free if s not in taken]
         self._slot.update(blocks)
-        self._policy.insert(keys)
+        self._admit(keys)
         return len(keys)
 
     def drop(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
@@ -978,7 +1145,12 @@ class OffloadManager:
         ]
         if gone:
             self._push_free(list(map(slot_of.pop, gone)))
-            self._policy.remove(gone)
+            kept = self._kept
+            if kept and not kept.isdisjoint(gone):
+                kept.difference_update(gone)
+                self._policy.remove([k for k in gone if k not in self._retained])
+            else:
+                self._policy.remove(gone)
             self._emit_removed(gone)
         return gone
 
@@ -1032,8 +1204,9 @@ class OffloadManager:
         return self._refs.get(key, 0)
 
     def resident_keys(self) -> list[BlockKey]:
-        """Every ready key, the policy's next victim first."""
-        return list(self._policy.coldest_first())
+        """Every ready key, the policy's next victim first (retained ones, which are no
+        victims while retained, last)."""
+        return [*self._policy.coldest_first(), *self._kept]
 
 
 def create_manager(

@@ -55,6 +55,14 @@ class UnknownRequestError(ManagerError, LookupError):
         super().__init__(f"unknown request {req_id!r} (not started, finished, or expired)")
 
 
+class UnknownRetentionError(ManagerError, LookupError):
+    """No retention of that name: never made, released, or expired."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__(f"no retention named {name!r} (never made, released, or expired)")
+
+
 class StateConflictError(ManagerError):
     """The blocks are not in the state the call needs."""
 

@@ -130,6 +130,7 @@ class ResetCounts:
     dropped: int
     kept_pinned: int
     kept_pending: int
+    kept_retained: int = 0
 
 
 @dataclass(slots=True)
@@ -216,3 +217,27 @@ class ManagerStats:
     reservations_expired: int
     policy_switches: int
     events_dropped: int
+    retentions: int = 0
+    retained: int = 0
+    retained_ready: int = 0
+    retentions_started: int = 0
+    retentions_expired: int = 0
+    retentions_released: int = 0
+    demoted: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionInfo:
+    """One retention (``OffloadManager.retain``): its name, how many keys it names and how many
+    of them are ready in the pool now, the TTL it was last given, the seconds left before it
+    expires, its age, and how many keys the call that returned it added (and whether it created
+    the retention)."""
+
+    name: str
+    keys: int
+    in_pool: int
+    ttl_s: float
+    expires_in_s: float
+    age_s: float
+    added: int = 0
+    created: bool = False

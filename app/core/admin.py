@@ -131,6 +131,7 @@ class Admin:
             dropped=counts.dropped,
             kept_pinned=counts.kept_pinned,
             kept_pending=counts.kept_pending,
+            kept_retained=counts.kept_retained,
         )
         self._drain_events()
         return counts

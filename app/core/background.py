@@ -5,9 +5,9 @@
   ``PUMP_POLL_S`` is the safety net (a wake-up lost in a race costs at most that long) and keeps
   the KV-event buffer fed. Each round reports the ended jobs to the observer.
 - ``LeaseSweeper``: every ``lease_check_interval_s``, releases the leases of requests gone
-  silent (``expire``, so a crashed engine cannot leak the pool), forgets KV caches whose lease
-  lapsed, lets the service check for a failed transfer backend, and prunes the request-count
-  table.
+  silent (``expire``, so a crashed engine cannot leak the pool), ends expired retentions
+  (``Control.expire``), forgets KV caches whose lease lapsed, lets the service check for a
+  failed transfer backend, and prunes the request-count table.
 
 A failed round is logged and the next one runs.
 """
@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 
+from app.core.control import Control
 from app.core.observed import ObservedManager
 from app.core.transfers import Transfers
 from app.settings import Settings
@@ -90,8 +91,10 @@ class LeaseSweeper:
         drain_events: Callable[[], None],
         check_fatal: Callable[[], None],
         request_counts: RequestCounts | None,
+        control: Control | None = None,
     ) -> None:
         self.settings = settings
+        self._control = control
         self.manager = manager
         self._transfers = transfers
         self._drain_events = drain_events
@@ -103,6 +106,8 @@ class LeaseSweeper:
             await asyncio.sleep(self.settings.lease_check_interval_s)
             try:
                 self.expire()
+                if self._control is not None:
+                    self._control.expire()
                 transfers = self._transfers()
                 if transfers is not None:
                     transfers.expire_caches()

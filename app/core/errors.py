@@ -10,7 +10,10 @@ Hierarchy::
     ├── AuthenticationError       no, malformed, unknown or revoked engine token (who are you?)
     ├── PermissionDeniedError     a known tenant asked for a namespace that is not its own
     ├── HandleNotHeldError        with tenants, a KV cache named by a path or handle, not passed
-    └── QuotaExceededError        a tenant's quota (blocks, pins, requests) would be exceeded
+    ├── QuotaExceededError        a tenant's or namespace's quota would be exceeded
+    ├── UnknownKeysError          keys held nowhere (not in the pool, not in a lower tier)
+    ├── UnknownPrefetchError      no prefetch by that id (never, or long forgotten)
+    └── NoLowerTierError          a demotion asked of a service with no tier below the pool
 
 The core raises these and the library errors (``manager.errors``, ``transfer.errors``); the
 HTTP layer maps every one of them to a status in one table (``app.http.errors``).
@@ -32,10 +35,12 @@ class ServiceUnavailableError(ServiceError):
 
 
 class NoSpaceError(ServiceError):
-    """``prepare_store`` could not make room for ``needed`` blocks; nothing was stored."""
+    """``prepare_store`` could not make room for ``needed`` blocks; nothing was stored.
+    ``why``: what holds the pool (pinned, retained, pending blocks), for people."""
 
-    def __init__(self, needed: int) -> None:
-        super().__init__(f"no evictable space for {needed} block(s); nothing was stored")
+    def __init__(self, needed: int, why: str = "") -> None:
+        held = f" ({why})" if why else ""
+        super().__init__(f"no evictable space for {needed} block(s){held}; nothing was stored")
         self.needed = needed
 
 
@@ -105,10 +110,46 @@ class HandleNotHeldError(ServiceError):
 
 class QuotaExceededError(ServiceError):
     """The call would take tenant ``tenant`` past its ``quota`` (``blocks``, ``pins`` or
-    ``requests``) of ``limit``; nothing was done. ``detail`` says by how much, for people."""
+    ``requests``) of ``limit``, or (``scope="namespace"``) a namespace past one of its own
+    bounds (``retained_blocks``, ``retentions``, ``prefetch_keys``); nothing was done.
+    ``detail`` says by how much, for people."""
 
-    def __init__(self, tenant: str, quota: str, limit: int, detail: str) -> None:
-        super().__init__(f"tenant {tenant!r} is at its {quota!r} quota of {limit}: {detail}")
+    def __init__(
+        self, tenant: str, quota: str, limit: int, detail: str, *, scope: str = "tenant"
+    ) -> None:
+        super().__init__(f"{scope} {tenant!r} is at its {quota!r} quota of {limit}: {detail}")
         self.tenant = tenant
         self.quota = quota
         self.limit = limit
+
+
+class UnknownKeysError(ServiceError):
+    """Keys that neither the pool nor any tier below it holds (``keys``: the first few)."""
+
+    def __init__(self, keys: list[bytes], total: int) -> None:
+        shown = ", ".join(k.hex() for k in keys[:4])
+        more = f" and {total - 4} more" if total > 4 else ""
+        super().__init__(
+            f"{total} key(s) held nowhere (not in the pool, not in a tier below it): "
+            f"{shown}{more}; nothing was done"
+        )
+        self.keys = keys
+        self.total = total
+
+
+class UnknownPrefetchError(ServiceError):
+    """No prefetch ``prefetch_id`` is known."""
+
+    def __init__(self, prefetch_id: int) -> None:
+        super().__init__(f"unknown prefetch {prefetch_id} (never made, or long finished)")
+        self.prefetch_id = prefetch_id
+
+
+class NoLowerTierError(ServiceError):
+    """A demotion asked of a namespace with no tier below its pool."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "no tier below the pool to demote to (start with --disk-dir, --remote-tier or "
+            "--object-bucket); to free pool room without keeping the blocks, drop them"
+        )

@@ -216,6 +216,12 @@ class TierChain:
         for tier in self.tiers:
             tier.loaded(req_id, keys)
 
+    def let_go(self, req_id: str) -> None:
+        """Release every hold the tiers' promotions keep for ``req_id`` (an internal request
+        of cache control, whose caller holds what it wants itself)."""
+        for tier in self.tiers:
+            tier.promotions.let_go(req_id, None)
+
     def evicted(self, victims: list[BlockKey], slots: list[int]) -> None:
         """Pool eviction listener: every tier takes what it admits of the victims (told when
         the room is for a promotion, ``LowerTier.evicted``)."""

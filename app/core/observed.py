@@ -64,6 +64,8 @@ class ObservedManager:
         self.observer = observer
         self.tiers = tiers
         self.quota = quota
+        #: Called with the keys of every load that pinned them (cache control's prefetches).
+        self.load_listeners: list[Callable[[Sequence[BlockKey]], None]] = []
 
     def _call(self, op: str, req_id: str, call: Callable[..., T], *args: Any) -> T:
         """``call(*args)``; a raise is counted as ``op``'s error and re-raised."""
@@ -109,6 +111,8 @@ class ObservedManager:
                 self.promote(exc.missing, ctx.req_id, keys)  # pending, then hit
             raise
         self.tiers.loaded(ctx.req_id, keys)
+        for listener in self.load_listeners:
+            listener(keys)
         self.observer.prepare_load(ctx.req_id, len(slots))
         return slots
 
@@ -145,12 +149,21 @@ class ObservedManager:
         self.tiers.asked(keys, ctx.req_id)
         self.observer.prepare_store(ctx.req_id, len(keys), out)
         if out is None:
+            why = self._held_room()
             if self.quota is not None:
                 limit = self.manager.num_blocks
-                detail = f"no evictable room for {len(keys)} block(s) in this namespace"
+                detail = f"no evictable room for {len(keys)} block(s) in this namespace ({why})"
                 raise QuotaExceededError(self.quota.tenant, "blocks", limit, detail)
-            raise NoSpaceError(len(keys))
+            raise NoSpaceError(len(keys), why)
         return out
+
+    def _held_room(self) -> str:
+        """What holds the pool when a store finds no room: its blocks that are not evictable."""
+        st = self.manager.stats()
+        return (
+            f"of {st.num_blocks} blocks, {st.pinned} pinned, {st.retained_ready} retained, "
+            f"{st.pending} pending, {st.ready - st.pinned - st.retained_ready} evictable"
+        )
 
     def complete_store(
         self,

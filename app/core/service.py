@@ -15,6 +15,8 @@ Both listeners (engine API and admin API) share one ``Service``, a composition o
   service; None when ``metrics_enabled`` is off) whose state collector reads ``snapshot()``.
 - ``shadow``: with shadow evaluation on, the ``ShadowRunner`` (``app.core.shadow``) fed every
   finished request's chain by the manager (it only queues), replaying them off the request path.
+- ``control``: cache control (``app.core.control``: retentions, prefetches, demote and drop
+  hints) over the bare manager and the tiers.
 - ``tiers``: the chain of tiers below the pool (``app.core.lower_tiers``: by default the disk
   tier, then the remote tier, as configured), opened on the pool at start and closed before it.
 
@@ -41,6 +43,7 @@ from prometheus_client import CollectorRegistry
 
 from app.core.admin import Admin
 from app.core.background import CompletionPump, LeaseSweeper
+from app.core.control import Control
 from app.core.errors import ServiceUnavailableError
 from app.core.events import EventBuffer
 from app.core.lower_tiers import TierChain
@@ -146,6 +149,15 @@ class Service:
             request_counts=self.request_counts,
         )
         self.manager = ObservedManager(manager, self.observer, self.tiers, quota)
+        self.control = Control(
+            settings,
+            manager,
+            self.tiers,
+            namespace=namespace,
+            on_event=self.drain_events,
+            clock=clock,
+        )
+        self.manager.load_listeners.append(self.control.loaded)
         self.pump = CompletionPump(lambda: self._transfers, self.observer, self.drain_events)
         self.sweeper = LeaseSweeper(
             settings,
@@ -154,6 +166,7 @@ class Service:
             self.drain_events,
             self._check_fatal,
             self.request_counts,
+            self.control,
         )
         self.shadow: ShadowRunner | None = None
         if settings.shadow_enabled:
@@ -237,6 +250,7 @@ class Service:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             self._tasks = []
+            self.control.close()
             assert self._transfers is not None
             # Before the pool goes: the tiers wait for their calls still touching it.
             await self.tiers.close()
@@ -347,7 +361,7 @@ class Service:
             projected_hit_ratio=projected,
             live_requests=rows,
             tier_reports=self.tiers.reports(),
-            tier_metrics=list(self.tiers.metric_families()),
+            tier_metrics=[*self.tiers.metric_families(), *self.control.metric_families()],
         )
 
 

@@ -159,6 +159,8 @@ class Tenancy:
             update["max_mapped_bytes"] = ns.max_mapped_bytes
         if ns.object_bytes is not None:
             update["object_bytes"] = ns.object_bytes
+        if ns.max_retained_blocks is not None:
+            update["max_retained_blocks"] = ns.max_retained_blocks
         return s.model_copy(update=update)
 
     def _managers(self) -> list[OffloadManager]:
@@ -411,6 +413,10 @@ class Tenancy:
                     limits = self._settings_of(ns)
                     transfers.registry.max_caches = limits.max_registrations
                     transfers.registry.max_bytes = limits.max_mapped_bytes
+                # So does the retention bound.
+                self.spaces[name].service.control.max_retained = self._settings_of(
+                    ns
+                ).effective_max_retained_blocks
                 sizes = ("blocks", "disk_bytes", "object_bytes")
                 if [getattr(ns, k) for k in sizes] != [getattr(old[name], k) for k in sizes]:
                     log.warning(

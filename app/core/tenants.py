@@ -6,17 +6,17 @@
 secret volume are skipped). Each tenant has ``tokens`` (one or more, each at least
 ``MIN_TOKEN_CHARS`` printable ASCII characters without spaces), ``namespaces`` (a table of name =
 blocks, or name = { blocks = N, disk_bytes = M, object_bytes = O, max_registrations = R,
-max_mapped_bytes = B } to give a namespace its own disk and object tier budgets and KV-cache
-registration bounds, or a list of names whose sizes the service chooses) and optional ``max_pins``
-and ``max_requests``. Names match ``NAME``. ``load_tenants`` refuses the whole file on the first
-problem (an unknown key, a bad name, a short or repeated token, a namespace of two tenants, a count
-that is not a positive integer, a tenant without namespaces, a file readable or writable by others,
-a directory others may write to, no tenant at all) with a ``TenantsConfigError``: one line naming
-the file and the tenant, never a token. A directory writable by others (the tenants directory, or
-the one holding the tenants file) is accepted only with its sticky bit (``/tmp``; a Kubernetes
-secret volume is mounted 1777), where nobody can rename or remove another's file, and then every
-tenant file must belong to the service's user or to root: anyone else could otherwise add a tenant
-of their own.
+max_mapped_bytes = B, max_retained_blocks = K } to give a namespace its own disk and object tier
+budgets, KV-cache registration bounds and retention bound, or a list of names whose sizes the
+service chooses) and optional ``max_pins`` and ``max_requests``. Names match ``NAME``.
+``load_tenants`` refuses the whole file on the first problem (an unknown key, a bad name, a short or
+repeated token, a namespace of two tenants, a count that is not a positive integer, a tenant without
+namespaces, a file readable or writable by others, a directory others may write to, no tenant at
+all) with a ``TenantsConfigError``: one line naming the file and the tenant, never a token. A
+directory writable by others (the tenants directory, or the one holding the tenants file) is
+accepted only with its sticky bit (``/tmp``; a Kubernetes secret volume is mounted 1777), where
+nobody can rename or remove another's file, and then every tenant file must belong to the service's
+user or to root: anyone else could otherwise add a tenant of their own.
 
 **Tokens.** Only SHA-256 digests of the tokens are kept. ``Credentials.authenticate`` digests
 the presented token and looks the digest up: the time it takes depends on the digest, never on
@@ -80,6 +80,7 @@ class NamespaceConfig:
     max_registrations: int | None = None
     max_mapped_bytes: int | None = None
     object_bytes: int | None = None
+    max_retained_blocks: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,7 +299,8 @@ def _tenant(
 def _namespaces(root: Path, label: str, value: Any) -> tuple[NamespaceConfig, ...]:
     accepted = (
         "accepted: namespaces = { NAME = BLOCKS or { blocks = N, disk_bytes = M, "
-        "object_bytes = O, max_registrations = R, max_mapped_bytes = B }, ... } or "
+        "object_bytes = O, max_registrations = R, max_mapped_bytes = B, "
+        "max_retained_blocks = K }, ... } or "
         "[NAME, ...], one or more"
     )
     found: list[NamespaceConfig]
@@ -322,7 +324,14 @@ def _namespaces(root: Path, label: str, value: Any) -> tuple[NamespaceConfig, ..
     return tuple(found)
 
 
-NAMESPACE_KEYS = ("blocks", "disk_bytes", "max_registrations", "max_mapped_bytes", "object_bytes")
+NAMESPACE_KEYS = (
+    "blocks",
+    "disk_bytes",
+    "max_registrations",
+    "max_mapped_bytes",
+    "object_bytes",
+    "max_retained_blocks",
+)
 
 
 def _namespace(root: Path, label: str, name: str, value: Any, accepted: str) -> NamespaceConfig:

@@ -18,11 +18,17 @@ AuthenticationError           401     its reason: missing_token, malformed_autho
 PermissionDeniedError         403     its reason: namespace_denied, namespace_required,
                                       unknown_namespace
 HandleNotHeldError            403     handle_not_held
-QuotaExceededError            429/507 quota_exceeded (507 for blocks, 429 pins / requests)
+QuotaExceededError            429/507 quota_exceeded (507 for blocks, 429 for the others:
+                                      pins, requests, retained_blocks, retentions,
+                                      prefetch_keys)
 RegistrationLimitError        429     quota_exceeded (max_registrations, max_mapped_bytes)
 UnknownRequestError           404     unknown_request
 UnknownJobError               404     unknown_job
 UnknownCacheError             404     unknown_cache
+UnknownRetentionError         404     unknown_retention
+UnknownPrefetchError          404     unknown_prefetch
+UnknownKeysError              404     unknown_keys
+NoLowerTierError              409     no_lower_tier
 KeyNotReadyError              409     key_not_ready
 NotPinnedError                409     not_pinned
 other StateConflictError      409     state_conflict
@@ -64,11 +70,14 @@ from app.core.errors import (
     AuthenticationError,
     DeviceBlockError,
     HandleNotHeldError,
+    NoLowerTierError,
     NoSpaceError,
     PermissionDeniedError,
     QuotaExceededError,
     ServiceUnavailableError,
     UnknownJobError,
+    UnknownKeysError,
+    UnknownPrefetchError,
 )
 from app.telemetry.logging import get_logger
 from manager import (
@@ -79,6 +88,7 @@ from manager import (
     StateConflictError,
     UnknownPolicyError,
     UnknownRequestError,
+    UnknownRetentionError,
 )
 from transfer import (
     InvalidJobError,
@@ -133,9 +143,10 @@ class ErrorDetail(BaseModel):
     model_config = ConfigDict(extra="forbid")
     code: str
     message: str
-    quota: Literal["blocks", "pins", "requests"] | None = Field(
-        default=None, description="with quota_exceeded: the tenant quota that refused the call"
-    )
+    quota: (
+        Literal["blocks", "pins", "requests", "retained_blocks", "retentions", "prefetch_keys"]
+        | None
+    ) = Field(default=None, description="with quota_exceeded: the quota that refused the call")
 
 
 class ErrorBody(BaseModel):
@@ -181,6 +192,10 @@ _MAPPED: tuple[tuple[type[Exception], int, str], ...] = (
     (UnknownJobError, 404, "unknown_job"),
     (DeviceBlockError, 422, "invalid_field"),
     (HandleNotHeldError, 403, "handle_not_held"),
+    (UnknownRetentionError, 404, "unknown_retention"),
+    (UnknownPrefetchError, 404, "unknown_prefetch"),
+    (UnknownKeysError, 404, "unknown_keys"),
+    (NoLowerTierError, 409, "no_lower_tier"),
 )
 
 
@@ -271,14 +286,15 @@ _DESCRIPTIONS = {
     400: "Malformed body (not JSON, or not the expected shape of JSON)",
     401: "No bearer token, or one that is malformed, unknown or revoked (code says which)",
     403: "Wrong admin token, or a namespace that is not the caller's (code says which)",
-    404: "Unknown request, job, KV cache or namespace",
+    404: "Unknown request, job, KV cache, namespace, retention or prefetch, or keys held nowhere",
     409: "The blocks are not in the state this call needs",
     412: "If-Match does not name the current generation",
     413: "Too many keys or ops in one call, body too large for the route, or "
     "kv_transfer_params too large",
     415: "Body is not application/json",
     422: "A field or parameter is invalid",
-    429: "A tenant quota (pins, requests) is reached: nothing was done (retry later)",
+    429: "A quota (pins, requests, retained blocks, retentions, prefetch keys) is reached: "
+    "nothing was done (retry later)",
     503: "The service is starting or shutting down",
     507: "No evictable space (with tenants: the namespace's blocks quota): nothing was stored",
 }

@@ -17,20 +17,24 @@ operation                              cap                                      
 =====================================  ==============================================  =========
 lookup, prepare_load, touch,           ``OP_FIXED_BYTES + max_keys_per_call *``        1.28 MiB
 complete_load, prepare_store,          ``KEY_ITEM_BYTES``                              (1343488)
-complete_store
+complete_store, retain, prefetch,
+demote, drop
 offload, onload                        ``OP_FIXED_BYTES + max_keys_per_call *``        1.62 MiB
                                        ``(KEY_ITEM_BYTES + BLOCK_ITEM_BYTES)``         (1695744)
 start_request                          ``OP_FIXED_BYTES + TRANSFER_PARAMS_WIRE_FACTOR  136 KiB
                                        * max_transfer_params_bytes``                   (139264)
 batch                                  ``ENVELOPE_BYTES + max_batch_ops *``            8 MiB
                                        (the largest op cap above)                      (capped)
+renew_retention                        ``OP_FIXED_BYTES``                              8 KiB
 wait_jobs                              ``OP_FIXED_BYTES + MAX_WAIT_JOBS *``            220 KiB
                                        ``JOB_ID_ITEM_BYTES``                           (225280)
 register_kv_cache                      ``OP_FIXED_BYTES + MAX_TENSORS *``              8 MiB
                                        ``TENSOR_ITEM_BYTES``                           (capped)
 admin_put_policy, admin_put_log_level  ``ADMIN_BODY_BYTES``                            64 KiB
 finish_request, unregister_kv_cache,   ``EMPTY_BODY_BYTES`` (they read no body)        1 KiB
-admin_release, admin_clear
+admin_release, admin_clear,
+release_retention, cancel_prefetch,
+admin_release_retention
 =====================================  ==============================================  =========
 
 What "legitimate" allows for: every key at its longest (``MAX_KEY_BYTES``) written as plain hex,
@@ -129,6 +133,14 @@ def body_caps(settings: Settings) -> dict[str, int]:
         "onload": transfer_op,
         "start_request": start_op,
         "finish_request": EMPTY_BODY_BYTES,
+        # Keys, a number and a name: the fixed part holds two string fields at their longest.
+        "retain": keys_op,
+        "prefetch": keys_op,
+        "demote": keys_op,
+        "drop": keys_op,
+        "renew_retention": OP_FIXED_BYTES,
+        "release_retention": EMPTY_BODY_BYTES,
+        "cancel_prefetch": EMPTY_BODY_BYTES,
         "batch": ENVELOPE_BYTES + settings.max_batch_ops * max(keys_op, transfer_op, start_op),
         "wait_jobs": OP_FIXED_BYTES + MAX_WAIT_JOBS * JOB_ID_ITEM_BYTES,
         "register_kv_cache": OP_FIXED_BYTES + MAX_TENSORS * TENSOR_ITEM_BYTES,
@@ -138,6 +150,7 @@ def body_caps(settings: Settings) -> dict[str, int]:
         "admin_put_log_level": ADMIN_BODY_BYTES,
         "admin_release": EMPTY_BODY_BYTES,
         "admin_clear": EMPTY_BODY_BYTES,
+        "admin_release_retention": EMPTY_BODY_BYTES,
     }
     return {name: min(cap, settings.max_body_bytes) for name, cap in caps.items()}
 

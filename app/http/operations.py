@@ -16,11 +16,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from app.core.control import PREFETCH_COUNTS, Hinted, Prefetch
 from app.core.service import Service
 from app.http import schemas as s
-from app.http.errors import too_many
+from app.http.errors import APIError, too_many
 from app.http.limits import transfer_params_error
-from manager import BlockKey, LookupResult, ReqContext
+from manager import BlockKey, LookupResult, ReqContext, RetentionInfo
 from transfer import JobRecord
 
 Run = Callable[[Service, str, Any], tuple[int, str]]
@@ -39,11 +40,27 @@ class Operation:
     status: int
     errors: tuple[int, ...]
     summary: str
-    run: Run
+    # None: the op always awaits (``run_tiers``), tiers below the pool or not.
+    run: Run | None
     # Other success statuses, with what they mean (documented next to ``status``).
     other_ok: tuple[tuple[int, str], ...] = ()
     # Run in place of ``run`` when the service has tiers below the pool (it awaits them).
     run_tiers: RunAsync | None = None
+
+    def sync_run(self, tiers: bool) -> Run | None:
+        """``run`` when the op runs in one synchronous step on a service with (``tiers``) or
+        without tiers below the pool; None when it must be awaited (``call``)."""
+        if self.run is not None and (self.run_tiers is None or not tiers):
+            return self.run
+        return None
+
+    async def call(self, service: Service, req_id: str, body: Any) -> tuple[int, str]:
+        """Run the op on ``service``, awaited when it has to be."""
+        run = self.sync_run(bool(service.tiers))
+        if run is not None:
+            return run(service, req_id, body)
+        assert self.run_tiers is not None
+        return await self.run_tiers(service, req_id, body)
 
 
 def hex_list(keys: Sequence[BlockKey]) -> str:
@@ -219,6 +236,106 @@ def _run_onload(service: Service, req_id: str, body: s.TransferBody) -> tuple[in
     )
 
 
+def retention_json(info: RetentionInfo) -> dict[str, Any]:
+    """The wire form of a retention (``RetentionAnswer``)."""
+    return {
+        "name": info.name,
+        "keys": info.keys,
+        "in_pool": info.in_pool,
+        "ttl_s": info.ttl_s,
+        "expires_in_s": round(info.expires_in_s, 3),
+        "age_s": round(info.age_s, 3),
+    }
+
+
+def retentions_json(service: Service) -> dict[str, Any]:
+    """The namespace's retentions (``RetentionsAnswer``)."""
+    control = service.control
+    return {
+        "retentions": [retention_json(r) for r in control.retentions()],
+        "retained_blocks": service.manager.manager.num_retained,
+        "max_retained_blocks": control.max_retained,
+    }
+
+
+def prefetch_json(p: Prefetch, now: float, *, results: bool = False) -> dict[str, Any]:
+    """The wire form of a prefetch (``PrefetchAnswer``); ``results`` with each key's state."""
+    out: dict[str, Any] = {
+        "prefetch_id": p.prefetch_id,
+        "req_id": p.req_id,
+        "state": p.state,
+        "deadline_in_s": round(max(0.0, p.deadline_at - now), 3),
+        "counts": {k: p.counts[k] for k in PREFETCH_COUNTS},
+    }
+    if results:
+        out["results"] = p.results
+    return out
+
+
+async def _run_retain(service: Service, req_id: str, body: s.RetainBody) -> tuple[int, str]:
+    _limit_keys(service, body.keys)
+    name = req_id if body.name is None else body.name
+    if not s.RETENTION_NAME.match(name):
+        raise APIError(
+            422,
+            "invalid_field",
+            f"name: {name!r:.80} cannot name a retention (GET /v1/retentions/{{name}}); "
+            f"accepted: {s.RETENTION_NAME_ACCEPTED}"
+            + ("; this request id needs an explicit name" if body.name is None else ""),
+        )
+    try:
+        done = await service.control.retain(body.keys, body.ttl_s, name, req_id)
+    except Exception:
+        service.observer.failed("retain", req_id)
+        raise
+    service.observer.op("retain", req_id)
+    answer = {
+        **retention_json(done.info),
+        "created": done.created,
+        "added": done.info.added,
+        "results": done.results,
+        "promoting": done.promoting,
+    }
+    return (201 if done.created else 200), json.dumps(answer)
+
+
+async def _run_prefetch(service: Service, req_id: str, body: s.PrefetchBody) -> tuple[int, str]:
+    _limit_keys(service, body.keys)
+    try:
+        p = await service.control.prefetch(body.keys, body.deadline_s, req_id)
+    except Exception:
+        service.observer.failed("prefetch", req_id)
+        raise
+    service.observer.op("prefetch", req_id)
+    return 202, json.dumps(prefetch_json(p, p.started_at, results=True))
+
+
+def _hint_json(done: Hinted) -> str:
+    return f'{{"moved":{hex_list(done.done)},"kept":{json.dumps(done.kept)}}}'
+
+
+def _run_demote(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str]:
+    _limit_keys(service, body.keys)
+    try:
+        done = service.control.demote(body.keys)
+    except Exception:
+        service.observer.failed("demote", req_id)
+        raise
+    service.observer.op("demote", req_id)
+    return 200, _hint_json(done)
+
+
+def _run_drop(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str]:
+    _limit_keys(service, body.keys)
+    try:
+        done = service.control.drop(body.keys)
+    except Exception:
+        service.observer.failed("drop", req_id)
+        raise
+    service.observer.op("drop", req_id)
+    return 200, _hint_json(done)
+
+
 _KEYS_ERRORS = (404, 413)
 OPERATIONS: tuple[Operation, ...] = (
     # The hot op first: routes are matched in order.
@@ -334,6 +451,57 @@ OPERATIONS: tuple[Operation, ...] = (
         (*_KEYS_ERRORS, 409, 429, 503),
         "Load ready keys into device blocks: prepare-load, a host->device job, complete-load",
         _run_onload,
+    ),
+    # Cache control: hints from callers that know what comes next. The request need not be
+    # started: its id names the call in logs and metrics (and a retention by default).
+    Operation(
+        "retain",
+        "POST",
+        "/v1/requests/{req_id}/retain",
+        s.RetainBody,
+        s.RetainAnswer,
+        201,
+        (*_KEYS_ERRORS, 429),
+        "Keep keys in the pool against eviction for ttl_s, as a named retention (201 new, 200 "
+        "extended and renewed); keys below the pool are promoted; keys held nowhere: 404",
+        None,
+        ((200, "The retention existed: the keys it lacked were added and its TTL restarted"),),
+        run_tiers=_run_retain,
+    ),
+    Operation(
+        "prefetch",
+        "POST",
+        "/v1/requests/{req_id}/prefetch",
+        s.PrefetchBody,
+        s.PrefetchAnswer,
+        202,
+        (*_KEYS_ERRORS, 429),
+        "Bring keys below the pool up now and hold them, and those the pool has, until a load "
+        "pins them or deadline_s passes; a handle to wait on or cancel",
+        None,
+        run_tiers=_run_prefetch,
+    ),
+    Operation(
+        "demote",
+        "POST",
+        "/v1/requests/{req_id}/demote",
+        s.KeysBody,
+        s.HintAnswer,
+        200,
+        (*_KEYS_ERRORS, 409),
+        "Evict these blocks now into the tiers below (not pinned, retained or pending ones)",
+        _run_demote,
+    ),
+    Operation(
+        "drop",
+        "POST",
+        "/v1/requests/{req_id}/drop",
+        s.KeysBody,
+        s.HintAnswer,
+        200,
+        _KEYS_ERRORS,
+        "Remove these blocks from the pool now (not pinned, retained or pending ones)",
+        _run_drop,
     ),
 )
 

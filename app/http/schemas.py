@@ -14,6 +14,7 @@ million invalid items costs one error, not a million (the message names the firs
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -101,6 +102,47 @@ class CompleteStoreBody(Body):
 
     keys: Keys
     success: bool = True
+
+
+Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+RETENTION_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,255}$")
+"""What a retention name may be: it is a path segment (``/v1/retentions/{name}``)."""
+RETENTION_NAME_ACCEPTED = (
+    "letters, digits, '.', '_', ':', '@', '-' (1 to 256, starting with a letter or digit)"
+)
+RetentionName = Annotated[
+    str,
+    # Checked by the op (app.http.operations), whose refusal says what is accepted.
+    StringConstraints(min_length=1, max_length=MAX_ID_CHARS),
+    Field(
+        description="retention name (a session id; "
+        f"{RETENTION_NAME_ACCEPTED}); default: the request id"
+    ),
+]
+
+
+class RetainBody(Body):
+    """``retain``: keep the keys in the pool against eviction for ``ttl_s`` seconds, as the
+    retention ``name`` (the request id when omitted; a taken name gets the keys it lacks and
+    its TTL restarted)."""
+
+    keys: Keys
+    ttl_s: Seconds
+    name: RetentionName | None = None
+
+
+class RenewBody(Body):
+    """``POST /v1/retentions/{name}/renew``: the new TTL, from now."""
+
+    ttl_s: Seconds
+
+
+class PrefetchBody(Body):
+    """``prefetch``: bring the keys below the pool into it, and hold them (and those the pool
+    has) until a load pins them or ``deadline_s`` seconds pass."""
+
+    keys: Keys
+    deadline_s: Seconds
 
 
 class WaitEvent(Body):
@@ -216,6 +258,34 @@ class OnloadOp(TransferBody):
     req_id: ReqId
 
 
+class RetainOp(RetainBody):
+    """Batch op ``retain``."""
+
+    op: Literal["retain"]
+    req_id: ReqId
+
+
+class PrefetchOp(PrefetchBody):
+    """Batch op ``prefetch``."""
+
+    op: Literal["prefetch"]
+    req_id: ReqId
+
+
+class DemoteOp(KeysBody):
+    """Batch op ``demote``."""
+
+    op: Literal["demote"]
+    req_id: ReqId
+
+
+class DropOp(KeysBody):
+    """Batch op ``drop``."""
+
+    op: Literal["drop"]
+    req_id: ReqId
+
+
 BatchOp = Annotated[
     StartRequestOp
     | FinishRequestOp
@@ -226,7 +296,11 @@ BatchOp = Annotated[
     | PrepareStoreOp
     | CompleteStoreOp
     | OffloadOp
-    | OnloadOp,
+    | OnloadOp
+    | RetainOp
+    | PrefetchOp
+    | DemoteOp
+    | DropOp,
     Field(discriminator="op"),
 ]
 
@@ -347,13 +421,67 @@ class WaitJobsAnswer(Answer):
     done: bool
 
 
+QuotaName = Literal["blocks", "pins", "requests", "retained_blocks", "retentions", "prefetch_keys"]
+
+
+class RetentionAnswer(Answer):
+    """One retention: how many keys it names and how many of them are ready in the pool."""
+
+    name: str
+    keys: int
+    in_pool: int
+    ttl_s: float
+    expires_in_s: float
+    age_s: float
+
+
+class RetainAnswer(RetentionAnswer):
+    """What ``retain`` did: the retention, the keys this call added, each key's state when
+    retained (``hit``, ``pending``, or the tier below it is promoted from) and how many are
+    on their way up."""
+
+    created: bool
+    added: int
+    results: list[str]
+    promoting: int
+
+
+class RetentionsAnswer(Answer):
+    """The namespace's live retentions, oldest first, and its bound."""
+
+    retentions: list[RetentionAnswer]
+    retained_blocks: int
+    max_retained_blocks: int
+
+
+class PrefetchAnswer(Answer):
+    """A prefetch: its id (to wait on or cancel), its state, each key's state when it started
+    (``hit``: in the pool, held; ``pending``: a store in flight, not held; the tier below it
+    is promoted from; ``miss``: held nowhere; ``refused``: no room to bring it up) and its
+    counts (``used``, ``wasted``, ``failed`` as keys end)."""
+
+    prefetch_id: int
+    req_id: str
+    state: Literal["promoting", "held", "done", "cancelled"]
+    results: list[str] | None = None
+    deadline_in_s: float
+    counts: dict[str, int]
+
+
+class HintAnswer(Answer):
+    """What ``demote`` or ``drop`` moved, and why the other keys stayed, counted."""
+
+    moved: list[KeyHex]
+    kept: dict[str, int] = Field(description="pinned, retained, pending, not_in_pool")
+
+
 class OpError(Answer):
     """Why one batch op failed."""
 
     code: str
     message: str
-    quota: Literal["blocks", "pins", "requests"] | None = Field(
-        default=None, description="with quota_exceeded: the tenant quota that refused the op"
+    quota: QuotaName | None = Field(
+        default=None, description="with quota_exceeded: the quota that refused the op"
     )
 
 
@@ -590,6 +718,10 @@ class StatsAnswer(Answer):
         "reason), evictions, promotions and corrupt blocks dropped; the remote tier adds "
         "counters, its write-behind queue, promotions and the blocks it tracks for removal"
     )
+    control: dict[str, Any] = Field(
+        description="cache control: retentions, retained blocks (in the pool and in all) and "
+        "their bound, live prefetches and the keys they promote or hold, and counts"
+    )
 
 
 class RequestLeasesAnswer(Answer):
@@ -630,6 +762,7 @@ class ClearAnswer(Answer):
     dropped: int
     kept_pinned: int
     kept_pending: int
+    kept_retained: int = Field(description="ready blocks kept because a retention names them")
 
 
 class NamespaceUse(Answer):

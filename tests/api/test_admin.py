@@ -189,7 +189,7 @@ async def test_requests_release_and_clear(h: Harness, caplog: pytest.LogCaptureF
     assert (r.status_code, r.json()["error"]["code"]) == (404, "unknown_request")
 
     r = await h.admin.post("/admin/v1/cache/clear")
-    assert r.json() == {"dropped": 1, "kept_pinned": 0, "kept_pending": 0}
+    assert r.json() == {"dropped": 1, "kept_pinned": 0, "kept_pending": 0, "kept_retained": 0}
     await h.start("r2")
     r = await h.post("/v1/requests/r2/lookup", {"keys": hexkeys(1)})
     assert r.json()["results"] == ["miss"]

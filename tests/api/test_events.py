@@ -45,7 +45,7 @@ async def test_removed_and_cleared_events(h: Harness) -> None:
     await h.post("/v1/requests/r1/prepare-load", {"keys": hexkeys(n - 1)})  # pinned: kept
     await h.post("/v1/requests/r1/prepare-store", {"keys": hexkeys(1000)})  # evicts one
     r = await h.admin.post("/admin/v1/cache/clear")
-    assert r.json() == {"dropped": n - 2, "kept_pinned": 1, "kept_pending": 1}
+    assert r.json() == {"dropped": n - 2, "kept_pinned": 1, "kept_pending": 1, "kept_retained": 0}
     events = (await h.client.get("/v1/events")).json()["events"]
     assert [e["type"] for e in events] == ["BlockStored", "BlockRemoved", "BlockRemoved"]
     assert len(events[1]["block_hashes"]) == 1

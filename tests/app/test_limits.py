@@ -50,6 +50,14 @@ def test_default_caps_are_the_documented_numbers() -> None:
         "admin_put_log_level": 65536,
         "admin_release": 1024,
         "admin_clear": 1024,
+        "retain": 1343488,
+        "prefetch": 1343488,
+        "demote": 1343488,
+        "drop": 1343488,
+        "renew_retention": 8192,
+        "release_retention": 1024,
+        "cancel_prefetch": 1024,
+        "admin_release_retention": 1024,
     }
     doc = limits_module.__doc__ or ""
     for number in ("1343488", "1695744", "139264", "225280"):

@@ -10,9 +10,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.exposition import generate_latest
 
+from app.core.control import Control
 from app.core.disk import disk_families
+from app.core.lower_tiers import TierChain
 from app.core.object import object_families
 from app.core.remote import remote_families
+from app.settings import Settings
 from app.telemetry.metrics import (
     ListenerConnections,
     LiveRequestRow,
@@ -23,7 +26,7 @@ from app.telemetry.metrics import (
     register_connections,
     register_tenancy,
 )
-from manager import ReqContext, create_manager
+from manager import OffloadManager, ReqContext, create_manager
 
 
 @pytest.fixture
@@ -90,6 +93,13 @@ OBJECT_REPORT = TierReport(
 )
 
 
+def _control(m: OffloadManager) -> Control:
+    """Cache control over ``m`` with no tier below (its families as a scrape reads them)."""
+    settings = Settings(num_blocks=m.num_blocks)
+    tiers = TierChain(settings, "default", on_event=lambda: None)
+    return Control(settings, m, tiers, namespace="default", on_event=lambda: None)
+
+
 def snapshot_of(
     m,
     live: list[LiveRequestRow] | None = None,
@@ -105,6 +115,7 @@ def snapshot_of(
     return ServiceSnapshot(
         tier_reports=reports,
         tier_metrics=[
+            *_control(m).metric_families(),
             *(remote_families(remote) if remote is not None else ()),
             *(disk_families(disk) if disk is not None else ()),
             *(object_families(obj) if obj is not None else ()),

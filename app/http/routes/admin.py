@@ -45,9 +45,12 @@ from app.http.deps import ServiceDep, tenancy_of
 from app.http.errors import BODY_ERRORS, APIError, responses
 from app.http.middleware import call_info
 from app.http.openapi import KVOffloadAPI
+from app.http.operations import retention_json, retentions_json
 from app.http.routes.query import strict_query
 from app.http.routes.raw import body_parser
 from app.telemetry import logging as app_logging
+from app.telemetry.logging import audit
+from app.telemetry.request_ids import safe_req_id
 from manager import PolicyInfo, UnknownPolicyError
 
 JSON = "application/json"
@@ -131,6 +134,10 @@ _NOT_COUNTERS = {
     "reserved",
     "live_requests",
     "policy",
+    # Gauges of cache control: under "control".
+    "retentions",
+    "retained",
+    "retained_ready",
 }
 
 
@@ -372,6 +379,7 @@ async def stats(request: Request, actor: Actor, service: ServiceDep) -> Response
             },
             "kv_caches": service.admin.kv_caches(),
             "tiers": service.tiers.states(),
+            "control": service.control.state(),
         }
     )
 
@@ -423,6 +431,29 @@ async def clear(request: Request, actor: Actor, service: ServiceDep) -> Response
     _note(request, "admin_clear")
     counts = service.admin.clear_cache(actor)
     return _answer(dataclasses.asdict(counts))
+
+
+async def list_retentions(request: Request, actor: Actor, service: ServiceDep) -> Response:
+    _note(request, "admin_retentions")
+    return _answer(retentions_json(service))
+
+
+async def release_retention(
+    request: Request,
+    actor: Actor,
+    service: ServiceDep,
+    name: Annotated[str, Path(min_length=1, max_length=256)],
+) -> Response:
+    _note(request, "admin_release_retention")
+    info = service.control.release(name)
+    audit(
+        "retention.release",
+        actor,
+        namespace=service.namespace,
+        retention=safe_req_id(name),
+        keys=info.keys,
+    )
+    return _answer(retention_json(info))
 
 
 async def tenants(request: Request, actor: Actor) -> Response:
@@ -560,8 +591,24 @@ ROUTES: tuple[AdminRoute, ...] = (
         "/admin/v1/cache/clear",
         clear,
         s.ClearAnswer,
-        "Drop every unpinned block; counts",
+        "Drop every block not pinned, retained or pending; counts",
         _NAMESPACE_ERRORS,
+    ),
+    AdminRoute(
+        "GET",
+        "/admin/v1/retentions",
+        list_retentions,
+        s.RetentionsAnswer,
+        "The namespace's live retentions, oldest first",
+        _NAMESPACE_ERRORS,
+    ),
+    AdminRoute(
+        "DELETE",
+        "/admin/v1/retentions/{name}",
+        release_retention,
+        s.RetentionAnswer,
+        "End a retention now (audited): its blocks are evictable again",
+        (*_NAMESPACE_ERRORS, 404),
     ),
 )
 

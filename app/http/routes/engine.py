@@ -25,7 +25,15 @@ from app.http.errors import BODY_ERRORS, APIError, error_for, responses, too_man
 from app.http.limits import batch_exceeds_ops, transfer_params_error
 from app.http.middleware import call_info
 from app.http.openapi import KVOffloadAPI
-from app.http.operations import BY_NAME, OPERATIONS, Operation, job_json
+from app.http.operations import (
+    BY_NAME,
+    OPERATIONS,
+    Operation,
+    job_json,
+    prefetch_json,
+    retention_json,
+    retentions_json,
+)
 from app.http.routes.raw import RawRoute, body_parser, check_path_param, read_body
 from app.settings import Settings
 from app.telemetry.logging import get_logger
@@ -44,7 +52,6 @@ def json_response(text: str | bytes, status: int = 200) -> Response:
 
 def _op_endpoint(op: Operation) -> Endpoint:
     parse = body_parser(op.body)
-    run, run_tiers = op.run, op.run_tiers
     name = op.name
 
     async def endpoint(request: Request, req_id: ReqIdPath) -> Response:
@@ -55,10 +62,7 @@ def _op_endpoint(op: Operation) -> Endpoint:
         check_path_param("req_id", req_id)
         service = service_of(request)
         body = parse(await read_body(request))
-        if run_tiers is not None and service.tiers:
-            status, text = await run_tiers(service, req_id, body)
-        else:
-            status, text = run(service, req_id, body)
+        status, text = await op.call(service, req_id, body)
         return json_response(text, status)
 
     return endpoint
@@ -74,7 +78,7 @@ def _finish_endpoint(op: Operation) -> Endpoint:
         if info is not None:
             info.op = op.name
             info.req_id = req_id
-        status, text = op.run(service_of(request), req_id, s.FinishRequestBody(abort=abort))
+        status, text = await op.call(service_of(request), req_id, s.FinishRequestBody(abort=abort))
         return json_response(text, status)
 
     return endpoint
@@ -158,10 +162,11 @@ class _BatchRunner:
         for op in ops:
             try:
                 operation = BY_NAME[op.op]
-                if tiers and operation.run_tiers is not None:
-                    status, text = await operation.run_tiers(service, op.req_id, op)
+                run = operation.sync_run(tiers)
+                if run is not None:  # most ops: no coroutine per op
+                    status, text = run(service, op.req_id, op)
                 else:
-                    status, text = operation.run(service, op.req_id, op)
+                    status, text = await operation.call(service, op.req_id, op)
             except Exception as exc:  # one op's failure must not abort the others
                 err = error_for(exc)
                 # A refusal (4xx, 503, 507) is expected and counted on the call's one line; only
@@ -220,6 +225,7 @@ def register_engine_routes(app: KVOffloadAPI, settings: Settings) -> None:
     for op in ops[1:]:
         _add_op_route(app, op)
     _add_resource_routes(app)
+    _add_control_routes(app)
 
 
 _parse_wait = body_parser(s.WaitJobsBody)
@@ -425,4 +431,125 @@ def _add_resource_routes(app: KVOffloadAPI) -> None:
         tags=["pool"],
         response_model=s.PoolAnswer,
         responses=responses(503),
+    )
+
+
+# --------------------------------------------------------------------------- cache control
+
+NamePath = Annotated[str, Path(min_length=1, max_length=256, description="retention name")]
+_parse_renew = body_parser(s.RenewBody)
+
+
+async def list_retentions(request: Request) -> Response:
+    return json_response(json.dumps(retentions_json(service_of(request))))
+
+
+async def get_retention(request: Request, name: NamePath) -> Response:
+    check_path_param("name", name)
+    return json_response(json.dumps(retention_json(service_of(request).control.get(name))))
+
+
+async def renew_retention(request: Request, name: NamePath) -> Response:
+    check_path_param("name", name)
+    service = service_of(request)
+    body: s.RenewBody = _parse_renew(await read_body(request))
+    return json_response(json.dumps(retention_json(service.control.renew(name, body.ttl_s))))
+
+
+async def release_retention(request: Request, name: NamePath) -> Response:
+    check_path_param("name", name)
+    return json_response(json.dumps(retention_json(service_of(request).control.release(name))))
+
+
+async def get_prefetch(
+    request: Request,
+    prefetch_id: Annotated[int, Path(ge=1)],
+    wait_s: Annotated[
+        float, Query(ge=0, description="wait this long for its reads to settle (capped)")
+    ] = 0.0,
+) -> Response:
+    service = service_of(request)
+    control = service.control
+    if wait_s > 0:
+        p = await control.wait(prefetch_id, min(wait_s, service.settings.job_wait_max_s))
+    else:
+        p = control.prefetch_state(prefetch_id)
+    return json_response(json.dumps(prefetch_json(p, control.now())))
+
+
+async def cancel_prefetch(request: Request, prefetch_id: Annotated[int, Path(ge=1)]) -> Response:
+    control = service_of(request).control
+    p = control.cancel(prefetch_id)
+    return json_response(json.dumps(prefetch_json(p, control.now())))
+
+
+def _add_control_routes(app: KVOffloadAPI) -> None:
+    """Retentions and prefetches of the caller's namespace, by name and id."""
+    app.add_api_route(
+        "/v1/retentions",
+        list_retentions,
+        methods=["GET"],
+        name="list_retentions",
+        operation_id="list_retentions",
+        summary="The namespace's live retentions, oldest first",
+        tags=["cache-control"],
+        response_model=s.RetentionsAnswer,
+        responses=responses(503),
+    )
+    app.add_api_route(
+        "/v1/retentions/{name}",
+        get_retention,
+        methods=["GET"],
+        name="get_retention",
+        operation_id="get_retention",
+        summary="One retention",
+        tags=["cache-control"],
+        response_model=s.RetentionAnswer,
+        responses=responses(404, 422),
+    )
+    app.router.add_api_route(
+        "/v1/retentions/{name}/renew",
+        renew_retention,
+        methods=["POST"],
+        name="renew_retention",
+        operation_id="renew_retention",
+        summary="Restart a retention's TTL from now",
+        tags=["cache-control"],
+        response_model=s.RetentionAnswer,
+        responses=responses(BODY_ERRORS, 404),
+        openapi_extra=app.json_body(s.RenewBody),
+        route_class_override=RawRoute,
+    )
+    app.add_api_route(
+        "/v1/retentions/{name}",
+        release_retention,
+        methods=["DELETE"],
+        name="release_retention",
+        operation_id="release_retention",
+        summary="End a retention now: its blocks are evictable again; what it was",
+        tags=["cache-control"],
+        response_model=s.RetentionAnswer,
+        responses=responses(404, 422),
+    )
+    app.add_api_route(
+        "/v1/prefetches/{prefetch_id}",
+        get_prefetch,
+        methods=["GET"],
+        name="get_prefetch",
+        operation_id="get_prefetch",
+        summary="A prefetch's state and counts (wait_s: long-poll until its reads settle)",
+        tags=["cache-control"],
+        response_model=s.PrefetchAnswer,
+        responses=responses(404, 422),
+    )
+    app.add_api_route(
+        "/v1/prefetches/{prefetch_id}",
+        cancel_prefetch,
+        methods=["DELETE"],
+        name="cancel_prefetch",
+        operation_id="cancel_prefetch",
+        summary="Cancel a prefetch: its holds end now (wasted); what it was",
+        tags=["cache-control"],
+        response_model=s.PrefetchAnswer,
+        responses=responses(404, 422),
     )
