@@ -16,8 +16,9 @@ the value and what is accepted (``ConfigError``), and exit status 2.
 ``KVOFFLOAD_ADMIN_URL`` or ``http://127.0.0.1:8001``; the token from the sources the service
 reads it from, ``app.settings.AdminAuth``: ``--admin-token-file``, ``KVOFFLOAD_ADMIN_TOKEN``,
 ``KVOFFLOAD_ADMIN_TOKEN_FILE``, the config file): ``policy get``, ``policy set NAME
-[--param k=v ...] [--if-match GEN]``, ``stats``, ``requests``, ``release REQ_ID``, ``clear``.
-Answers are a table on a terminal and JSON otherwise (``--json``, ``--table`` choose).
+[--param k=v ...] [--if-match GEN]``, ``stats``, ``requests``, ``release REQ_ID``, ``clear``,
+``retentions list``, ``retentions release NAME`` (``--namespace`` names the namespace they act
+on). Answers are a table on a terminal and JSON otherwise (``--json``, ``--table`` choose).
 
 Exit status: 0 success, 1 runtime failure (the service or the call failed), 2 usage or
 invalid settings; 141 (as a process killed by SIGPIPE) when the reader of stdout went away.
@@ -186,7 +187,14 @@ def _build_parser() -> argparse.ArgumentParser:
     what.add_parser("requests", help="tracked requests and their leases")
     release = what.add_parser("release", help="force-release a request's leases")
     release.add_argument("req_id")
-    what.add_parser("clear", help="drop every unpinned block")
+    what.add_parser("clear", help="drop every block not pinned, retained or pending")
+    retentions = what.add_parser("retentions", help="list or release the namespace's retentions")
+    retention_cmd = retentions.add_subparsers(dest="retentions_command", required=True)
+    retention_cmd.add_parser("list", help="live retentions, retained blocks and their bound")
+    release_retention = retention_cmd.add_parser(
+        "release", help="end a retention now (audited): its blocks are evictable again"
+    )
+    release_retention.add_argument("name", help="retention name")
     what.add_parser("tenants", help="every tenant: quotas, use, namespaces")
     return parser
 
@@ -287,6 +295,11 @@ def _admin(args: argparse.Namespace) -> int:
             call = lambda c: c.set_policy(  # noqa: E731
                 args.name, dict(args.param), if_match=args.if_match
             )
+    elif args.admin_command == "retentions":
+        if args.retentions_command == "list":
+            call = lambda c: c.retentions()  # noqa: E731
+        else:
+            call = lambda c: c.release_retention(args.name)  # noqa: E731
     elif args.admin_command == "log-level":
         if args.level_command == "get":
             call = lambda c: c.log_level()  # noqa: E731

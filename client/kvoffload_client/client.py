@@ -25,6 +25,13 @@ clients execute the same descriptions, so they cannot drift apart.
 
 ``Batch`` builds the ops of ``POST /v1/batch``; ``batch()`` returns one ``OpResult`` per op (an
 op that failed carries its ``KVOffloadError``; the others still ran).
+
+Cache control (both clients, and ``Batch`` for the four request-scoped verbs): ``retain`` keeps
+keys in the pool against eviction for a TTL under a retention name (``retentions``,
+``retention``, ``renew_retention``, ``release_retention`` manage them by name); ``prefetch``
+brings keys below the pool into it and holds them until a load pins them or its deadline passes
+(``prefetch_state``, ``cancel_prefetch`` by id); ``demote`` and ``drop`` move keys out of the
+pool now (to the tiers below, or away).
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from kvoffload_client.pool_socket import register_kv_cache as _register_over_soc
 
 T = TypeVar("T")
 JobState = Literal["running", "done", "failed"]
+PrefetchState = Literal["promoting", "held", "done", "cancelled"]
 _UDS_BASE = "http://kvoffload"
 _JSON_HEADERS = {"content-type": "application/json"}
 NAMESPACE_HEADER = "X-KVOffload-Namespace"
@@ -76,9 +84,10 @@ class KVOffloadPermissionError(KVOffloadError):
 
 
 class KVOffloadQuotaError(KVOffloadError):
-    """429 (a tenant's pins or live requests) or 507 (no room among the namespace's blocks):
-    nothing was done. ``quota`` is the quota the answer names (``pins``, ``requests``,
-    ``blocks``), None when it names none."""
+    """429 (a tenant's pins or live requests, a namespace's retained blocks, retentions or
+    prefetching keys) or 507 (no room among the namespace's blocks): nothing was done. ``quota``
+    is the quota the answer names (``pins``, ``requests``, ``blocks``, ``retained_blocks``,
+    ``retentions``, ``prefetch_keys``), None when it names none."""
 
     def __init__(self, status: int, code: str, message: str, quota: str | None = None) -> None:
         super().__init__(status, code, message)
@@ -363,6 +372,76 @@ class Pool:
 
 
 @dataclass(frozen=True, slots=True)
+class Retention:
+    """A retention: its ``name``, how many ``keys`` it names and how many of them are ready in
+    the pool (``in_pool``), its ``ttl_s``, the seconds until it ends (``expires_in_s``) and
+    since it was created (``age_s``)."""
+
+    name: str
+    keys: int
+    in_pool: int
+    ttl_s: float
+    expires_in_s: float
+    age_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Retained:
+    """What ``retain`` did: the retention as it is now (``name`` .. ``age_s``, as
+    ``Retention``), whether this call ``created`` it, how many keys it ``added``, each asked
+    key's state when retained (``results``: ``hit``, ``pending``, or the name of the tier below
+    the pool it is promoted from) and how many keys are on their way up (``promoting``)."""
+
+    name: str
+    keys: int
+    in_pool: int
+    ttl_s: float
+    expires_in_s: float
+    age_s: float
+    created: bool
+    added: int
+    results: list[str]
+    promoting: int
+
+
+@dataclass(frozen=True, slots=True)
+class Retentions:
+    """The namespace's live retentions, oldest first; the distinct blocks they retain and the
+    namespace's bound on them."""
+
+    retentions: list[Retention]
+    retained_blocks: int
+    max_retained_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class Prefetch:
+    """A prefetch: its id (for ``prefetch_state`` / ``cancel_prefetch``), the request that
+    named it, its ``state`` (``promoting``: reads in flight; ``held``: landed, waiting for a
+    load; ``done``; ``cancelled``), seconds until its holds end, its ``counts`` (``hit``,
+    ``promoted``, ``pending``, ``miss``, ``refused``, ``landed``, ``failed``, ``used``,
+    ``wasted``) and, in ``prefetch``'s answer only, each key's state when it started
+    (``results``: ``hit``, ``pending``, a tier name, ``miss``, ``refused``; else None)."""
+
+    prefetch_id: int
+    req_id: str
+    state: PrefetchState
+    deadline_in_s: float
+    counts: dict[str, int]
+    results: list[str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Hint:
+    """What ``demote`` or ``drop`` did: the keys it ``moved`` out of the pool, and how many of
+    the others stayed and why (``kept``: ``pinned``, ``retained``, ``pending``,
+    ``not_in_pool``)."""
+
+    moved: list[bytes]
+    kept: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
 class OpResult:
     """One batch op: ``result`` (the op's JSON answer) when ``ok``, else ``error``."""
 
@@ -389,7 +468,7 @@ class _Call(Generic[T]):
     path: str
     body: Any
     read: Callable[[Any], T]
-    params: Mapping[str, str | int] | None = None
+    params: Mapping[str, str | int | float] | None = None
 
 
 def _none(_: Any) -> None:
@@ -422,6 +501,56 @@ def _events(d: Mapping[str, Any]) -> EventsPage:
         fell_behind=d["fell_behind"],
         instance=d["instance"],
     )
+
+
+def _retention(d: Mapping[str, Any]) -> Retention:
+    return Retention(
+        name=d["name"],
+        keys=d["keys"],
+        in_pool=d["in_pool"],
+        ttl_s=d["ttl_s"],
+        expires_in_s=d["expires_in_s"],
+        age_s=d["age_s"],
+    )
+
+
+def _retained(d: Mapping[str, Any]) -> Retained:
+    return Retained(
+        name=d["name"],
+        keys=d["keys"],
+        in_pool=d["in_pool"],
+        ttl_s=d["ttl_s"],
+        expires_in_s=d["expires_in_s"],
+        age_s=d["age_s"],
+        created=d["created"],
+        added=d["added"],
+        results=list(d["results"]),
+        promoting=d["promoting"],
+    )
+
+
+def _retentions(d: Mapping[str, Any]) -> Retentions:
+    return Retentions(
+        retentions=[_retention(r) for r in d["retentions"]],
+        retained_blocks=d["retained_blocks"],
+        max_retained_blocks=d["max_retained_blocks"],
+    )
+
+
+def _prefetch(d: Mapping[str, Any]) -> Prefetch:
+    results = d.get("results")
+    return Prefetch(
+        prefetch_id=d["prefetch_id"],
+        req_id=d["req_id"],
+        state=d["state"],
+        deadline_in_s=d["deadline_in_s"],
+        counts=dict(d["counts"]),
+        results=None if results is None else list(results),
+    )
+
+
+def _hint(d: Mapping[str, Any]) -> Hint:
+    return Hint(moved=_unhex(d["moved"]), kept=dict(d["kept"]))
 
 
 def _batch(d: Mapping[str, Any]) -> list[OpResult]:
@@ -534,6 +663,26 @@ class Batch:
             device_blocks=list(device_blocks),
             **extra,
         )
+
+    def retain(
+        self, req_id: str, keys: Sequence[bytes], ttl_s: float, name: str | None = None
+    ) -> Batch:
+        """Add ``retain`` (see ``KVOffloadClient.retain``; its result is a ``RetainAnswer``)."""
+        extra = {} if name is None else {"name": name}
+        return self._add("retain", req_id, keys=_hex(keys), ttl_s=float(ttl_s), **extra)
+
+    def prefetch(self, req_id: str, keys: Sequence[bytes], deadline_s: float) -> Batch:
+        """Add ``prefetch`` (see ``KVOffloadClient.prefetch``; its result is a
+        ``PrefetchAnswer`` with ``results``)."""
+        return self._add("prefetch", req_id, keys=_hex(keys), deadline_s=float(deadline_s))
+
+    def demote(self, req_id: str, keys: Sequence[bytes]) -> Batch:
+        """Add ``demote`` (see ``KVOffloadClient.demote``)."""
+        return self._add("demote", req_id, keys=_hex(keys))
+
+    def drop(self, req_id: str, keys: Sequence[bytes]) -> Batch:
+        """Add ``drop`` (see ``KVOffloadClient.drop``)."""
+        return self._add("drop", req_id, keys=_hex(keys))
 
 
 def _wait_event(handle: bytes) -> dict[str, str]:
@@ -679,6 +828,50 @@ class _Engine:
     @staticmethod
     def readyz() -> _Call[bool]:
         return _Call("GET", "/readyz", None, lambda d: d["status"] == "ready")
+
+    @staticmethod
+    def retain(
+        req_id: str, keys: Sequence[bytes], ttl_s: float, name: str | None
+    ) -> _Call[Retained]:
+        body: dict[str, Any] = {"keys": _hex(keys), "ttl_s": float(ttl_s)}
+        if name is not None:
+            body["name"] = name
+        return _Call("POST", _req(req_id, "/retain"), body, _retained)
+
+    @staticmethod
+    def retentions() -> _Call[Retentions]:
+        return _Call("GET", "/v1/retentions", None, _retentions)
+
+    @staticmethod
+    def retention(name: str) -> _Call[Retention]:
+        return _Call("GET", f"/v1/retentions/{_segment(name)}", None, _retention)
+
+    @staticmethod
+    def renew_retention(name: str, ttl_s: float) -> _Call[Retention]:
+        path = f"/v1/retentions/{_segment(name)}/renew"
+        return _Call("POST", path, {"ttl_s": float(ttl_s)}, _retention)
+
+    @staticmethod
+    def release_retention(name: str) -> _Call[Retention]:
+        return _Call("DELETE", f"/v1/retentions/{_segment(name)}", None, _retention)
+
+    @staticmethod
+    def prefetch(req_id: str, keys: Sequence[bytes], deadline_s: float) -> _Call[Prefetch]:
+        body = {"keys": _hex(keys), "deadline_s": float(deadline_s)}
+        return _Call("POST", _req(req_id, "/prefetch"), body, _prefetch)
+
+    @staticmethod
+    def prefetch_state(prefetch_id: int, wait_s: float) -> _Call[Prefetch]:
+        params = {"wait_s": float(wait_s)} if wait_s > 0 else None
+        return _Call("GET", f"/v1/prefetches/{int(prefetch_id)}", None, _prefetch, params)
+
+    @staticmethod
+    def cancel_prefetch(prefetch_id: int) -> _Call[Prefetch]:
+        return _Call("DELETE", f"/v1/prefetches/{int(prefetch_id)}", None, _prefetch)
+
+    @staticmethod
+    def hint(verb: Literal["demote", "drop"], req_id: str, keys: Sequence[bytes]) -> _Call[Hint]:
+        return _Call("POST", _req(req_id, f"/{verb}"), {"keys": _hex(keys)}, _hint)
 
 
 def _request_kwargs(call: _Call[Any]) -> dict[str, Any]:
@@ -957,6 +1150,62 @@ class KVOffloadClient(_SyncClient):
         """True when ``/readyz`` says ready."""
         return self._call(_Engine.readyz(), ok_statuses=(503,))
 
+    # ------------------------------------------------------------------ cache control
+
+    def retain(
+        self, req_id: str, keys: Sequence[bytes], ttl_s: float, name: str | None = None
+    ) -> Retained:
+        """Keep ``keys`` in the pool against eviction for ``ttl_s`` seconds as retention
+        ``name`` (default: ``req_id``, which need not be a started request); keys below the pool
+        are promoted and kept once they land. A name that exists gets the keys it lacks and its
+        TTL restarted (``created`` False). Raises ``KVOffloadError`` 404 ``unknown_keys`` (a key
+        held nowhere; nothing changes), 422 (a bad ``ttl_s`` or ``name``, a TTL over the
+        service's bound) and ``KVOffloadQuotaError`` 429 (``retained_blocks``,
+        ``retentions``)."""
+        return self._call(_Engine.retain(req_id, keys, ttl_s, name))
+
+    def retentions(self) -> Retentions:
+        """The namespace's live retentions, oldest first."""
+        return self._call(_Engine.retentions())
+
+    def retention(self, name: str) -> Retention:
+        """Retention ``name`` (``KVOffloadError`` 404 ``unknown_retention``)."""
+        return self._call(_Engine.retention(name))
+
+    def renew_retention(self, name: str, ttl_s: float) -> Retention:
+        """Restart retention ``name``'s TTL as ``ttl_s`` from now (404 ``unknown_retention``)."""
+        return self._call(_Engine.renew_retention(name, ttl_s))
+
+    def release_retention(self, name: str) -> Retention:
+        """End retention ``name`` now (its blocks are evictable again); what it was (404
+        ``unknown_retention``)."""
+        return self._call(_Engine.release_retention(name))
+
+    def prefetch(self, req_id: str, keys: Sequence[bytes], deadline_s: float) -> Prefetch:
+        """Bring the ``keys`` below the pool into it and hold them, with those the pool has,
+        until a load pins them or ``deadline_s`` seconds pass; the answer has ``results``.
+        ``KVOffloadQuotaError`` 429 ``prefetch_keys`` past the namespace's bound."""
+        return self._call(_Engine.prefetch(req_id, keys, deadline_s))
+
+    def prefetch_state(self, prefetch_id: int, wait_s: float = 0.0) -> Prefetch:
+        """A prefetch, live or recently finished (no ``results``); with ``wait_s`` > 0 the
+        service answers once its reads settled or ``wait_s`` (capped by its
+        ``job_wait_max_s``) passed. 404 ``unknown_prefetch``."""
+        return self._call(_Engine.prefetch_state(prefetch_id, wait_s))
+
+    def cancel_prefetch(self, prefetch_id: int) -> Prefetch:
+        """Cancel a prefetch: its holds end now (counted ``wasted``); what it is then."""
+        return self._call(_Engine.cancel_prefetch(prefetch_id))
+
+    def demote(self, req_id: str, keys: Sequence[bytes]) -> Hint:
+        """Evict the movable ``keys`` from the pool now into the tiers below (not pinned,
+        retained or pending ones). 409 ``no_lower_tier`` when the service has none."""
+        return self._call(_Engine.hint("demote", req_id, keys))
+
+    def drop(self, req_id: str, keys: Sequence[bytes]) -> Hint:
+        """Remove the movable ``keys`` from this namespace's pool now (copies below stay)."""
+        return self._call(_Engine.hint("drop", req_id, keys))
+
 
 class AsyncKVOffloadClient:
     """Asynchronous engine API client (same calls and credentials as ``KVOffloadClient``)."""
@@ -1180,6 +1429,50 @@ class AsyncKVOffloadClient:
         """True when ``/readyz`` says ready."""
         return await self._call(_Engine.readyz(), ok_statuses=(503,))
 
+    # ------------------------------------------------------------------ cache control
+
+    async def retain(
+        self, req_id: str, keys: Sequence[bytes], ttl_s: float, name: str | None = None
+    ) -> Retained:
+        """Retain ``keys`` for ``ttl_s`` seconds as ``name`` (``KVOffloadClient.retain``)."""
+        return await self._call(_Engine.retain(req_id, keys, ttl_s, name))
+
+    async def retentions(self) -> Retentions:
+        """The namespace's live retentions, oldest first."""
+        return await self._call(_Engine.retentions())
+
+    async def retention(self, name: str) -> Retention:
+        """Retention ``name`` (``KVOffloadError`` 404 ``unknown_retention``)."""
+        return await self._call(_Engine.retention(name))
+
+    async def renew_retention(self, name: str, ttl_s: float) -> Retention:
+        """Restart retention ``name``'s TTL as ``ttl_s`` from now (404 ``unknown_retention``)."""
+        return await self._call(_Engine.renew_retention(name, ttl_s))
+
+    async def release_retention(self, name: str) -> Retention:
+        """End retention ``name`` now; what it was (404 ``unknown_retention``)."""
+        return await self._call(_Engine.release_retention(name))
+
+    async def prefetch(self, req_id: str, keys: Sequence[bytes], deadline_s: float) -> Prefetch:
+        """Prefetch ``keys`` for ``deadline_s`` seconds (``KVOffloadClient.prefetch``)."""
+        return await self._call(_Engine.prefetch(req_id, keys, deadline_s))
+
+    async def prefetch_state(self, prefetch_id: int, wait_s: float = 0.0) -> Prefetch:
+        """A prefetch; with ``wait_s`` > 0 once its reads settled (``prefetch_state``)."""
+        return await self._call(_Engine.prefetch_state(prefetch_id, wait_s))
+
+    async def cancel_prefetch(self, prefetch_id: int) -> Prefetch:
+        """Cancel a prefetch: its holds end now (counted ``wasted``); what it is then."""
+        return await self._call(_Engine.cancel_prefetch(prefetch_id))
+
+    async def demote(self, req_id: str, keys: Sequence[bytes]) -> Hint:
+        """Evict the movable ``keys`` into the tiers below now (``KVOffloadClient.demote``)."""
+        return await self._call(_Engine.hint("demote", req_id, keys))
+
+    async def drop(self, req_id: str, keys: Sequence[bytes]) -> Hint:
+        """Remove the movable ``keys`` from the pool now (``KVOffloadClient.drop``)."""
+        return await self._call(_Engine.hint("drop", req_id, keys))
+
 
 class KVOffloadAdminClient(_SyncClient):
     """Synchronous admin API client; answers are the JSON objects the API returns."""
@@ -1260,5 +1553,14 @@ class KVOffloadAdminClient(_SyncClient):
         return self._json("POST", f"/admin/v1/requests/{_segment(req_id)}/release")
 
     def clear_cache(self) -> dict[str, Any]:
-        """Drop every unpinned block."""
+        """Drop every block not pinned, retained or pending."""
         return self._json("POST", "/admin/v1/cache/clear")
+
+    def retentions(self) -> dict[str, Any]:
+        """The namespace's live retentions, retained blocks and their bound."""
+        return self._json("GET", "/admin/v1/retentions")
+
+    def release_retention(self, name: str) -> dict[str, Any]:
+        """End retention ``name`` now (audited); the retention as it was (404
+        ``unknown_retention``)."""
+        return self._json("DELETE", f"/admin/v1/retentions/{_segment(name)}")

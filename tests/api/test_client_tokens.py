@@ -124,6 +124,16 @@ def every_call(c: KVOffloadClient) -> list[Callable[[], object]]:
         lambda: c.unregister_kv_cache("cache"),
         lambda: c.pool(),
         lambda: c.ready(),
+        lambda: c.retain("r1", KEY, 10.0),
+        lambda: c.retentions(),
+        lambda: c.retention("s"),
+        lambda: c.renew_retention("s", 10.0),
+        lambda: c.release_retention("s"),
+        lambda: c.prefetch("r1", KEY, 5.0),
+        lambda: c.prefetch_state(1),
+        lambda: c.cancel_prefetch(1),
+        lambda: c.demote("r1", KEY),
+        lambda: c.drop("r1", KEY),
     ]
 
 

@@ -51,5 +51,20 @@ def test_readme_engine_flow_runs_as_written_twice(tmp_path: Path) -> None:
                 assert done.returncode == 0, (run, done.stderr)
                 assert done.stdout == printed, run
                 assert not cache_file.exists(), f"the {run} run removes its cache file"
+            # Cache control, on the keys the flow stored.
+            hint = next(b for lang, b in blocks if lang == "python" and "kv.retain(" in b)
+            hint_printed = blocks[[b for _, b in blocks].index(hint) + 1][1]
+            assert hint_printed == "session-42 True 2\n2\n"
+            assert hint.count("http://127.0.0.1:8000") == 1
+            done = subprocess.run(
+                [sys.executable, "-c", hint.replace("http://127.0.0.1:8000", server.url)],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
+            assert done.returncode == 0, done.stderr
+            assert done.stdout == hint_printed
         finally:
             cache_file.unlink(missing_ok=True)  # a failed run must not leave it behind

@@ -5,7 +5,8 @@ Engine A stores a prefix, then enough other blocks to push it out of the 8-block
 evicted block is demoted: ``--disk-admit-after 1``). Engine B, with a primary tier of its own,
 looks the prefix up: the tier answers RETRY while the service brings the blocks up from disk
 (its prepare-load's 409 is expected), then HIT, and B loads the bytes A computed. No pin and no
-fault is left.
+fault is left. B's prefetches are off: this is the promotion by prepare-load
+(``tests/vllm/test_tier_prefetch.py`` covers the prefetch).
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def test_disk_key_is_promoted_and_loaded_with_the_bytes_written(
             break
         time.sleep(0.01)
     assert before["demotions"]["written"] >= len(prefix), before  # type: ignore[index]
-    b = SimEngine("t-disk-b", kv_transfer_config(f"unix://{srv.uds}", cpu_chunks=16))
+    config = kv_transfer_config(f"unix://{srv.uds}", cpu_chunks=16, prefetch_deadline_s=0)
+    b = SimEngine("t-disk-b", config)
     try:
         ctx = ReqContext(req_id="disk-b")
         b.start(ctx)

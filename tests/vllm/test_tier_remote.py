@@ -40,7 +40,10 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 def remote_engine(
     srv: ServerProcess, tmp_path: Path, turn: str, once: bool, **tier: Any
 ) -> Iterator[tuple[SimEngine, RemoteProxy]]:
-    """Engine B, whose calls go through a ``RemoteProxy`` (its pool: the service's own)."""
+    """Engine B, whose calls go through a ``RemoteProxy`` (its pool: the service's own).
+    Prefetches are off unless ``tier`` turns them on: these tests follow the promotion by
+    prepare-load (``tests/vllm/test_tier_prefetch.py`` the prefetch)."""
+    tier.setdefault("prefetch_deadline_s", 0)
     proxy = RemoteProxy(str(tmp_path / "proxy.sock"), str(srv.uds), turn, once)
     proxy.start()
     try:

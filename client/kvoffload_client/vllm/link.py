@@ -28,6 +28,7 @@ from kvoffload_client.vllm.protocol import BatchProtocol, Pending
 from kvoffload_client.vllm.state import (
     M_CALLS,
     M_FAULTS,
+    M_PREFETCHES,
     M_STORES_DROPPED,
     OWNERSHIP,
     Done,
@@ -60,6 +61,10 @@ class Link(BatchProtocol):
         # again as pending. A prepare-load that pins (they were in already) is undone.
         self.promote: dict[str, list[bytes]] = {}
         self.unpin: dict[str, list[bytes]] = {}
+        # The first keys of a request answered in a lower tier: one prefetch in the next call
+        # (``prefetch_deadline_s`` > 0), and the requests that had theirs.
+        self.prefetch: dict[str, list[bytes]] = {}
+        self.prefetched: set[str] = set()
         self.backoff = shared.retry_interval_s
         self.busy = False  # a call is being built or is in flight
         self.events = EventFollower(shared)
@@ -71,7 +76,14 @@ class Link(BatchProtocol):
         return (
             self.busy
             or not self.shared.inbox.empty()
-            or bool(self.shared.done or self.finishes or self.aborts or self.reask or self.unpin)
+            or bool(
+                self.shared.done
+                or self.finishes
+                or self.aborts
+                or self.reask
+                or self.unpin
+                or self.prefetch
+            )
         )
 
     def connect(self, refuse_mismatch: bool = False) -> bool:
@@ -234,6 +246,8 @@ class Link(BatchProtocol):
                     shared.finish_job(p.holder.transfer.job, False)
                 self.aborts.add(p.req_id)
                 self.started.discard(p.req_id)
+            elif p.kind == "prefetch":
+                shared.counters.add(M_PREFETCHES, "failed")
             elif p.kind == "finish":
                 self.finishes.append(p.req_id)
             elif p.kind == "start":

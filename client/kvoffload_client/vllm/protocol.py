@@ -1,7 +1,19 @@
 """The batch protocol of the link thread: what one ``POST /v1/batch`` carries for a bundle of
-scheduler steps (``exchange``: completions first, aborts, unpins, promotions, lookups, store and
-load reservations, touches, finishes), and how each op's answer is acted on (``on_result``).
-``Link`` (``kvoffload_client.vllm.link``) adds the connection, the thread and the faults."""
+scheduler steps (``exchange``: completions first, aborts, unpins, promotions, prefetches,
+lookups, store and load reservations, touches, finishes), and how each op's answer is acted on
+(``on_result``). ``Link`` (``kvoffload_client.vllm.link``) adds the connection, the thread and
+the faults.
+
+Keys a lookup answers a lower tier for (``disk``, ``remote``, ...) are looked up again in the
+next call, which the pending keys make the link send at the next step anyway. Ahead of that
+lookup, the same call carries, the first time for a request (``prefetched``), one ``prefetch`` of
+those keys for ``prefetch_deadline_s``: the service starts bringing them up and holds them
+until a load pins them (vLLM's load of the request) or the deadline passes, so no round trip
+is added. Any later lower-tier answer for the request, or every one with prefetches off
+(``prefetch_deadline_s`` 0), is a promotion instead: a prepare-load whose 409 is expected (and
+whose pins, when it pins, are undone). A prefetch the service refuses (429 past its bound) is
+counted (``M_PREFETCHES``, ``refused``); the lookup after it then answers the tier again and
+gets the promotion (one round trip more than without the prefetch)."""
 
 from __future__ import annotations
 
@@ -18,6 +30,7 @@ from kvoffload_client.vllm.keys import service_key
 from kvoffload_client.vllm.pool import MappedPool
 from kvoffload_client.vllm.state import (
     M_FAULTS,
+    M_PREFETCHES,
     PENDING_WAIT_S,
     Copy,
     Probe,
@@ -35,7 +48,7 @@ from kvoffload_client.vllm.state import (
 class Pending:
     """What an op in a batch was for, to act on its result."""
 
-    kind: str  # start, lookup, promote, store, load, touch, complete, finish, abort
+    kind: str  # start, lookup, promote, prefetch, store, load, touch, complete, finish, abort
     req_id: str
     probes: Sequence[ProbeRef] = ()
     holder: Holder | None = None
@@ -104,6 +117,10 @@ class BatchProtocol:
     # pending. A prepare-load that pins (they were in already) is undone.
     promote: dict[str, list[bytes]]
     unpin: dict[str, list[bytes]]
+    # Keys answered in a lower tier, to prefetch in the next call for their request (the
+    # request's first such answer only), and the requests whose prefetch was sent.
+    prefetch: dict[str, list[bytes]]
+    prefetched: set[str]
 
     def connect(self) -> bool:
         raise NotImplementedError
@@ -181,6 +198,14 @@ class BatchProtocol:
                     batch.prepare_load(req_id, part)
                     add("promote", req_id, skeys=part)
         self.promote = {}
+        deadline_s = shared.prefetch_deadline_s
+        for req_id, skeys in self.prefetch.items():
+            if req_id in self.started and not final:
+                self.prefetched.add(req_id)
+                for part in in_parts(skeys, shared.max_keys):
+                    batch.prefetch(req_id, part, deadline_s)
+                    add("prefetch", req_id, skeys=part)
+        self.prefetch = {}
         prefix = shared.prefix
         for req_id, refs in step.lookups.items():
             begin(req_id)
@@ -207,6 +232,7 @@ class BatchProtocol:
         finishes, self.finishes = self.finishes, []
         for req_id in finishes:
             self.params.pop(req_id, None)
+            self.prefetched.discard(req_id)
             if req_id in self.started:
                 self.started.discard(req_id)
                 # At shutdown no copy runs any more: an abort gives back whatever a cancelled
@@ -219,6 +245,7 @@ class BatchProtocol:
                 add("abort", req_id)
             self.started.clear()
             self.aborts.clear()
+            self.prefetched.clear()
         if batch.ops:
             self.send(batch, pending)
 
@@ -251,9 +278,17 @@ class BatchProtocol:
                     self.reask.setdefault(p.req_id, []).append(ref)
                     if in_lower_tier(state):
                         skey = service_key(shared.prefix, ref[0])
-                        self.promote.setdefault(p.req_id, []).append(skey)
+                        self._bring_up(p.req_id, skey)
                 else:
                     probe.result = state == "hit"
+        elif p.kind == "prefetch":
+            if res.ok:
+                shared.counters.add(M_PREFETCHES, "started")
+            elif res.status == 429:  # past the service's bound: the lookup after it promotes
+                shared.counters.add(M_PREFETCHES, "refused")
+            else:
+                shared.counters.add(M_PREFETCHES, "failed")
+                shared.counters.add(M_FAULTS, f"prefetch_{res.status}")
         elif p.kind == "promote":
             if res.ok:  # already in the pool: it pinned them, which nobody will load
                 self.unpin.setdefault(p.req_id, []).extend(p.skeys)
@@ -263,6 +298,14 @@ class BatchProtocol:
             self.on_transfer(res, p, p.holder, stale_pool)
         elif not res.ok and not (p.kind in ("finish", "abort") and res.status == 404):
             shared.counters.add(M_FAULTS, f"{p.kind}_{res.status}")
+
+    def _bring_up(self, req_id: str, skey: bytes) -> None:
+        """Queue ``skey`` (answered in a lower tier for ``req_id``) for the next call: in the
+        request's prefetch if it has had none and prefetches are on, else as a promotion."""
+        if self.shared.prefetch_deadline_s > 0 and req_id not in self.prefetched:
+            self.prefetch.setdefault(req_id, []).append(skey)
+        else:
+            self.promote.setdefault(req_id, []).append(skey)
 
     @staticmethod
     def _still_waiting(probe: Probe) -> bool:

@@ -41,6 +41,7 @@ M_FAULTS = "vllm:kv_offload_kvoffload_faults"
 M_STORES_DROPPED = "vllm:kv_offload_kvoffload_stores_dropped_blocks"
 M_LOADS_FAILED = "vllm:kv_offload_kvoffload_loads_failed_blocks"
 M_AVAILABLE = "vllm:kv_offload_kvoffload_available"
+M_PREFETCHES = "vllm:kv_offload_kvoffload_prefetches"
 #: The pool's own lookup answers. Any other answer names the tier below the pool that holds
 #: the key (``disk``, ``remote``, or whatever tier the service runs): a prepare-load promotes it.
 POOL_STATES = frozenset(("hit", "pending", "miss"))
@@ -58,6 +59,9 @@ def not_yet(state: str | None) -> bool:
 
 
 PENDING_WAIT_S = 0.5  # a key another engine is storing is asked again this long, then MISS
+#: How long the service holds what a request's prefetch brought up for the request's load
+#: (the tier's ``prefetch_deadline_s`` default; 0 turns prefetches off).
+PREFETCH_DEADLINE_S = 10.0
 TOKEN_FILE_ENV = "KVOFFLOAD_TOKEN_FILE"  # where token_file comes from when the config has none
 
 
@@ -80,6 +84,12 @@ METRIC_DEFINITIONS: dict[str, OffloadingMetricMetadata] = {
     ),
     M_AVAILABLE: OffloadingGaugeMetadata(
         documentation="1 while the kvoffload service answers, 0 during a fault.",
+    ),
+    M_PREFETCHES: OffloadingCounterMetadata(
+        documentation="Prefetches the kvoffload tier issued (one per request whose lookup "
+        "found keys in a tier below the service's pool), by outcome: started, refused (the "
+        "service's bound on prefetching keys; promoted instead), failed (an error or no answer).",
+        labelnames=("outcome",),
     ),
 }
 
@@ -256,8 +266,9 @@ class Shared:
     Settings (read only): ``client``, ``prefix`` (the key namespace digest), ``block_size_bytes``,
     ``max_keys`` (per op), ``max_params`` (bytes of ``kv_transfer_params``), ``retry_interval_s``,
     ``events_enabled`` / ``events_interval_s``, ``locality``, ``pool_socket``,
-    ``service_namespace``. Fault state: ``incident``, ``down_until`` (lookups MISS and stores
-    drop until this monotonic time), ``disabled`` (set for good by a configuration error).
+    ``service_namespace``, ``prefetch_deadline_s`` (0: no prefetches). Fault state:
+    ``incident``, ``down_until`` (lookups MISS and stores drop until this monotonic time),
+    ``disabled`` (set for good by a configuration error).
     Between the threads: ``inbox`` (steps, scheduler to link; None stops it), ``done`` (ended
     copies whose completions the link sends), ``results`` (jobs' ends, for the scheduler),
     ``events`` (KV events for vLLM). ``primary`` is vLLM's primary tier, one row per chunk.
@@ -280,6 +291,7 @@ class Shared:
         locality: Locality | None,
         pool_socket: str | None,
         service_namespace: str | None,
+        prefetch_deadline_s: float = 0.0,
     ) -> None:
         self.client = client
         self.prefix = prefix
@@ -293,6 +305,7 @@ class Shared:
         self.locality = locality
         self.pool_socket = pool_socket
         self.service_namespace = service_namespace
+        self.prefetch_deadline_s = prefetch_deadline_s
         self.counters = Counters()
         self.incident = Incident(url)
         self.down_until = 0.0

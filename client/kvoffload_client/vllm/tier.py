@@ -4,6 +4,7 @@ jobs' ends and the stats reported through vLLM (see the package docstring for th
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -41,6 +42,7 @@ from kvoffload_client.vllm.state import (
     M_LOADS_FAILED,
     M_STORES_DROPPED,
     METRIC_DEFINITIONS,
+    PREFETCH_DEADLINE_S,
     TOKEN_FILE_ENV,
     Job,
     Probe,
@@ -68,10 +70,14 @@ class KVOffloadTier(SecondaryTierManager):  # type: ignore[misc,unused-ignore]
     call, 2.0), ``connect_timeout_s`` (0.5), ``job_deadline_s`` (10.0), ``retry_interval_s``
     (first back-off after a fault, 0.5), ``events_interval_s`` (KV events poll period when
     vLLM's KV events are on, 1.0), ``max_keys_per_op`` (8192), ``max_transfer_params_bytes``
-    (16384), ``locality`` (``LOCAL``).
+    (16384), ``locality`` (``LOCAL``), ``prefetch_deadline_s`` (10.0: when a request's lookup
+    finds keys in a tier below the service's pool, one prefetch of them, riding the call that
+    asks them again, has the service bring them up and hold them this long for the request's
+    load; 0 turns prefetches off, and such keys are promoted by a prepare-load instead; the
+    service refuses more than its ``prefetch_max_deadline_s``).
 
-    A token file that cannot be read or holds no token refuses the engine's start
-    (``ValueError`` naming the file).
+    A token file that cannot be read or holds no token, or a ``prefetch_deadline_s`` that is
+    not a finite number >= 0, refuses the engine's start (``ValueError`` naming it).
     """
 
     medium: ClassVar[Medium] = Medium.CPU
@@ -94,9 +100,11 @@ class KVOffloadTier(SecondaryTierManager):  # type: ignore[misc,unused-ignore]
         max_keys_per_op: int = 8192,
         max_transfer_params_bytes: int = 16384,
         locality: str | None = "LOCAL",
+        prefetch_deadline_s: float = PREFETCH_DEADLINE_S,
         backpressure_detector: BackpressureDetector | None = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        prefetch_deadline_s = check_prefetch_deadline(prefetch_deadline_s)
         self.locality = Locality(locality) if locality is not None else None
         stride = self.block_size_bytes
         self._namespace = namespace or offloading_spec.config.model.name
@@ -128,6 +136,7 @@ class KVOffloadTier(SecondaryTierManager):  # type: ignore[misc,unused-ignore]
             locality=self.locality,
             pool_socket=pool_socket,
             service_namespace=service_namespace,
+            prefetch_deadline_s=prefetch_deadline_s,
         )
         self.counters = shared.counters
 
@@ -337,6 +346,23 @@ class KVOffloadTier(SecondaryTierManager):  # type: ignore[misc,unused-ignore]
         self._reported = current
         stats.set_gauge(M_AVAILABLE, 0.0 if self._shared.incident.active else 1.0)
         return stats
+
+
+def check_prefetch_deadline(value: object) -> float:
+    """``prefetch_deadline_s`` as a float: a finite number >= 0 (0: no prefetches), else
+    ``ValueError`` naming the key and the value."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        deadline = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        deadline = math.nan
+    if not (math.isfinite(deadline) and deadline >= 0):
+        raise ValueError(
+            f"kvoffload tier prefetch_deadline_s must be a finite number >= 0 (0: no "
+            f"prefetches), got {value!r}"
+        )
+    return deadline
 
 
 def parse_url(url: str) -> tuple[str | None, str | None]:
