@@ -181,6 +181,7 @@ bench: setup
 	$(PY) bench/log_flood.py
 	$(PY) bench/pool_idle.py
 	$(PY) bench/tenant_hardening.py
+	$(PY) bench/control.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis bench/results

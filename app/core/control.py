@@ -150,8 +150,10 @@ class Control:
         self._below: dict[BlockKey, str] = {}
         self._prefetches: dict[int, Prefetch] = {}
         self._finished: collections.OrderedDict[int, Prefetch] = collections.OrderedDict()
-        # Per key, the live prefetches holding it (each with one ``OffloadManager.hold``).
+        # Per key, the live prefetches holding it (each with one ``OffloadManager.hold``), and
+        # those whose promotion is bringing it up (a load may pin it before they hold it).
         self._holders: dict[BlockKey, set[int]] = {}
+        self._coming: dict[BlockKey, set[int]] = {}
         self._prefetch_keys = 0  # keys promoting or held by prefetches, summed
         self._won = [0] * (len(WON_BUCKETS) + 1)
         self._won_sum = 0.0
@@ -312,7 +314,8 @@ class Control:
 
     # ------------------------------------------------------------------ prefetch
 
-    def _check_deadline(self, deadline_s: float) -> float:
+    def check_deadline(self, deadline_s: float) -> float:
+        """``deadline_s`` as a float; ``InvalidArgumentError`` unless 0 < it <= the bound."""
         bound = self.settings.prefetch_max_deadline_s
         try:
             deadline = check_ttl(deadline_s)
@@ -327,11 +330,25 @@ class Control:
 
     async def prefetch(self, keys: Sequence[BlockKey], deadline_s: float, req_id: str) -> Prefetch:
         """Start prefetching ``keys`` for ``deadline_s``; see the module docstring."""
-        deadline = self._check_deadline(deadline_s)
+        self.check_deadline(deadline_s)
         if not keys:
             raise InvalidArgumentError("keys: at least one key to prefetch")
         distinct = list(dict.fromkeys(keys))
         states = await self._states(distinct, req_id)
+        return self.start_prefetch(keys, distinct, states, deadline_s, req_id)
+
+    def start_prefetch(
+        self,
+        keys: Sequence[BlockKey],
+        distinct: list[BlockKey],
+        states: Sequence[str | None],
+        deadline_s: float,
+        req_id: str,
+    ) -> Prefetch:
+        """``prefetch`` once each of the ``distinct`` keys' state is known (``states``: hit,
+        pending, a tier's name, None for nowhere; a lookup that knows them calls this in the
+        same step); ``keys`` in the caller's order, for the answer."""
+        deadline = self.check_deadline(deadline_s)
         manager = self.manager
         hits = [k for k, s in zip(distinct, states, strict=True) if s == HIT]
         below = [k for k, s in zip(distinct, states, strict=True) if s not in (HIT, PENDING, None)]
@@ -361,6 +378,8 @@ class Control:
                     by_key[key] = REFUSED
             p.counts["promoted"] = len(p.promoting)
             self._prefetch_keys += len(p.promoting)
+            for key in p.promoting:
+                self._coming.setdefault(key, set()).add(p.prefetch_id)
             if tasks:
                 self._on_event()
         if not p.promoting:
@@ -385,6 +404,7 @@ class Control:
         """``p``'s promotions settled: hold what landed (the promotions still hold it until
         their own holds are let go of, just after this)."""
         manager = self.manager
+        self._forget_coming(p, p.promoting)
         landed = [k for k in p.promoting if manager.is_ready(k)]
         self._prefetch_keys -= len(p.promoting)
         failed = len(p.promoting) - len(landed)
@@ -403,9 +423,22 @@ class Control:
         p.settled.set()
         self._maybe_finish(p)
 
+    def _forget_coming(self, p: Prefetch, keys: Iterable[BlockKey]) -> None:
+        coming = self._coming
+        for key in keys:
+            ids = coming.get(key)
+            if ids is not None:
+                ids.discard(p.prefetch_id)
+                if not ids:
+                    del coming[key]
+
     def loaded(self, keys: Sequence[BlockKey]) -> None:
-        """A load pinned ``keys``: the prefetches holding any of them are used, and let go."""
-        holders = self._holders
+        """A load pinned ``keys``: the prefetches holding any of them, or bringing them up
+        (the load pinned what their read just landed, before they could hold it), are used,
+        and let go."""
+        holders, coming = self._holders, self._coming
+        if coming and not coming.keys().isdisjoint(keys):
+            self._loaded_coming(keys)
         if not holders or holders.keys().isdisjoint(keys):
             return
         for key in keys:
@@ -427,6 +460,26 @@ class Control:
                 p.counts["used"] += 1
                 self.counts["prefetch_used"] += 1
                 self._maybe_finish(p)
+
+    def _loaded_coming(self, keys: Sequence[BlockKey]) -> None:
+        """A load pinned keys a prefetch's promotion is bringing up: they landed and are used,
+        and the prefetch will not hold them when its promotion settles."""
+        now = self._clock()
+        for key in keys:
+            ids = self._coming.pop(key, None)
+            for pid in ids or ():
+                p = self._prefetches.get(pid)
+                if p is None or p.cancelled or key not in p.promoting:
+                    continue
+                p.promoting.discard(key)
+                self._prefetch_keys -= 1
+                p.counts["landed"] += 1
+                if not p.counts["used"]:
+                    self._observe_won(now - p.started_at)
+                p.counts["used"] += 1
+                self.counts["prefetch_used"] += 1
+                if not p.promoting:
+                    p.landed_at = now
 
     def _let_go(self, p: Prefetch, outcome: str) -> None:
         """Release every hold of ``p``, each key counted as ``outcome``."""
@@ -602,8 +655,8 @@ class Control:
         keys = CounterMetricFamily(
             f"{PREFIX}_prefetch_keys",
             "Prefetched keys by outcome: at the start hit (held), promoted, pending, miss, "
-            "refused (no room); at the end used (a load pinned it while held), wasted "
-            "(deadline or cancel first), failed (the read failed).",
+            "refused (no room, or a lookup's prefetch past the bound); at the end used (a load "
+            "pinned it while held), wasted (deadline or cancel first), failed (the read failed).",
             labels=["outcome"],
         )
         for outcome in (HIT, "promoted", PENDING, MISS, REFUSED, "used", "wasted", "failed"):

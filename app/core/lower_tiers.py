@@ -211,6 +211,14 @@ class TierChain:
         """The promotions in flight for ``req_id`` on every tier."""
         return [t for tier in self.tiers for t in tier.promotions.running_for(req_id)]
 
+    def promotions_covering(self, keys: Sequence[BlockKey]) -> set[asyncio.Task[None]]:
+        """The promotions in flight bringing any of ``keys`` up, on every tier, whoever
+        started them."""
+        out: set[asyncio.Task[None]] = set()
+        for tier in self.tiers:
+            out |= tier.promotions.covering(keys)
+        return out
+
     def loaded(self, req_id: str, keys: Sequence[BlockKey]) -> None:
         """Request ``req_id`` pinned ``keys`` with its own load."""
         for tier in self.tiers:

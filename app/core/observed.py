@@ -125,9 +125,15 @@ class ObservedManager:
         these."""
         return self.tiers.promote(keys, req_id, protect, self.manager)
 
-    def promotions_for(self, req_id: str) -> list[asyncio.Task[None]]:
-        """The promotions in flight for ``req_id`` on every lower tier."""
-        return self.tiers.promotions_for(req_id)
+    def promotions_for(
+        self, req_id: str, pending: Sequence[BlockKey] = ()
+    ) -> list[asyncio.Task[None]]:
+        """The promotions in flight for ``req_id`` on every lower tier, and those (of any
+        request, a prefetch) bringing up any of ``pending``."""
+        tasks = self.tiers.promotions_for(req_id)
+        if pending:
+            tasks = list({*tasks, *self.tiers.promotions_covering(pending)})
+        return tasks
 
     def touch(self, keys: Sequence[BlockKey], ctx: ReqContext) -> None:
         """Mark keys recently used."""

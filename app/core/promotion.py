@@ -50,6 +50,7 @@ class Promotions:
         self._held_for: dict[str, set[BlockKey]] = {}
         self._running: dict[str, set[asyncio.Task[None]]] = {}  # by the engine's request
         self._internal: dict[str, str] = {}  # internal request -> the engine's, in flight
+        self._by_key: dict[BlockKey, asyncio.Task[None]] = {}  # the promotion bringing it up
         self._ids = itertools.count()
         self.counts: collections.Counter[str] = collections.Counter()
 
@@ -90,19 +91,33 @@ class Promotions:
         self._internal[ctx.req_id] = req_id
         tasks = self._running.setdefault(req_id, set())
         tasks.add(task)
-        task.add_done_callback(lambda t: self._done(req_id, t))
+        brought = out.keys_to_store
+        self._by_key.update(dict.fromkeys(brought, task))
+        task.add_done_callback(lambda t: self._done(req_id, t, brought))
         return task
 
-    def _done(self, req_id: str, task: asyncio.Task[None]) -> None:
+    def _done(self, req_id: str, task: asyncio.Task[None], keys: list[BlockKey]) -> None:
         tasks = self._running.get(req_id)
         if tasks is not None:
             tasks.discard(task)
             if not tasks:
                 del self._running[req_id]
+        by_key = self._by_key
+        for key in keys:
+            if by_key.get(key) is task:
+                del by_key[key]
 
     def running_for(self, req_id: str) -> list[asyncio.Task[None]]:
         """The promotions in flight for ``req_id``."""
         return list(self._running.get(req_id, ()))
+
+    def covering(self, keys: Sequence[BlockKey]) -> set[asyncio.Task[None]]:
+        """The promotions in flight bringing any of ``keys`` up, whoever started them (a
+        prefetch, another request)."""
+        by_key = self._by_key
+        if not by_key:
+            return set()
+        return {t for t in map(by_key.get, keys) if t is not None}
 
     async def _settle(
         self, ctx: ReqContext, req_id: str, keys: list[BlockKey], reading: Awaitable[list[bool]]

@@ -343,8 +343,9 @@ class Transfers:
         try:
             slots = self.manager.prepare_load(keys, ctx)
         except KeyNotReadyError as exc:
-            # prepare_load started the promotions it could; a key nobody brings in is a 409.
-            coming = self.manager.promotions_for(req_id)
+            # prepare_load started the promotions it could, and others (a prefetch) may be
+            # bringing the pending keys up already; a key nobody brings in is a 409.
+            coming = self.manager.promotions_for(req_id, exc.pending)
             pool = self.manager.manager
             if not coming or any(pool.slot_of(k) is None for k in exc.missing):
                 raise

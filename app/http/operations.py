@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.core.control import PREFETCH_COUNTS, Hinted, Prefetch
+from app.core.errors import QuotaExceededError
 from app.core.service import Service
 from app.http import schemas as s
 from app.http.errors import APIError, too_many
@@ -118,21 +119,28 @@ def _run_finish(service: Service, req_id: str, body: s.FinishRequestBody) -> tup
     )
 
 
-def _run_lookup(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str]:
+def _run_lookup(service: Service, req_id: str, body: s.LookupBody) -> tuple[int, str]:
     keys = body.keys
     _limit_keys(service, keys)
+    if body.prefetch_deadline_s is not None:  # nothing lies below the pool: checked only
+        service.control.check_deadline(body.prefetch_deadline_s)
     out = service.manager.lookup(keys, ReqContext(req_id))
     return 200, _lookup_json(out.results, out.hit_prefix)
 
 
-async def _run_lookup_tiers(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str]:
+async def _run_lookup_tiers(service: Service, req_id: str, body: s.LookupBody) -> tuple[int, str]:
     """``lookup`` with tiers below the pool: the keys the pool lacks are asked of the chain
     (each tier about those the tiers before it lack), and named by the first tier that holds
-    them; an all-hit lookup asks no tier."""
+    them; an all-hit lookup asks no tier. With ``prefetch_deadline_s``, the keys a tier holds
+    start coming up in the same step (``Control.start_prefetch``)."""
     keys = body.keys
     _limit_keys(service, keys)
+    deadline_s = body.prefetch_deadline_s
+    if deadline_s is not None:
+        service.control.check_deadline(deadline_s)
     out = service.manager.lookup(keys, ReqContext(req_id))
     results: list[LookupResult | str] = list(out.results)
+    below: dict[BlockKey, str] = {}
     if out.hit_prefix < len(results):
         misses = [i for i, r in enumerate(results) if r is _MISS]
         if misses:
@@ -140,7 +148,21 @@ async def _run_lookup_tiers(service: Service, req_id: str, body: s.KeysBody) -> 
             for i, tier in zip(misses, found, strict=True):
                 if tier is not None:
                     results[i] = tier
-    return 200, _lookup_json(results, out.hit_prefix)
+                    below[keys[i]] = tier
+    text = _lookup_json(results, out.hit_prefix)
+    if deadline_s is not None and below:
+        control = service.control
+        try:
+            p = control.start_prefetch(
+                list(below), list(below), list(below.values()), deadline_s, req_id
+            )
+        except QuotaExceededError:
+            # Past the namespace's bound: the lookup answers as without it (a hint), counted.
+            control.counts["prefetch_refused"] += len(below)
+        else:
+            service.observer.op("prefetch", req_id)
+            text = f'{text[:-1]},"prefetch_id":{p.prefetch_id}}}'
+    return 200, text
 
 
 def _lookup_json(results: Sequence[LookupResult | str], hit_prefix: int) -> str:
@@ -343,7 +365,7 @@ OPERATIONS: tuple[Operation, ...] = (
         "lookup",
         "POST",
         "/v1/requests/{req_id}/lookup",
-        s.KeysBody,
+        s.LookupBody,
         s.LookupAnswer,
         200,
         _KEYS_ERRORS,

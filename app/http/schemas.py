@@ -202,7 +202,15 @@ class FinishRequestOp(FinishRequestBody):
     req_id: ReqId
 
 
-class LookupOp(KeysBody):
+class LookupBody(KeysBody):
+    """``lookup``: the keys, and optionally ``prefetch_deadline_s``: keys a tier below the pool
+    holds start coming up now, as a ``prefetch`` of them would (held until a load pins them or
+    the deadline passes); the answer's ``prefetch_id`` names it."""
+
+    prefetch_deadline_s: Seconds | None = None
+
+
+class LookupOp(LookupBody):
     """Batch op ``lookup``."""
 
     op: Literal["lookup"]
@@ -346,6 +354,11 @@ class LookupAnswer(Answer):
         ]
     ]
     hit_prefix: int
+    prefetch_id: int | None = Field(
+        default=None,
+        description="with prefetch_deadline_s, when keys below the pool started coming up: the "
+        "prefetch (GET /v1/prefetches/{id}); absent otherwise",
+    )
 
 
 class SlotsAnswer(Answer):

@@ -262,6 +262,9 @@ class Lookup:
 
     results: list[str]
     hit_prefix: int
+    #: With ``prefetch_deadline_s``: the prefetch the lookup started for keys below the pool
+    #: (``prefetch_state``), None when it started none.
+    prefetch_id: int | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -602,9 +605,14 @@ class Batch:
         """Add ``finish_request``."""
         return self._add("finish_request", req_id, abort=abort)
 
-    def lookup(self, req_id: str, keys: Sequence[bytes]) -> Batch:
-        """Add ``lookup``."""
-        return self._add("lookup", req_id, keys=_hex(keys))
+    def lookup(
+        self, req_id: str, keys: Sequence[bytes], prefetch_deadline_s: float | None = None
+    ) -> Batch:
+        """Add ``lookup`` (with ``prefetch_deadline_s``: keys below the pool start coming up,
+        held that long for a load)."""
+        if prefetch_deadline_s is None:
+            return self._add("lookup", req_id, keys=_hex(keys))
+        return self._add("lookup", req_id, keys=_hex(keys), prefetch_deadline_s=prefetch_deadline_s)
 
     def prepare_load(self, req_id: str, keys: Sequence[bytes]) -> Batch:
         """Add ``prepare_load``."""
@@ -715,12 +723,17 @@ class _Engine:
         )
 
     @staticmethod
-    def lookup(req_id: str, keys: Sequence[bytes]) -> _Call[Lookup]:
+    def lookup(
+        req_id: str, keys: Sequence[bytes], prefetch_deadline_s: float | None = None
+    ) -> _Call[Lookup]:
+        body: dict[str, Any] = {"keys": _hex(keys)}
+        if prefetch_deadline_s is not None:
+            body["prefetch_deadline_s"] = prefetch_deadline_s
         return _Call(
             "POST",
             _req(req_id, "/lookup"),
-            {"keys": _hex(keys)},
-            lambda d: Lookup(d["results"], d["hit_prefix"]),
+            body,
+            lambda d: Lookup(d["results"], d["hit_prefix"], d.get("prefetch_id")),
         )
 
     @staticmethod
@@ -1002,9 +1015,13 @@ class KVOffloadClient(_SyncClient):
         """Finish a request; ``abort`` releases its leases now."""
         return self._call(_Engine.finish_request(req_id, abort))
 
-    def lookup(self, req_id: str, keys: Sequence[bytes]) -> Lookup:
-        """Per-key state and ``hit_prefix``."""
-        return self._call(_Engine.lookup(req_id, keys))
+    def lookup(
+        self, req_id: str, keys: Sequence[bytes], prefetch_deadline_s: float | None = None
+    ) -> Lookup:
+        """Per-key state and ``hit_prefix``. With ``prefetch_deadline_s``, the keys a tier
+        below the pool holds start coming up in the same call, held that long for a load
+        (``Lookup.prefetch_id``; a service past its prefetch bound starts none)."""
+        return self._call(_Engine.lookup(req_id, keys, prefetch_deadline_s))
 
     def prepare_load(self, req_id: str, keys: Sequence[bytes]) -> list[int]:
         """Pin ready keys; their host slots."""
@@ -1279,9 +1296,11 @@ class AsyncKVOffloadClient:
         """Finish a request; ``abort`` releases its leases now."""
         return await self._call(_Engine.finish_request(req_id, abort))
 
-    async def lookup(self, req_id: str, keys: Sequence[bytes]) -> Lookup:
-        """Per-key state and ``hit_prefix``."""
-        return await self._call(_Engine.lookup(req_id, keys))
+    async def lookup(
+        self, req_id: str, keys: Sequence[bytes], prefetch_deadline_s: float | None = None
+    ) -> Lookup:
+        """Per-key state and ``hit_prefix`` (``prefetch_deadline_s``: as the sync client's)."""
+        return await self._call(_Engine.lookup(req_id, keys, prefetch_deadline_s))
 
     async def prepare_load(self, req_id: str, keys: Sequence[bytes]) -> list[int]:
         """Pin ready keys; their host slots."""

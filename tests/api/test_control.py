@@ -20,8 +20,10 @@ from typing import Any
 import httpx
 import pytest
 
+from app.core.disk import DiskLink
 from app.telemetry.logging import AUDIT_LOGGER, fields_of
 from tests.api.harness import BLOCK, TOKEN, Harness, hexkeys, make_settings, running
+from tests.api.test_disk_tier import gated
 from tests.app.exposition import OPENMETRICS, parse
 from transfer.disk import disk_bytes_for
 
@@ -977,3 +979,82 @@ async def test_a_retention_name_no_route_could_address_is_refused(h: Harness, na
     name_ok = "sess-1.a_b:c@d"
     assert (await retain(h, "r", hexkeys(1), name=name_ok)).status_code == 201
     assert (await h.client.delete(f"/v1/retentions/{name_ok}")).status_code == 200
+
+
+# ------------------------------------------------------------------------ a load meets a prefetch
+
+
+async def test_an_onload_during_a_prefetch_s_read_joins_it_and_leaves_nothing_held(
+    tmp_path: Path,
+) -> None:
+    """The read of a prefetch is gated; an onload of the same keys by another request waits on
+    that read (one job, no 409), copies the bytes, and the prefetch counts them used: nothing
+    stays held until its deadline (the load pinned them before the prefetch could hold them)."""
+    async with disk_node(tmp_path) as h:
+        cold, data = await on_disk(h)
+        disk = h.service.tiers.get("disk")
+        assert isinstance(disk, DiskLink)
+        gate = gated(disk.store, "preadv")
+        p = (await prefetch(h, "router", cold[:2])).json()
+        assert p["state"] == "promoting"
+        dev, cache_id = await h.device(4)
+        await h.start("engine")
+        body = {"cache_id": cache_id, "keys": cold[:2], "device_blocks": [0, 1]}
+        r = await h.post("/v1/requests/engine/onload", body)
+        assert r.status_code == 202, r.text
+        gate.set()
+        assert (await h.wait(r.json()["job_id"]))["state"] == "done"
+        assert [dev.read(0), dev.read(1)] == [data[k] for k in cold[:2]]
+        done = await get_prefetch(h, p["prefetch_id"], wait_s=2)
+        assert (done["state"], done["counts"]["used"], done["counts"]["wasted"]) == ("done", 2, 0)
+        assert h.service.control.state()["prefetch_keys"] == 0
+        st = (await h.admin.get("/admin/v1/stats")).json()
+        assert st["blocks"]["pinned"] == 0
+
+
+async def test_a_lookup_with_prefetch_deadline_s_starts_the_prefetch_in_the_same_call(
+    tmp_path: Path,
+) -> None:
+    async with disk_node(tmp_path) as h:
+        cold, data = await on_disk(h)
+        await h.start("r")
+        body = {"keys": cold[:3] + hexkeys(9999), "prefetch_deadline_s": 5}
+        r = await h.post("/v1/requests/r/lookup", body)
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        assert answer["results"] == ["disk"] * 3 + ["miss"]
+        pid = answer["prefetch_id"]
+        held = await get_prefetch(h, pid, wait_s=2)
+        assert (held["state"], held["counts"]["landed"]) == ("held", 3)
+        assert await lookup(h, cold[:3]) == ["hit"] * 3
+        slots = await pin(h, "r", cold[:3])
+        assert [pool_bytes(h, s) for s in slots] == [data[k] for k in cold[:3]]
+        assert (await get_prefetch(h, pid))["counts"]["used"] == 3
+        # Nothing below the pool: no prefetch, and the answer has no prefetch_id.
+        r = await h.post("/v1/requests/r/lookup", {"keys": cold[:3], "prefetch_deadline_s": 5})
+        assert r.json() == {"results": ["hit"] * 3, "hit_prefix": 3}
+        # A deadline over the bound is refused before anything is looked up.
+        r = await h.post("/v1/requests/r/lookup", {"keys": cold[:1], "prefetch_deadline_s": 1e6})
+        assert error(r) == (422, "invalid_argument")
+        r = await h.post("/v1/requests/r/lookup", {"keys": cold[:1], "prefetch_deadline_s": 0})
+        assert error(r) == (422, "invalid_field")
+
+
+async def test_a_lookup_s_prefetch_past_the_bound_answers_the_lookup_and_counts_it(
+    tmp_path: Path,
+) -> None:
+    async with disk_node(tmp_path, prefetch_max_keys=2) as h:
+        cold, _ = await on_disk(h)
+        await h.start("r")
+        r = await h.post("/v1/requests/r/lookup", {"keys": cold[:3], "prefetch_deadline_s": 5})
+        assert r.json() == {"results": ["disk"] * 3, "hit_prefix": 0}
+        assert h.service.control.counts["prefetch_refused"] == 3
+        assert await lookup(h, cold[:3]) == ["disk"] * 3  # nothing started
+
+
+async def test_a_lookup_without_tiers_checks_prefetch_deadline_s_only(h: Harness) -> None:
+    await h.start("r")
+    r = await h.post("/v1/requests/r/lookup", {"keys": hexkeys(1), "prefetch_deadline_s": 5})
+    assert r.json() == {"results": ["miss"], "hit_prefix": 0}
+    r = await h.post("/v1/requests/r/lookup", {"keys": hexkeys(1), "prefetch_deadline_s": 1e6})
+    assert error(r) == (422, "invalid_argument")

@@ -1,13 +1,13 @@
 """The tier's prefetch of keys a lookup found below the service's pool.
 
-At the link level (a scripted client, no service): the first lower-tier answer for a request
-puts ONE ``prefetch`` of those keys in the next call, ahead of the lookup that asks them again
-(no call added), counted by outcome; a later lower-tier answer for the same request, a refused
-prefetch (429), or ``prefetch_deadline_s`` 0 promote with a prepare-load instead; a finished
-request forgets its prefetch. Inside vLLM's real tiering code against a real service with a disk
-tier: a prefix pushed to disk is prefetched once, answered RETRY then HIT, loaded with the bytes
-written, and the service counts the prefetch's keys used; a key the pool already holds is held
-by the prefetch, not pinned (no undo). ``measure_retries`` compares the scheduler's retries with
+At the link level (a scripted client, no service): a request's first lookup carries
+``prefetch_deadline_s`` (no call added), counted by outcome; a later lower-tier answer for the
+same request, a lookup whose prefetch the service did not start (its bound), or
+``prefetch_deadline_s`` 0 promote with a prepare-load in the next call instead; a finished
+request forgets it. Inside vLLM's real tiering code against a real service with a disk
+tier: a prefix pushed to disk is prefetched by its first lookup, answered RETRY then HIT, loaded
+with the bytes written, and the service counts the prefetch's keys used; past the service's
+bound, the keys are promoted instead. ``measure_retries`` compares the scheduler's retries with
 the prefetch on and off (the report's figures; run ``python -m tests.vllm.test_tier_prefetch``).
 """
 
@@ -50,7 +50,8 @@ class Scripted:
     def __init__(self) -> None:
         self.calls: list[list[dict[str, Any]]] = []
         self.lookup_states: dict[str, str] = {}  # hex service key -> lookup answer
-        self.prefetch_status = 202
+        self.prefetch_status = 202  # 429: the service's bound refuses the lookup's prefetch
+        self.lookup_status = 200
         self.last_pool_id: str | None = "pool-1"
 
     def current_token(self) -> str | None:
@@ -64,13 +65,14 @@ class Scripted:
     def answer(self, op: dict[str, Any]) -> OpResult:
         kind = op["op"]
         if kind == "lookup":
+            if self.lookup_status != 200:
+                return OpResult(False, self.lookup_status, None, None)
             states = [self.lookup_states.get(k, "miss") for k in op["keys"]]
-            return OpResult(True, 200, {"results": states, "hit_prefix": 0}, None)
-        if kind == "prefetch":
-            if self.prefetch_status != 202:
-                return OpResult(False, self.prefetch_status, None, None)
-            states = ["disk"] * len(op["keys"])
-            return OpResult(True, 202, {"prefetch_id": 1, "results": states}, None)
+            answer: dict[str, Any] = {"results": states, "hit_prefix": 0}
+            below = any(s not in ("hit", "miss", "pending") for s in states)
+            if "prefetch_deadline_s" in op and below and self.prefetch_status == 202:
+                answer["prefetch_id"] = 1  # the service started a prefetch of those keys
+            return OpResult(True, 200, answer, None)
         if kind == "prepare_load":
             return OpResult(False, 409, None, None)
         return OpResult(True, 200, {}, None)
@@ -128,24 +130,22 @@ def counted(lk: Link, metric: str) -> dict[str, int]:
     return {label: n for (m, label), n in values.items() if m == metric and n}
 
 
-def test_the_first_lower_tier_answer_rides_the_next_call_as_one_prefetch() -> None:
+def test_the_first_lookup_carries_the_prefetch() -> None:
     keys = [b"k1", b"k2", b"k3", b"k4"]
     with link() as (lk, client):
         client.lookup_states = {skey(b"k1"): "hit", skey(b"k2"): "disk", skey(b"k3"): "remote"}
         probes = look(lk, "r1", keys)
         assert client.kinds(0) == ["start_request", "lookup"]
+        (lookup,) = [op for op in client.calls[0] if op["op"] == "lookup"]
+        assert lookup["prefetch_deadline_s"] == 10.0
         assert [p.result for p in probes] == [True, None, None, False]
-
-        lk.exchange(Step())  # the next step: no work of its own, the keys asked again
-        assert client.kinds(1) == ["prefetch", "lookup"]
-        prefetch, lookup = client.calls[1]
-        assert prefetch["req_id"] == "r1"
-        assert prefetch["keys"] == [skey(b"k2"), skey(b"k3")]
-        assert prefetch["deadline_s"] == 10.0
-        assert lookup["keys"] == prefetch["keys"]
         assert counted(lk, M_PREFETCHES) == {"started": 1}
 
-        # Still below the pool on the next answer: a promotion, never a second prefetch.
+        # The next step asks them again, and promotes nothing: they are on their way up.
+        lk.exchange(Step())
+        assert client.kinds(1) == ["lookup"]
+        assert "prefetch_deadline_s" not in client.calls[1][0]
+        # Still below the pool on a later answer: a promotion, never a second prefetch.
         lk.exchange(Step())
         assert client.kinds(2) == ["prepare_load", "lookup"]
         assert [op["keys"] for op in client.calls[2] if op["op"] == "prepare_load"] == [
@@ -153,53 +153,52 @@ def test_the_first_lower_tier_answer_rides_the_next_call_as_one_prefetch() -> No
         ]
         client.lookup_states = {k: "hit" for k in (skey(b"k2"), skey(b"k3"))}
         lk.exchange(Step())
-        assert "prefetch" not in client.kinds(3)
         assert [p.result for p in probes] == [True, True, True, False]
         assert counted(lk, M_PREFETCHES) == {"started": 1}
         assert counted(lk, M_FAULTS) == {}
 
 
-def test_each_request_gets_its_own_prefetch_and_a_finished_one_forgets_it() -> None:
+def test_each_request_prefetches_on_its_first_lookup_and_a_finished_one_forgets_it() -> None:
     with link() as (lk, client):
         client.lookup_states = {skey(b"a"): "disk", skey(b"b"): "disk"}
         look(lk, "r1", [b"a"])
-        look(lk, "r2", [b"b"])  # also carries r1's prefetch and its lookup again
-        assert client.kinds(1) == ["prefetch", "start_request", "lookup", "lookup"]
-        lk.exchange(Step())
-        assert [op["req_id"] for op in client.calls[2] if op["op"] == "prefetch"] == ["r2"]
+        look(lk, "r2", [b"b"])  # also asks r1's key again, without a prefetch
+        prefetching = {
+            op["req_id"]: "prefetch_deadline_s" in op
+            for op in client.calls[1]
+            if op["op"] == "lookup"
+        }
+        assert prefetching == {"r1": False, "r2": True}
         assert lk.prefetched == {"r1", "r2"}
         lk.exchange(Step(finishes=["r1"]))
         assert lk.prefetched == {"r2"}
         assert counted(lk, M_PREFETCHES) == {"started": 2}
 
 
-def test_a_refused_prefetch_is_counted_and_the_keys_are_promoted() -> None:
+def test_a_lookup_whose_prefetch_did_not_start_promotes() -> None:
     with link() as (lk, client):
         client.lookup_states = {skey(b"a"): "disk"}
-        client.prefetch_status = 429
+        client.prefetch_status = 429  # past the service's bound: the lookup names no prefetch
         look(lk, "r1", [b"a"])
         lk.exchange(Step())
-        assert client.kinds(1) == ["prefetch", "lookup"]
-        lk.exchange(Step())
-        assert client.kinds(2) == ["prepare_load", "lookup"]
+        assert client.kinds(1) == ["prepare_load", "lookup"]
         assert counted(lk, M_PREFETCHES) == {"refused": 1}
         assert counted(lk, M_FAULTS) == {}
 
 
-def test_a_failed_prefetch_is_a_fault() -> None:
+def test_a_failed_lookup_fails_its_prefetch() -> None:
     with link() as (lk, client):
-        client.lookup_states = {skey(b"a"): "disk"}
-        client.prefetch_status = 422
+        client.lookup_status = 422
         look(lk, "r1", [b"a"])
-        lk.exchange(Step())
         assert counted(lk, M_PREFETCHES) == {"failed": 1}
-        assert counted(lk, M_FAULTS) == {"prefetch_422": 1}
+        assert counted(lk, M_FAULTS) == {"lookup_422": 1}
 
 
 def test_prefetches_off_promote_with_a_prepare_load() -> None:
     with link(prefetch_deadline_s=0) as (lk, client):
         client.lookup_states = {skey(b"a"): "disk"}
         look(lk, "r1", [b"a"])
+        assert "prefetch_deadline_s" not in client.calls[0][-1]
         lk.exchange(Step())
         assert client.kinds(1) == ["prepare_load", "lookup"]
         assert counted(lk, M_PREFETCHES) == {}
@@ -285,12 +284,14 @@ def test_a_disk_prefix_is_prefetched_once_then_hit_and_loaded(
         b.step()
         b.settle()
         skeys = hex_keys(b, prefix)
-        first, second = proxy.batches[0], proxy.batches[1]
-        assert [r["result"]["results"] for _, r in ops(first, "lookup")] == [["disk"] * 6]
-        # One prefetch, in the call that asks the keys again, ahead of that lookup.
-        assert [op["op"] for op in second[0]][:2] == ["prefetch", "lookup"]
-        assert ops(second, "prefetch")[0][0] == skeys
-        assert sum(len(ops(batch, "prefetch")) for batch in proxy.batches) == 1
+        first = proxy.batches[0]
+        # The first lookup started the prefetch of the keys on disk, in the same call.
+        [(looked, res)] = ops(first, "lookup")
+        assert looked == skeys
+        assert res["result"]["results"] == ["disk"] * 6
+        assert isinstance(res["result"]["prefetch_id"], int)
+        # No prefetch of its own, and no promotion: the keys were on their way up.
+        assert not any(ops(batch, "prefetch") for batch in proxy.batches)
         assert not any(ops(batch, "prepare_load") for batch in proxy.batches[:2])
         counters = b.tiers[0].counters.snapshot()
         assert counters[M_PREFETCHES, "started"] == 1
@@ -298,33 +299,6 @@ def test_a_disk_prefix_is_prefetched_once_then_hit_and_loaded(
     after = control_counts(srv)
     assert after["prefetch_promoted"] - before.get("prefetch_promoted", 0) == 6
     assert after["prefetch_used"] - before.get("prefetch_used", 0) == 6
-    assert leases(srv) == []
-
-
-def test_a_key_the_pool_holds_is_held_by_the_prefetch_not_pinned(
-    srv: ServerProcess, tmp_path: Path
-) -> None:
-    """A key answered ``remote`` that is in the pool: the prefetch holds it (``hit``), so
-    there is no prepare-load to undo; then HIT and the right bytes, no pin left."""
-    keys = keys_of(range(3100, 3104))
-    store(srv, keys)
-    with remote_engine(srv, tmp_path, "hit", once=True, prefetch_deadline_s=10.0) as (b, proxy):
-        proxy.remote = set(hex_keys(b, keys))
-        ctx = ReqContext(req_id="prefetch-held")
-        b.start(ctx)
-        assert b.prefix_lookup(keys, ctx) is None
-        assert answered(b, keys, ctx)[-1] == len(keys)
-        assert b.load(keys, ctx) == {k: chunk_bytes(k, b.model) for k in keys}
-        b.finish(ctx)
-        b.step()
-        b.settle()
-        [(_, res)] = ops(proxy.batches[1], "prefetch")
-        assert res["result"]["results"] == ["hit"] * len(keys)
-        # The only prepare-load and complete-load are the load's own: nothing pinned to undo.
-        loads = [keys for batch in proxy.batches for keys, _ in ops(batch, "prepare_load")]
-        unpins = [keys for batch in proxy.batches for keys, _ in ops(batch, "complete_load")]
-        assert loads == unpins == [hex_keys(b, keys)]
-        assert faults(b) == {}
     assert leases(srv) == []
 
 

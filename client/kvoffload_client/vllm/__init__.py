@@ -46,12 +46,12 @@ mapped again before the next call.
 Lower tiers (a service run with ``--disk-dir`` or ``--remote-tier``): a key the service answers
 ``disk`` or ``remote`` for is asked to be brought into the pool and looked up again like a
 pending one (RETRY meanwhile), so a prefix the node's disk holds, or another node stored, becomes
-a HIT here. The first such answer for a request makes the next call (the one that asks again,
-no extra round trip) carry one ``prefetch`` of those keys: the service brings them up and holds
-them until the request's load pins them or ``prefetch_deadline_s`` (10 s) passes; counted in
-``M_PREFETCHES`` by outcome. Later answers, a prefetch the service refused (its bound on
-prefetching keys), or all with ``prefetch_deadline_s`` 0, are promoted by a prepare-load, whose
-409 is expected.
+a HIT here. A request's first lookup asks the service to prefetch (``prefetch_deadline_s``,
+10 s): in that same call it starts bringing up the keys a tier below holds, and holds them until
+the request's load pins them or the deadline passes; counted in ``M_PREFETCHES`` by outcome.
+Later answers, a lookup whose prefetch the service did not start (its bound on prefetching
+keys), or all with ``prefetch_deadline_s`` 0, are promoted by a prepare-load in the next call,
+whose 409 is expected.
 
 Keys: the service key of a vLLM ``OffloadKey`` is an 8-byte namespace digest followed by the key
 (see ``namespace_digest``), so engines share blocks exactly when model, dtype, layout and chunk

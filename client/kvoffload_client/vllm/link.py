@@ -61,9 +61,8 @@ class Link(BatchProtocol):
         # again as pending. A prepare-load that pins (they were in already) is undone.
         self.promote: dict[str, list[bytes]] = {}
         self.unpin: dict[str, list[bytes]] = {}
-        # The first keys of a request answered in a lower tier: one prefetch in the next call
-        # (``prefetch_deadline_s`` > 0), and the requests that had theirs.
-        self.prefetch: dict[str, list[bytes]] = {}
+        # The requests whose first lookup was sent (with ``prefetch_deadline_s`` > 0, it
+        # asked the service to prefetch what lies below the pool).
         self.prefetched: set[str] = set()
         self.backoff = shared.retry_interval_s
         self.busy = False  # a call is being built or is in flight
@@ -76,14 +75,7 @@ class Link(BatchProtocol):
         return (
             self.busy
             or not self.shared.inbox.empty()
-            or bool(
-                self.shared.done
-                or self.finishes
-                or self.aborts
-                or self.reask
-                or self.unpin
-                or self.prefetch
-            )
+            or bool(self.shared.done or self.finishes or self.aborts or self.reask or self.unpin)
         )
 
     def connect(self, refuse_mismatch: bool = False) -> bool:
@@ -241,13 +233,13 @@ class Link(BatchProtocol):
             if p.kind == "lookup":
                 for _, probe in p.probes:
                     probe.result = False
+                if p.prefetching:
+                    shared.counters.add(M_PREFETCHES, "failed")
             elif p.kind in ("store", "load", "promote", "complete", "abort"):
                 if p.holder is not None and p.holder.transfer.job is not None:
                     shared.finish_job(p.holder.transfer.job, False)
                 self.aborts.add(p.req_id)
                 self.started.discard(p.req_id)
-            elif p.kind == "prefetch":
-                shared.counters.add(M_PREFETCHES, "failed")
             elif p.kind == "finish":
                 self.finishes.append(p.req_id)
             elif p.kind == "start":

@@ -1,19 +1,18 @@
 """The batch protocol of the link thread: what one ``POST /v1/batch`` carries for a bundle of
-scheduler steps (``exchange``: completions first, aborts, unpins, promotions, prefetches,
-lookups, store and load reservations, touches, finishes), and how each op's answer is acted on
+scheduler steps (``exchange``: completions first, aborts, unpins, promotions, lookups, store
+and load reservations, touches, finishes), and how each op's answer is acted on
 (``on_result``). ``Link`` (``kvoffload_client.vllm.link``) adds the connection, the thread and
 the faults.
 
 Keys a lookup answers a lower tier for (``disk``, ``remote``, ...) are looked up again in the
-next call, which the pending keys make the link send at the next step anyway. Ahead of that
-lookup, the same call carries, the first time for a request (``prefetched``), one ``prefetch`` of
-those keys for ``prefetch_deadline_s``: the service starts bringing them up and holds them
-until a load pins them (vLLM's load of the request) or the deadline passes, so no round trip
-is added. Any later lower-tier answer for the request, or every one with prefetches off
-(``prefetch_deadline_s`` 0), is a promotion instead: a prepare-load whose 409 is expected (and
-whose pins, when it pins, are undone). A prefetch the service refuses (429 past its bound) is
-counted (``M_PREFETCHES``, ``refused``); the lookup after it then answers the tier again and
-gets the promotion (one round trip more than without the prefetch)."""
+next call, which the pending keys make the link send at the next step anyway. A request's first
+lookup (``prefetched``) carries ``prefetch_deadline_s``: the service starts bringing the keys a
+tier below holds up in that same call, and holds them until a load pins them (vLLM's load of
+the request) or the deadline passes; its answer names the prefetch (``prefetch_id``). Keys a
+lower tier answers for anywhere else (a later lookup, a lookup whose prefetch the service did
+not start: past its bound, counted ``refused``; prefetches off with ``prefetch_deadline_s`` 0)
+are promoted in the next call by a prepare-load whose 409 is expected (and whose pins, when it
+pins, are undone)."""
 
 from __future__ import annotations
 
@@ -48,8 +47,9 @@ from kvoffload_client.vllm.state import (
 class Pending:
     """What an op in a batch was for, to act on its result."""
 
-    kind: str  # start, lookup, promote, prefetch, store, load, touch, complete, finish, abort
+    kind: str  # start, lookup, promote, store, load, touch, complete, finish, abort
     req_id: str
+    prefetching: bool = False  # a lookup that asked the service to prefetch
     probes: Sequence[ProbeRef] = ()
     holder: Holder | None = None
     skeys: Sequence[bytes] = ()
@@ -117,9 +117,7 @@ class BatchProtocol:
     # pending. A prepare-load that pins (they were in already) is undone.
     promote: dict[str, list[bytes]]
     unpin: dict[str, list[bytes]]
-    # Keys answered in a lower tier, to prefetch in the next call for their request (the
-    # request's first such answer only), and the requests whose prefetch was sent.
-    prefetch: dict[str, list[bytes]]
+    # The requests whose first lookup was sent (it carried the prefetch).
     prefetched: set[str]
 
     def connect(self) -> bool:
@@ -198,20 +196,17 @@ class BatchProtocol:
                     batch.prepare_load(req_id, part)
                     add("promote", req_id, skeys=part)
         self.promote = {}
-        deadline_s = shared.prefetch_deadline_s
-        for req_id, skeys in self.prefetch.items():
-            if req_id in self.started and not final:
-                self.prefetched.add(req_id)
-                for part in in_parts(skeys, shared.max_keys):
-                    batch.prefetch(req_id, part, deadline_s)
-                    add("prefetch", req_id, skeys=part)
-        self.prefetch = {}
         prefix = shared.prefix
+        deadline_s = shared.prefetch_deadline_s
         for req_id, refs in step.lookups.items():
             begin(req_id)
+            first = deadline_s > 0 and not final and req_id not in self.prefetched
+            if first:
+                self.prefetched.add(req_id)
             for part in in_parts(refs, shared.max_keys):
-                batch.lookup(req_id, [service_key(prefix, k) for k, _ in part])
-                add("lookup", req_id, probes=part)
+                skeys = [service_key(prefix, k) for k, _ in part]
+                batch.lookup(req_id, skeys, deadline_s if first else None)
+                add("lookup", req_id, probes=part, prefetching=first)
         for kind, transfers in (("store", step.stores), ("load", step.loads)):
             for t in transfers:
                 begin(t.req_id)
@@ -268,27 +263,29 @@ class BatchProtocol:
         if not res.ok and res.status == 404 and p.kind not in ("finish", "abort"):
             self.started.discard(p.req_id)  # the service forgot it (restart, idle TTL)
         if p.kind == "lookup":
-            hits = res.result["results"] if res.ok and res.result is not None else None
+            answer = res.result if res.ok and res.result is not None else None
+            hits = None if answer is None else answer["results"]
             if hits is None:
                 shared.counters.add(M_FAULTS, f"lookup_{res.status}")
+                if p.prefetching:
+                    shared.counters.add(M_PREFETCHES, "failed")
+            # The keys below the pool are on their way up when the lookup's prefetch started.
+            coming = p.prefetching and answer is not None and "prefetch_id" in answer
+            below = False
             for i, ref in enumerate(p.probes):
                 probe = ref[1]
                 state = None if hits is None else hits[i]
                 if not_yet(state) and self._still_waiting(probe):
                     self.reask.setdefault(p.req_id, []).append(ref)
                     if in_lower_tier(state):
-                        skey = service_key(shared.prefix, ref[0])
-                        self._bring_up(p.req_id, skey)
+                        below = True
+                        if not coming:
+                            skey = service_key(shared.prefix, ref[0])
+                            self.promote.setdefault(p.req_id, []).append(skey)
                 else:
                     probe.result = state == "hit"
-        elif p.kind == "prefetch":
-            if res.ok:
-                shared.counters.add(M_PREFETCHES, "started")
-            elif res.status == 429:  # past the service's bound: the lookup after it promotes
-                shared.counters.add(M_PREFETCHES, "refused")
-            else:
-                shared.counters.add(M_PREFETCHES, "failed")
-                shared.counters.add(M_FAULTS, f"prefetch_{res.status}")
+            if p.prefetching and below:
+                shared.counters.add(M_PREFETCHES, "started" if coming else "refused")
         elif p.kind == "promote":
             if res.ok:  # already in the pool: it pinned them, which nobody will load
                 self.unpin.setdefault(p.req_id, []).extend(p.skeys)
@@ -298,14 +295,6 @@ class BatchProtocol:
             self.on_transfer(res, p, p.holder, stale_pool)
         elif not res.ok and not (p.kind in ("finish", "abort") and res.status == 404):
             shared.counters.add(M_FAULTS, f"{p.kind}_{res.status}")
-
-    def _bring_up(self, req_id: str, skey: bytes) -> None:
-        """Queue ``skey`` (answered in a lower tier for ``req_id``) for the next call: in the
-        request's prefetch if it has had none and prefetches are on, else as a promotion."""
-        if self.shared.prefetch_deadline_s > 0 and req_id not in self.prefetched:
-            self.prefetch.setdefault(req_id, []).append(skey)
-        else:
-            self.promote.setdefault(req_id, []).append(skey)
 
     @staticmethod
     def _still_waiting(probe: Probe) -> bool:

@@ -86,9 +86,10 @@ METRIC_DEFINITIONS: dict[str, OffloadingMetricMetadata] = {
         documentation="1 while the kvoffload service answers, 0 during a fault.",
     ),
     M_PREFETCHES: OffloadingCounterMetadata(
-        documentation="Prefetches the kvoffload tier issued (one per request whose lookup "
-        "found keys in a tier below the service's pool), by outcome: started, refused (the "
-        "service's bound on prefetching keys; promoted instead), failed (an error or no answer).",
+        documentation="Prefetches the kvoffload tier asked for (a request's first lookup, "
+        "counted when keys lay in a tier below the service's pool), by outcome: started, "
+        "refused (the service's bound on prefetching keys; promoted instead), failed (an error "
+        "or no answer).",
         labelnames=("outcome",),
     ),
 }

@@ -70,11 +70,11 @@ class KVOffloadTier(SecondaryTierManager):  # type: ignore[misc,unused-ignore]
     call, 2.0), ``connect_timeout_s`` (0.5), ``job_deadline_s`` (10.0), ``retry_interval_s``
     (first back-off after a fault, 0.5), ``events_interval_s`` (KV events poll period when
     vLLM's KV events are on, 1.0), ``max_keys_per_op`` (8192), ``max_transfer_params_bytes``
-    (16384), ``locality`` (``LOCAL``), ``prefetch_deadline_s`` (10.0: when a request's lookup
-    finds keys in a tier below the service's pool, one prefetch of them, riding the call that
-    asks them again, has the service bring them up and hold them this long for the request's
-    load; 0 turns prefetches off, and such keys are promoted by a prepare-load instead; the
-    service refuses more than its ``prefetch_max_deadline_s``).
+    (16384), ``locality`` (``LOCAL``), ``prefetch_deadline_s`` (10.0: a request's first lookup
+    asks the service to bring up, in the same call, the keys a tier below its pool holds, and
+    hold them this long for the request's load; 0 turns prefetches off, and such keys are
+    promoted by a prepare-load in the next call instead; the service refuses more than its
+    ``prefetch_max_deadline_s``).
 
     A token file that cannot be read or holds no token, or a ``prefetch_deadline_s`` that is
     not a finite number >= 0, refuses the engine's start (``ValueError`` naming it).
