@@ -20,7 +20,7 @@ import platform
 import signal
 import socket
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -93,3 +93,32 @@ def proc_cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat", encoding="ascii") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def asgi_call(app: Any) -> Callable[[str, str, bytes], Awaitable[int]]:
+    """``call(method, path, body)``: one request straight into the ASGI ``app`` (no socket, no
+    client library: the app's own CPU), answering its status. The app's lifespan must run."""
+
+    async def call(method: str, path: str, body: bytes = b"") -> int:
+        scope = {
+            "type": "http", "method": method, "path": path, "raw_path": path.encode(),
+            "query_string": b"", "root_path": "", "scheme": "http", "http_version": "1.1",
+            "server": ("bench", 80), "client": ("bench", 1), "app": app,
+            "headers": [(b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode())],
+        }  # fmt: skip
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+        status = 0
+
+        async def receive() -> MutableMapping[str, Any]:
+            return messages.pop() if messages else {"type": "http.disconnect"}
+
+        async def send(message: MutableMapping[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+
+        await app(scope, receive, send)
+        return status
+
+    return call

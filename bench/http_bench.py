@@ -60,7 +60,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -731,31 +731,11 @@ def app_cost(mode: str, calls: int) -> float:
     app = create_app(settings)
     keys = [os.urandom(16).hex() for _ in range(NUM_KEYS)]
 
-    async def call(method: str, path: str, body: bytes = b"") -> int:
-        scope = {
-            "type": "http", "method": method, "path": path, "raw_path": path.encode(),
-            "query_string": b"", "root_path": "", "scheme": "http", "http_version": "1.1",
-            "server": ("bench", 80), "client": ("bench", 1), "app": app,
-            "headers": [(b"content-type", b"application/json"),
-                        (b"content-length", str(len(body)).encode())],
-        }  # fmt: skip
-        messages = [{"type": "http.request", "body": body, "more_body": False}]
-        status = 0
-
-        async def receive() -> MutableMapping[str, Any]:
-            return messages.pop() if messages else {"type": "http.disconnect"}
-
-        async def send(message: MutableMapping[str, Any]) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-
-        await app(scope, receive, send)
-        return status
+    call = harness.asgi_call(app)
 
     async def run() -> float:
         async with app.router.lifespan_context(app):
-            await call("PUT", "/v1/requests/bench")
+            await call("PUT", "/v1/requests/bench", b"")
             half = json.dumps({"keys": keys[: NUM_KEYS // 2]}).encode()
             await call("POST", "/v1/requests/bench/prepare-store", half)
             await call("POST", "/v1/requests/bench/complete-store", half)

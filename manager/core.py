@@ -28,7 +28,8 @@ Primitives (all batch-native, all carrying a ``ReqContext``):
   now, through the eviction listeners (a lower tier takes them).
 - ``take_events()``: KV events since the last call, drained once, in order.
 - ``switch_policy(name, params)``: rebuild a new policy from the resident blocks, coldest first;
-  block state is untouched and no block is lost. ``reset()``: drop every unpinned ready block.
+  block state is untouched and no block is lost. ``reset()``: drop every ready block that is
+  neither pinned nor retained.
 
 Keys: a key is ``bytes`` (exactly) of 1..``MAX_KEY_BYTES`` bytes. Every call that takes keys
 (``lookup``, ``touch``, ``prepare_load``, ``complete_load``, ``prepare_store``,
@@ -450,9 +451,9 @@ class OffloadManager:
 
     def add_eviction_listener(self, listener: EvictionListener) -> None:
         """Call ``listener(victims, slots)`` whenever ``prepare_store`` evicts blocks to make
-        room, before their slots can be handed out again (a lower tier copies their bytes out
-        there: demote on evict). Only policy evictions are reported, not ``reset``, ``drop``
-        or failed stores. It must not call back into the manager.
+        room, or ``demote`` evicts them, before their slots can be handed out again (a lower tier
+        copies their bytes out there: demote on evict). Only those evictions are reported, not
+        ``reset``, ``drop`` or failed stores. It must not call back into the manager.
         """
         self._eviction_listeners.append(listener)
 

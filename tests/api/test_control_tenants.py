@@ -8,19 +8,14 @@ names and block hashes are used in both, so a leak would show.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
-from app.core.tenancy import Tenancy
-from app.core.tenants import Credentials
-from app.http.apps import create_admin_app, create_app
-from tests.api.harness import TOKEN, hexkeys, make_settings
+from tests.api.harness import hexkeys
+from tests.api.test_tenancy import Tenants, tenants_running, write_tenants
 
 pytestmark = pytest.mark.anyio
 
@@ -38,31 +33,18 @@ namespaces = ["b1"]
 """
 
 
-def write_tenants(path: Path, text: str) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
+class Control:
+    """The test's calls, as one tenant or the other (``Tenants`` of the tenancy tests)."""
 
+    def __init__(self, t: Tenants) -> None:
+        self.t = t
+        self.tenancy, self.admin, self.path = t.tenancy, t.admin, t.path
 
-@dataclass
-class Tenants:
-    tenancy: Tenancy
-    engine: httpx.AsyncClient
-    admin: httpx.AsyncClient
-    path: Path
-
-    async def call(self, token: str, method: str, path: str, body: Any = None) -> httpx.Response:
-        headers = {"Authorization": f"Bearer {token}"}
-        return await self.engine.request(method, path, json=body, headers=headers)
+    async def call(self, token: str, method: str, path: str, body: object = None) -> httpx.Response:
+        return await self.t.call(token, method, path, body)
 
     async def store(self, token: str, req: str, keys: list[str]) -> None:
-        r = await self.call(token, "PUT", f"/v1/requests/{req}", {})
-        assert r.status_code in (200, 201), r.text
-        r = await self.call(token, "POST", f"/v1/requests/{req}/prepare-store", {"keys": keys})
-        assert r.status_code == 200, r.text
-        r = await self.call(token, "POST", f"/v1/requests/{req}/complete-store", {"keys": keys})
-        assert r.status_code == 200, r.text
+        await self.t.store(token, None, req, keys)
 
     async def retain(
         self, token: str, name: str, keys: list[str], ttl_s: float = 30.0
@@ -77,24 +59,9 @@ class Tenants:
 
 
 @contextlib.asynccontextmanager
-async def tenants_running(tmp_path: Path, text: str = TENANTS) -> AsyncIterator[Tenants]:
-    path = tmp_path / "tenants.toml"
-    write_tenants(path, text)
-    settings = make_settings()
-    tenancy = Tenancy(settings, credentials=Credentials(path))
-    app = create_app(settings, tenancy=tenancy)
-    admin_app = create_admin_app(settings, tenancy=tenancy)
-    async with (
-        app.router.lifespan_context(app),
-        admin_app.router.lifespan_context(admin_app),
-        httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://e") as engine,
-        httpx.AsyncClient(
-            transport=httpx.ASGITransport(admin_app),
-            base_url="http://a",
-            headers={"Authorization": f"Bearer {TOKEN}"},
-        ) as admin,
-    ):
-        yield Tenants(tenancy, engine, admin, path)
+async def control_tenants(tmp_path: Path) -> AsyncIterator[Control]:
+    async with tenants_running(tmp_path, TENANTS) as t:
+        yield Control(t)
 
 
 def error(r: httpx.Response) -> tuple[int, str]:
@@ -102,7 +69,7 @@ def error(r: httpx.Response) -> tuple[int, str]:
 
 
 async def test_each_tenant_sees_and_ends_only_its_own_retentions(tmp_path: Path) -> None:
-    async with tenants_running(tmp_path) as t:
+    async with control_tenants(tmp_path) as t:
         keys = hexkeys(1, 2)
         await t.store(ALPHA, "w", keys)
         await t.store(BETA, "w", keys)
@@ -146,7 +113,7 @@ async def test_each_tenant_sees_and_ends_only_its_own_retentions(tmp_path: Path)
 
 
 async def test_a_tenant_cannot_see_or_cancel_another_tenants_prefetch(tmp_path: Path) -> None:
-    async with tenants_running(tmp_path) as t:
+    async with control_tenants(tmp_path) as t:
         keys = hexkeys(1, 2)
         await t.store(ALPHA, "w", keys)
         r = await t.call(ALPHA, "POST", "/v1/requests/r/prefetch", {"keys": keys, "deadline_s": 30})
@@ -168,7 +135,7 @@ async def test_a_tenant_cannot_see_or_cancel_another_tenants_prefetch(tmp_path: 
 
 
 async def test_a_namespace_max_retained_blocks_bounds_that_namespace(tmp_path: Path) -> None:
-    async with tenants_running(tmp_path) as t:
+    async with control_tenants(tmp_path) as t:
         keys = hexkeys(1, 2, 3)
         await t.store(ALPHA, "w", keys)
         await t.store(BETA, "w", keys)
