@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from app.core.control import PREFETCH_COUNTS, Hinted, Prefetch
 from app.core.errors import QuotaExceededError
@@ -25,6 +25,7 @@ from app.http.limits import transfer_params_error
 from manager import BlockKey, LookupResult, ReqContext, RetentionInfo
 from transfer import JobRecord
 
+T = TypeVar("T")
 Run = Callable[[Service, str, Any], tuple[int, str]]
 RunAsync = Callable[[Service, str, Any], Awaitable[tuple[int, str]]]
 
@@ -305,12 +306,9 @@ async def _run_retain(service: Service, req_id: str, body: s.RetainBody) -> tupl
             f"accepted: {s.RETENTION_NAME_ACCEPTED}"
             + ("; this request id needs an explicit name" if body.name is None else ""),
         )
-    try:
-        done = await service.control.retain(body.keys, body.ttl_s, name, req_id)
-    except Exception:
-        service.observer.failed("retain", req_id)
-        raise
-    service.observer.op("retain", req_id)
+    done = await _observed_async(
+        service, "retain", req_id, service.control.retain(body.keys, body.ttl_s, name, req_id)
+    )
     answer = {
         **retention_json(done.info),
         "created": done.created,
@@ -323,12 +321,9 @@ async def _run_retain(service: Service, req_id: str, body: s.RetainBody) -> tupl
 
 async def _run_prefetch(service: Service, req_id: str, body: s.PrefetchBody) -> tuple[int, str]:
     _limit_keys(service, body.keys)
-    try:
-        p = await service.control.prefetch(body.keys, body.deadline_s, req_id)
-    except Exception:
-        service.observer.failed("prefetch", req_id)
-        raise
-    service.observer.op("prefetch", req_id)
+    p = await _observed_async(
+        service, "prefetch", req_id, service.control.prefetch(body.keys, body.deadline_s, req_id)
+    )
     return 202, json.dumps(prefetch_json(p, p.started_at, results=True))
 
 
@@ -338,24 +333,34 @@ def _hint_json(done: Hinted) -> str:
 
 def _run_demote(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str]:
     _limit_keys(service, body.keys)
-    try:
-        done = service.control.demote(body.keys)
-    except Exception:
-        service.observer.failed("demote", req_id)
-        raise
-    service.observer.op("demote", req_id)
-    return 200, _hint_json(done)
+    return 200, _hint_json(_observed(service, "demote", req_id, service.control.demote, body.keys))
 
 
 def _run_drop(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str]:
     _limit_keys(service, body.keys)
+    return 200, _hint_json(_observed(service, "drop", req_id, service.control.drop, body.keys))
+
+
+def _observed(service: Service, op: str, req_id: str, call: Callable[..., T], *args: Any) -> T:
+    """``call(*args)``, counted as ``op`` of ``req_id`` (its error when it raises)."""
     try:
-        done = service.control.drop(body.keys)
+        out = call(*args)
     except Exception:
-        service.observer.failed("drop", req_id)
+        service.observer.failed(op, req_id)
         raise
-    service.observer.op("drop", req_id)
-    return 200, _hint_json(done)
+    service.observer.op(op, req_id)
+    return out
+
+
+async def _observed_async(service: Service, op: str, req_id: str, call: Awaitable[T]) -> T:
+    """``await call``, counted as ``op`` of ``req_id`` (its error when it raises)."""
+    try:
+        out = await call
+    except Exception:
+        service.observer.failed(op, req_id)
+        raise
+    service.observer.op(op, req_id)
+    return out
 
 
 _KEYS_ERRORS = (404, 413)

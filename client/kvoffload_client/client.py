@@ -506,25 +506,17 @@ def _events(d: Mapping[str, Any]) -> EventsPage:
     )
 
 
+#: The fields of a retention on the wire (``Retention``, and the start of ``Retained``).
+_RETENTION_FIELDS = ("name", "keys", "in_pool", "ttl_s", "expires_in_s", "age_s")
+
+
 def _retention(d: Mapping[str, Any]) -> Retention:
-    return Retention(
-        name=d["name"],
-        keys=d["keys"],
-        in_pool=d["in_pool"],
-        ttl_s=d["ttl_s"],
-        expires_in_s=d["expires_in_s"],
-        age_s=d["age_s"],
-    )
+    return Retention(**{k: d[k] for k in _RETENTION_FIELDS})
 
 
 def _retained(d: Mapping[str, Any]) -> Retained:
     return Retained(
-        name=d["name"],
-        keys=d["keys"],
-        in_pool=d["in_pool"],
-        ttl_s=d["ttl_s"],
-        expires_in_s=d["expires_in_s"],
-        age_s=d["age_s"],
+        **{k: d[k] for k in _RETENTION_FIELDS},
         created=d["created"],
         added=d["added"],
         results=list(d["results"]),

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -23,7 +22,7 @@ import pytest
 from app.core.disk import DiskLink
 from app.telemetry.logging import AUDIT_LOGGER, fields_of
 from tests.api.harness import BLOCK, TOKEN, Harness, hexkeys, make_settings, running
-from tests.api.test_disk_tier import gated
+from tests.api.test_disk_tier import gated, pool_bytes, store
 from tests.app.exposition import OPENMETRICS, parse
 from transfer.disk import disk_bytes_for
 
@@ -47,25 +46,6 @@ async def disk_node(directory: Path, **overrides: Any) -> AsyncIterator[Harness]
     }
     async with running(make_settings(**settings)) as h:
         yield h
-
-
-async def store(h: Harness, req: str, keys: list[str]) -> dict[str, bytes]:
-    """Store ``keys`` through the pool, 8 at a time, random bytes each; their bytes."""
-    await h.start(req)
-    written: dict[str, bytes] = {}
-    pool = h.service.transfers().pool
-    for at in range(0, len(keys), 8):
-        chunk = keys[at : at + 8]
-        r = await h.post(f"/v1/requests/{req}/prepare-store", {"keys": chunk})
-        assert r.status_code == 200, r.text
-        body = r.json()
-        for key, slot in zip(body["keys_to_store"], body["slots"], strict=True):
-            data = os.urandom(BLOCK)
-            pool.tensor[slot].numpy()[:] = memoryview(data)
-            written[key] = data
-        r = await h.post(f"/v1/requests/{req}/complete-store", {"keys": chunk})
-        assert r.status_code == 200, r.text
-    return written
 
 
 async def flood(h: Harness, start: int = FLOOD, count: int = 40) -> None:
@@ -94,10 +74,6 @@ async def unpin(h: Harness, req: str, keys: list[str]) -> None:
     """End the pins ``pin`` took (complete-load)."""
     r = await h.post(f"/v1/requests/{req}/complete-load", {"keys": keys})
     assert r.status_code == 200, r.text
-
-
-def pool_bytes(h: Harness, slot: int) -> bytes:
-    return bytes(h.service.transfers().pool.tensor[slot].numpy())
 
 
 async def retain(
