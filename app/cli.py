@@ -27,6 +27,7 @@ invalid settings; 141 (as a process killed by SIGPIPE) when the reader of stdout
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -45,8 +46,8 @@ from app.settings import (
     load_settings,
     policy_params_accepted,
 )
-from manager import available_policies
-from manager.policies import policy_params_help
+from manager import UnknownPolicyError
+from manager.policies import canonical_policy_name, policy_params_help
 
 # Exit status of a command whose reader closed stdout early (128 + SIGPIPE, as the shell
 # reports a process SIGPIPE killed).
@@ -187,7 +188,10 @@ def _build_parser() -> argparse.ArgumentParser:
     what.add_parser("requests", help="tracked requests and their leases")
     release = what.add_parser("release", help="force-release a request's leases")
     release.add_argument("req_id")
-    what.add_parser("clear", help="drop every block not pinned, retained or pending")
+    clear = what.add_parser("clear", help="drop every block not pinned, retained or pending")
+    clear.add_argument(
+        "--yes", action="store_true", help="do not ask (needed where no terminal can answer)"
+    )
     retentions = what.add_parser("retentions", help="list or release the namespace's retentions")
     retention_cmd = retentions.add_subparsers(dest="retentions_command", required=True)
     retention_cmd.add_parser("list", help="live retentions, retained blocks and their bound")
@@ -307,6 +311,8 @@ def _admin(args: argparse.Namespace) -> int:
             call = lambda c: c.set_log_level(args.level)  # noqa: E731
     else:
         call = calls[args.admin_command]
+    if args.admin_command == "clear" and not args.yes and not _confirmed(args):
+        return 2
     try:
         with KVOffloadAdminClient(
             args.url, token=token, timeout=args.timeout, namespace=args.namespace
@@ -315,13 +321,11 @@ def _admin(args: argparse.Namespace) -> int:
     except KVOffloadError as exc:
         message = exc.message
         # The service's message names the bound; list what the policy accepts where it did not.
-        if (
-            exc.code == "invalid_policy_params"
-            and args.name in available_policies()
-            and "accepted" not in message
-        ):
-            message += f"; accepted for {args.name}: {policy_params_accepted(args.name)}"
-        print(f"kvoffload: {exc.status} {exc.code}: {message}", file=sys.stderr)
+        if exc.code == "invalid_policy_params" and "accepted" not in message:
+            with contextlib.suppress(UnknownPolicyError):
+                name = canonical_policy_name(args.name)
+                message += f"; accepted for {name}: {policy_params_accepted(name)}"
+        print(f"kvoffload: {exc.status} {exc.code}: {message}{_hint(exc)}", file=sys.stderr)
         return 1
     except (OSError, httpx.HTTPError) as exc:
         print(f"kvoffload: cannot reach {args.url}: {exc}", file=sys.stderr)
@@ -332,6 +336,34 @@ def _admin(args: argparse.Namespace) -> int:
     else:
         print(render_table(answer))
     return 0
+
+
+def _confirmed(args: argparse.Namespace) -> bool:
+    """Whether the operator confirms ``admin clear`` at the terminal (it cannot be undone);
+    where no terminal can answer, the refusal says to pass ``--yes``."""
+    where = f"namespace {args.namespace!r}" if args.namespace else "the service's namespace"
+    question = f"drop every block of {where} not pinned, retained or pending?"
+    if not sys.stdin.isatty():
+        print(f"kvoffload: admin clear would {question[0].lower()}{question[1:-1]}; "
+              "pass --yes to do it", file=sys.stderr)  # fmt: skip
+        return False
+    answer = input(f"{question[0].upper()}{question[1:]} [y/N] ").strip().lower()
+    if answer not in ("y", "yes"):
+        print("kvoffload: nothing cleared", file=sys.stderr)
+        return False
+    return True
+
+
+def _hint(exc: Any) -> str:
+    """What to do about an admin refusal the CLI can help with (none for the others)."""
+    if exc.status in (401, 403) and exc.code in ("unauthorized", "forbidden"):
+        return (
+            "; give the service's admin token: --admin-token-file PATH (or "
+            "KVOFFLOAD_ADMIN_TOKEN / KVOFFLOAD_ADMIN_TOKEN_FILE)"
+        )
+    if exc.code == "invalid_field" and "namespace: required" in exc.message:
+        return "; name one with --namespace NAME (or KVOFFLOAD_ADMIN_NAMESPACE)"
+    return ""
 
 
 # --------------------------------------------------------------------------- tables

@@ -53,8 +53,8 @@ from pydantic_settings import (
     SettingsError,
 )
 
-from manager import PolicyError, available_policies
-from manager.policies import policy_class
+from manager import PolicyError, UnknownPolicyError, available_policies
+from manager.policies import canonical_policy_name, policy_class
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -75,6 +75,15 @@ _UDS_MODE_REQUIRED = 0o600
 UdsAuth = Literal["token", "file-mode"]
 RemoteTierName = Literal["none", "mooncake"]
 _S = TypeVar("_S", bound="AdminAuth")
+
+
+def _unknown_policy(exc: UnknownPolicyError) -> str:
+    """The reason and what is accepted, for an unknown policy name in a setting."""
+    return (
+        str(exc)
+        .replace(f"unknown policy {exc.name!r}", "unknown policy", 1)
+        .replace("; available:", "; accepted:", 1)
+    )
 
 
 def flag_name(field: str) -> str | None:
@@ -848,11 +857,10 @@ class Settings(AdminAuth):
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, value: str) -> str:
-        if value not in available_policies():
-            raise config_error(
-                "policy", value, f"unknown policy; accepted: {', '.join(available_policies())}"
-            )
-        return value
+        try:
+            return canonical_policy_name(value)
+        except UnknownPolicyError as exc:
+            raise config_error("policy", value, _unknown_policy(exc)) from None
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -880,14 +888,15 @@ class Settings(AdminAuth):
     def _known_policies(cls, value: list[str] | None) -> list[str] | None:
         if value is None:
             return None
-        known = available_policies()
-        unknown = [name for name in value if name not in known]
-        if unknown:
-            raise config_error(
-                "shadow_policies",
-                ",".join(value),
-                f"unknown {', '.join(unknown)}; accepted: names among {', '.join(known)}",
-            )
+        known: list[str] = []
+        for name in value:
+            try:
+                known.append(canonical_policy_name(name))
+            except UnknownPolicyError as exc:
+                raise config_error(
+                    "shadow_policies", ",".join(value), _unknown_policy(exc)
+                ) from None
+        value = known
         if not value:
             raise config_error(
                 "shadow_policies",

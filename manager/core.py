@@ -65,7 +65,13 @@ from manager.errors import (
     NotPinnedError,
     UnknownRequestError,
 )
-from manager.policies import CanEvict, EvictionPolicy, create_policy, policy_class
+from manager.policies import (
+    CanEvict,
+    EvictionPolicy,
+    canonical_policy_name,
+    create_policy,
+    policy_class,
+)
 from manager.retention import RetentionTable
 from manager.reuse import ReuseFilter
 from manager.spec import (
@@ -850,6 +856,7 @@ class OffloadManager:
         ``PolicyError`` and change nothing.
         """
         previous = self.policy
+        name = canonical_policy_name(name)
         parsed = policy_class(name).parse_params(dict(params or {}))
         if name == previous.name and parsed == previous.params:
             return PolicySwitch(previous, previous, 0, changed=False)

@@ -19,6 +19,7 @@ Hierarchy::
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 
 
@@ -40,7 +41,13 @@ class UnknownPolicyError(PolicyError):
     def __init__(self, name: str, available: Sequence[str]) -> None:
         self.name = name
         self.available = list(available)
-        super().__init__(f"unknown policy {name!r}; available: {', '.join(self.available)}")
+        folded = str(name).strip().lower().replace("-", "_")
+        close = difflib.get_close_matches(folded, self.available, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        super().__init__(
+            f"unknown policy {name!r}{hint}; available: {', '.join(self.available)} (any case; "
+            "also LFU-DA, S3-FIFO, prefix-LRFU)"
+        )
 
 
 class InvalidPolicyParamsError(PolicyError):

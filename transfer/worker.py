@@ -219,6 +219,9 @@ def _check_wait_event(handle: object, cache: RegisteredCache) -> None:
 class TransferWorker(ABC):
     """The worker contract; see the module docstring."""
 
+    #: The backend's name (``cpu``, ``cuda``, ``faulty``), as the start log says it.
+    backend: str
+
     @abstractmethod
     def submit(self, job: TransferJob) -> int: ...
 

@@ -365,6 +365,16 @@ class Service:
         )
 
 
+def _backend_name(transfers: Transfers) -> str:
+    """The transfer backend chosen (``auto`` resolved: ``cpu`` or ``cuda``; a fault-injecting
+    wrapper as ``faulty(<the backend it wraps>)``)."""
+    worker = transfers.worker
+    inner = getattr(worker, "inner", None)
+    if inner is not None:
+        return f"{worker.backend}({inner.backend})"
+    return worker.backend
+
+
 def _started_fields(service: Service, transfers: Transfers) -> dict[str, object]:
     """What the ``service started`` line says: where the pool is and what serves it."""
     s, shadow = service.settings, service.shadow
@@ -378,7 +388,7 @@ def _started_fields(service: Service, transfers: Transfers) -> dict[str, object]
         "block_bytes": s.block_bytes,
         "pinned": transfers.pool.pinned,
         "policy": service.manager.manager.policy.name,
-        "backend": s.transfer_backend,
+        "backend": _backend_name(transfers),
         "faults": s.faults_enabled,
         "metrics": service.metrics is not None,
         "shadow_policies": None if shadow is None else shadow.evaluator.policies,

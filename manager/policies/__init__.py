@@ -15,6 +15,7 @@ from manager.policies.params import ParamSpec
 from manager.policies.prefix_lrfu import PrefixLRFUPolicy
 from manager.policies.registry import (
     available_policies,
+    canonical_policy_name,
     create_policy,
     describe_policy_params,
     parse_policy_params,
@@ -37,6 +38,7 @@ __all__ = [
     "S3FIFOPolicy",
     "SLRUPolicy",
     "available_policies",
+    "canonical_policy_name",
     "create_policy",
     "describe_policy_params",
     "parse_policy_params",

@@ -46,12 +46,33 @@ def available_policies() -> list[str]:
     return sorted(_REGISTRY)
 
 
+#: The names the literature gives some policies, folded (``_fold``), to the registered ones.
+_ALIASES = {"lfu_da": "lfu", "lfuda": "lfu", "s3_fifo": "s3fifo", "prefixlrfu": "prefix_lrfu"}
+
+
+def _fold(name: str) -> str:
+    return name.strip().lower().replace("-", "_")
+
+
+def canonical_policy_name(name: str) -> str:
+    """The registered name ``name`` means: matched without regard to case, with ``-`` as
+    ``_``, and the literature's names as aliases (``LFU-DA``, ``S3-FIFO``, ``prefix-LRFU``);
+    ``UnknownPolicyError`` (naming the closest one) otherwise."""
+    if name in _REGISTRY:
+        return name
+    if isinstance(name, str):
+        folded = _fold(name)
+        found = folded if folded in _REGISTRY else _ALIASES.get(folded)
+        if found in _REGISTRY:
+            assert found is not None
+            return found
+    raise UnknownPolicyError(name, available_policies())
+
+
 def policy_class(name: str) -> type[EvictionPolicy]:
-    """The class registered under ``name``; ``UnknownPolicyError`` if there is none."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise UnknownPolicyError(name, available_policies()) from None
+    """The class registered under ``name`` (``canonical_policy_name``); ``UnknownPolicyError``
+    if there is none."""
+    return _REGISTRY[canonical_policy_name(name)]
 
 
 def policy_params_spec(name: str) -> tuple[ParamSpec, ...]:

@@ -326,3 +326,17 @@ async def test_transfer_lines_carry_the_jobs_request(lines: Lines) -> None:
     tracker = [line for line in found if line["logger"] == "transfer.jobs"]
     assert tracker, [line["event"] for line in found]
     assert all(line["req_id"] == "loader" for line in tracker)
+
+
+@pytest.mark.parametrize(
+    ("settings", "said"),
+    [({"device": "auto"}, "cpu"), ({"device": "auto", "fault_delay_s": 0.001}, "faulty(cpu)")],
+)
+async def test_the_start_line_names_the_backend_chosen(
+    lines: Lines, settings: dict[str, Any], said: str
+) -> None:
+    """``auto`` is what was asked; the line says what it became (no GPU here: ``cpu``)."""
+    async with running(make_settings(**settings)):
+        pass
+    (started,) = [line for line in lines() if line["event"] == "service started"]
+    assert started["backend"] == said

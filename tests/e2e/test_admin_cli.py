@@ -143,3 +143,49 @@ def test_version_comes_from_the_package() -> None:
     )
     assert run.returncode == 0
     assert run.stdout.strip() == f"kvoffload {package_version()}"
+
+
+def test_a_refused_token_names_where_the_cli_reads_it(server: ServerProcess) -> None:
+    anonymous = admin(server, "stats", env=clean_env())
+    assert anonymous.returncode == 1
+    assert "401 unauthorized" in anonymous.stderr
+    assert "--admin-token-file PATH" in anonymous.stderr
+    assert "KVOFFLOAD_ADMIN_TOKEN" in anonymous.stderr
+
+
+def test_clear_asks_first_and_without_a_terminal_needs_yes(server: ServerProcess) -> None:
+    """``admin clear`` cannot be undone: in a pipe it refuses without ``--yes`` and drops
+    nothing; with ``--yes`` it answers the counts. (At a terminal it asks; no test drives a
+    terminal here.)"""
+    import httpx
+
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    httpx.put(f"{server.url}/v1/requests/cli-clear", json={}, timeout=10).raise_for_status()
+    keys = {"keys": ["c1ea"]}
+    for step in ("prepare-store", "complete-store"):
+        r = httpx.post(f"{server.url}/v1/requests/cli-clear/{step}", json=keys, timeout=10)
+        r.raise_for_status()
+    refused = admin(server, "clear")
+    assert refused.returncode == 2
+    assert "pass --yes" in refused.stderr
+    ready = httpx.get(f"{server.admin_url}/admin/v1/stats", headers=auth, timeout=10)
+    assert ready.json()["blocks"]["ready"] >= 1
+    done = admin(server, "clear", "--yes")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["dropped"] >= 1
+    ready = httpx.get(f"{server.admin_url}/admin/v1/stats", headers=auth, timeout=10)
+    assert ready.json()["blocks"]["ready"] == 0
+
+
+def test_a_missing_namespace_names_the_flag() -> None:
+    from types import SimpleNamespace
+
+    from app.cli import _hint
+
+    missing = SimpleNamespace(
+        status=422,
+        code="invalid_field",
+        message="query: namespace: required, this service has tenants (namespaces: a1, b1)",
+    )
+    assert "--namespace NAME" in _hint(missing)
+    assert _hint(SimpleNamespace(status=404, code="unknown_namespace", message="x")) == ""
