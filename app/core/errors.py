@@ -13,6 +13,7 @@ Hierarchy::
     ├── QuotaExceededError        a tenant's or namespace's quota would be exceeded
     ├── UnknownKeysError          keys held nowhere (not in the pool, not in a lower tier)
     ├── UnknownPrefetchError      no prefetch by that id (never, or long forgotten)
+    ├── PoolTooSmallError         a load of more distinct blocks than the pool holds
     └── NoLowerTierError          a demotion asked of a service with no tier below the pool
 
 The core raises these and the library errors (``manager.errors``, ``transfer.errors``); the
@@ -153,3 +154,17 @@ class NoLowerTierError(ServiceError):
             "no tier below the pool to demote to (start with --disk-dir, --remote-tier or "
             "--object-bucket); to free pool room without keeping the blocks, drop them"
         )
+
+
+class PoolTooSmallError(ServiceError):
+    """A load of ``needed`` distinct blocks into a pool of ``capacity``: it can never be
+    pinned at once, wherever the blocks are (a tier below the pool included)."""
+
+    def __init__(self, needed: int, capacity: int) -> None:
+        super().__init__(
+            f"this load needs {needed} distinct blocks in the pool at once, but the pool holds "
+            f"{capacity} (--num-blocks, or the namespace's blocks in the tenants file); load "
+            f"in parts of at most {capacity} keys"
+        )
+        self.needed = needed
+        self.capacity = capacity

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 from structlog.contextvars import bind_contextvars
 
-from app.core.errors import NoSpaceError, QuotaExceededError
+from app.core.errors import NoSpaceError, PoolTooSmallError, QuotaExceededError
 from app.core.lower_tiers import TierChain
 from app.core.quota import TenantQuota
 from app.telemetry.observer import Observer
@@ -101,6 +101,8 @@ class ObservedManager:
 
     def prepare_load(self, keys: Sequence[BlockKey], ctx: ReqContext) -> list[int]:
         """Pin ready keys; their host slots."""
+        if len(keys) > self.manager.num_blocks:
+            self._call("prepare_load", ctx.req_id, self._check_fits, keys)
         if self.quota is not None:
             self._call("prepare_load", ctx.req_id, self.quota.check_pins, self.manager, keys)
         self.tiers.asked(keys, ctx.req_id)
@@ -115,6 +117,12 @@ class ObservedManager:
             listener(keys)
         self.observer.prepare_load(ctx.req_id, len(slots))
         return slots
+
+    def _check_fits(self, keys: Sequence[BlockKey]) -> None:
+        """``PoolTooSmallError`` for a load of more distinct keys than the pool has slots."""
+        distinct = len(set(keys))
+        if distinct > self.manager.num_blocks:
+            raise PoolTooSmallError(distinct, self.manager.num_blocks)
 
     def promote(
         self, keys: Sequence[BlockKey], req_id: str, protect: Sequence[BlockKey] = ()

@@ -29,6 +29,7 @@ UnknownRetentionError         404     unknown_retention
 UnknownPrefetchError          404     unknown_prefetch
 UnknownKeysError              404     unknown_keys
 NoLowerTierError              409     no_lower_tier
+PoolTooSmallError             409     pool_too_small
 KeyNotReadyError              409     key_not_ready
 NotPinnedError                409     not_pinned
 other StateConflictError      409     state_conflict
@@ -73,6 +74,7 @@ from app.core.errors import (
     NoLowerTierError,
     NoSpaceError,
     PermissionDeniedError,
+    PoolTooSmallError,
     QuotaExceededError,
     ServiceUnavailableError,
     UnknownJobError,
@@ -196,6 +198,7 @@ _MAPPED: tuple[tuple[type[Exception], int, str], ...] = (
     (UnknownPrefetchError, 404, "unknown_prefetch"),
     (UnknownKeysError, 404, "unknown_keys"),
     (NoLowerTierError, 409, "no_lower_tier"),
+    (PoolTooSmallError, 409, "pool_too_small"),
 )
 
 

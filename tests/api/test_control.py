@@ -1034,3 +1034,22 @@ async def test_a_lookup_without_tiers_checks_prefetch_deadline_s_only(h: Harness
     assert r.json() == {"results": ["miss"], "hit_prefix": 0}
     r = await h.post("/v1/requests/r/lookup", {"keys": hexkeys(1), "prefetch_deadline_s": 1e6})
     assert error(r) == (422, "invalid_argument")
+
+
+async def test_a_load_of_more_blocks_than_the_pool_holds_says_so(tmp_path: Path) -> None:
+    """The trap: 9 keys on disk, a pool of 8; the load could never be pinned at once. The
+    answer says the pool is too small and how big it is, instead of "not stored"."""
+    async with disk_node(tmp_path, num_blocks=8) as h:
+        keys = hexkeys(*range(1, 10))
+        await store(h, "w", keys)  # 9 into 8: one goes to disk, all are somewhere
+        await h.start("big")
+        r = await h.post("/v1/requests/big/prepare-load", {"keys": keys})
+        assert error(r) == (409, "pool_too_small"), r.text
+        assert "the pool holds 8" in r.json()["error"]["message"]
+        _, cache_id = await h.device(16)
+        body = {"cache_id": cache_id, "keys": keys, "device_blocks": list(range(9))}
+        r = await h.post("/v1/requests/big/onload", body)
+        assert error(r) == (409, "pool_too_small"), r.text
+        # Repeats of one key are one block: a load of 8 distinct keys listed 9 times fits.
+        r = await h.post("/v1/requests/big/prepare-load", {"keys": [*keys[1:], keys[1]]})
+        assert r.status_code == 200 or error(r) == (409, "key_not_ready"), r.text

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from app.http.routes.admin import SAMPLED
 from manager import available_policies
 from manager.shadow import MIN_SAMPLED_REQUESTS
 from tests.api.harness import Harness, make_settings, running
@@ -32,7 +33,9 @@ async def test_little_traffic_projects_no_number_and_says_how_much_is_needed() -
         for p in answer["policies"]:
             assert (p["projected_hit_ratio"], p["cumulative_hit_ratio"]) == (None, None)
             assert (p["sampled_requests"], p["window_requests"]) == (6, 6)
-            assert p["reason"] == f"not enough data: 6 of {MIN_SAMPLED_REQUESTS} sampled requests"
+            assert p["reason"] == (
+                f"not enough data: 6 of {MIN_SAMPLED_REQUESTS} sampled requests ({SAMPLED})"
+            )
             assert _gauge(h, p["policy"]) is None
         text = (await h.client.get("/metrics")).text
         assert "kvoffload_policy_projected_hit_ratio{" not in text
@@ -47,7 +50,7 @@ async def test_with_enough_data_every_policy_is_projected_and_exported_the_activ
         answer = await shadow(h)
         assert answer["min_sampled_requests"] == 4
         assert {p["reason"] for p in answer["policies"]} == {
-            "not enough data: 3 of 4 sampled requests"
+            f"not enough data: 3 of 4 sampled requests ({SAMPLED})"
         }
         await lives(h, 1, "fourth")
         h.service.shadow.drain()
@@ -60,3 +63,21 @@ async def test_with_enough_data_every_policy_is_projected_and_exported_the_activ
             assert 0 < p["projected_hit_ratio"] <= 1
             assert _gauge(h, name) == pytest.approx(p["projected_hit_ratio"])
         assert _gauge(h, "lru") is not None  # the active policy, the control, is exported
+
+
+async def test_lookups_alone_are_not_sampled_and_the_reason_says_so() -> None:
+    """The trap: thousands of lookup-only requests, and still "not enough data"; the reason
+    says which requests count."""
+    async with running(make_settings(shadow_sample_rate=1.0)) as h:
+        for i in range(50):
+            req = f"look-{i}"
+            await h.start(req)
+            r = await h.post(f"/v1/requests/{req}/lookup", {"keys": ["0a0b"]})
+            assert r.status_code == 200, r.text
+            assert (await h.client.delete(f"/v1/requests/{req}")).status_code == 200
+        assert h.service.shadow is not None
+        h.service.shadow.drain()
+        answer = await shadow(h)
+        for p in answer["policies"]:
+            assert p["sampled_requests"] == 0
+            assert "not lookups alone" in p["reason"]

@@ -141,6 +141,10 @@ _NOT_COUNTERS = {
 }
 
 
+#: Which requests the shadow evaluation samples, said with every "not enough data".
+SAMPLED = "only requests that load, store or touch blocks are sampled, not lookups alone"
+
+
 def etag(generation: int) -> str:
     """The ETag of a policy generation."""
     return f'"{generation}"'
@@ -316,7 +320,7 @@ async def get_shadow(request: Request, actor: Actor, service: ServiceDep) -> Res
                     "reason": None
                     if r.window is not None
                     else f"not enough data: {r.window_requests} of {report.min_requests} "
-                    "sampled requests",
+                    f"sampled requests ({SAMPLED})",
                 }
                 for r in report.ratios
             ],
