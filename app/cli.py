@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import json
 import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from app import package_version, replay
 from app.settings import (
@@ -84,10 +85,46 @@ def _flag_help(name: str) -> str:
     return f"{help_text}; env KVOFFLOAD_{name.upper()}"
 
 
+class _Switch(argparse.Action):
+    """An on/off setting: ``--x`` (on), ``--x BOOL`` (as written, for the settings' own
+    parsing), ``--no-x`` (off)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        flag = option_strings[0]
+        super().__init__([flag, f"--no-{flag[2:]}"], dest, nargs="?", **kwargs)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        if option_string is not None and option_string.startswith("--no-"):
+            if values is not None:
+                parser.error(f"argument {option_string}: takes no value")
+            values = "false"
+        setattr(namespace, self.dest, "true" if values is None else values)
+
+
+def _is_switch(name: str) -> bool:
+    return Settings.model_fields[name].annotation in (bool, bool | None)
+
+
 def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
     for name in Settings.model_fields:
         flag = flag_name(name)
         if flag is None or name == "policy_params":
+            continue
+        if _is_switch(name):
+            parser.add_argument(
+                flag,
+                dest=name,
+                action=_Switch,
+                default=argparse.SUPPRESS,
+                metavar="BOOL",
+                help=f"{_flag_help(name)}; {flag} alone: on, --no-{flag[2:]}: off",
+            )
             continue
         parser.add_argument(
             flag,
@@ -108,8 +145,32 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class _Parser(argparse.ArgumentParser):
+    """``argparse`` that answers an unknown option with the closest known one."""
+
+    def error(self, message: str) -> NoReturn:
+        unknown = message.partition("unrecognized arguments: ")[2].split()
+        known = sorted({s for p in _parsers(self) for a in p._actions for s in a.option_strings})
+        for word in unknown:
+            close = difflib.get_close_matches(word.partition("=")[0], known, n=1, cutoff=0.6)
+            if word.startswith("--") and close:
+                message += f" (did you mean {close[0]}?)"
+                break
+        super().error(message)
+
+
+def _parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """``parser`` and every subcommand's parser below it."""
+    out = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out += _parsers(sub)
+    return out
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvoffload",
         description="KV-cache offloading service for LLM inference engines.",
         allow_abbrev=False,

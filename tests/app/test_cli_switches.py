@@ -1,0 +1,48 @@
+"""``kvoffload serve``'s on/off settings as switches (``--x``, ``--x BOOL``, ``--no-x``) and an
+unknown option answered with the closest known one."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.cli import _build_parser, settings_from_args
+
+
+def settings(*argv: str) -> dict[str, object]:
+    s = settings_from_args(_build_parser().parse_args(["serve", *argv]))
+    return {"shadow": s.shadow_enabled, "pin": s.pin_memory, "by_name": s.registration_by_name}
+
+
+def test_a_switch_alone_is_on_no_is_off_and_a_value_is_taken_as_written(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in ("KVOFFLOAD_SHADOW_ENABLED", "KVOFFLOAD_PIN_MEMORY", "KVOFFLOAD_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    assert settings("--no-shadow-enabled")["shadow"] is False
+    assert settings("--no-shadow-enabled", "--shadow-enabled")["shadow"] is True  # last wins
+    assert settings("--shadow-enabled", "false")["shadow"] is False
+    assert settings("--pin-memory", "--num-blocks", "64")["pin"] is True
+    assert settings("--no-pin-memory")["pin"] is False
+    assert settings()["pin"] is None  # not given: the setting's default
+
+
+def test_no_takes_no_value(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _build_parser().parse_args(["serve", "--no-shadow-enabled", "true"])
+    assert "--no-shadow-enabled: takes no value" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "meant"),
+    [
+        (["serve", "--num-blok", "5"], "--num-blocks"),
+        (["serve", "--shadow-enable"], "--shadow-enabled"),
+        (["admin", "--namespce=a", "stats"], "--namespace"),
+    ],
+)
+def test_an_unknown_option_is_answered_with_the_closest(
+    argv: list[str], meant: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        _build_parser().parse_args(argv)
+    assert f"(did you mean {meant}?)" in capsys.readouterr().err
