@@ -111,13 +111,37 @@ def _is_switch(name: str) -> bool:
     return Settings.model_fields[name].annotation in (bool, bool | None)
 
 
+#: ``serve --help``'s groups, each by its first setting: the settings that follow it, in their
+#: declared order, belong to it (a setting added later lands in its neighbours' group).
+SERVE_GROUPS = {
+    "admin_token": "admin token",
+    "host": "listeners",
+    "head_timeout_s": "connections",
+    "num_blocks": "pool and policy",
+    "lease_ttl_s": "leases, jobs, limits",
+    "max_retained_blocks": "cache control (retentions, prefetches)",
+    "tiers": "tiers below the pool",
+    "remote_tier": "remote tier (Mooncake)",
+    "object_bucket": "object tier (S3)",
+    "disk_dir": "disk tier",
+    "fault_fail_rate": "fault injection",
+    "metrics_enabled": "observability",
+    "shadow_enabled": "shadow evaluation",
+    "shutdown_grace_s": "process",
+}
+
+
 def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    group: argparse._ActionsContainer = parser
+    groups: dict[str, argparse._ActionsContainer] = {}
     for name in Settings.model_fields:
+        if name in SERVE_GROUPS:
+            group = groups[name] = parser.add_argument_group(SERVE_GROUPS[name])
         flag = flag_name(name)
         if flag is None or name == "policy_params":
             continue
         if _is_switch(name):
-            parser.add_argument(
+            group.add_argument(
                 flag,
                 dest=name,
                 action=_Switch,
@@ -126,14 +150,14 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
                 help=f"{_flag_help(name)}; {flag} alone: on, --no-{flag[2:]}: off",
             )
             continue
-        parser.add_argument(
+        group.add_argument(
             flag,
             dest=name,
             default=argparse.SUPPRESS,
             metavar=name.upper(),
             help=_flag_help(name),
         )
-    parser.add_argument(
+    groups.get("num_blocks", parser).add_argument(
         "--policy-param",
         dest="policy_params",
         action="append",
@@ -180,7 +204,11 @@ def _build_parser() -> argparse.ArgumentParser:
 
     # No abbreviations: "--admin-token" must not silently mean "--admin-token-file".
     serve = sub.add_parser(
-        "serve", help="run the service (CPU pool on loopback by default)", allow_abbrev=False
+        "serve",
+        help="run the service (CPU pool on loopback by default)",
+        allow_abbrev=False,
+        usage="kvoffload serve [--config FILE] [OPTION ...]  (the options by group below; each "
+        "also reads KVOFFLOAD_<NAME>)",
     )
     _add_serve_flags(serve)
 

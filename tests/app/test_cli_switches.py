@@ -3,6 +3,8 @@ unknown option answered with the closest known one."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from app.cli import _build_parser, settings_from_args
@@ -46,3 +48,30 @@ def test_an_unknown_option_is_answered_with_the_closest(
     with pytest.raises(SystemExit):
         _build_parser().parse_args(argv)
     assert f"(did you mean {meant}?)" in capsys.readouterr().err
+
+
+def test_serve_help_groups_every_flag_and_its_usage_is_short() -> None:
+    from app.cli import SERVE_GROUPS
+    from app.settings import Settings
+
+    assert set(SERVE_GROUPS) <= set(Settings.model_fields)
+    serve = next(
+        a for a in _build_parser()._actions if isinstance(a, argparse._SubParsersAction)
+    ).choices["serve"]
+    grouped = {
+        s
+        for g in serve._action_groups
+        if g.title in SERVE_GROUPS.values()
+        for a in g._group_actions
+        for s in a.option_strings
+    }
+    loose = {
+        s
+        for a in serve._actions
+        for s in a.option_strings
+        if s.startswith("--") and s not in grouped
+    }
+    assert loose == {"--help", "--config"}  # the file all the others may come from
+    assert len(serve.format_usage().splitlines()) <= 2
+    help_text = serve.format_help()
+    assert all(f"\n{title}:\n" in help_text for title in SERVE_GROUPS.values())
