@@ -58,7 +58,7 @@ from app.telemetry.logging import get_logger
 from app.telemetry.metrics import PREFIX, TierReport
 from manager import DISK_MEDIUM, BlockKey, DiskIndex, DiskOp, OffloadManager
 from transfer import HostPool
-from transfer.disk import DiskError, DiskSpaceError, DiskStore, slots_for
+from transfer.disk import DiskError, DiskSpaceError, DiskStore, disk_bytes_for, slots_for
 from transfer.health import TierHealth
 
 log = get_logger("disk")
@@ -575,6 +575,7 @@ class DiskBackend(TierBackend):
         s = ctx.settings
         if s.disk_dir is None:
             raise config_error("tiers", "disk", "the disk tier needs --disk-dir")
+        check_index_memory(s)
         try:
             store, index = open_disk(s, ctx.pool, ctx.storage)
         except DiskSpaceError as exc:
@@ -607,6 +608,47 @@ class DiskBackend(TierBackend):
 
 
 register("disk", DiskBackend())
+
+#: Memory the disk tier's index takes per slot once full, rounded up: 186-426 B measured by
+#: policy (the index's tables, lru to prefix_lrfu) plus the key itself (a 32-byte hash: 65 B).
+INDEX_MEMORY_PER_SLOT = 512
+
+
+def memory_available() -> int | None:
+    """The machine's available memory (``MemAvailable``), None where it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_index_memory(settings: Settings) -> None:
+    """``ConfigError`` naming ``disk_bytes`` when the disk tier's index, once the disk is full,
+    would take more memory than the machine has available, saying what it would cost (a huge
+    ``--disk-bytes`` with small blocks is millions of slots, each indexed in memory)."""
+    slots = slots_for(settings.disk_bytes, settings.block_bytes)
+    needed = slots * INDEX_MEMORY_PER_SLOT
+    available = memory_available()
+    if available is None or needed <= available:
+        return
+    fits = available // INDEX_MEMORY_PER_SLOT
+    raise config_error(
+        "disk_bytes",
+        settings.disk_bytes,
+        f"its index would take about {_gib(needed)} of memory once the disk is full ({slots} "
+        f"slots of {settings.block_bytes} bytes, about {INDEX_MEMORY_PER_SLOT} B each) but "
+        f"this machine has {_gib(available)} available; accepted: at most "
+        f"{disk_bytes_for(fits, settings.block_bytes)} bytes at this block size, or larger "
+        "blocks (--block-bytes)",
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB"
 
 
 def open_disk(settings: Settings, pool: HostPool, namespace: str) -> tuple[DiskStore, DiskIndex]:

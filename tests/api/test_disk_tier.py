@@ -1138,7 +1138,12 @@ async def test_a_large_eviction_is_written_batch_by_batch_while_it_is_staged(
             assert pool_bytes(h, 0) == data[key.hex()]
 
 
-async def test_a_disk_bytes_past_the_free_space_stops_the_start_naming_it(tmp_path: Path) -> None:
+async def test_a_disk_bytes_past_the_free_space_stops_the_start_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Memory for its index taken as plenty: this is the disk's own check (the memory one runs
+    # first: tests/tiers/test_disk_memory.py).
+    monkeypatch.setattr(disk_module, "memory_available", lambda: None)
     free = shutil.disk_usage(tmp_path).free
     settings = make_settings(
         disk_dir=tmp_path / "d", disk_bytes=4 * free + (1 << 40), disk_admit_after=1
