@@ -29,7 +29,7 @@ CPU_TORCH ?= torch==2.13.0
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-vllm test-remote test-object lint format bench clean wheelhouse base-image image \
+.PHONY: setup run test test-vllm test-remote test-object lint docs format bench clean wheelhouse base-image image \
 	test-deploy
 
 # vLLM test environment: vLLM without its dependencies (its CUDA stack is not needed on CPU),
@@ -161,6 +161,12 @@ test-deploy: wheelhouse base-image $(DEV_STAMP)
 	KVOFFLOAD_DEPLOY_TESTS=1 KVOFFLOAD_IMAGE=$(IMAGE) \
 		KVOFFLOAD_BASE_IMAGE=$(or $(BASE_IMAGE),$(DEBIAN_BASE)) \
 		$(PY) -m pytest tests/containers $(PYTEST_ARGS)
+
+# The documentation site (mkdocs.yml) with --strict: a broken link, an anchor that is not there
+# or a page left out of the nav fails; and the CLI reference page must match the parser.
+docs: setup
+	$(PY) docs/tools/cli_reference.py --check
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -q
 
 lint: setup
 	$(VENV)/bin/ruff check .

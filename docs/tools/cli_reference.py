@@ -1,0 +1,69 @@
+"""Write ``docs/cli.md``, the command line reference, from the real parser
+(``app.cli._build_parser``): every command's ``--help``, so the page cannot drift from the
+code. ``--check`` exits 1 when the page on disk is not what the parser says (the tests and CI
+run it); without it the page is rewritten.
+
+    python docs/tools/cli_reference.py            rewrite docs/cli.md
+    python docs/tools/cli_reference.py --check    verify it
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from app.cli import _build_parser  # noqa: E402
+
+PAGE = ROOT / "docs" / "cli.md"
+#: The width the help is rendered at, whatever the terminal: the page is the same everywhere.
+WIDTH = "100"
+
+
+def _commands(
+    parser: argparse.ArgumentParser, path: str
+) -> list[tuple[str, argparse.ArgumentParser]]:
+    """``parser`` as ``path``, and every subcommand below it, depth first."""
+    found = [(path, parser)]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found += _commands(sub, f"{path} {name}")
+    return found
+
+
+def render() -> str:
+    """The page: a section per command with its ``--help``."""
+    os.environ["COLUMNS"] = WIDTH  # argparse reads the width from here
+    parts = [
+        "# Command line reference\n",
+        "Every command's `--help`, generated from the parser "
+        "(`python docs/tools/cli_reference.py`; CI checks it is current). Every `serve` option "
+        "also reads `KVOFFLOAD_<NAME>` and the `--config` file.\n",
+    ]
+    for path, parser in _commands(_build_parser(), "kvoffload"):
+        parser.prog = path
+        parts.append(f"## `{path}`\n\n```text\n{parser.format_help().rstrip()}\n```\n")
+    return "\n".join(parts)
+
+
+def main() -> int:
+    check = "--check" in sys.argv[1:]
+    text = render()
+    if check:
+        if not PAGE.exists() or PAGE.read_text(encoding="utf-8") != text:
+            print(f"out of date: {PAGE.relative_to(ROOT)}; run python docs/tools/cli_reference.py")
+            return 1
+        return 0
+    PAGE.write_text(text, encoding="utf-8")
+    print(f"wrote {PAGE.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
