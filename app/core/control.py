@@ -85,11 +85,12 @@ class Retained:
 
 @dataclass(slots=True)
 class Prefetch:
-    """One prefetch: its keys' states when it started, what it holds, and its counts."""
+    """One prefetch: what it holds and brings up, and its counts. (Its keys' states when it
+    started are the starting call's answer only: kept for a finished one, 8,192 of them
+    would be kept a thousand times over.)"""
 
     prefetch_id: int
     req_id: str
-    results: list[str]
     started_at: float
     deadline_at: float
     promoting: set[BlockKey] = field(default_factory=set)
@@ -328,8 +329,11 @@ class Control:
             )
         return deadline
 
-    async def prefetch(self, keys: Sequence[BlockKey], deadline_s: float, req_id: str) -> Prefetch:
-        """Start prefetching ``keys`` for ``deadline_s``; see the module docstring."""
+    async def prefetch(
+        self, keys: Sequence[BlockKey], deadline_s: float, req_id: str
+    ) -> tuple[Prefetch, list[str]]:
+        """Start prefetching ``keys`` for ``deadline_s``; see the module docstring. The
+        prefetch, and each key's state when it started (in ``keys``' order)."""
         self.check_deadline(deadline_s)
         if not keys:
             raise InvalidArgumentError("keys: at least one key to prefetch")
@@ -344,7 +348,7 @@ class Control:
         states: Sequence[str | None],
         deadline_s: float,
         req_id: str,
-    ) -> Prefetch:
+    ) -> tuple[Prefetch, list[str]]:
         """``prefetch`` once each of the ``distinct`` keys' state is known (``states``: hit,
         pending, a tier's name, None for nowhere; a lookup that knows them calls this in the
         same step); ``keys`` in the caller's order, for the answer."""
@@ -362,7 +366,7 @@ class Control:
                 scope="namespace",
             )
         now = self._clock()
-        p = Prefetch(next(self._ids), req_id, [], now, now + deadline)
+        p = Prefetch(next(self._ids), req_id, now, now + deadline)
         by_key = dict(zip(distinct, (s or MISS for s in states), strict=True))
         held = manager.hold(hits)
         for key, slot in zip(hits, held, strict=True):
@@ -384,7 +388,7 @@ class Control:
                 self._on_event()
         if not p.promoting:
             p.settled.set()
-        p.results = [by_key[k] for k in keys]
+        results = [by_key[k] for k in keys]
         for state in (PENDING, MISS, REFUSED):
             p.counts[state] = sum(1 for k in distinct if by_key[k] == state)
         for outcome in (HIT, "promoted", PENDING, MISS, REFUSED):
@@ -392,7 +396,7 @@ class Control:
         self._prefetches[p.prefetch_id] = p
         p.timer = asyncio.get_running_loop().call_later(deadline, self._expire_prefetch, p)
         self._maybe_finish(p)
-        return p
+        return p, results
 
     def _take(self, p: Prefetch, key: BlockKey) -> None:
         """``p`` holds ``key`` (one manager hold, already taken)."""

@@ -154,7 +154,7 @@ async def _run_lookup_tiers(service: Service, req_id: str, body: s.LookupBody) -
     if deadline_s is not None and below:
         control = service.control
         try:
-            p = control.start_prefetch(
+            p, _ = control.start_prefetch(
                 list(below), list(below), list(below.values()), deadline_s, req_id
             )
         except QuotaExceededError:
@@ -281,8 +281,9 @@ def retentions_json(service: Service) -> dict[str, Any]:
     }
 
 
-def prefetch_json(p: Prefetch, now: float, *, results: bool = False) -> dict[str, Any]:
-    """The wire form of a prefetch (``PrefetchAnswer``); ``results`` with each key's state."""
+def prefetch_json(p: Prefetch, now: float, results: list[str] | None = None) -> dict[str, Any]:
+    """The wire form of a prefetch (``PrefetchAnswer``); ``results``: each key's state when it
+    started (the starting call's answer)."""
     out: dict[str, Any] = {
         "prefetch_id": p.prefetch_id,
         "req_id": p.req_id,
@@ -290,8 +291,8 @@ def prefetch_json(p: Prefetch, now: float, *, results: bool = False) -> dict[str
         "deadline_in_s": round(max(0.0, p.deadline_at - now), 3),
         "counts": {k: p.counts[k] for k in PREFETCH_COUNTS},
     }
-    if results:
-        out["results"] = p.results
+    if results is not None:
+        out["results"] = results
     return out
 
 
@@ -321,10 +322,10 @@ async def _run_retain(service: Service, req_id: str, body: s.RetainBody) -> tupl
 
 async def _run_prefetch(service: Service, req_id: str, body: s.PrefetchBody) -> tuple[int, str]:
     _limit_keys(service, body.keys)
-    p = await _observed_async(
+    p, results = await _observed_async(
         service, "prefetch", req_id, service.control.prefetch(body.keys, body.deadline_s, req_id)
     )
-    return 202, json.dumps(prefetch_json(p, p.started_at, results=True))
+    return 202, json.dumps(prefetch_json(p, p.started_at, results))
 
 
 def _hint_json(done: Hinted) -> str:
