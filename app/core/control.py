@@ -156,6 +156,7 @@ class Control:
         self._holders: dict[BlockKey, set[int]] = {}
         self._coming: dict[BlockKey, set[int]] = {}
         self._prefetch_keys = 0  # keys promoting or held by prefetches, summed
+        self._settling: set[asyncio.Task[None]] = set()
         self._won = [0] * (len(WON_BUCKETS) + 1)
         self._won_sum = 0.0
 
@@ -188,16 +189,19 @@ class Control:
         tasks = self.tiers.promote(keys, req_id, protect, self.manager) if keys else []
 
         async def settle() -> None:
-            with contextlib.suppress(Exception, asyncio.CancelledError):
-                await asyncio.gather(*tasks, return_exceptions=True)
             try:
+                # Each promotion settles its own failures (return_exceptions: none raises).
+                await asyncio.gather(*tasks, return_exceptions=True)
                 if then is not None:
                     then()
             finally:
                 self.tiers.let_go(req_id)
 
         if tasks or then is not None:
-            asyncio.get_running_loop().create_task(settle(), name="kvoffload-control-settle")
+            task = asyncio.get_running_loop().create_task(settle(), name="kvoffload-control-settle")
+            # The loop keeps only a weak reference to a task: this one must not be collected.
+            self._settling.add(task)
+            task.add_done_callback(self._settling.discard)
         return req_id, tasks
 
     # ------------------------------------------------------------------ retain
