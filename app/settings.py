@@ -77,11 +77,13 @@ RemoteTierName = Literal["none", "mooncake"]
 _S = TypeVar("_S", bound="AdminAuth")
 
 
-def _unknown_policy(exc: UnknownPolicyError) -> str:
-    """The reason and what is accepted, for an unknown policy name in a setting."""
+def _unknown_policy(exc: UnknownPolicyError, *, named: bool = False) -> str:
+    """The reason and what is accepted, for an unknown policy name in a setting (``named``:
+    saying which, for a setting that lists several)."""
+    which = f"unknown {exc.name}" if named else "unknown policy"
     return (
         str(exc)
-        .replace(f"unknown policy {exc.name!r}", "unknown policy", 1)
+        .replace(f"unknown policy {exc.name!r}", which, 1)
         .replace("; available:", "; accepted:", 1)
     )
 
@@ -894,7 +896,7 @@ class Settings(AdminAuth):
                 known.append(canonical_policy_name(name))
             except UnknownPolicyError as exc:
                 raise config_error(
-                    "shadow_policies", ",".join(value), _unknown_policy(exc)
+                    "shadow_policies", ",".join(value), _unknown_policy(exc, named=True)
                 ) from None
         value = known
         if not value:
