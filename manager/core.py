@@ -968,8 +968,13 @@ class OffloadManager:
         """Where the retained keys are: how many are ready in the pool, how many pending
         there, and the keys not in the pool (one pass over the retained keys)."""
         slot_of, in_flight = self._slot, self._pending
-        absent = [k for k in self._retained if k not in slot_of]
-        pending = sum(1 for k in self._retained if k in in_flight)
+        absent: list[BlockKey] = []
+        pending = 0
+        for key in self._retained:
+            if key not in slot_of:
+                absent.append(key)
+            elif key in in_flight:
+                pending += 1
         return len(self._kept), pending, absent
 
     def is_retained(self, key: BlockKey) -> bool:

@@ -53,11 +53,11 @@ from app.core.errors import (
 from app.core.lower_tiers import TierChain
 from app.settings import Settings
 from app.telemetry.logging import get_logger
+from app.telemetry.metrics import PREFIX, le_label
 from manager import BlockKey, InvalidArgumentError, OffloadManager, RetentionInfo
 from manager.retention import check_ttl
 
 log = get_logger("control")
-PREFIX = "kvoffload"
 #: Finished prefetches kept for ``prefetch_state`` after their last hold ended.
 FINISHED_PREFETCHES_KEPT = 1024
 #: Buckets of ``kvoffload_prefetch_won_seconds`` (a disk read is ms, a remote one tens of ms).
@@ -182,9 +182,9 @@ class Control:
 
     def _promote(
         self, keys: list[BlockKey], protect: list[BlockKey], then: Callable[[], None] | None
-    ) -> tuple[str, list[asyncio.Task[None]]]:
-        """Start promotions of ``keys`` under an internal request of their own; ``then`` runs
-        once they settle. The promotions' own holds are let go of then."""
+    ) -> list[asyncio.Task[None]]:
+        """Start promotions of ``keys`` under an internal request of their own; the tasks
+        started. ``then`` runs once they settle; the promotions' own holds are let go of then."""
         req_id = f"kvoffload-control-{next(self._promotion_ids)}"
         tasks = self.tiers.promote(keys, req_id, protect, self.manager) if keys else []
 
@@ -202,7 +202,7 @@ class Control:
             # The loop keeps only a weak reference to a task: this one must not be collected.
             self._settling.add(task)
             task.add_done_callback(self._settling.discard)
-        return req_id, tasks
+        return tasks
 
     # ------------------------------------------------------------------ retain
 
@@ -258,7 +258,7 @@ class Control:
         promoting = 0
         if below:
             hits = [k for k, s in zip(keys, results, strict=True) if s == HIT]
-            _, tasks = self._promote(below, hits, None)
+            tasks = self._promote(below, hits, None)
             promoting = sum(1 for k in below if manager.slot_of(k) is not None) if tasks else 0
             self._on_event()
         self.counts["retentions_created" if created else "retentions_renewed"] += 1
@@ -313,7 +313,7 @@ class Control:
             if manager.slot_of(k) is None and manager.is_retained(k)
         ]
         if again and self.tiers:
-            _, tasks = self._promote(again, [], None)
+            tasks = self._promote(again, [], None)
             if tasks:
                 self._on_event()
 
@@ -378,7 +378,7 @@ class Control:
                 self._take(p, key)
         p.counts[HIT] = len(p.held)
         if below:
-            _, tasks = self._promote(below, hits, lambda: self._landed(p))
+            tasks = self._promote(below, hits, lambda: self._landed(p))
             for key in below:
                 if manager.slot_of(key) is not None and not manager.is_ready(key):
                     p.promoting.add(key)
@@ -678,7 +678,7 @@ class Control:
         cumulative, buckets = 0, []
         for bound, n in zip((*WON_BUCKETS, float("inf")), self._won, strict=True):
             cumulative += n
-            buckets.append((_bucket(bound), cumulative))
+            buckets.append((le_label(bound), cumulative))
         won.add_metric([], buckets, self._won_sum)
         yield won
         hints = CounterMetricFamily(
@@ -687,7 +687,3 @@ class Control:
         hints.add_metric(["demote"], self.counts["demoted"])
         hints.add_metric(["drop"], self.counts["dropped"])
         yield hints
-
-
-def _bucket(bound: float) -> str:
-    return "+Inf" if bound == float("inf") else repr(bound)

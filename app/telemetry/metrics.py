@@ -43,7 +43,8 @@ from app.telemetry.request_ids import exemplar_id
 from manager import ManagerStats, PolicyInfo
 
 # prometheus_client's own spelling of bucket bounds (``le``); the function is untyped upstream.
-_le = cast(Callable[[float], str], floatToGoString)
+#: A histogram bucket's ``le`` label as Prometheus writes it (``0.005``, ``+Inf``).
+le_label = cast(Callable[[float], str], floatToGoString)
 
 PREFIX = "kvoffload"
 # Latency buckets from 50 us (an in-process manager call) to 2.5 s (a long-poll or a slow copy).
@@ -362,7 +363,7 @@ class _Histogram:
         self.documentation = documentation
         self.labels = labels
         self.bounds = (*buckets, math.inf)
-        self.le = [_le(b) for b in self.bounds]
+        self.le = [le_label(b) for b in self.bounds]
         self.series: dict[tuple[str, ...], _HistogramSeries] = {}
 
     def observe(
