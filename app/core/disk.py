@@ -45,6 +45,7 @@ import contextlib
 import os
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily
@@ -635,16 +636,36 @@ def check_index_memory(settings: Settings) -> None:
     available = memory_available()
     if available is None or needed <= available:
         return
-    fits = available // INDEX_MEMORY_PER_SLOT
+    accepted = disk_bytes_for(available // INDEX_MEMORY_PER_SLOT, settings.block_bytes)
+    # The bound named is one the next start passes: the disk's free space is checked after this
+    # (at open), so a bound above it would only trade this refusal for that one.
+    free = _free_bytes(settings.disk_dir)
+    why = "at this block size, or larger blocks (--block-bytes)"
+    if free is not None and free < accepted:
+        accepted, why = free, f"(the free space under {settings.disk_dir})"
     raise config_error(
         "disk_bytes",
         settings.disk_bytes,
         f"its index would take about {_gib(needed)} of memory once the disk is full ({slots} "
         f"slots of {settings.block_bytes} bytes, about {INDEX_MEMORY_PER_SLOT} B each) but "
-        f"this machine has {_gib(available)} available; accepted: at most "
-        f"{disk_bytes_for(fits, settings.block_bytes)} bytes at this block size, or larger "
-        "blocks (--block-bytes)",
+        f"this machine has {_gib(available)} available; accepted: at most {accepted} bytes "
+        f"{why}",
     )
+
+
+def _free_bytes(directory: Path | None) -> int | None:
+    """Free space (for an unprivileged user) of the filesystem ``directory`` is on, or would
+    be made on (its nearest existing parent); None where it cannot be read."""
+    path = directory
+    while path is not None and not path.exists() and path != path.parent:
+        path = path.parent
+    if path is None:
+        return None
+    try:
+        vfs = os.statvfs(path)
+    except OSError:
+        return None
+    return vfs.f_bavail * vfs.f_frsize
 
 
 def _gib(n: int) -> str:

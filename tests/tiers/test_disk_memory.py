@@ -3,6 +3,7 @@ cost (the trap: a huge --disk-bytes passed the disk's space check and took gigab
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -31,3 +32,27 @@ def test_an_index_larger_than_the_memory_available_is_refused(
 def test_the_machine_s_memory_is_read() -> None:
     available = memory_available()
     assert available is None or available > 0
+
+
+def test_the_bound_named_also_fits_the_disk_s_free_space(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The size a refusal suggests is one the next start accepts: not above the free space of
+    the filesystem the directory would be made on (checked at open, after this)."""
+    monkeypatch.setattr(disk_module, "memory_available", lambda: 100 * INDEX_MEMORY_PER_SLOT)
+    monkeypatch.setattr(disk_module, "_free_bytes", lambda d: 50 * 4096)
+    big = Settings(
+        disk_dir=tmp_path / "not" / "made", disk_bytes=disk_bytes_for(101, 4096), block_bytes=4096
+    )
+    with pytest.raises(ConfigError) as refused:
+        check_index_memory(big)
+    assert f"accepted: at most {50 * 4096} bytes (the free space under {big.disk_dir})" in str(
+        refused.value
+    )
+
+
+def test_free_space_is_read_from_the_nearest_existing_parent(tmp_path: Path) -> None:
+    vfs = os.statvfs(tmp_path)
+    assert disk_module._free_bytes(tmp_path / "a" / "b") == pytest.approx(
+        vfs.f_bavail * vfs.f_frsize, rel=0.01
+    )
