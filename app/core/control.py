@@ -206,21 +206,11 @@ class Control:
 
     # ------------------------------------------------------------------ retain
 
-    def _check_ttl(self, ttl_s: float) -> float:
-        ttl = check_ttl(ttl_s)
-        bound = self.settings.retain_max_ttl_s
-        if ttl > bound:
-            raise InvalidArgumentError(
-                f"ttl_s {ttl_s!r} is over the bound; accepted: 0 < ttl_s <= {bound:g} "
-                "(retain_max_ttl_s)"
-            )
-        return ttl
-
     async def retain(
         self, keys: Sequence[BlockKey], ttl_s: float, name: str, req_id: str
     ) -> Retained:
         """Retain ``keys`` for ``ttl_s`` as retention ``name``; see the module docstring."""
-        ttl = self._check_ttl(ttl_s)
+        ttl = _bounded("ttl_s", ttl_s, self.settings.retain_max_ttl_s, "retain_max_ttl_s")
         manager = self.manager
         if not keys:
             raise InvalidArgumentError("keys: at least one key to retain")
@@ -266,7 +256,8 @@ class Control:
 
     def renew(self, name: str, ttl_s: float) -> RetentionInfo:
         """Restart retention ``name``'s TTL."""
-        info = self.manager.renew_retention(name, self._check_ttl(ttl_s))
+        ttl = _bounded("ttl_s", ttl_s, self.settings.retain_max_ttl_s, "retain_max_ttl_s")
+        info = self.manager.renew_retention(name, ttl)
         self.counts["retentions_renewed"] += 1
         return info
 
@@ -321,17 +312,12 @@ class Control:
 
     def check_deadline(self, deadline_s: float) -> float:
         """``deadline_s`` as a float; ``InvalidArgumentError`` unless 0 < it <= the bound."""
-        bound = self.settings.prefetch_max_deadline_s
-        try:
-            deadline = check_ttl(deadline_s)
-        except InvalidArgumentError:
-            deadline = -1.0
-        if not 0 < deadline <= bound:
-            raise InvalidArgumentError(
-                f"deadline_s must be a finite number, 0 < deadline_s <= {bound:g} "
-                f"(prefetch_max_deadline_s), got {deadline_s!r}"
-            )
-        return deadline
+        return _bounded(
+            "deadline_s",
+            deadline_s,
+            self.settings.prefetch_max_deadline_s,
+            "prefetch_max_deadline_s",
+        )
 
     async def prefetch(
         self, keys: Sequence[BlockKey], deadline_s: float, req_id: str
@@ -687,3 +673,17 @@ class Control:
         hints.add_metric(["demote"], self.counts["demoted"])
         hints.add_metric(["drop"], self.counts["dropped"])
         yield hints
+
+
+def _bounded(field: str, value: float, bound: float, setting: str) -> float:
+    """``value`` as a float; ``InvalidArgumentError`` naming ``field`` and ``setting`` (the
+    bound's) unless it is a finite number with 0 < it <= ``bound``."""
+    try:
+        out = check_ttl(value)
+    except InvalidArgumentError:
+        out = -1.0
+    if not 0 < out <= bound:
+        raise InvalidArgumentError(
+            f"{field} must be a finite number, 0 < {field} <= {bound:g} ({setting}), got {value!r}"
+        )
+    return out

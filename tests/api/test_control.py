@@ -335,6 +335,19 @@ async def test_bad_retain_bodies_are_422_and_change_nothing(
     assert (await retentions(h))["retentions"] == []
 
 
+async def test_a_ttl_over_the_bound_names_the_bound_and_its_setting(h: Harness) -> None:
+    await store(h, "w", hexkeys(1))
+    assert (await retain(h, "r", hexkeys(1), ttl_s=60)).status_code == 201
+    for path, body in (
+        ("/v1/requests/r/retain", {"keys": hexkeys(1), "ttl_s": 3600.5}),
+        ("/v1/retentions/r/renew", {"ttl_s": 3600.5}),
+    ):
+        r = await h.post(path, body)
+        assert r.status_code == 422, r.text
+        assert "0 < ttl_s <= 3600 (retain_max_ttl_s), got 3600.5" in r.text, r.text
+    assert (await h.client.get("/v1/retentions/r")).json()["ttl_s"] == 60
+
+
 async def test_a_256_character_name_and_the_longest_ttl_are_accepted(h: Harness) -> None:
     await store(h, "w", hexkeys(1))
     r = await retain(h, "r", hexkeys(1), ttl_s=3600, name="n" * 256)
