@@ -28,7 +28,9 @@ Four verbs, each a hint about the future from an engine, an agent framework or a
 
 Every verb runs on the event loop; the only ``await`` is the one question to the tiers below
 (``TierChain.found``), after which every check and change happens in one step, so a refusal
-changes nothing. The telemetry is ``metric_families`` (read at scrape time).
+changes nothing. Each verb's call is counted for its request id (``Observer.op``, or
+``Observer.failed`` when it raises), as the manager's are by ``ObservedManager``; the rest of
+the telemetry is ``metric_families`` (read at scrape time).
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ import collections
 import contextlib
 import itertools
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
@@ -54,10 +57,12 @@ from app.core.lower_tiers import TierChain
 from app.settings import Settings
 from app.telemetry.logging import get_logger
 from app.telemetry.metrics import PREFIX, le_label
+from app.telemetry.observer import Observer
 from manager import BlockKey, InvalidArgumentError, OffloadManager, RetentionInfo
 from manager.retention import check_ttl
 
 log = get_logger("control")
+T = TypeVar("T")
 #: Finished prefetches kept for ``prefetch_state`` after their last hold ended.
 FINISHED_PREFETCHES_KEPT = 1024
 #: Buckets of ``kvoffload_prefetch_won_seconds`` (a disk read is ms, a remote one tens of ms).
@@ -131,10 +136,12 @@ class Control:
         tiers: TierChain,
         *,
         namespace: str,
+        observer: Observer,
         on_event: Callable[[], None],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
+        self.observer = observer
         self.manager = manager
         self.tiers = tiers
         self.namespace = namespace
@@ -210,6 +217,11 @@ class Control:
         self, keys: Sequence[BlockKey], ttl_s: float, name: str, req_id: str
     ) -> Retained:
         """Retain ``keys`` for ``ttl_s`` as retention ``name``; see the module docstring."""
+        return await self._observed_async("retain", req_id, self._retain(keys, ttl_s, name, req_id))
+
+    async def _retain(
+        self, keys: Sequence[BlockKey], ttl_s: float, name: str, req_id: str
+    ) -> Retained:
         ttl = _bounded("ttl_s", ttl_s, self.settings.retain_max_ttl_s, "retain_max_ttl_s")
         manager = self.manager
         if not keys:
@@ -324,14 +336,37 @@ class Control:
     ) -> tuple[Prefetch, list[str]]:
         """Start prefetching ``keys`` for ``deadline_s``; see the module docstring. The
         prefetch, and each key's state when it started (in ``keys``' order)."""
+        return await self._observed_async(
+            "prefetch", req_id, self._prefetch(keys, deadline_s, req_id)
+        )
+
+    async def _prefetch(
+        self, keys: Sequence[BlockKey], deadline_s: float, req_id: str
+    ) -> tuple[Prefetch, list[str]]:
         self.check_deadline(deadline_s)
         if not keys:
             raise InvalidArgumentError("keys: at least one key to prefetch")
         distinct = list(dict.fromkeys(keys))
         states = await self._states(distinct, req_id)
-        return self.start_prefetch(keys, distinct, states, deadline_s, req_id)
+        return self._start_prefetch(keys, distinct, states, deadline_s, req_id)
 
-    def start_prefetch(
+    def prefetch_found(
+        self, found: dict[BlockKey, str], deadline_s: float, req_id: str
+    ) -> Prefetch | None:
+        """A lookup's prefetch (its ``prefetch_deadline_s``) of the keys it ``found`` in a tier
+        below (key: the tier's name), started in the lookup's step and counted as the request's
+        ``prefetch``. None past the namespace's bound of prefetch keys: the lookup answers as
+        without it (a hint), and the keys are counted as refused."""
+        keys = list(found)
+        try:
+            p, _ = self._start_prefetch(keys, keys, list(found.values()), deadline_s, req_id)
+        except QuotaExceededError:
+            self.counts["prefetch_refused"] += len(keys)
+            return None
+        self.observer.op("prefetch", req_id)
+        return p
+
+    def _start_prefetch(
         self,
         keys: Sequence[BlockKey],
         distinct: list[BlockKey],
@@ -556,9 +591,12 @@ class Control:
                 movable.append(key)
         return movable, kept
 
-    def demote(self, keys: Sequence[BlockKey]) -> Hinted:
+    def demote(self, keys: Sequence[BlockKey], req_id: str) -> Hinted:
         """Evict the movable ``keys`` now, into the tiers below (each takes what its admission
         admits, as for any eviction); ``NoLowerTierError`` without a tier below."""
+        return self._observed("demote", req_id, self._demote, keys)
+
+    def _demote(self, keys: Sequence[BlockKey]) -> Hinted:
         if not self.tiers:
             raise NoLowerTierError()
         movable, kept = self._sort_hint(keys)
@@ -568,8 +606,11 @@ class Control:
             self._on_event()
         return Hinted(done, kept)
 
-    def drop(self, keys: Sequence[BlockKey]) -> Hinted:
+    def drop(self, keys: Sequence[BlockKey], req_id: str) -> Hinted:
         """Remove the movable ``keys`` from the pool now."""
+        return self._observed("drop", req_id, self._drop, keys)
+
+    def _drop(self, keys: Sequence[BlockKey]) -> Hinted:
         movable, kept = self._sort_hint(keys)
         done = self.manager.drop(movable) if movable else []
         self.counts["dropped"] += len(done)
@@ -578,6 +619,26 @@ class Control:
         return Hinted(done, kept)
 
     # ------------------------------------------------------------------ lifecycle, telemetry
+
+    def _observed(self, op: str, req_id: str, call: Callable[..., T], *args: Any) -> T:
+        """``call(*args)``, counted as ``op`` of ``req_id`` (its error when it raises)."""
+        try:
+            out = call(*args)
+        except Exception:
+            self.observer.failed(op, req_id)
+            raise
+        self.observer.op(op, req_id)
+        return out
+
+    async def _observed_async(self, op: str, req_id: str, call: Awaitable[T]) -> T:
+        """``await call``, counted as ``op`` of ``req_id`` (its error when it raises)."""
+        try:
+            out = await call
+        except Exception:
+            self.observer.failed(op, req_id)
+            raise
+        self.observer.op(op, req_id)
+        return out
 
     def close(self) -> None:
         """Release every prefetch hold (the service stops; retentions die with the pool)."""

@@ -154,6 +154,7 @@ class Service:
             manager,
             self.tiers,
             namespace=namespace,
+            observer=self.observer,
             on_event=self.drain_events,
             clock=clock,
         )

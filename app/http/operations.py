@@ -14,10 +14,9 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from app.core.control import PREFETCH_COUNTS, Hinted, Prefetch
-from app.core.errors import QuotaExceededError
 from app.core.service import Service
 from app.http import schemas as s
 from app.http.errors import APIError, too_many
@@ -25,7 +24,6 @@ from app.http.limits import transfer_params_error
 from manager import BlockKey, LookupResult, ReqContext, RetentionInfo
 from transfer import JobRecord
 
-T = TypeVar("T")
 Run = Callable[[Service, str, Any], tuple[int, str]]
 RunAsync = Callable[[Service, str, Any], Awaitable[tuple[int, str]]]
 
@@ -133,7 +131,7 @@ async def _run_lookup_tiers(service: Service, req_id: str, body: s.LookupBody) -
     """``lookup`` with tiers below the pool: the keys the pool lacks are asked of the chain
     (each tier about those the tiers before it lack), and named by the first tier that holds
     them; an all-hit lookup asks no tier. With ``prefetch_deadline_s``, the keys a tier holds
-    start coming up in the same step (``Control.start_prefetch``)."""
+    start coming up in the same step (``Control.prefetch_found``)."""
     keys = body.keys
     _limit_keys(service, keys)
     deadline_s = body.prefetch_deadline_s
@@ -152,16 +150,8 @@ async def _run_lookup_tiers(service: Service, req_id: str, body: s.LookupBody) -
                     below[keys[i]] = tier
     text = _lookup_json(results, out.hit_prefix)
     if deadline_s is not None and below:
-        control = service.control
-        try:
-            p, _ = control.start_prefetch(
-                list(below), list(below), list(below.values()), deadline_s, req_id
-            )
-        except QuotaExceededError:
-            # Past the namespace's bound: the lookup answers as without it (a hint), counted.
-            control.counts["prefetch_refused"] += len(below)
-        else:
-            service.observer.op("prefetch", req_id)
+        p = service.control.prefetch_found(below, deadline_s, req_id)
+        if p is not None:
             text = f'{text[:-1]},"prefetch_id":{p.prefetch_id}}}'
     return 200, text
 
@@ -307,9 +297,7 @@ async def _run_retain(service: Service, req_id: str, body: s.RetainBody) -> tupl
             f"accepted: {s.RETENTION_NAME_ACCEPTED}"
             + ("; this request id needs an explicit name" if body.name is None else ""),
         )
-    done = await _observed_async(
-        service, "retain", req_id, service.control.retain(body.keys, body.ttl_s, name, req_id)
-    )
+    done = await service.control.retain(body.keys, body.ttl_s, name, req_id)
     answer = {
         **retention_json(done.info),
         "created": done.created,
@@ -322,9 +310,7 @@ async def _run_retain(service: Service, req_id: str, body: s.RetainBody) -> tupl
 
 async def _run_prefetch(service: Service, req_id: str, body: s.PrefetchBody) -> tuple[int, str]:
     _limit_keys(service, body.keys)
-    p, results = await _observed_async(
-        service, "prefetch", req_id, service.control.prefetch(body.keys, body.deadline_s, req_id)
-    )
+    p, results = await service.control.prefetch(body.keys, body.deadline_s, req_id)
     return 202, json.dumps(prefetch_json(p, p.started_at, results))
 
 
@@ -334,34 +320,12 @@ def _hint_json(done: Hinted) -> str:
 
 def _run_demote(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str]:
     _limit_keys(service, body.keys)
-    return 200, _hint_json(_observed(service, "demote", req_id, service.control.demote, body.keys))
+    return 200, _hint_json(service.control.demote(body.keys, req_id))
 
 
 def _run_drop(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str]:
     _limit_keys(service, body.keys)
-    return 200, _hint_json(_observed(service, "drop", req_id, service.control.drop, body.keys))
-
-
-def _observed(service: Service, op: str, req_id: str, call: Callable[..., T], *args: Any) -> T:
-    """``call(*args)``, counted as ``op`` of ``req_id`` (its error when it raises)."""
-    try:
-        out = call(*args)
-    except Exception:
-        service.observer.failed(op, req_id)
-        raise
-    service.observer.op(op, req_id)
-    return out
-
-
-async def _observed_async(service: Service, op: str, req_id: str, call: Awaitable[T]) -> T:
-    """``await call``, counted as ``op`` of ``req_id`` (its error when it raises)."""
-    try:
-        out = await call
-    except Exception:
-        service.observer.failed(op, req_id)
-        raise
-    service.observer.op(op, req_id)
-    return out
+    return 200, _hint_json(service.control.drop(body.keys, req_id))
 
 
 _KEYS_ERRORS = (404, 413)

@@ -26,6 +26,7 @@ from app.telemetry.metrics import (
     register_connections,
     register_tenancy,
 )
+from app.telemetry.observer import Observer
 from manager import OffloadManager, ReqContext, create_manager
 
 
@@ -97,7 +98,9 @@ def _control(m: OffloadManager) -> Control:
     """Cache control over ``m`` with no tier below (its families as a scrape reads them)."""
     settings = Settings(num_blocks=m.num_blocks)
     tiers = TierChain(settings, "default", on_event=lambda: None)
-    return Control(settings, m, tiers, namespace="default", on_event=lambda: None)
+    return Control(
+        settings, m, tiers, namespace="default", observer=Observer(None), on_event=lambda: None
+    )
 
 
 def snapshot_of(
