@@ -21,7 +21,7 @@ written or found by a lookup; when their bytes pass ``object_bytes`` (a namespac
 tenants), the least recently used are deleted from the bucket (in bulk, in the background),
 then reported removed. Objects other nodes wrote count against their own bounds; objects left
 by a node that is gone (or by this one before a restart) are the bucket's lifecycle rules' to
-expire (see the README).
+expire (docs/tiers.md, "Object tier (S3)").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Which namespace refusal the engine and admin APIs answer, and when (README, "Security";
+"""Which namespace refusal the engine and admin APIs answer, and when (docs/security.md;
 docs/api.md, "Credentials and namespaces"): ``namespace_denied`` to a caller known by its token
 (the same answer whether the namespace is another tenant's or nobody's), ``unknown_namespace``
 only where the caller may reach every namespace anyway (a Unix socket trusted by its file mode,

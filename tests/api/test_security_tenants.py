@@ -1,7 +1,7 @@
 """Issue #21: what an attacker holding one tenant's token tries against another tenant.
 
 Two tenants (``tests.api.test_tenancy``'s ``alpha`` and ``beta``), in process. Each test is one
-row of the README's attack table: the attempt, what it answers, and that nothing leaked.
+row of the attack table (docs/security.md): the attempt, what it answers, and that nothing leaked.
 """
 
 from __future__ import annotations

@@ -1,39 +1,64 @@
-"""README.md's "Command line" synopsis matches the real parser (``app.cli._build_parser``):
-every subcommand and every option of each appears in its command's part of the synopsis, and
-the synopsis names no option the command lacks, so neither can drift from the other."""
+"""The documented command line matches the real parser (``app.cli._build_parser``), both ways.
+
+- Every subcommand and every option of each is in its command's section of ``docs/cli.md``,
+  the reference generated from the parser (``docs/tools/cli_reference.py``; ``--check`` in
+  ``make docs`` and ``tests/test_docs_site.py`` keeps the page current).
+- Every option the hand-written pages name (``README.md`` and the pages of ``docs/`` written by
+  hand) exists: it is an option of some ``kvoffload`` command, or one of the other programs'
+  options listed in ``FOREIGN`` with its program. A flag renamed or removed in the parser, or
+  misspelt on a page, fails here.
+"""
 
 from __future__ import annotations
 
 import argparse
 import re
-from pathlib import Path
 
 from app.cli import _build_parser
+from tests.docs_blocks import HAND_WRITTEN, ROOT, page_path
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
-
-
-def synopsis() -> str:
-    """The first fenced block of the README's "Command line" section."""
-    text = README.read_text(encoding="utf-8")
-    section = text[text.index("\n## Command line\n") :]
-    match = re.search(r"```\n(.*?)```", section, re.S)
-    assert match is not None
-    return match.group(1)
-
-
-def parts() -> dict[str, str]:
-    """The synopsis by command: ``serve`` -> its lines (from ``kvoffload serve`` to the next
-    ``kvoffload ...`` line); ``""`` -> the lines naming no command (``kvoffload --version``)."""
-    out: dict[str, str] = {}
-    current = ""
-    for line in synopsis().splitlines():
-        words = line.split()
-        if words[:1] == ["kvoffload"]:
-            current = words[1] if not words[1].startswith("-") else ""
-        out[current] = out.get(current, "") + line + "\n"
-    return out
+OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*[a-z0-9](?![\w-])")
+#: Options of other programs the pages name, with the program.
+FOREIGN = {
+    "--check": "docs/tools/cli_reference.py",
+    "--strict": "mkdocs build",
+    "--no-deps": "pip install",
+    "--kv-transfer-config": "vllm serve",
+    "--prefix-caching-hash-algo": "vllm serve",
+    "--list-tunables": "ld.so",
+    "--no-index": "pip install",
+    "--seed": "deploy/tools/cpu_engine.py",
+    "--expect": "deploy/tools/cpu_engine.py",
+    "--build": "docker compose up",
+    "--profile": "docker compose",
+    "--rm": "docker compose run",
+    "--build-arg": "docker build",
+    "--network": "docker run",
+    "--from-file": "kubectl create secret",
+    "--from-literal": "kubectl create secret",
+    "--enable-feature": "prometheus",
+    "--now": "systemctl disable",
+    "--bs": "fio",
+    "--direct": "fio",
+    "--iodepth": "fio",
+    "--ioengine": "fio",
+    "--bucket": "aws s3api",
+    "--endpoint-url": "aws s3api",
+    "--lifecycle-configuration": "aws s3api",
+    "--listen-client-urls": "etcd",
+    "--advertise-client-urls": "etcd",
+    "--enable_ha": "mooncake_master",
+    "--enable_http_metadata_server": "mooncake_master",
+    "--enable_kv_events": "mooncake_master",
+    "--enable_oplog": "mooncake_master",
+    "--enable_snapshot": "mooncake_master",
+    "--enable_snapshot_restore": "mooncake_master",
+    "--etcd_endpoints": "mooncake_master",
+    "--http_metadata_server_port": "mooncake_master",
+    "--rpc_address": "mooncake_master",
+    "--rpc_port": "mooncake_master",
+    "--snapshot_object_store_type": "mooncake_master",
+}
 
 
 def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -54,48 +79,59 @@ def options(parser: argparse.ArgumentParser) -> list[list[str]]:
 
 
 def tree(
-    parser: argparse.ArgumentParser, path: str = ""
+    parser: argparse.ArgumentParser, path: str = "kvoffload"
 ) -> list[tuple[str, argparse.ArgumentParser]]:
-    """``parser`` and every subcommand below it, each with its path (``policy set``)."""
+    """``parser`` and every subcommand below it, each with its path (``kvoffload admin policy
+    set``)."""
     found = [(path, parser)]
     for name, sub in subcommands(parser).items():
-        found += tree(sub, f"{path} {name}".strip())
+        found += tree(sub, f"{path} {name}")
     return found
 
 
-def test_the_synopsis_has_a_part_per_command_and_the_version() -> None:
-    commands = subcommands(_build_parser())
-    assert set(parts()) == {"", *commands}
-    assert "kvoffload --version" in parts()[""]
+def reference_sections() -> dict[str, str]:
+    """``docs/cli.md`` by command: ``kvoffload admin`` -> the text of its section."""
+    text = page_path("cli.md").read_text(encoding="utf-8")
+    parts = re.split(r"^## `([^`]+)`\n", text, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
 
 
-def test_every_subcommand_and_option_of_the_parser_is_in_the_synopsis() -> None:
-    top = _build_parser()
-    text = parts()
-    for name, command in subcommands(top).items():
-        for path, parser in tree(command):
-            where = f"kvoffload {name} {path}".strip()
-            if path:
-                words = rf"(?<![\w-]){re.escape(path)}(?![\w-])"
-                assert re.search(words, text[name]), f"{where}: not in the README synopsis"
-            for strings in options(parser):
-                # The first long spelling is the one documented (aliases may stay unlisted).
-                assert strings[0] in OPTION.findall(text[name]), (
-                    f"{where}: {strings[0]} not in the README synopsis"
-                )
-    for strings in options(top):
-        assert strings[0] in OPTION.findall(text[""])
+def test_the_reference_has_every_command_and_option() -> None:
+    sections = reference_sections()
+    commands = tree(_build_parser())
+    assert set(sections) == {path for path, _ in commands}
+    for path, parser in commands:
+        named = set(OPTION.findall(sections[path]))
+        for strings in options(parser):
+            assert strings[0] in named, f"{path}: {strings[0]} not in docs/cli.md"
 
 
-def test_the_synopsis_names_no_option_the_command_lacks() -> None:
-    top = _build_parser()
-    commands = {"": top, **subcommands(top)}
-    for name, part in parts().items():
-        known = {
-            s
-            for _, parser in (tree(commands[name]) if name else [("", top)])
-            for strings in options(parser)
-            for s in strings
-        }
-        unknown = sorted(set(OPTION.findall(part)) - known)
-        assert not unknown, f"kvoffload {name}: the synopsis names {unknown}"
+def test_every_option_the_pages_name_exists() -> None:
+    parsers = tree(_build_parser())
+    known = {
+        "--help",
+        *(s for _, parser in parsers for strings in options(parser) for s in strings),
+    }
+    assert not known & set(FOREIGN), "an option listed as another program's is kvoffload's"
+    # The benchmarks page names the benchmarks' own options: each must be one of a script's.
+    benches = {
+        o
+        for script in (ROOT / "bench").glob("*.py")
+        for o in re.findall(r'"(--[a-z][a-z0-9-]*)"', script.read_text(encoding="utf-8"))
+    }
+    for page in HAND_WRITTEN:
+        named = set(OPTION.findall(page_path(page).read_text(encoding="utf-8")))
+        unknown = sorted(
+            named - known - set(FOREIGN) - (benches if page == "benchmarks.md" else set())
+        )
+        assert not unknown, f"{page} names options no kvoffload command has: {unknown}"
+
+
+def test_every_foreign_option_is_still_named_somewhere() -> None:
+    """The list of other programs' options holds only what the pages name."""
+    named = {
+        o
+        for page in HAND_WRITTEN
+        for o in OPTION.findall(page_path(page).read_text(encoding="utf-8"))
+    }
+    assert set(FOREIGN) <= named, sorted(set(FOREIGN) - named)

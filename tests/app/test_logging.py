@@ -158,7 +158,7 @@ class _Terminal(io.StringIO):
 
 @pytest.mark.usefixtures("restore_root")
 def test_auto_format_is_json_off_a_terminal_and_console_on_one() -> None:
-    """``--log-format auto`` (the default): what the README says of logs."""
+    """``--log-format auto`` (the default): what docs/getting-started.md says of logs."""
     for stream, is_json in ((io.StringIO(), True), (_Terminal(), False)):
         configure_logging("info", stream=stream, fmt="auto")
         logging.getLogger("kvoffload.x").info("hello", extra={"fields": {"req_id": "r1"}})

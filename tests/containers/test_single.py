@@ -58,7 +58,7 @@ def test_engine_calls_from_the_host_need_the_tenants_token(stack: Stack) -> None
         assert refused.json()["error"]["code"] == "missing_token"
         started = http.put(f"/v1/requests/{req}", headers=_auth(token))
         assert started.status_code in (200, 201), started.text
-        # The README's call: a JSON body with its content type.
+        # The call as Getting started writes it: a JSON body with its content type.
         looked = http.post(
             f"/v1/requests/{req}/lookup",
             headers={**_auth(token), "content-type": "application/json"},

@@ -2,8 +2,8 @@
 override (docker-compose.object.yml). Off by default: the base files have no object tier; with
 them, the settings load, credentials come only from AWS's standard sources (a Secret, a web
 identity, the shell's environment: never a value in a file), the MAC key is mounted where the
-setting points, the node's bookkeeping fits its memory, and the README tells the operator about
-lifecycle rules."""
+setting points, the node's bookkeeping fits its memory, and docs/operations.md tells the operator
+about lifecycle rules."""
 
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ from tests.deploy.helpers import (
     DOCKERFILE,
     K8S,
     KUBECTL,
-    README,
+    OPERATIONS_DOC,
     compose_default,
+    doc_section,
     kustomize_with,
     load_yaml,
     load_yaml_all,
@@ -320,14 +321,12 @@ def test_no_credentials_are_written_in_deploy() -> None:
     assert not found, "\n".join(found)
 
 
-def _readme_section() -> str:
-    readme = README.read_text(encoding="utf-8")
-    start = readme.index("\n## Object tier")
-    return readme[start : readme.index("\n## ", start + 1)]
+def _object_tier_section() -> str:
+    return doc_section(OPERATIONS_DOC.read_text(encoding="utf-8"), "Object tier")
 
 
-def test_readme_tells_how_to_turn_the_object_tier_on() -> None:
-    section = _readme_section()
+def test_the_operations_page_tells_how_to_turn_the_object_tier_on() -> None:
+    section = _object_tier_section()
     assert "-f deploy/docker-compose.object.yml" in section
     assert "components: [../../deploy/k8s/object]" in section
     for source in ("AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_ROLE_ARN", "AWS_PROFILE"):
@@ -336,8 +335,8 @@ def test_readme_tells_how_to_turn_the_object_tier_on() -> None:
         assert store in section, store
 
 
-def test_readme_gives_a_lifecycle_rule_for_the_prefix() -> None:
-    section = _readme_section()
+def test_the_operations_page_gives_a_lifecycle_rule_for_the_prefix() -> None:
+    section = _object_tier_section()
     assert "aws s3api put-bucket-lifecycle-configuration" in section
     blocks = [json.loads(b) for b in re.findall(r"```json\n(.*?)```", section, re.DOTALL)]
     (lifecycle,) = [b for b in blocks if "Rules" in b]

@@ -21,7 +21,7 @@ from tests.deploy.helpers import (
     DOCKERFILE,
     K8S,
     KUBECTL,
-    README,
+    OPERATIONS_DOC,
     compose_default,
     dockerfile_instructions,
     kustomize_with,
@@ -413,10 +413,10 @@ def test_k8s_component_renders_with_the_base(tmp_path: Path) -> None:
         assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "kvoffload"
 
 
-def test_readme_tells_how_to_deploy_the_remote_tier() -> None:
-    readme = README.read_text(encoding="utf-8")
-    assert "docker-compose.remote.yml" in readme
-    assert "components: [../../deploy/k8s/remote]" in readme
+def test_the_operations_page_tells_how_to_deploy_the_remote_tier() -> None:
+    page = OPERATIONS_DOC.read_text(encoding="utf-8")
+    assert "docker-compose.remote.yml" in page
+    assert "components: [../../deploy/k8s/remote]" in page
 
 
 # --------------------------------------------------------------------------- HA masters
@@ -483,6 +483,6 @@ def test_compose_ha_file_turns_the_remote_stack_into_ha_masters() -> None:
         env = ha[node]["environment"]
         assert env["KVOFFLOAD_MOONCAKE_MASTER"] == env["KVOFFLOAD_MOONCAKE_METADATA"]
         assert master_problem(env["KVOFFLOAD_MOONCAKE_MASTER"]) is None
-    readme = README.read_text(encoding="utf-8")
-    assert "docker-compose.ha.yml" in readme
-    assert "../../deploy/k8s/remote-ha" in readme
+    page = OPERATIONS_DOC.read_text(encoding="utf-8")
+    assert "docker-compose.ha.yml" in page
+    assert "../../deploy/k8s/remote-ha" in page

@@ -20,7 +20,7 @@ from tests.deploy.helpers import (
     DEPLOY,
     K8S,
     KUBECTL,
-    README,
+    OPERATIONS_DOC,
     compose_default,
     context_sends,
     dockerfile_instructions,
@@ -357,7 +357,7 @@ def test_k8s_kustomize_renders_the_pod_with_the_configuration(k8s_objects) -> No
             assert doc["metadata"]["namespace"] == "vllm", doc["metadata"]["name"]
 
 
-# --------------------------------------------------------------------------- images, README
+# --------------------------------------------------------------------------- images, the docs
 
 
 def test_vllm_image_adds_the_engine_side_alone_without_touching_vllms_dependencies() -> None:
@@ -381,9 +381,9 @@ def test_service_image_owns_the_socket_directory() -> None:
     assert [arg for word, arg in instructions if word == "USER"][-1] == "10001:10001"
 
 
-def test_readme_says_what_is_shared() -> None:
-    readme = README.read_text(encoding="utf-8")
-    assert "/dev/shm/kvoffload" not in readme, "no advice to share /dev/shm"
-    assert "engine.sock.pool" in readme
-    assert "X-KVOffload-Pool" in readme
-    assert "docker-compose.vllm.yml" in readme
+def test_the_operations_page_says_what_is_shared() -> None:
+    page = OPERATIONS_DOC.read_text(encoding="utf-8")
+    assert "/dev/shm/kvoffload" not in page, "no advice to share /dev/shm"
+    assert "engine.sock.pool" in page
+    assert "X-KVOffload-Pool" in page
+    assert "docker-compose.vllm.yml" in page

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import docs_blocks
 from tests.e2e.server import ROOT
 
 
@@ -136,19 +137,19 @@ def test_bad_variables_and_config_keys_name_the_flag_and_variable(tmp_path: Path
     )
 
 
-def readme_refusals() -> list[str]:
-    """The example refusals of README.md's "Command line" section, as it prints them."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = text[text.index("\n## Command line\n") :]
+def documented_refusals() -> list[str]:
+    """The example refusals of docs/getting-started.md's "Command line" section, as it prints
+    them."""
+    section = docs_blocks.section("getting-started.md", "Command line")
     return [line for line in section.splitlines() if line.startswith("kvoffload: ")]
 
 
 def test_a_bad_value_in_the_config_file_names_the_file_and_the_key(tmp_path: Path) -> None:
-    """The README's example: the file and its key, never a flag that was not given; a flag or
+    """The documented example: the file and its key, never a flag that was not given; a flag or
     variable that overrides the file's value is what a refusal of it names."""
     config = tmp_path / "kv.toml"
     config.write_text("shadow_sample_rate = 1.5\nnum_blocks = 16\n")
-    expected = next(line for line in readme_refusals() if "--config" in line)
+    expected = next(line for line in documented_refusals() if "--config" in line)
     expected = expected.replace("'kv.toml'", repr(str(config)))
     assert_refused(serve("--config", str(config)), expected)
     line = assert_refused(
@@ -165,8 +166,8 @@ def test_a_bad_value_in_the_config_file_names_the_file_and_the_key(tmp_path: Pat
 
 
 def test_an_out_of_range_flag_says_what_is_accepted() -> None:
-    """The README's example (``--num-blocks -5``), and both sides of a two-sided range."""
-    expected = next(line for line in readme_refusals() if "--num-blocks" in line)
+    """The documented example (``--num-blocks -5``), and both sides of a two-sided range."""
+    expected = next(line for line in documented_refusals() if "--num-blocks" in line)
     assert_refused(serve("--num-blocks", "-5"), expected)
     assert_refused(
         serve("--mooncake-replicas", "17"),

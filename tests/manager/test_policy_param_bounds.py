@@ -95,7 +95,7 @@ def test_every_numeric_parameter_has_finite_bounds() -> None:
 
 
 def test_the_declared_bounds() -> None:
-    """The values the README and help texts promise."""
+    """The values docs/api.md's table and the help texts promise."""
     got = {
         (name, spec.name): spec.accepted() for name in POLICIES for spec in policy_params_spec(name)
     }

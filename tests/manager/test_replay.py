@@ -421,8 +421,8 @@ def test_a_bad_disk_is_refused(disk: int, admit: int) -> None:
 def test_an_inclusive_disk_of_15k_under_5k_reaches_095_of_a_20k_pool(
     shipped: list[list[bytes]],
 ) -> None:
-    # The README's figure (issue #19's target): LRU, K = 1 (K = 2 writes 3.2x less to the
-    # disk for 0.90x: the README's table).
+    # The figure of docs/tiers.md, "Sizing the disk" (issue #19's target): LRU, K = 1 (K = 2
+    # writes 3.2x less to the disk for 0.90x: the table there).
     flat = replay(shipped, "lru", 20_000).hit_ratio
     result = replay(shipped, "lru", 5_000, disk_capacity=15_000, disk_admit_after=1)
     disk = disk_of(result)

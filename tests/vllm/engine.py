@@ -61,7 +61,7 @@ TIER_METHODS = (
 def kv_transfer_config(
     url: str, cpu_chunks: int, namespace: str | None = None, **tier: Any
 ) -> dict[str, Any]:
-    """The ``--kv-transfer-config`` an engine is started with (README's configuration)."""
+    """The ``--kv-transfer-config`` an engine is started with (docs/vllm.md's configuration)."""
     tier_config: dict[str, Any] = {
         "type": "KVOffloadTier",
         "module_path": "kvoffload_client.vllm",
