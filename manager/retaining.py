@@ -1,0 +1,144 @@
+"""The offload manager's retention verbs, over ``manager.retention``'s table, and ``demote``.
+
+A retained key that is ready is *kept*: out of the policy's order, so no eviction looks at it,
+until the last retention naming it ends. ``demote`` evicts chosen blocks now, through the
+eviction listeners. See ``manager.core`` for the contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from manager.events import EventsRoom
+from manager.slots import check_keys
+from manager.spec import BlockKey, RetentionInfo
+
+
+class RetainingRoom(EventsRoom):
+    """Named retentions (``retain`` ... ``expire_retentions``), their queries, and ``demote``."""
+
+    def retain(self, keys: Sequence[BlockKey], ttl_s: float, name: str) -> RetentionInfo:
+        """Keep ``keys`` in the pool against eviction for ``ttl_s`` seconds, as retention
+        ``name`` (``manager.retention``: a taken name gets the keys it lacks and its TTL
+        restarted). A retained key that is ready is never evicted, by a store or a
+        promotion, until the last retention naming it ends; one that is not resident yet is
+        kept from the moment it becomes ready. Retaining makes no room: when the pool is full
+        of pinned and retained blocks, ``prepare_store`` refuses as it does for pins.
+        ``InvalidArgumentError`` for a bad key, name or TTL; nothing changes then."""
+        check_keys(keys)
+        added = self._retentions.add(name, keys, ttl_s, self._clock())
+        if added.created:
+            self._retentions_started += 1
+        slot_of, in_flight = self._slot, self._pending
+        ready = [k for k in added.newly_retained if k in slot_of and k not in in_flight]
+        if ready:
+            self._policy.remove(ready)
+            self._kept.update(ready)
+        return self._retention_info(name, added=len(added.added), created=added.created)
+
+    def renew_retention(self, name: str, ttl_s: float) -> RetentionInfo:
+        """Restart retention ``name``'s TTL (``UnknownRetentionError`` if there is none)."""
+        self._retentions.renew(name, ttl_s, self._clock())
+        return self._retention_info(name)
+
+    def release_retention(self, name: str) -> RetentionInfo:
+        """End retention ``name`` now; what it was. Its keys no other retention names go back
+        to the policy (head hotter than tail), evictable again."""
+        info = self._retention_info(name)
+        self._end_retention(name)
+        self._retentions_released += 1
+        return info
+
+    def expire_retentions(self) -> list[RetentionInfo]:
+        """End every retention whose TTL has passed (by the injected clock); what they were."""
+        now = self._clock()
+        out = []
+        for name in self._retentions.due(now):
+            out.append(self._retention_info(name))
+            self._end_retention(name)
+        self._retentions_expired += len(out)
+        return out
+
+    def retentions(self) -> list[RetentionInfo]:
+        """Every live retention, oldest first."""
+        return [self._retention_info(n) for n in self._retentions.names()]
+
+    def retention(self, name: str) -> RetentionInfo:
+        """Retention ``name`` now (``UnknownRetentionError`` if there is none)."""
+        return self._retention_info(name)
+
+    def retention_keys(self, name: str) -> list[BlockKey]:
+        """The keys retention ``name`` names, head to tail."""
+        return self._retentions.keys_of(name)
+
+    def new_retained(self, name: str, keys: Sequence[BlockKey]) -> int:
+        """How many distinct keys of ``keys`` no retention names yet: how much retaining
+        them would add to ``stats().retained`` (a quota's measure); changes nothing."""
+        return self._retentions.new_keys(name, keys)
+
+    def retained_where(self) -> tuple[int, int, list[BlockKey]]:
+        """Where the retained keys are: how many are ready in the pool, how many pending
+        there, and the keys not in the pool (one pass over the retained keys)."""
+        slot_of, in_flight = self._slot, self._pending
+        absent: list[BlockKey] = []
+        pending = 0
+        for key in self._retained:
+            if key not in slot_of:
+                absent.append(key)
+            elif key in in_flight:
+                pending += 1
+        return len(self._kept), pending, absent
+
+    def is_retained(self, key: BlockKey) -> bool:
+        """Whether a live retention names ``key``."""
+        return key in self._retained
+
+    @property
+    def num_retained(self) -> int:
+        """How many distinct keys live retentions name (``stats().retained``)."""
+        return len(self._retained)
+
+    @property
+    def num_retentions(self) -> int:
+        """How many retentions are live (``stats().retentions``)."""
+        return len(self._retentions)
+
+    def has_retention(self, name: str) -> bool:
+        """Whether retention ``name`` is live."""
+        return name in self._retentions
+
+    def _retention_info(self, name: str, *, added: int = 0, created: bool = False) -> RetentionInfo:
+        kept = self._kept
+        keys = self._retentions.keys_of(name) if kept else ()
+        in_pool = sum(map(kept.__contains__, keys))
+        return self._retentions.info(name, self._clock(), in_pool, added=added, created=created)
+
+    def _end_retention(self, name: str) -> None:
+        freed = self._retentions.remove(name)
+        kept = self._kept
+        back = [k for k in freed if k in kept]
+        if back:
+            kept.difference_update(back)
+            self._policy.insert(back)
+
+    def demote(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        """Evict the ready blocks among ``keys`` that nothing pins and no retention names, now,
+        as the policy would (the eviction listeners copy them down: a lower tier takes them);
+        the keys evicted, reported as one ``BlockRemoved`` event. Others are left as they are.
+        """
+        check_keys(keys)
+        refs, in_flight, slot_of, kept = self._refs, self._pending, self._slot, self._kept
+        victims = [
+            k
+            for k in dict.fromkeys(keys)
+            if k in slot_of and k not in refs and k not in in_flight and k not in kept
+        ]
+        if victims:
+            self._policy.remove(victims)
+            freed = list(map(slot_of.pop, victims))
+            for listener in self._eviction_listeners:
+                listener(victims, freed)
+            self._push_free(freed)
+            self._demoted += len(victims)
+            self._emit_removed(victims)
+        return victims
