@@ -74,6 +74,88 @@ def parse_param(text: str) -> tuple[str, Any]:
     return name, value
 
 
+def _flag_brief(name: str) -> str:
+    """A setting's line in ``serve --help``: its description's first clause, and a short
+    default."""
+    field = Settings.model_fields[name]
+    brief = (field.description or name).split("; ")[0]
+    default = field.default
+    if name in OCTAL_SETTINGS:
+        brief += f" (default: {default:04o})"
+    elif (
+        default is not None
+        and not isinstance(default, dict)
+        and not callable(default)
+        and len(str(default)) <= 16
+        and "default" not in brief
+    ):
+        brief += f" (default: {default})"
+    return brief
+
+
+def _short_metavar(name: str) -> str:
+    """The value's kind, for ``serve --help``'s one line (``--help-all`` names the setting)."""
+    annotation = Settings.model_fields[name].annotation
+    if name in OCTAL_SETTINGS:
+        return "MODE"
+    if name.endswith("_s"):
+        return "S"
+    if name.endswith("_bytes"):
+        return "BYTES"
+    if annotation in (int, int | None):
+        return "N"
+    if annotation in (float, float | None):
+        return "X"
+    if annotation in (Path, Path | None):
+        return "PATH"
+    return "VALUE"
+
+
+#: Where ``serve --help`` starts each option's text (a longer option takes two spaces more).
+BRIEF_COLUMN = 30
+
+
+class _OneLine(argparse.HelpFormatter):
+    """``serve --help``: one line per option (its ``brief`` after its ``short`` invocation),
+    cut at a word to the terminal's width; ``--help-all`` prints every option's whole text, as
+    ``docs/cli.md`` does."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        brief: str | None = getattr(action, "brief", None)
+        if brief is None:
+            return super()._format_action(action)
+        short: str = getattr(action, "short", None) or ", ".join(action.option_strings)
+        room = max(24, self._width - max(BRIEF_COLUMN, len(short)) - 4)
+        if len(brief) > room:
+            brief = brief[: room - 1].rsplit(" ", 1)[0].rstrip(",;:(") + "…"
+        return f"  {short:<{BRIEF_COLUMN}}  {brief}\n"
+
+
+class _HelpAll(argparse.Action):
+    """``--help-all``: the parser's help with every option's whole text, then exit."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        kwargs.update(nargs=0, default=argparse.SUPPRESS)
+        super().__init__(option_strings, argparse.SUPPRESS, **kwargs)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        parser.formatter_class = argparse.HelpFormatter
+        parser.print_help()
+        parser.exit()
+
+
+def _brief(action: argparse.Action, brief: str, short: str | None = None) -> None:
+    """Give ``action`` its line in ``serve --help`` (``_OneLine``)."""
+    action.brief = brief  # type: ignore[attr-defined]
+    action.short = short  # type: ignore[attr-defined]
+
+
 def _flag_help(name: str) -> str:
     field = Settings.model_fields[name]
     help_text = field.description or name
@@ -141,7 +223,7 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         if flag is None or name == "policy_params":
             continue
         if _is_switch(name):
-            group.add_argument(
+            action = group.add_argument(
                 flag,
                 dest=name,
                 action=_Switch,
@@ -149,15 +231,17 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
                 metavar="BOOL",
                 help=f"{_flag_help(name)}; {flag} alone: on, --no-{flag[2:]}: off",
             )
+            _brief(action, _flag_brief(name), f"--[no-]{flag[2:]}")
             continue
-        group.add_argument(
+        action = group.add_argument(
             flag,
             dest=name,
             default=argparse.SUPPRESS,
             metavar=name.upper(),
             help=_flag_help(name),
         )
-    groups.get("num_blocks", parser).add_argument(
+        _brief(action, _flag_brief(name), f"{flag} {_short_metavar(name)}")
+    action = groups.get("num_blocks", parser).add_argument(
         "--policy-param",
         dest="policy_params",
         action="append",
@@ -166,6 +250,11 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=VALUE",
         help="eviction policy parameter (repeatable); env KVOFFLOAD_POLICY_PARAMS (JSON). "
         + _PARAMS_ACCEPTED,
+    )
+    _brief(
+        action,
+        "eviction policy parameter (repeatable; --help-all: each policy's)",
+        "--policy-param NAME=VALUE",
     )
 
 
@@ -207,9 +296,16 @@ def _build_parser() -> argparse.ArgumentParser:
         "serve",
         help="run the service (CPU pool on loopback by default)",
         allow_abbrev=False,
-        usage="kvoffload serve [--config FILE] [OPTION ...]  (the options by group below; each "
-        "also reads KVOFFLOAD_<NAME>)",
+        usage="kvoffload serve [--config FILE] [OPTION ...]",
+        description="The options by group, one line each (--help-all: their whole text). Each "
+        "also reads the variable KVOFFLOAD_<NAME> and the --config file's key <name>.",
+        formatter_class=_OneLine,
     )
+    _brief(serve._actions[0], "this help: an option a line, cut to the terminal's width")
+    help_all = serve.add_argument(
+        "--help-all", action=_HelpAll, help="every option's whole text (as docs/cli.md), and exit"
+    )
+    _brief(help_all, "every option's whole text, and exit")
     _add_serve_flags(serve)
 
     replay.add_parser(sub)

@@ -48,6 +48,8 @@ def render() -> str:
     ]
     for path, parser in _commands(_build_parser(), "kvoffload"):
         parser.prog = path
+        # The whole text of every option (``serve --help`` itself prints one line each).
+        parser.formatter_class = argparse.HelpFormatter
         parts.append(f"## `{path}`\n\n```text\n{parser.format_help().rstrip()}\n```\n")
     return "\n".join(parts)
 

@@ -71,7 +71,43 @@ def test_serve_help_groups_every_flag_and_its_usage_is_short() -> None:
         for s in a.option_strings
         if s.startswith("--") and s not in grouped
     }
-    assert loose == {"--help", "--config"}  # the file all the others may come from
+    assert loose == {"--help", "--help-all", "--config"}  # the file the others may come from
     assert len(serve.format_usage().splitlines()) <= 2
     help_text = serve.format_help()
     assert all(f"\n{title}:\n" in help_text for title in SERVE_GROUPS.values())
+
+
+def _serve() -> argparse.ArgumentParser:
+    sub = next(a for a in _build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    serve: argparse.ArgumentParser = sub.choices["serve"]
+    return serve
+
+
+@pytest.mark.parametrize("columns", ["80", "100", "160"])
+def test_serve_help_is_one_line_per_option_within_the_width(
+    columns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", columns)
+    serve = _serve()
+    lines = serve.format_help().splitlines()
+    options = [a for a in serve._actions if a.option_strings]
+    assert len(options) > 100
+    # One line each: as many option lines as options, and no wrapped continuation line.
+    option_lines = [line for line in lines if line.startswith("  -")]
+    assert len(option_lines) == len(options)
+    assert not [line for line in lines if line.startswith("   ")]
+    assert all(len(line) <= int(columns) for line in lines), max(lines, key=len)
+    for action in options:
+        flag = action.option_strings[0]  # -h, --x (a switch's line: --[no-]x)
+        assert any(flag.removeprefix("--") in line for line in option_lines), flag
+
+
+def test_help_all_prints_every_option_s_whole_text(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        _build_parser().parse_args(["serve", "--help-all"])
+    assert done.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "env KVOFFLOAD_DISK_BYTES" in out
+    assert "--shadow-enabled alone: on, --no-shadow-enabled: off" in out
+    # The parser used later still prints one line per option.
+    assert "env KVOFFLOAD_DISK_BYTES" not in _serve().format_help()
