@@ -75,22 +75,21 @@ def parse_param(text: str) -> tuple[str, Any]:
 
 
 def _flag_brief(name: str) -> str:
-    """A setting's line in ``serve --help``: its description's first clause, and a short
-    default."""
-    field = Settings.model_fields[name]
-    brief = (field.description or name).split("; ")[0]
-    default = field.default
+    """A setting's line in ``serve --help``: its description's first clause, and its default
+    where that is short."""
+    brief = (Settings.model_fields[name].description or name).split("; ")[0]
+    default = _default(name)
+    return brief + default if len(default) <= 28 and "default" not in brief else brief
+
+
+def _default(name: str) -> str:
+    """`` (default: X)`` for a setting with a plain default, else nothing."""
+    default = Settings.model_fields[name].default
     if name in OCTAL_SETTINGS:
-        brief += f" (default: {default:04o})"
-    elif (
-        default is not None
-        and not isinstance(default, dict)
-        and not callable(default)
-        and len(str(default)) <= 16
-        and "default" not in brief
-    ):
-        brief += f" (default: {default})"
-    return brief
+        return f" (default: {default:04o})"
+    if default is not None and not isinstance(default, dict) and not callable(default):
+        return f" (default: {default})"
+    return ""
 
 
 def _short_metavar(name: str) -> str:
@@ -157,14 +156,8 @@ def _brief(action: argparse.Action, brief: str, short: str | None = None) -> Non
 
 
 def _flag_help(name: str) -> str:
-    field = Settings.model_fields[name]
-    help_text = field.description or name
-    default = field.default
-    if name in OCTAL_SETTINGS:
-        help_text += f" (default: {default:04o})"
-    elif default is not None and not isinstance(default, dict) and not callable(default):
-        help_text += f" (default: {default})"
-    return f"{help_text}; env KVOFFLOAD_{name.upper()}"
+    help_text = Settings.model_fields[name].description or name
+    return f"{help_text}{_default(name)}; env KVOFFLOAD_{name.upper()}"
 
 
 class _Switch(argparse.Action):
