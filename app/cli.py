@@ -144,9 +144,19 @@ class _HelpAll(argparse.Action):
         values: Any,
         option_string: str | None = None,
     ) -> None:
-        parser.formatter_class = argparse.HelpFormatter
-        parser.print_help()
+        sys.stdout.write(full_help(parser))
         parser.exit()
+
+
+def full_help(parser: argparse.ArgumentParser) -> str:
+    """``parser``'s help with every option's whole text (``serve --help-all``, the docs'
+    reference), whatever formatter its ``--help`` uses."""
+    brief = parser.formatter_class
+    parser.formatter_class = argparse.HelpFormatter
+    try:
+        return parser.format_help()
+    finally:
+        parser.formatter_class = brief
 
 
 def _brief(action: argparse.Action, brief: str, short: str | None = None) -> None:

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from app.cli import _build_parser  # noqa: E402
+from app.cli import _build_parser, full_help  # noqa: E402
 
 PAGE = ROOT / "docs" / "cli.md"
 #: The width the help is rendered at, whatever the terminal: the page is the same everywhere.
@@ -49,8 +49,7 @@ def render() -> str:
     for path, parser in _commands(_build_parser(), "kvoffload"):
         parser.prog = path
         # The whole text of every option (``serve --help`` itself prints one line each).
-        parser.formatter_class = argparse.HelpFormatter
-        parts.append(f"## `{path}`\n\n```text\n{parser.format_help().rstrip()}\n```\n")
+        parts.append(f"## `{path}`\n\n```text\n{full_help(parser).rstrip()}\n```\n")
     return "\n".join(parts)
 
 

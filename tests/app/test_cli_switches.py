@@ -55,9 +55,7 @@ def test_serve_help_groups_every_flag_and_its_usage_is_short() -> None:
     from app.settings import Settings
 
     assert set(SERVE_GROUPS) <= set(Settings.model_fields)
-    serve = next(
-        a for a in _build_parser()._actions if isinstance(a, argparse._SubParsersAction)
-    ).choices["serve"]
+    serve = _serve()
     grouped = {
         s
         for g in serve._action_groups

@@ -13,7 +13,7 @@ from typing import Any, cast
 
 import pytest
 
-from app.cli import _build_parser
+from app.cli import _build_parser, full_help
 from app.http.connections import (
     BODY,
     HEAD,
@@ -75,7 +75,7 @@ def test_the_bounds_are_flags_variables_and_config_keys(tmp_path, monkeypatch) -
     serve = next(
         a for a in _build_parser()._actions if a.dest == "command" and hasattr(a, "choices")
     )
-    help_text = cast(Any, serve).choices["serve"].format_help()
+    help_text = full_help(cast(Any, serve).choices["serve"])  # each option's whole text
     for name in SETTINGS:
         assert "--" + name.replace("_", "-") in help_text
         assert f"KVOFFLOAD_{name.upper()}" in help_text
