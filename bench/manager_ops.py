@@ -302,46 +302,32 @@ def lockstep_pass(
             m.prepare_load(prefix, ctx)
             m.complete_load(prefix, ctx)
 
-    phases: list[tuple[str, Callable[[Any, list[bytes], Any], object]]] = [
-        ("store", store),
-        ("lookup", lambda m, ks, ctx: m.lookup(ks, ctx)),
-        ("load", load),
-    ]
-    try:
-        for op, call in phases:
-            gc.collect()
-            gc.disable()
-            for i, ks in enumerate(reqs):
+    def timed(op: str, call: Callable[[Any, int, Any], object]) -> None:
+        """``call(manager, request index, its context)`` for every request on both sides, the
+        side going first alternating, with the collector off while timing."""
+        gc.collect()
+        gc.disable()
+        try:
+            for i in range(len(reqs)):
                 for s in orders[i & 1]:
                     m, ctxs = sides[s]
                     t0 = timer()
-                    call(m, ks, ctxs[i])
+                    call(m, i, ctxs[i])
                     spent[op][s] += timer() - t0
+        finally:
             gc.enable()
-        prefixes = [
-            [ks[: m.lookup(ks, c).hit_prefix] for ks, c in zip(reqs, ctxs, strict=True)]
-            for m, ctxs in sides
-        ]
-        gc.collect()
-        gc.disable()
-        for i in range(len(reqs)):
-            for s in orders[i & 1]:
-                m, ctxs = sides[s]
-                t0 = timer()
-                m.touch(prefixes[s][i], ctxs[i])
-                spent["touch"][s] += timer() - t0
-        gc.enable()
-        gc.collect()
-        gc.disable()
-        for i in range(len(reqs)):
-            for s in orders[i & 1]:
-                m, ctxs = sides[s]
-                t0 = timer()
-                m.on_request_finished(ctxs[i])
-                spent["finish"][s] += timer() - t0
-    finally:
-        gc.enable()
-    loaded = sum(map(len, prefixes[0]))
+
+    timed("store", lambda m, i, ctx: store(m, reqs[i], ctx))
+    timed("lookup", lambda m, i, ctx: m.lookup(reqs[i], ctx))
+    timed("load", lambda m, i, ctx: load(m, reqs[i], ctx))
+    # Each side's hit prefix of each request, found before timing the touches.
+    prefixes = {
+        m: [ks[: m.lookup(ks, c).hit_prefix] for ks, c in zip(reqs, ctxs, strict=True)]
+        for m, ctxs in sides
+    }
+    timed("touch", lambda m, i, ctx: m.touch(prefixes[m][i], ctx))
+    timed("finish", lambda m, i, ctx: m.on_request_finished(ctx))
+    loaded = sum(map(len, prefixes[sides[0][0]]))
     counts = {"store": len(keys), "lookup": len(keys), "load": loaded, "touch": loaded}
     counts["finish"] = len(reqs)
     return [{op: counts[op] / spent[op][s] for op in OPS} for s in range(n)]
