@@ -213,6 +213,9 @@ class Control:
 
     # ------------------------------------------------------------------ retain
 
+    def _check_ttl(self, ttl_s: float) -> float:
+        return _bounded("ttl_s", ttl_s, self.settings.retain_max_ttl_s, "retain_max_ttl_s")
+
     async def retain(
         self, keys: Sequence[BlockKey], ttl_s: float, name: str, req_id: str
     ) -> Retained:
@@ -222,7 +225,7 @@ class Control:
     async def _retain(
         self, keys: Sequence[BlockKey], ttl_s: float, name: str, req_id: str
     ) -> Retained:
-        ttl = _bounded("ttl_s", ttl_s, self.settings.retain_max_ttl_s, "retain_max_ttl_s")
+        ttl = self._check_ttl(ttl_s)
         manager = self.manager
         if not keys:
             raise InvalidArgumentError("keys: at least one key to retain")
@@ -268,7 +271,7 @@ class Control:
 
     def renew(self, name: str, ttl_s: float) -> RetentionInfo:
         """Restart retention ``name``'s TTL."""
-        ttl = _bounded("ttl_s", ttl_s, self.settings.retain_max_ttl_s, "retain_max_ttl_s")
+        ttl = self._check_ttl(ttl_s)
         info = self.manager.renew_retention(name, ttl)
         self.counts["retentions_renewed"] += 1
         return info
