@@ -268,24 +268,3 @@ def write_secret_volume(root: Path, files: dict[str, str], mode: int) -> None:
     (root / "..data").symlink_to(data.name)
     for name in files:
         (root / name).symlink_to(f"..data/{name}")
-
-
-def doc_section(text: str, title: str) -> str:
-    """The section of a Markdown page whose heading starts with ``title`` (at any level), up to
-    the next heading of the same or a higher level. Lines in fenced code blocks (``# comments``
-    of shell or YAML examples) are not headings."""
-    lines = text.splitlines(keepends=True)
-    headings: list[tuple[int, int, str]] = []  # (line index, level, title)
-    fenced = False
-    for i, line in enumerate(lines):
-        if line.startswith("```"):
-            fenced = not fenced
-            continue
-        m = re.match(r"(#{1,6}) (.*)", line)
-        if m and not fenced:
-            headings.append((i, len(m.group(1)), m.group(2)))
-    for k, (i, level, heading) in enumerate(headings):
-        if heading.startswith(title):
-            end = next((j for j, lv, _ in headings[k + 1 :] if lv <= level), len(lines))
-            return "".join(lines[i:end])
-    raise AssertionError(f"no heading starting with {title!r}")

@@ -24,14 +24,13 @@ from tests.deploy.helpers import (
     DOCKERFILE,
     K8S,
     KUBECTL,
-    OPERATIONS_DOC,
     compose_default,
-    doc_section,
     kustomize_with,
     load_yaml,
     load_yaml_all,
     parse_bytes,
 )
+from tests.docs_blocks import section as page_section
 from transfer.s3 import MAC_BYTES
 
 K8S_OBJECT = K8S / "object"
@@ -322,7 +321,7 @@ def test_no_credentials_are_written_in_deploy() -> None:
 
 
 def _object_tier_section() -> str:
-    return doc_section(OPERATIONS_DOC.read_text(encoding="utf-8"), "Object tier")
+    return page_section("operations.md", "Object tier: an S3 bucket the nodes share")
 
 
 def test_the_operations_page_tells_how_to_turn_the_object_tier_on() -> None:
