@@ -266,7 +266,7 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         unknown = message.partition("unrecognized arguments: ")[2].split()
-        known = sorted({s for p in _parsers(self) for a in p._actions for s in a.option_strings})
+        known = sorted({s for _, p in commands(self) for a in p._actions for s in a.option_strings})
         for word in unknown:
             close = difflib.get_close_matches(word.partition("=")[0], known, n=1, cutoff=0.6)
             if word.startswith("--") and close:
@@ -275,14 +275,17 @@ class _Parser(argparse.ArgumentParser):
         super().error(message)
 
 
-def _parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
-    """``parser`` and every subcommand's parser below it."""
-    out = [parser]
+def commands(
+    parser: argparse.ArgumentParser, path: str = "kvoffload"
+) -> list[tuple[str, argparse.ArgumentParser]]:
+    """``parser`` as ``path``, and every subcommand's parser below it, each with its path
+    (``kvoffload admin policy set``), depth first."""
+    found = [(path, parser)]
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                out += _parsers(sub)
-    return out
+            for name, sub in action.choices.items():
+                found += commands(sub, f"{path} {name}")
+    return found
 
 
 def _build_parser() -> argparse.ArgumentParser:

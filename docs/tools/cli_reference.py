@@ -9,7 +9,6 @@ run it); without it the page is rewritten.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -18,23 +17,11 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from app.cli import _build_parser, full_help  # noqa: E402
+from app.cli import _build_parser, commands, full_help  # noqa: E402
 
 PAGE = ROOT / "docs" / "cli.md"
 #: The width the help is rendered at, whatever the terminal: the page is the same everywhere.
 WIDTH = "100"
-
-
-def _commands(
-    parser: argparse.ArgumentParser, path: str
-) -> list[tuple[str, argparse.ArgumentParser]]:
-    """``parser`` as ``path``, and every subcommand below it, depth first."""
-    found = [(path, parser)]
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for name, sub in action.choices.items():
-                found += _commands(sub, f"{path} {name}")
-    return found
 
 
 def render() -> str:
@@ -46,7 +33,7 @@ def render() -> str:
         "(`python docs/tools/cli_reference.py`; CI checks it is current). Every `serve` option "
         "also reads `KVOFFLOAD_<NAME>` and the `--config` file.\n",
     ]
-    for path, parser in _commands(_build_parser(), "kvoffload"):
+    for path, parser in commands(_build_parser()):
         parser.prog = path
         # The whole text of every option (``serve --help`` itself prints one line each).
         parts.append(f"## `{path}`\n\n```text\n{full_help(parser).rstrip()}\n```\n")

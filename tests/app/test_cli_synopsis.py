@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from app.cli import _build_parser
+from app.cli import _build_parser, commands
 from tests.docs_blocks import HAND_WRITTEN, ROOT, page_path
 
 OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*[a-z0-9](?![\w-])")
@@ -61,14 +61,6 @@ FOREIGN = {
 }
 
 
-def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    """The subcommands of ``parser`` by name."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return dict(action.choices)
-    return {}
-
-
 def options(parser: argparse.ArgumentParser) -> list[list[str]]:
     """The long option strings of each option of ``parser`` (help aside)."""
     return [
@@ -76,17 +68,6 @@ def options(parser: argparse.ArgumentParser) -> list[list[str]]:
         for action in parser._actions
         if action.option_strings and not isinstance(action, argparse._HelpAction)
     ]
-
-
-def tree(
-    parser: argparse.ArgumentParser, path: str = "kvoffload"
-) -> list[tuple[str, argparse.ArgumentParser]]:
-    """``parser`` and every subcommand below it, each with its path (``kvoffload admin policy
-    set``)."""
-    found = [(path, parser)]
-    for name, sub in subcommands(parser).items():
-        found += tree(sub, f"{path} {name}")
-    return found
 
 
 def reference_sections() -> dict[str, str]:
@@ -98,16 +79,16 @@ def reference_sections() -> dict[str, str]:
 
 def test_the_reference_has_every_command_and_option() -> None:
     sections = reference_sections()
-    commands = tree(_build_parser())
-    assert set(sections) == {path for path, _ in commands}
-    for path, parser in commands:
+    every = commands(_build_parser())
+    assert set(sections) == {path for path, _ in every}
+    for path, parser in every:
         named = set(OPTION.findall(sections[path]))
         for strings in options(parser):
             assert strings[0] in named, f"{path}: {strings[0]} not in docs/cli.md"
 
 
 def test_every_option_the_pages_name_exists() -> None:
-    parsers = tree(_build_parser())
+    parsers = commands(_build_parser())
     known = {
         "--help",
         *(s for _, parser in parsers for strings in options(parser) for s in strings),
