@@ -166,6 +166,7 @@ class DiskLink(LowerTier):
             {
                 "directory": self.store.directory,
                 "direct_io": self.store.direct,
+                "huge_pages": self.store.huge_pages,
                 "slots": self.index.num_slots,
                 "blocks": self.index.blocks,
                 "block_bytes": self.store.block_bytes,
@@ -219,6 +220,7 @@ class DiskLink(LowerTier):
             "directory": self.store.directory,
             "slots": self.index.num_slots,
             "direct_io": self.store.direct,
+            "huge_pages": self.store.huge_pages,
             "restored_blocks": self.restored,
         }
 
@@ -605,7 +607,29 @@ class DiskBackend(TierBackend):
                 "disk tier uses buffered I/O (O_DIRECT not available here)",
                 extra={"fields": {"directory": store.directory, "block_bytes": s.block_bytes}},
             )
+        elif store.huge_pages is False:
+            log.warning(
+                "disk tier's buffers have no huge pages: each block read or written is split "
+                "into more device requests (measured 0.6x as fast); fix: "
+                f"echo madvise > {THP_ENABLED}",
+                extra={"fields": {"directory": store.directory, "thp": _thp_mode()}},
+            )
         return link
+
+
+#: The kernel's transparent huge pages switch (the disk tier's staging asks for them).
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def _thp_mode() -> str | None:
+    """The transparent huge pages mode in force (``always``, ``madvise`` or ``never``)."""
+    try:
+        with open(THP_ENABLED, encoding="ascii") as f:
+            text = f.read()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else None
 
 
 register("disk", DiskBackend())

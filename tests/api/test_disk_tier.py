@@ -1156,3 +1156,25 @@ async def test_a_disk_bytes_past_the_free_space_stops_the_start_naming_it(
     assert "free" in str(err.value)
     # Refused before anything is allocated.
     assert sum(p.stat().st_blocks for p in (tmp_path / "d").rglob("*") if p.is_file()) < 2048
+
+
+async def test_stats_say_whether_the_tier_s_buffers_are_on_huge_pages(tmp_path: Path) -> None:
+    async with disk_node(tmp_path / "d") as h:
+        said = (await stats(h))["huge_pages"]
+        assert said is link(h).store.huge_pages
+        assert said is not None  # /proc/self/smaps is readable here
+
+
+async def test_buffers_without_huge_pages_are_warned_of_at_start_with_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without them each block read or written is split into more device requests."""
+    import transfer.disk as store_module
+
+    real = store_module._buffer
+    monkeypatch.setattr(store_module, "_buffer", lambda nbytes: (real(nbytes)[0], False))
+    async with disk_node(tmp_path / "d") as h:
+        assert (await stats(h))["huge_pages"] is False
+    (warned,) = [r for r in caplog.records if "no huge pages" in r.getMessage()]
+    assert warned.levelname == "WARNING"
+    assert f"echo madvise > {disk_module.THP_ENABLED}" in warned.getMessage()

@@ -1,5 +1,6 @@
 """``transfer.disk.DiskStore``: the blocks file allocated whole at open, the free-space
-refusal, the index read in chunks, runs in one system call, MACs off the I/O threads.
+refusal, the index read in chunks, runs in one system call, MACs off the I/O threads, the
+store's own buffers (private, on huge pages where the kernel gives them).
 
 The free-space tests mount a small tmpfs (root only; skipped otherwise, or where the container
 refuses the mount).
@@ -7,11 +8,13 @@ refuses the mount).
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import transfer.disk as disk_module
@@ -293,3 +296,82 @@ def test_reads_submitted_before_close_all_settle(
         assert future.done()
         assert len(future.result()) == 1
     assert store.held_slots() == frozenset()
+
+
+# --------------------------------------------------------------------------- the store's memory
+
+
+def thp_mode() -> str | None:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    return text[text.find("[") + 1 : text.find("]")] if "[" in text else None
+
+
+def mapping_line(address: int) -> str:
+    """The ``/proc/self/smaps`` line that opens the mapping starting at ``address``."""
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and int(head.split("-", 1)[0], 16) == address:
+                return line
+    raise AssertionError(f"no mapping starts at {address:#x}")
+
+
+def test_the_store_s_buffers_are_private_memory() -> None:
+    """Private, not shared: shared anonymous memory is shmem, which this kernel (and most,
+    by default) never backs with huge pages."""
+    buf, _ = disk_module._buffer(4 * MIB)
+    rows = np.frombuffer(buf, dtype=np.uint8)
+    try:
+        assert mapping_line(rows.ctypes.data).split()[1] == "rw-p"
+        assert not rows.any()  # faulted in, zeros
+    finally:
+        del rows
+        buf.close()
+
+
+def test_the_store_s_buffers_are_on_huge_pages_where_the_kernel_gives_them(
+    tmp_path: Path, stores: list[DiskStore], make_pool: Callable[..., HostPool]
+) -> None:
+    """Staging (512 blocks of 8 KiB: 4 MiB, room for a whole huge page) and read buffers."""
+    mode = thp_mode()
+    if mode is None:
+        pytest.skip("no transparent huge pages switch here")
+    store = DiskStore(str(tmp_path / "d"), make_pool(16, BLOCK), 16, staging_blocks=512)
+    stores.append(store)
+    assert store.huge_pages is (mode in ("always", "madvise"))
+
+
+def test_without_smaps_the_store_says_it_does_not_know(
+    tmp_path: Path,
+    stores: list[DiskStore],
+    pool: HostPool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(disk_module, "_anon_huge_bytes", lambda address: None)
+    store = opened(stores, tmp_path / "d", pool, 16)
+    assert store.huge_pages is None
+
+
+def test_a_failed_read_gives_its_read_buffer_back(
+    pool: HostPool, tmp_path: Path, stores: list[DiskStore]
+) -> None:
+    """Reads go through one buffer per I/O thread: failures (more of them than threads) must
+    each hand theirs back, or the reads after them would find none."""
+    store = opened(stores, tmp_path / "d", pool, 16)
+    data = [fill(pool, i) for i in range(4)]
+    assert write(store, [(i, b"k%d" % i, i) for i in range(4)]) == [True] * 4
+    real = store.preadv
+
+    def failing(fd: int, bufs: list[memoryview], off: int) -> int:
+        raise OSError(errno.EIO, "injected")
+
+    store.preadv = failing
+    for _ in range(3 * 4):  # the store's 4 I/O threads, three times over
+        assert store.read_many([(0, b"k0", 8)]) == [False]
+    store.preadv = real
+    assert store.read_many([(i, b"k%d" % i, 8 + i) for i in range(4)]) == [True] * 4
+    for i in range(4):
+        assert bytes(pool.tensor[8 + i].numpy()) == data[i]
