@@ -8,7 +8,7 @@ Part (a), bytes: for each block size, ``--mib`` MiB of blocks per timed call, me
   ``os.pwrite`` / ``os.preadv`` per block from / into page-aligned buffers, on as many threads as
   the store has I/O threads (``--threads``, the service default 4);
 - the store: ``DiskStore.write_many`` of blocks already staged (demotion), ``DiskStore.read_many``
-  straight into pool slots with the MAC check (promotion's bytes);
+  into pool slots (through its read buffers) with the MAC check (promotion's bytes);
 - the service: an in-process ``Service`` (the API apps over ASGI, as the tests run it) with a disk
   tier and a registered shm CPU KV cache, its blocks random bytes: one ``onload`` of N keys that
   only the disk holds, timed to the end of its job (the promotion from disk into the pool, read

@@ -17,10 +17,10 @@ It is the ``disk`` tier of the lower-tier contract (``app.core.tier``), register
   write-through: a block reaches the disk only when the pool lets it go. No staging buffer
   free, or the tier degraded: the demotion is dropped and counted, never waited for.
 - **Lookups** (``found``): the in-memory index answers at once; the disk is not read.
-- **Promotion** (``promote``): ``app.core.promotion`` with a read straight from disk into the
-  reserved pool slots, checked against each block's keyed MAC. A block that fails (torn,
-  corrupt, forged, unreadable) is dropped from the disk (counted) and is a miss; its bytes are
-  never loadable.
+- **Promotion** (``promote``): ``app.core.promotion`` with a read from disk into the reserved
+  pool slots (through the store's read buffers), checked against each block's keyed MAC. A
+  block that fails (torn, corrupt, forged, unreadable) is dropped from the disk (counted) and is
+  a miss; its bytes are never loadable.
 - **Start** (``open_disk``): the store refuses a directory others could have planted files in
   (``transfer.disk``: a ``DiskError`` naming the path and the fix, which the service turns into
   a refusal to start, or at a tenants reload into a namespace that does not start). Index
@@ -617,7 +617,7 @@ class DiskBackend(TierBackend):
         return link
 
 
-#: The kernel's transparent huge pages switch (the disk tier's staging asks for them).
+#: The kernel's transparent huge pages switch (the disk tier's buffers ask for them).
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
