@@ -76,7 +76,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -108,6 +108,54 @@ def drop_caches() -> bool:
         return True
     except OSError:
         return False
+
+
+class Device:
+    """The block device under a directory, by its own counters (``/sys/dev/block/M:m/stat``):
+    the requests a pass sent it and their average size. A request bigger than the memory's
+    contiguous runs allow is split before it reaches the device (a 1 MiB block on 4 KiB pages
+    went out as two), which no timing shows but these counts do. Other I/O on the same device
+    in the window counts too: run the bench on an otherwise idle disk."""
+
+    def __init__(self, directory: str) -> None:
+        dev = os.stat(directory).st_dev
+        self.file = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat"
+        self.passes: dict[str, list[dict[str, float]]] = {}
+
+    def counters(self) -> list[int] | None:
+        """Reads and sectors read, writes and sectors written so far (None: no such device,
+        as on tmpfs or overlay filesystems)."""
+        try:
+            with open(self.file) as f:
+                fields = [int(x) for x in f.read().split()]
+        except (OSError, ValueError):
+            return None
+        return [fields[0], fields[2], fields[4], fields[6]]
+
+    @contextlib.contextmanager
+    def counting(self, name: str) -> Iterator[None]:
+        """Count the requests of one pass named ``name``."""
+        before = self.counters()
+        yield
+        after = self.counters()
+        if before is None or after is None:
+            return
+        reads, rsect, writes, wsect = (b - a for a, b in zip(before, after, strict=True))
+        self.passes.setdefault(name, []).append(
+            {
+                "reads": reads,
+                "read_kib_per_request": rsect / 2 / reads if reads else 0.0,
+                "writes": writes,
+                "write_kib_per_request": wsect / 2 / writes if writes else 0.0,
+            }
+        )
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Per pass name, the median of each count over its passes."""
+        return {
+            name: {k: med([p[k] for p in passes]) for k in passes[0]}
+            for name, passes in self.passes.items()
+        }
 
 
 def med(xs: Sequence[float]) -> float:
@@ -232,6 +280,11 @@ class Fio:
             "--thread",
             "--group_reporting",
         ]
+
+    def warm(self) -> None:
+        """Run fio without I/O, so that its program and engine are read back into the page
+        cache (after a drop) before a pass whose device requests are counted."""
+        self._has_engine(self.engine)
 
     def run(self, rw: str, fresh: bool = False) -> float:
         if fresh:
@@ -465,13 +518,17 @@ async def part_a_service(
     fio = Fio(base, block, n, threads) if use_fio and Fio.path() else None
     fio_s: dict[str, list[float]] = {col: [] for col, _ in FIO_JOBS}
 
+    device = Device(base)
+
     def fio_pass(*cols: str) -> None:
         assert fio is not None
         for col, rw in FIO_JOBS:
             if col in cols:
                 if "read" in rw:
                     drop_caches()
-                fio_s[col].append(fio.run(rw, fresh=col.endswith("_fresh")))
+                    fio.warm()  # its program back in the page cache: not in the counts
+                with device.counting(f"fio_{col}"):
+                    fio_s[col].append(fio.run(rw, fresh=col.endswith("_fresh")))
 
     # Chunk 0: the warm-up onload; then two per round (one onloaded, one read raw), each read
     # once, never before; the last chunk stays in the pool.
@@ -538,17 +595,18 @@ async def part_a_service(
                             fio_pass, "seq_write", "rand_write", "seq_write_fresh"
                         )
                     continue
-                t, cpu = time.perf_counter(), time.process_time()
-                await store_keys(h, f"fill{c}", chunk_keys[c], fill=0 if c == 0 else None)
-                if c:
+                with device.counting("demotion" if c else "first fill"):
+                    t, cpu = time.perf_counter(), time.process_time()
+                    await store_keys(h, f"fill{c}", chunk_keys[c], fill=0 if c == 0 else None)
+                    if c:
 
-                    def all_out(w: int = want) -> bool:
-                        return demoted(h) + dropped(h) >= w
+                        def all_out(w: int = want) -> bool:
+                            return demoted(h) + dropped(h) >= w
 
-                    await until(all_out)
-                    demote_s.append(time.perf_counter() - t)
-                    # Every thread of this process: the loop's copy, the MACs, the I/O calls.
-                    demote_cpu_s.append(time.process_time() - cpu)
+                        await until(all_out)
+                        demote_s.append(time.perf_counter() - t)
+                        # Every thread of this process: the loop's copy, the MACs, the I/O.
+                        demote_cpu_s.append(time.process_time() - cpu)
         assert dropped(h) == 0, dict(disk.counts)
         # Warm-up onload of chunk 0: evicts the last chunk (demoted: written now, untimed).
         blocks = list(range(n))
@@ -607,7 +665,8 @@ async def part_a_service(
                 if who == "raw":
                     raw_s.append(await asyncio.to_thread(raw.read, raw_slots))
                     continue
-                onload_s.append(await onload(tier_c))
+                with device.counting("onload"):
+                    onload_s.append(await onload(tier_c))
                 # The chunks are read concurrently: the span from the first read's start to
                 # the last one's end.
                 promote_s.append(phases[-1]["read"])
@@ -680,6 +739,8 @@ async def part_a_service(
         "disk_read_gbps": gbps(nbytes, med(promote_s)),
         "writes_during_timed_onloads": extra_writes,
         "store_counters": counters,
+        # The device's own counts per pass (medians): requests and their average size.
+        "device_requests": device.summary(),
     }
 
 
@@ -1211,6 +1272,19 @@ def print_fio_table(rows: list[dict[str, Any]]) -> None:
             f"  {sv['block_bytes'] // KIB} KiB rounds: onload/fio seq read ({rounds}); "
             f"demotion/fio seq write ({wrounds})"
         )
+        dev = sv.get("device_requests") or {}
+        said = [
+            f"{name} {c[kind + 's']:.0f} x {c[kind + '_kib_per_request']:.0f} KiB"
+            for name, kind in (
+                ("demotion", "write"),
+                ("fio_seq_write", "write"),
+                ("onload", "read"),
+                ("fio_seq_read", "read"),
+            )
+            if (c := dev.get(name))
+        ]
+        if said:
+            print(f"  device requests a pass (medians): {'; '.join(said)}")
 
 
 def print_tables(rec: dict[str, Any]) -> None:
