@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from app.cli import _build_parser, settings_from_args
+from app.cli import _build_parser, commands, settings_from_args
 
 
 def settings(*argv: str) -> dict[str, object]:
@@ -76,9 +76,7 @@ def test_serve_help_groups_every_flag_and_its_usage_is_short() -> None:
 
 
 def _serve() -> argparse.ArgumentParser:
-    sub = next(a for a in _build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    serve: argparse.ArgumentParser = sub.choices["serve"]
-    return serve
+    return dict(commands(_build_parser()))["kvoffload serve"]
 
 
 @pytest.mark.parametrize("columns", ["80", "100", "160"])
