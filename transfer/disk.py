@@ -662,10 +662,10 @@ class DiskStore:
         self._reads, reads_huge = _buffer(io_threads * self._read_bytes)
         self._reads_free = list(range(io_threads))
         #: Whether those buffers are on huge pages (False: each block read or written is
-        #: split into more device requests; see ``_buffer``). None: unknown (no smaps).
-        self.huge_pages = (
-            None if None in (staging_huge, reads_huge) else bool(staging_huge and reads_huge)
-        )
+        #: split into more device requests; see ``_buffer``). None: unknown (no smaps), or
+        #: both too small to hold one.
+        said = [h for h in (staging_huge, reads_huge) if h is not None]
+        self.huge_pages = all(said) if said else None
         # numpy's copy into it releases the GIL (a slice assignment into the mmap holds it
         # through each block: the I/O threads, back from their writes, waited up to the
         # interpreter's 5 ms switch interval for it, and the disk idled meanwhile).
@@ -996,6 +996,7 @@ class DiskStore:
             finish([False] * len(run))
             return
         bb = self.block_bytes
+        read: np.ndarray[Any, np.dtype[np.uint8]] | None = None
         # One buffer per I/O thread and a run per thread at a time: one is always free.
         with self._mutex:
             buf = self._reads_free.pop()
@@ -1011,13 +1012,15 @@ class DiskStore:
             pool = self.pool.tensor.numpy()
             for i, (_, _, pool_slot) in enumerate(run):
                 pool[pool_slot] = read[i * bb : (i + 1) * bb]
-            del read
         except OSError as exc:
             self._failed("read", exc)
             self._count("read_failures", len(run))
             finish([False] * len(run))
             return
         finally:
+            # The mapping's exports end here on every path (a traceback kept alive would
+            # otherwise hold ``read`` and make ``close`` fail).
+            read = None
             _release(views)
             reads.release()
             with self._mutex:
@@ -1324,7 +1327,8 @@ class _Once:
 def _buffer(nbytes: int) -> tuple[mmap.mmap, bool | None]:
     """A private anonymous mapping of ``nbytes``, on huge pages where the kernel gives them
     (``MADV_HUGEPAGE``: transparent huge pages in ``madvise`` or ``always`` mode), faulted in
-    now, in one pass; and whether it got huge pages (None: ``/proc/self/smaps`` unreadable).
+    now, in one pass; and whether it got huge pages (None: ``/proc/self/smaps`` unreadable, or
+    ``nbytes`` too small to hold an aligned huge page).
 
     Why: an O_DIRECT request is split where its memory is not physically contiguous, and a
     block on scattered 4 KiB pages (256 of them in 1 MiB) exceeds a virtio disk's 254 segments
@@ -1341,14 +1345,32 @@ def _buffer(nbytes: int) -> tuple[mmap.mmap, bool | None]:
     with contextlib.suppress(AttributeError, OSError):  # no THP: 4 KiB pages, still faulted
         buf.madvise(mmap.MADV_HUGEPAGE)
     rows = np.frombuffer(buf, dtype=np.uint8)
+    # The kernel merges adjacent private mappings with the same flags into one (the staging
+    # and the read buffers, made one after the other): what this buffer got is the mapping's
+    # huge bytes after faulting it in, less those before.
+    before = _anon_huge_bytes(rows.ctypes.data)
     rows[::PAGE] = 0
-    huge = _anon_huge_bytes(rows.ctypes.data)
+    after = _anon_huge_bytes(rows.ctypes.data)
     del rows  # its export of the mapping
-    return buf, None if huge is None else huge > 0
+    if before is None or after is None or nbytes < 2 * HUGE_PAGE:
+        return buf, None  # unknown, or too small to hold an aligned huge page
+    return buf, after > before
+
+
+def _huge_page_bytes() -> int:
+    """The size of a transparent huge page here (x86-64's 2 MiB where the kernel does not say)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size", encoding="ascii") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 2 << 20
+
+
+HUGE_PAGE = _huge_page_bytes()
 
 
 def _anon_huge_bytes(address: int) -> int | None:
-    """``AnonHugePages`` of this process's mapping that starts at ``address``, in bytes (None:
+    """``AnonHugePages`` of this process's mapping that holds ``address``, in bytes (None:
     ``/proc/self/smaps`` unreadable, or no such mapping)."""
     try:
         with open("/proc/self/smaps", encoding="ascii", errors="replace") as smaps:
@@ -1356,7 +1378,8 @@ def _anon_huge_bytes(address: int) -> int | None:
             for line in smaps:
                 head = line.split(maxsplit=1)[0]
                 if "-" in head and not head.endswith(":"):  # a mapping's first line
-                    inside = int(head.split("-", 1)[0], 16) == address
+                    start, end = (int(x, 16) for x in head.split("-", 1))
+                    inside = start <= address < end
                 elif inside and head == "AnonHugePages:":
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError):

@@ -608,11 +608,18 @@ class DiskBackend(TierBackend):
                 extra={"fields": {"directory": store.directory, "block_bytes": s.block_bytes}},
             )
         elif store.huge_pages is False:
+            mode = _thp_mode()
+            fix = (
+                f"transparent huge pages are on ({mode}) but the kernel had none to give (its "
+                "memory too fragmented); fix: start with more memory free, or after "
+                "echo 1 > /proc/sys/vm/compact_memory"
+                if mode in ("always", "madvise")
+                else f"fix: echo madvise > {THP_ENABLED}"
+            )
             log.warning(
                 "disk tier's buffers have no huge pages: each block read or written is split "
-                "into more device requests (measured 0.6x as fast); fix: "
-                f"echo madvise > {THP_ENABLED}",
-                extra={"fields": {"directory": store.directory, "thp": _thp_mode()}},
+                f"into more device requests (measured 0.6x as fast); {fix}",
+                extra={"fields": {"directory": store.directory, "thp": mode}},
             )
         return link
 

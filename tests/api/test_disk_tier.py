@@ -1165,16 +1165,29 @@ async def test_stats_say_whether_the_tier_s_buffers_are_on_huge_pages(tmp_path: 
         assert said is not None  # /proc/self/smaps is readable here
 
 
+@pytest.mark.parametrize(
+    ("mode", "fix"),
+    [
+        ("never", f"fix: echo madvise > {disk_module.THP_ENABLED}"),
+        ("madvise", "but the kernel had none to give"),
+    ],
+)
 async def test_buffers_without_huge_pages_are_warned_of_at_start_with_the_fix(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    mode: str,
+    fix: str,
 ) -> None:
-    """Without them each block read or written is split into more device requests."""
+    """Without them each block read or written is split into more device requests. The fix
+    named depends on why: huge pages off, or on and none to give."""
     import transfer.disk as store_module
 
     real = store_module._buffer
     monkeypatch.setattr(store_module, "_buffer", lambda nbytes: (real(nbytes)[0], False))
+    monkeypatch.setattr(disk_module, "_thp_mode", lambda: mode)
     async with disk_node(tmp_path / "d") as h:
         assert (await stats(h))["huge_pages"] is False
     (warned,) = [r for r in caplog.records if "no huge pages" in r.getMessage()]
     assert warned.levelname == "WARNING"
-    assert f"echo madvise > {disk_module.THP_ENABLED}" in warned.getMessage()
+    assert fix in warned.getMessage()

@@ -375,3 +375,35 @@ def test_a_failed_read_gives_its_read_buffer_back(
     assert store.read_many([(i, b"k%d" % i, 8 + i) for i in range(4)]) == [True] * 4
     for i in range(4):
         assert bytes(pool.tensor[8 + i].numpy()) == data[i]
+
+
+def test_buffers_made_one_after_the_other_each_say_what_they_got() -> None:
+    """The kernel merges adjacent private mappings with the same flags, as the staging and the
+    read buffers are made: each buffer's answer is its own, not its neighbour's."""
+    if thp_mode() not in ("always", "madvise"):
+        pytest.skip("no transparent huge pages here")
+    made = [disk_module._buffer(8 * MIB) for _ in range(3)]
+    try:
+        assert [huge for _, huge in made] == [True, True, True]
+    finally:
+        for buf, _ in made:
+            buf.close()
+
+
+def test_a_buffer_too_small_for_a_huge_page_says_nothing() -> None:
+    buf, huge = disk_module._buffer(disk_module.HUGE_PAGE // 2)
+    buf.close()
+    assert huge is None
+
+
+def test_huge_bytes_are_found_for_any_address_inside_a_mapping() -> None:
+    """A merged mapping starts below the buffer asked about: the lookup is by containment."""
+    buf, _ = disk_module._buffer(8 * MIB)
+    rows = np.frombuffer(buf, dtype=np.uint8)
+    try:
+        inside = disk_module._anon_huge_bytes(rows.ctypes.data + 4 * MIB)
+        assert inside is not None
+        assert inside == disk_module._anon_huge_bytes(rows.ctypes.data)
+    finally:
+        del rows
+        buf.close()
