@@ -660,6 +660,9 @@ class DiskStore:
         self._staging, staging_huge = _buffer(max(1, staging_blocks) * self.slot_bytes)
         self._read_bytes = self._run_blocks(self.slot_bytes) * self.slot_bytes
         self._reads, reads_huge = _buffer(io_threads * self._read_bytes)
+        self._read_rows: np.ndarray[Any, np.dtype[np.uint8]] | None = np.frombuffer(
+            self._reads, dtype=np.uint8
+        ).reshape(io_threads, self._read_bytes)
         self._reads_free = list(range(io_threads))
         #: Whether those buffers are on huge pages (False: each block read or written is
         #: split into more device requests; see ``_buffer``). None: unknown (no smaps), or
@@ -996,22 +999,20 @@ class DiskStore:
             finish([False] * len(run))
             return
         bb = self.block_bytes
-        read: np.ndarray[Any, np.dtype[np.uint8]] | None = None
+        assert self._read_rows is not None  # None only once closed, the I/O threads stopped
         # One buffer per I/O thread and a run per thread at a time: one is always free.
         with self._mutex:
             buf = self._reads_free.pop()
-        base = buf * self._read_bytes
-        reads = memoryview(self._reads)
-        views = [reads[base + i * bb : base + (i + 1) * bb] for i in range(len(run))]
+        row = self._read_rows[buf]
+        views = [row[i * bb : (i + 1) * bb].data for i in range(len(run))]
         want = bb * len(run)
         try:
             got = self.preadv(self._data_fd, views, run[0][0] * self.slot_bytes)
             if got != want:
                 raise OSError(errno.EIO, f"short read ({got} of {want} bytes)")
-            read = np.frombuffer(self._reads, dtype=np.uint8, count=want, offset=base)
             pool = self.pool.tensor.numpy()
             for i, (_, _, pool_slot) in enumerate(run):
-                pool[pool_slot] = read[i * bb : (i + 1) * bb]
+                pool[pool_slot] = row[i * bb : (i + 1) * bb]
         except OSError as exc:
             self._failed("read", exc)
             self._count("read_failures", len(run))
@@ -1019,10 +1020,9 @@ class DiskStore:
             return
         finally:
             # The mapping's exports end here on every path (a traceback kept alive would
-            # otherwise hold ``read`` and make ``close`` fail).
-            read = None
+            # otherwise hold ``row`` and make ``close`` fail).
+            del row
             _release(views)
-            reads.release()
             with self._mutex:
                 self._reads_free.append(buf)
         pool_tensor = self.pool.tensor
@@ -1141,6 +1141,7 @@ class DiskStore:
         self._close_fds()
         self._staging_rows = None  # its export of the mapping ends before the mapping
         self._staging.close()
+        self._read_rows = None  # as the staging rows
         self._reads.close()
 
     def _close_fds(self) -> None:
@@ -1345,6 +1346,9 @@ def _buffer(nbytes: int) -> tuple[mmap.mmap, bool | None]:
     with contextlib.suppress(AttributeError, OSError):  # no THP: 4 KiB pages, still faulted
         buf.madvise(mmap.MADV_HUGEPAGE)
     rows = np.frombuffer(buf, dtype=np.uint8)
+    if nbytes < 2 * HUGE_PAGE:  # too small to hold an aligned huge page: nothing to ask smaps
+        rows[::PAGE] = 0
+        return buf, None
     # The kernel merges adjacent private mappings with the same flags into one (the staging
     # and the read buffers, made one after the other): what this buffer got is the mapping's
     # huge bytes after faulting it in, less those before.
@@ -1352,8 +1356,8 @@ def _buffer(nbytes: int) -> tuple[mmap.mmap, bool | None]:
     rows[::PAGE] = 0
     after = _anon_huge_bytes(rows.ctypes.data)
     del rows  # its export of the mapping
-    if before is None or after is None or nbytes < 2 * HUGE_PAGE:
-        return buf, None  # unknown, or too small to hold an aligned huge page
+    if before is None or after is None:
+        return buf, None  # unknown
     return buf, after > before
 
 
