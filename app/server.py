@@ -67,6 +67,7 @@ from app.telemetry.calls import host_port
 from app.telemetry.logging import bind_listener, get_logger
 from app.telemetry.metrics import register_connections
 from transfer import HostPool
+from transfer.disk import DiskError, open_checked_dir
 
 log = get_logger("server")
 
@@ -93,33 +94,79 @@ def bind_tcp(host: str, port: int) -> socket.socket:
     return sock
 
 
-def bind_unix(path: Path, mode: int = 0o600) -> socket.socket:
-    """A Unix stream socket at ``path`` with file ``mode``; a stale socket file left by a dead
-    process is replaced.
+SOCKET_DIR_HARM = (
+    "put a socket of their own in the service's place and take the next engine's token and "
+    "namespace"
+)
 
-    A path that exists and is not a socket is never removed. Nobody can connect before the
-    socket listens, so its mode (and group: ``listen_unix``) are in place before anyone can.
+
+class SocketGroupError(OSError):
+    """The socket could not be given to ``uds_group`` (``bind_unix`` removed it again)."""
+
+
+def bind_unix(path: Path, mode: int = 0o600, gid: int | None = None) -> socket.socket:
+    """A Unix stream socket at ``path`` with file ``mode`` (and group ``gid``); a stale socket
+    file left by a dead process is replaced.
+
+    The socket's directory is checked as ``--disk-dir`` is (``transfer.disk.open_checked_dir``:
+    ``DiskError`` when someone but root and the service's user could write it or a level above
+    it), since whoever can write it could swap the socket for their own. A path that exists and
+    is not a socket (a symbolic link included) is never removed. The mode and group are set
+    through a descriptor of the name opened without following a symbolic link, never through
+    the path (``_set_mode``). Nobody can connect before the socket listens, so its mode and group
+    are in place before anyone can. ``SocketGroupError`` when ``gid`` cannot be given.
     """
-    if path.exists():
-        if not stat.S_ISSOCK(path.stat().st_mode):
-            raise OSError(f"{path} exists and is not a socket")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(str(path))
-        except OSError:
-            path.unlink()  # nobody listens: stale
-        else:
-            raise OSError(f"{path} is in use by another process")
-        finally:
-            probe.close()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    directory = open_checked_dir(os.path.dirname(os.path.abspath(path)), harm=SOCKET_DIR_HARM)
+    name = os.path.basename(path)
     try:
-        sock.bind(str(path))
-        os.chmod(path, mode)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
+        try:
+            found = os.stat(name, dir_fd=directory, follow_symlinks=False)
+        except FileNotFoundError:
+            found = None
+        if found is not None:
+            if not stat.S_ISSOCK(found.st_mode):
+                raise OSError(f"{path} exists and is not a socket")
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(str(path))
+            except OSError:
+                os.unlink(name, dir_fd=directory)  # nobody listens: stale
+            else:
+                raise OSError(f"{path} is in use by another process")
+            finally:
+                probe.close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(str(path))
+            _set_mode(directory, name, path, mode, gid)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+    finally:
+        os.close(directory)
+
+
+def _set_mode(directory: int, name: str, path: Path, mode: int, gid: int | None) -> None:
+    """chmod (and chown to ``gid``) the socket ``name`` just bound in ``directory``, through an
+    ``O_PATH | O_NOFOLLOW`` descriptor of it: a symbolic link planted in its place is refused,
+    never followed. ``SocketGroupError`` (the socket removed) when ``gid`` cannot be given."""
+    fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=directory)
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            raise OSError(f"{path} was replaced by something that is not a socket")
+        # chmod and chown have no descriptor form for an O_PATH descriptor: its /proc link
+        # names exactly the inode it holds.
+        held = f"/proc/self/fd/{fd}"
+        os.chmod(held, mode)
+        if gid is not None:
+            try:
+                os.chown(held, -1, gid)
+            except OSError as exc:
+                os.unlink(name, dir_fd=directory)  # ours: bound a moment ago
+                raise SocketGroupError(exc.errno, exc.strerror) from None
+    finally:
+        os.close(fd)
 
 
 def listen_tcp(settings: Settings, listener: str) -> socket.socket:
@@ -168,7 +215,21 @@ def listen_unix(settings: Settings, path: Path, field: str, listener: str) -> so
     ``uds_group``; ``ConfigError`` naming the setting that does not work out."""
     gid = socket_group(settings)
     try:
-        sock = bind_unix(path, settings.uds_mode)
+        return bind_unix(path, settings.uds_mode, gid)
+    except DiskError as exc:
+        raise config_error(
+            field,
+            path,
+            f"{exc}; accepted: a socket in a directory that only root and the service's user "
+            "can write",
+        ) from None
+    except SocketGroupError as exc:
+        raise config_error(
+            "uds_group",
+            settings.uds_group,
+            f"cannot give {path} to it ({exc.strerror}); accepted: a group of the "
+            "service's user (or any, as root)",
+        ) from None
     except OSError as exc:
         why = exc.strerror or str(exc)
         raise config_error(
@@ -177,19 +238,6 @@ def listen_unix(settings: Settings, path: Path, field: str, listener: str) -> so
             f"cannot listen there ({listener}: {why}); accepted: a path no process listens on, "
             "in a writable directory, under 108 bytes",
         ) from None
-    if gid is not None:
-        try:
-            os.chown(path, -1, gid)
-        except OSError as exc:
-            sock.close()
-            path.unlink()  # ours: bound a moment ago
-            raise config_error(
-                "uds_group",
-                settings.uds_group,
-                f"cannot give {path} to it ({exc.strerror}); accepted: a group of the "
-                "service's user (or any, as root)",
-            ) from None
-    return sock
 
 
 def uvicorn_config(

@@ -305,8 +305,8 @@ def random_tensors(layout: Layout, seed: int, device: str) -> list[torch.Tensor]
 
 
 def new_pool(num_blocks: int, bb: int, **kwargs: Any) -> HostPool:
-    """A host pool in ``SHM_DIR`` (``--shm-dir``), pinned unless ``pin=False``."""
-    return HostPool.create(num_blocks, bb, shm_dir=str(SHM_DIR), **kwargs)
+    """A host pool (a sealed memfd), pinned unless ``pin=False``."""
+    return HostPool.create(num_blocks, bb, **kwargs)
 
 
 def shm_free(path: Path) -> int | None:

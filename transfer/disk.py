@@ -119,6 +119,7 @@ __all__ = [
     "DiskStore",
     "block_mac",
     "disk_bytes_for",
+    "open_checked_dir",
     "slots_for",
 ]
 
@@ -292,21 +293,35 @@ def _user() -> str:
     return f"this service's user (uid {os.geteuid()})"
 
 
-def _open_root(path: str) -> int:
-    """A read-only descriptor of directory ``path`` (``--disk-dir``), walked to from ``/`` one
-    level at a time (see the module docstring for the checks); missing levels are made 0700.
+_PLANT_HARM = "plant files the service would write through or KV blocks it would serve"
+
+
+def open_checked_dir(path: str, *, make: bool = False, harm: str = _PLANT_HARM) -> int:
+    """A read-only descriptor of directory ``path``, checked as ``--disk-dir`` is (module
+    docstring): every level from ``/`` root's or the service's user's, none writable by others
+    without the sticky bit, and ``path`` itself writable by nobody else, sticky or not. Also
+    for other directories the service puts things in that others must not swap (the Unix
+    sockets' directory). ``make``: missing levels are made 0700 (else ``FileNotFoundError``);
+    ``harm``: what someone who could write ``path`` could do, for the refusal's message.
     ``DiskError`` naming the level and the fix when a level is refused."""
+    return _open_root(path, make=make, harm=harm)
+
+
+def _open_root(path: str, *, make: bool = True, harm: str = _PLANT_HARM) -> int:
+    """A read-only descriptor of directory ``path`` (``--disk-dir``), walked to from ``/`` one
+    level at a time (see the module docstring for the checks); missing levels are made 0700
+    (``make``). ``DiskError`` naming the level and the fix when a level is refused."""
     todo = collections.deque(_parts(os.path.abspath(path)))
     fd, where, readable = os.open("/", _WALK_OPEN), "/", False
     links = 0
     try:
-        _check_level(fd, where, last=not todo)
+        _check_level(fd, where, last=not todo, harm=harm)
         while todo:
             name = todo.popleft()
             last = not todo
             child_path = os.path.normpath(os.path.join(where, name))
             try:
-                child, made = _open_dir(fd, name, _DIR_OPEN if last else _WALK_OPEN)
+                child, made = _open_dir(fd, name, _DIR_OPEN if last else _WALK_OPEN, make=make)
             except _SymbolicLink:
                 target = _trusted_link(fd, name, child_path)
                 links += 1
@@ -318,12 +333,12 @@ def _open_root(path: str) -> int:
                     fd, where, readable = os.open("/", _WALK_OPEN), "/", False
                 todo.extendleft(reversed(_parts(target)))
                 if not todo:  # the link led to a level already walked: the root is that one
-                    _check_level(fd, where, last=True)
+                    _check_level(fd, where, last=True, harm=harm)
                 continue
             try:
                 if made:
                     os.fchmod(child, _DIR_MODE)  # whatever the umask took away
-                _check_level(child, child_path, last=last)
+                _check_level(child, child_path, last=last, harm=harm)
             except BaseException:
                 os.close(child)
                 raise
@@ -348,16 +363,19 @@ class _SymbolicLink(Exception):
     """The name opened with ``O_NOFOLLOW`` is a symbolic link (or not a directory)."""
 
 
-def _open_dir(parent: int, name: str, flags: int) -> tuple[int, bool]:
+def _open_dir(parent: int, name: str, flags: int, *, make: bool = True) -> tuple[int, bool]:
     """Open directory ``name`` under ``parent`` (``flags``: O_NOFOLLOW), making it 0700 when
-    missing; (descriptor, whether this call made it). ``_SymbolicLink`` when the name is not a
-    directory (a link, most likely: the caller looks)."""
+    missing (``make``; else ``FileNotFoundError``); (descriptor, whether this call made it).
+    ``_SymbolicLink`` when the name is not a directory (a link, most likely: the caller
+    looks)."""
     made = False
     for _ in range(3):
         try:
             # A directory this call made is opened readable (fchmod needs a real descriptor).
             return os.open(name, _DIR_OPEN if made else flags, dir_fd=parent), made
         except FileNotFoundError:
+            if not make:
+                raise
             try:
                 os.mkdir(name, _DIR_MODE, dir_fd=parent)
                 made = True
@@ -385,19 +403,16 @@ def _trusted_link(parent: int, name: str, path: str) -> str:
     return os.readlink(name, dir_fd=parent)
 
 
-def _check_level(fd: int, path: str, *, last: bool) -> None:
+def _check_level(fd: int, path: str, *, last: bool, harm: str = _PLANT_HARM) -> None:
     """Refuse a directory on the way to the root (``last``: the root itself) that someone but
-    root and the service's user could change (module docstring)."""
+    root and the service's user could change (module docstring); ``harm``: what they could do
+    to the root."""
     st = os.fstat(fd)
     if st.st_uid not in (0, os.geteuid()):
-        harm = (
-            "plant files the service would write through or KV blocks it would serve"
-            if last
-            else "swap the directories below it"
-        )
         raise DiskError(
             f"{path} belongs to uid {st.st_uid}, not root or {_user()}: its owner could "
-            f"{harm}; fix: chown {os.geteuid()} {path}"
+            f"{harm if last else 'swap the directories below it'}; fix: chown "
+            f"{os.geteuid()} {path}"
             + ("" if last else ", or a directory whose every parent is root's or the service's")
         )
     mode = st.st_mode
@@ -411,8 +426,7 @@ def _check_level(fd: int, path: str, *, last: bool) -> None:
         )
         raise DiskError(
             f"{path} is writable by {who} (mode {_octal(mode)}): anyone who can write it could "
-            "plant files the service would write through or KV blocks it would serve; fix: "
-            f"chmod go-w {path}"
+            f"{harm}; fix: chmod go-w {path}"
         )
     if not last and mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
         raise DiskError(

@@ -2,13 +2,21 @@
 
 Contract:
 
-- Allocated once, in ``shm_dir`` (tmpfs), with its whole size reserved up front
-  (``posix_fallocate``), so running out of shared memory is a clear ``PoolError`` at creation
-  and never a ``SIGBUS`` during a copy. The region is pre-faulted before it is handed out.
-- The file never has a name an operator could leak: it is created with ``O_TMPFILE`` (or, where
-  the filesystem lacks it, created and unlinked at once). The memory lives as long as the
-  pool's descriptor or any mapping of it, so nothing is left in ``shm_dir`` after ``close()``,
-  after a normal exit, or after the service is killed with ``SIGKILL``.
+- Allocated once, as a memfd (``memfd_create``: on the kernel's internal shared-memory mount,
+  which has no size limit of its own and no directory), with its whole size reserved up front
+  (``posix_fallocate``), so running out of memory is a clear ``PoolError`` at creation and
+  never a ``SIGBUS`` during a copy. The region is pre-faulted before it is handed out.
+- The file is sealed (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``) before anyone else can
+  hold it: nobody, the engines the descriptor is handed to included, can change its size (an
+  ``ftruncate`` fails with ``EPERM``) or add a seal (``F_SEAL_WRITE`` would stop the service's
+  own writes). A holder can still punch holes in it (``FALLOC_FL_PUNCH_HOLE``): a hole refaults
+  as a fresh zero page on the next access (the mount has no limit to run into), so it loses
+  that holder's bytes and never raises ``SIGBUS`` in the service. The pool belongs to one
+  namespace (``app.core.tenancy``), so the bytes lost are that namespace's own.
+- The file never has a name an operator could leak, nor one anybody could fill its filesystem
+  through: a memfd is in no directory. The memory lives as long as the pool's descriptor or
+  any mapping of it, so nothing is left behind after ``close()``, after a normal exit, or after
+  the service is killed with ``SIGKILL``.
 - Engines in other containers get the pool's descriptor itself (``fd``, read-write), passed
   over a Unix socket (``SCM_RIGHTS``, ``app.pool_share``): the copy they receive maps the same
   memory read-write whatever their user, PID or mount namespace. ``pool_id`` is random and new
@@ -31,12 +39,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
+import fcntl
 import logging
 import math
 import os
 import secrets
-import tempfile
 import weakref
 from typing import Any
 
@@ -45,7 +52,7 @@ import torch
 from transfer.cudart import runtime_library
 from transfer.errors import PoolError
 
-__all__ = ["MAX_PIN_CHUNK_BYTES", "HostPool"]
+__all__ = ["MAX_PIN_CHUNK_BYTES", "POOL_SEALS", "HostPool", "available_memory"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +76,11 @@ def _cudart() -> Any:
 
 def _cuda_available() -> bool:
     return torch.cuda.is_available()
+
+
+def available_memory() -> int | None:
+    """Bytes a new pool may take (``_available_memory``): what ``HostPool.create`` checks."""
+    return _available_memory()
 
 
 def _available_memory() -> int | None:
@@ -102,18 +114,21 @@ def _available_memory() -> int | None:
     return avail
 
 
-def _open_unnamed(shm_dir: str, name_prefix: str) -> int:
-    """A read-write descriptor of a new file in ``shm_dir`` that has no name."""
-    o_tmpfile = getattr(os, "O_TMPFILE", 0)
-    if o_tmpfile:
-        try:
-            return os.open(shm_dir, o_tmpfile | os.O_RDWR | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
-                raise
-    # No O_TMPFILE: the name exists only between these two calls.
-    fd, name = tempfile.mkstemp(prefix=f"{name_prefix}-", dir=shm_dir)
-    os.unlink(name)
+POOL_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+"""The seals every pool carries: its size is fixed and no other seal can be added."""
+
+
+def _sealed_memfd(name: str, total: int) -> int:
+    """A read-write descriptor of a new memfd of ``total`` reserved bytes, mode 0600, sealed
+    with ``POOL_SEALS`` (module docstring). ``OSError`` when the kernel refuses."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.fchmod(fd, 0o600)  # a memfd starts 0777; /proc/<pid>/fd/<n> opens by this mode
+        os.posix_fallocate(fd, 0, total)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, POOL_SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 
@@ -178,47 +193,38 @@ class HostPool:
         block_bytes: int,
         *,
         pin: bool | None = None,
-        shm_dir: str = "/dev/shm",
         name_prefix: str = "kvoffload",
         pin_device: int | None = None,
     ) -> HostPool:
-        """Allocate, pre-fault and (maybe) pin a pool of ``num_blocks`` blocks of ``block_bytes``.
+        """Allocate, seal, pre-fault and (maybe) pin a pool of ``num_blocks`` blocks of
+        ``block_bytes``.
 
-        ``pin_device``: the GPU whose context registers the pool (the registration is usable
-        from every GPU, but it makes a context on the calling thread's current device: GPU 0
-        unless told, hundreds of MiB there in a service that serves another GPU).
+        ``name_prefix``: the memfd's name (``/proc/<pid>/fd/<n>`` reads ``/memfd:NAME
+        (deleted)``). ``pin_device``: the GPU whose context registers the pool (the
+        registration is usable from every GPU, but it makes a context on the calling thread's
+        current device: GPU 0 unless told, hundreds of MiB there in a service that serves
+        another GPU).
 
-        Raises ``PoolError`` for a non-positive size, a ``shm_dir`` that is not a directory, and
-        a pool that does not fit in ``shm_dir``'s free space or in available memory.
+        Raises ``PoolError`` for a non-positive size and a pool that does not fit in available
+        memory (or that the kernel refuses to reserve).
         """
         for what, value in (("num_blocks", num_blocks), ("block_bytes", block_bytes)):
             if type(value) is not int or value <= 0:
                 raise PoolError(f"{what} must be a positive integer, got {value!r}")
         total = num_blocks * block_bytes
-        if not os.path.isdir(shm_dir):
-            raise PoolError(f"shm_dir {shm_dir!r} is not a directory")
-        st = os.statvfs(shm_dir)
-        free = st.f_bavail * st.f_frsize
-        if total > free:
-            raise PoolError(
-                f"host pool of {num_blocks} x {block_bytes} = {total} bytes does not fit in "
-                f"{shm_dir} ({free} bytes free)"
-            )
         avail = _available_memory()
         if avail is not None and total > avail:
             raise PoolError(
                 f"host pool of {num_blocks} x {block_bytes} = {total} bytes does not fit in "
                 f"memory ({avail} bytes available)"
             )
-
-        fd = _open_unnamed(shm_dir, name_prefix)
         try:
-            try:
-                os.posix_fallocate(fd, 0, total)
-            except OSError as exc:
-                raise PoolError(
-                    f"cannot reserve {total} bytes in {shm_dir}: {os.strerror(exc.errno or 0)}"
-                ) from exc
+            fd = _sealed_memfd(name_prefix, total)
+        except OSError as exc:
+            raise PoolError(
+                f"cannot reserve {total} bytes of shared memory: {os.strerror(exc.errno or 0)}"
+            ) from exc
+        try:
             flat = torch.from_file(
                 f"/proc/self/fd/{fd}", shared=True, size=total, dtype=torch.uint8
             )
@@ -252,7 +258,8 @@ class HostPool:
         """The pool's read-write descriptor, to pass to another process (``SCM_RIGHTS``).
 
         The pool owns it: never close it. A passed copy maps the same memory read-write and
-        keeps it alive after ``close()``; ``PoolError`` once the pool is closed.
+        keeps it alive after ``close()``, but cannot change the file's size (``POOL_SEALS``);
+        ``PoolError`` once the pool is closed.
         """
         if self._closed:
             raise PoolError("host pool is closed")

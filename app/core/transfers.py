@@ -62,6 +62,7 @@ from transfer import (
     TransferWorker,
     create_worker,
 )
+from transfer.host_pool import available_memory
 
 log = get_logger("service")
 
@@ -97,22 +98,33 @@ def fault_spec(settings: Settings) -> FaultSpec | None:
 def check_machine(settings: Settings) -> None:
     """``ConfigError`` when this machine cannot run the settings: ``--device`` asks for a CUDA
     device it lacks (``cuda`` is ``cuda:0``; ``auto`` falls back to the CPU), ``--shm-dir`` is
-    not a directory, or the pool (``--num-blocks`` x ``--block-bytes``) is larger than the free
-    space there. Cheap, so it runs before anything is made."""
+    not a directory, or the pool (``--num-blocks`` x ``--block-bytes``) is larger than the
+    memory available. Cheap, so it runs before anything is made.
+
+    The pool is a sealed memfd (``transfer.host_pool``), in no directory: ``--shm-dir`` no
+    longer places it and is only still checked, so that settings that name it keep starting.
+    """
     _check_device(settings.device, settings.cuda_index)
     shm_dir = settings.shm_dir
     if not os.path.isdir(shm_dir):
         raise config_error("shm_dir", shm_dir, "not a directory; accepted: a directory")
-    st = os.statvfs(shm_dir)
-    free = st.f_bavail * st.f_frsize
+    avail = available_memory()
     total = settings.num_blocks * settings.block_bytes
-    if total > free:
+    if avail is not None and settings.block_bytes > avail:
+        # Not one block fits: fewer blocks would not help, a smaller block would.
+        raise config_error(
+            "block_bytes",
+            settings.block_bytes,
+            f"one block does not fit in memory ({avail} bytes available); accepted: at most "
+            f"{avail} bytes",
+        )
+    if avail is not None and total > avail:
         raise config_error(
             "num_blocks",
             settings.num_blocks,
             f"a pool of {total} bytes (x {setting_names('block_bytes')} = "
-            f"{settings.block_bytes}) does not fit in {shm_dir} ({free} bytes free); "
-            f"accepted: at most {free // settings.block_bytes} blocks",
+            f"{settings.block_bytes}) does not fit in memory ({avail} bytes available); "
+            f"accepted: at most {avail // settings.block_bytes} blocks",
         )
 
 
@@ -182,7 +194,6 @@ class Transfers:
                 s.num_blocks,
                 s.block_bytes,
                 pin=s.pin_memory,
-                shm_dir=str(s.shm_dir),
                 pin_device=s.cuda_index,
             )
         except (PoolError, OSError) as exc:
@@ -190,8 +201,7 @@ class Transfers:
                 "num_blocks",
                 s.num_blocks,
                 f"cannot make the pool ({exc}); accepted: a pool that fits: fewer blocks, a "
-                f"smaller {setting_names('block_bytes')}, or {setting_names('shm_dir')} with "
-                "more room",
+                f"smaller {setting_names('block_bytes')}, or more memory",
             ) from None
         try:
             registry = KVCacheRegistry(

@@ -32,7 +32,10 @@ The answer is one line of JSON, ``PROTOCOL`` plus the layout (``pool_id``, ``num
 ``block_bytes``, ``offset``: byte offset of block 0 in the file), ended by ``\n`` and at most
 ``MAX_HEADER_BYTES`` long, with exactly one descriptor attached; then the service closes the
 connection. The descriptor is the pool's own read-write one: the receiver maps it read-write
-and ``MAP_SHARED``, and its copies see the service's bytes and vice versa. A client that sends
+and ``MAP_SHARED``, and its copies see the service's bytes and vice versa. The file is a memfd
+sealed against any change of size (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``): a receiver
+cannot shrink or grow it (``EPERM``) nor add a seal, and a hole it punches reads as zeros
+again, so it can lose its own namespace's blocks but never fault the service. A client that sends
 a request to an open-mode service gets the pool all the same (the service answers without
 reading it).
 
