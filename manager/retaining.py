@@ -76,6 +76,18 @@ class RetainingRoom(EventsRoom):
         them would add to ``stats().retained`` (a quota's measure); changes nothing."""
         return self._retentions.new_keys(name, keys)
 
+    def new_references(self, name: str, keys: Sequence[BlockKey]) -> int:
+        """How many distinct keys of ``keys`` retention ``name`` does not name yet: how much
+        retaining them would add to ``retention_references`` (a bound's measure); changes
+        nothing."""
+        return self._retentions.new_references(name, keys)
+
+    @property
+    def retention_references(self) -> int:
+        """Keys named by live retentions, summed over them: a key two retentions name counts
+        twice (what the retentions' memory grows with)."""
+        return self._retentions.references
+
     def retained_where(self) -> tuple[int, int, list[BlockKey]]:
         """Where the retained keys are: how many are ready in the pool, how many pending
         there, and the keys not in the pool (one pass over the retained keys)."""
@@ -120,6 +132,8 @@ class RetainingRoom(EventsRoom):
         if back:
             kept.difference_update(back)
             self._policy.insert(back)
+            if not kept:
+                kept.clear()  # a set keeps its size after removals: give it back
 
     def demote(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
         """Evict the ready blocks among ``keys`` that nothing pins and no retention names, now,

@@ -3,9 +3,16 @@
 A caller that knows what comes next (an agent pausing for a tool call, a chat front end whose
 user is typing) *retains* keys for ``ttl_s`` seconds under a name (a session id). The table here
 is the bookkeeping only: which retentions exist, which keys each names, until when, and how many
-live retentions name each key (``counts``). ``OffloadManager`` owns one and acts on it: a key
-named by any live retention is not evictable while it is ready in the pool (it leaves the
-policy's order and comes back when the last retention naming it ends).
+live retentions name each key. ``OffloadManager`` owns one and acts on it: a key named by any
+live retention is not evictable while it is ready in the pool (it leaves the policy's order and
+comes back when the last retention naming it ends).
+
+Memory: every retained key is held once, in one table shared by the retentions (``ids``: key ->
+id, with how many retentions name it); a retention holds its keys as an array of those ids (4
+bytes a key), so many retentions naming the same keys cost 4 bytes a key each, not a table of
+their own. ``references`` counts the ids over every retention (the caller bounds it). The table
+gives its memory back as it empties (a dict never shrinks on deletion: it is rebuilt once it
+holds under a quarter of its peak).
 
 Contract:
 
@@ -23,6 +30,7 @@ Contract:
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -33,12 +41,17 @@ from manager.spec import BlockKey, RetentionInfo
 MAX_NAME = 256
 
 
+#: Below this many keys at its peak, the shared table is never rebuilt (too small to matter).
+REBUILD_MIN = 1024
+
+
 class _Retention:
-    __slots__ = ("created_at", "expires_at", "keys", "name", "ttl_s")
+    __slots__ = ("created_at", "expires_at", "ids", "name", "ttl_s")
 
     def __init__(self, name: str, now: float) -> None:
         self.name = name
-        self.keys: dict[BlockKey, None] = {}
+        # The ids (``RetentionTable.ids``) of the keys it names, head to tail, each once.
+        self.ids = array("I")
         self.created_at = now
         self.expires_at = now
         self.ttl_s = 0.0
@@ -80,8 +93,16 @@ class RetentionTable:
 
     def __init__(self) -> None:
         self._by_name: dict[str, _Retention] = {}
-        #: Per key, how many live retentions name it (keys named by none are absent).
-        self.counts: dict[BlockKey, int] = {}
+        #: The keys some live retention names, each with its id (keys named by none are
+        #: absent): the one copy of each key, shared by every retention naming it.
+        self.ids: dict[BlockKey, int] = {}
+        self._key_of: list[BlockKey | None] = []  # id -> key (None: a free id)
+        self._refs = array("I")  # id -> how many live retentions name it
+        self._free_ids: list[int] = []
+        self._peak = 0  # most keys ``ids`` held since it was last rebuilt
+        self._peak_names = 0  # most retentions held since ``_by_name`` was last rebuilt
+        #: Keys named, summed over the live retentions (a key two retentions name counts 2).
+        self.references = 0
 
     def __len__(self) -> int:
         return len(self._by_name)
@@ -91,9 +112,20 @@ class RetentionTable:
 
     def new_keys(self, name: str, keys: Iterable[BlockKey]) -> int:
         """How many distinct keys of ``keys`` no retention names yet, and ``name`` would
-        add (what ``add`` would add to ``len(counts)``); changes nothing."""
-        counts = self.counts
-        return sum(1 for k in dict.fromkeys(keys) if k not in counts)
+        add (what ``add`` would add to ``len(ids)``); changes nothing."""
+        ids = self.ids
+        return sum(1 for k in dict.fromkeys(keys) if k not in ids)
+
+    def new_references(self, name: str, keys: Iterable[BlockKey]) -> int:
+        """How many distinct keys of ``keys`` retention ``name`` does not name yet (what
+        ``add`` would add to ``references``); changes nothing."""
+        rec = self._by_name.get(name)
+        distinct = dict.fromkeys(keys)
+        if rec is None:
+            return len(distinct)
+        mine = set(rec.ids)
+        ids = self.ids
+        return sum(1 for k in distinct if ids.get(k) not in mine)
 
     def add(self, name: str, keys: Sequence[BlockKey], ttl_s: float, now: float) -> Added:
         """Create or extend retention ``name`` (keys already checked by the caller) and
@@ -104,19 +136,42 @@ class RetentionTable:
         created = rec is None
         if rec is None:
             rec = self._by_name[name] = _Retention(name, now)
-        mine = rec.keys
-        added = [k for k in dict.fromkeys(keys) if k not in mine]
-        mine.update(dict.fromkeys(added))
-        counts = self.counts
+            self._peak_names = max(self._peak_names, len(self._by_name))
+        ids, refs = self.ids, self._refs
+        distinct = list(dict.fromkeys(keys))
+        if created:
+            added = distinct
+        else:
+            mine = set(rec.ids)
+            added = [k for k in distinct if ids.get(k) not in mine]
         fresh: list[BlockKey] = []
+        named = rec.ids
         for key in added:
-            count = counts.get(key, 0)
-            if not count:
+            i = ids.get(key)
+            if i is None:
+                i = self._new_id(key)
                 fresh.append(key)
-            counts[key] = count + 1
+            else:
+                refs[i] += 1
+            named.append(i)
+        self.references += len(added)
+        if len(ids) > self._peak:
+            self._peak = len(ids)
         rec.ttl_s = ttl
         rec.expires_at = now + ttl
         return Added(name, created, added, fresh)
+
+    def _new_id(self, key: BlockKey) -> int:
+        if self._free_ids:
+            i = self._free_ids.pop()
+            self._key_of[i] = key
+            self._refs[i] = 1
+        else:
+            i = len(self._key_of)
+            self._key_of.append(key)
+            self._refs.append(1)
+        self.ids[key] = i
+        return i
 
     def renew(self, name: str, ttl_s: float, now: float) -> None:
         """Restart the TTL of retention ``name``."""
@@ -129,16 +184,42 @@ class RetentionTable:
         """End retention ``name``; the keys no retention names any more, head to tail."""
         rec = self._get(name)
         del self._by_name[name]
-        counts = self.counts
+        ids, refs, key_of, free_ids = self.ids, self._refs, self._key_of, self._free_ids
         freed: list[BlockKey] = []
-        for key in rec.keys:
-            left = counts[key] - 1
-            if left:
-                counts[key] = left
-            else:
-                del counts[key]
+        for i in rec.ids:
+            left = refs[i] - 1
+            refs[i] = left
+            if not left:
+                key = key_of[i]
+                assert key is not None
+                del ids[key]
+                key_of[i] = None
+                free_ids.append(i)
                 freed.append(key)
+        self.references -= len(rec.ids)
+        if self._peak >= REBUILD_MIN and len(ids) * 4 < self._peak:
+            self._rebuild()
+        if self._peak_names >= REBUILD_MIN and len(self._by_name) * 4 < self._peak_names:
+            self._by_name = dict(self._by_name)
+            self._peak_names = len(self._by_name)
         return freed
+
+    def _rebuild(self) -> None:
+        """Give back what the shared table grew to: a dict keeps its size after deletions.
+        The ids are renumbered densely, and every retention's array with them."""
+        old_key_of, old_refs = self._key_of, self._refs
+        live = [i for i, k in enumerate(old_key_of) if k is not None]
+        new_of = dict(zip(live, range(len(live)), strict=True))
+        key_of: list[BlockKey | None] = [old_key_of[i] for i in live]
+        # The same dict object, rebuilt in place: the manager holds it (``is_retained``).
+        self.ids.clear()
+        self.ids.update((k, n) for n, k in enumerate(key_of) if k is not None)
+        self._key_of = key_of
+        self._refs = array("I", (old_refs[i] for i in live))
+        self._free_ids = []
+        for rec in self._by_name.values():
+            rec.ids = array("I", (new_of[i] for i in rec.ids))
+        self._peak = len(key_of)
 
     def due(self, now: float) -> list[str]:
         """The names of the retentions whose deadline is at or before ``now``."""
@@ -146,7 +227,8 @@ class RetentionTable:
 
     def keys_of(self, name: str) -> list[BlockKey]:
         """The keys retention ``name`` names, head to tail."""
-        return list(self._get(name).keys)
+        key_of = self._key_of
+        return [k for i in self._get(name).ids if (k := key_of[i]) is not None]
 
     def info(
         self, name: str, now: float, in_pool: int, *, added: int = 0, created: bool = False
@@ -156,7 +238,7 @@ class RetentionTable:
         rec = self._get(name)
         return RetentionInfo(
             name=name,
-            keys=len(rec.keys),
+            keys=len(rec.ids),
             in_pool=in_pool,
             ttl_s=rec.ttl_s,
             expires_in_s=max(0.0, rec.expires_at - now),

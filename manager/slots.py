@@ -137,7 +137,7 @@ class PoolState:
         # ready in the pool (``_kept``), which are out of the policy's order so that no
         # eviction ever looks at them and the policies' fast paths stay as they are.
         self._retentions = RetentionTable()
-        self._retained = self._retentions.counts
+        self._retained = self._retentions.ids
         self._kept: set[BlockKey] = set()
         # Free slots as a stack whose top is the end of the list, read top-down when handing
         # out: stored descending, a fresh pool hands out 0, 1, 2, ... so a batch gets one

@@ -9,8 +9,9 @@ Four verbs, each a hint about the future from an engine, an agent framework or a
   from the moment they land. Every key must be held somewhere (the pool, ready or pending, or a
   tier below it): a key held nowhere is ``UnknownKeysError`` and nothing changes. Bounded per
   namespace: distinct retained blocks (``max_retained_blocks``, a tenants-file namespace key, by
-  default half the pool), live retentions (``max_retentions``) and the TTL
-  (``retain_max_ttl_s``). The lease sweeper ends expired retentions (``expire``). A retention
+  default half the pool), live retentions (``max_retentions``), keys named by retentions summed
+  over them (``max_retention_keys``: what their memory grows with, a few bytes a key) and the
+  TTL (``retain_max_ttl_s``). The lease sweeper ends expired retentions (``expire``). A retention
   never makes room: a pool full of pinned and retained blocks refuses stores (507) as it does
   today. Retentions live in memory: a restart drops them.
 - **prefetch** (``prefetch``, ``prefetch_state``, ``wait``, ``cancel``): start bringing keys
@@ -21,7 +22,8 @@ Four verbs, each a hint about the future from an engine, an agent framework or a
   (``prefetch_max_deadline_s``). Each key is counted once as it ends: ``used`` (a load pinned
   it while held), ``wasted`` (deadline or cancel first), ``failed`` (the tier's read failed).
 - **demote**: evict chosen blocks now, as the policy would, so the tiers below take them
-  (``NoLowerTierError`` without one); pinned, retained and pending blocks stay.
+  (``NoLowerTierError`` without one); pinned, retained and pending blocks stay, and so do
+  blocks no tier below holds or takes (``refused``: never reported moved, never lost).
 - **drop**: remove chosen blocks from the pool now (this namespace's pool only); pinned,
   retained and pending blocks stay. Copies in the tiers below stay until their own bounds evict
   them.
@@ -120,7 +122,8 @@ class Prefetch:
 @dataclass(slots=True)
 class Hinted:
     """What ``demote`` or ``drop`` did: the keys it moved, and why the others stayed
-    (``pinned``, ``retained``, ``pending``, ``not_in_pool``), counted."""
+    (``pinned``, ``retained``, ``pending``, ``not_in_pool``; for ``demote`` also ``refused``:
+    no tier below holds or takes it), counted."""
 
     done: list[BlockKey]
     kept: dict[str, int]
@@ -154,7 +157,10 @@ class Control:
         self._ids = itertools.count(1)
         self._promotion_ids = itertools.count(1)
         # Retained keys not in the pool when retained, with where they were then (the
-        # ``kvoffload_retained_blocks{tier}`` gauge; pruned as they land or are released).
+        # ``kvoffload_retained_blocks{tier}`` gauge, and the keys each sweep round tries again
+        # to bring up, oldest tried first). Pruned of the keys that landed or are no longer
+        # retained every sweep round and whenever it outgrows the retained keys, so it stays
+        # within the bound of retained blocks (twice it, between rounds).
         self._below: dict[BlockKey, str] = {}
         self._prefetches: dict[int, Prefetch] = {}
         self._finished: collections.OrderedDict[int, Prefetch] = collections.OrderedDict()
@@ -253,10 +259,22 @@ class Control:
                 f"{retentions} retentions live; release one or reuse a name",
                 scope="namespace",
             )
+        refs = manager.retention_references
+        more = manager.new_references(name, keys)
+        if more and refs + more > self.settings.max_retention_keys:
+            raise QuotaExceededError(
+                self.namespace,
+                "retention_keys",
+                self.settings.max_retention_keys,
+                f"{refs} keys named by retentions, this call would name {more} more",
+                scope="namespace",
+            )
         info = manager.retain(keys, ttl, name)
         created = info.created
         results = [s for s in states if s is not None]
         below = [k for k, s in zip(keys, results, strict=True) if s not in (HIT, PENDING)]
+        if len(self._below) + len(below) > 2 * self.max_retained:
+            self._prune_below()
         for key, where in zip(keys, results, strict=True):
             if where not in (HIT, PENDING):
                 self._below[key] = where
@@ -311,14 +329,30 @@ class Control:
             )
         return ended
 
-    def _retry_below(self) -> None:
+    def _prune_below(self) -> None:
+        """Forget the retained-below keys that landed in the pool or are retained no more."""
         manager = self.manager
-        again = [
-            k
-            for k in itertools.islice(self._below, RETRY_KEYS)
-            if manager.slot_of(k) is None and manager.is_retained(k)
-        ]
-        if again and self.tiers:
+        below = self._below
+        gone = [k for k in below if not manager.is_retained(k) or manager.is_ready(k)]
+        for key in gone:
+            del below[key]
+        if gone and len(below) * 4 < len(gone):
+            self._below = dict(below)  # a dict keeps its size after deletions: give it back
+
+    def _retry_below(self) -> None:
+        """Prune the retained-below keys, then try again to bring up the next ``RETRY_KEYS``
+        of them that are not in the pool: the keys tried go to the back, so every round
+        tries the next ones and each key gets its turn."""
+        self._prune_below()
+        below = self._below
+        if not below or not self.tiers:
+            return
+        tried = list(itertools.islice(below, RETRY_KEYS))
+        for key in tried:
+            below[key] = below.pop(key)
+        manager = self.manager
+        again = [k for k in tried if manager.slot_of(k) is None]
+        if again:
             tasks = self._promote(again, [], None)
             if tasks:
                 self._on_event()
@@ -595,14 +629,22 @@ class Control:
         return movable, kept
 
     def demote(self, keys: Sequence[BlockKey], req_id: str) -> Hinted:
-        """Evict the movable ``keys`` now, into the tiers below (each takes what its admission
-        admits, as for any eviction); ``NoLowerTierError`` without a tier below."""
+        """Evict the movable ``keys`` that a tier below holds or takes (``LowerTier.takes``:
+        the disk takes them whatever its admission says) now, into the tiers below; the
+        others stay in the pool, ``refused``. ``NoLowerTierError`` without a tier below."""
         return self._observed("demote", req_id, self._demote, keys)
 
     def _demote(self, keys: Sequence[BlockKey]) -> Hinted:
         if not self.tiers:
             raise NoLowerTierError()
         movable, kept = self._sort_hint(keys)
+        # Only what a tier below holds or takes leaves the pool: a block no tier takes would
+        # be lost, so it stays (``refused``), and ``moved`` never names a block held nowhere.
+        taken = [False] * len(movable)
+        for tier in self.tiers.tiers:
+            taken = [a or b for a, b in zip(taken, tier.takes(movable), strict=True)]
+        kept["refused"] = taken.count(False)
+        movable = [k for k, t in zip(movable, taken, strict=True) if t]
         done = self.manager.demote(movable) if movable else []
         self.counts["demoted"] += len(done)
         if done:
@@ -672,9 +714,8 @@ class Control:
         promotion in flight), the tier a key was found in when it was retained (not in the
         pool now), ``elsewhere`` (not in the pool, in no tier it was found in)."""
         manager = self.manager
+        self._prune_below()
         below = self._below
-        for key in [k for k in below if not manager.is_retained(k)]:
-            del below[key]
         ready, pending, absent = manager.retained_where()
         out = {"pool": ready, "pending": pending, "elsewhere": 0}
         for key in absent:

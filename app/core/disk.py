@@ -7,7 +7,8 @@ eviction). ``DiskLink`` runs them for a service:
 It is the ``disk`` tier of the lower-tier contract (``app.core.tier``), registered here:
 
 - **Admission** (``asked``): the observed manager counts every key an engine looks up, loads or
-  stores; a block is demoted only once asked ``--disk-admit-after`` times.
+  stores; a block is demoted only once asked ``--disk-admit-after`` times. An explicit
+  ``demote`` (``takes``) is taken whatever the count says.
 - **Demote on evict** (``evicted``, told of every pool eviction): when the pool evicts blocks to
   make room, the admitted ones not yet on disk are copied into staging buffers right there,
   before their slots are handed out again (a memcpy on the loop that lets go of the GIL), a
@@ -105,6 +106,7 @@ class DiskLink(LowerTier):
         self._tasks: list[asyncio.Task[None]] = []
         self.counts: collections.Counter[str] = collections.Counter()
         self._writing: set[asyncio.Task[None]] = set()  # batches being written
+        self._forced: set[BlockKey] = set()  # an explicit demote's keys (``takes``)
         # Batches written at once. Every staged batch is handed to the I/O threads as soon as
         # it is copied (their queue keeps --disk-io-threads requests on the device, the
         # staging bytes bound the rest): a cap of a few batches left the device idle while the
@@ -240,6 +242,28 @@ class DiskLink(LowerTier):
 
     # ------------------------------------------------------------------ demotion
 
+    def takes(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Per key an explicit ``demote`` is about to evict: on disk or being written
+        already, or, while the tier is healthy, taken from that eviction whatever
+        ``--disk-admit-after`` says (an explicit demote is the strongest ask there is; the
+        admission guards the disk against the pool's own eviction traffic), as many as free
+        staging buffers hold. The next ``evicted`` stages those."""
+        slot_of = self.index.index.slot_of
+        room = self.store.staging_free if self.store.health().ok else 0
+        out: list[bool] = []
+        forced: set[BlockKey] = set()
+        for key in keys:
+            if slot_of(key) is not None:
+                out.append(True)
+            elif room > 0 and key not in forced:
+                forced.add(key)
+                room -= 1
+                out.append(True)
+            else:
+                out.append(key in forced)
+        self._forced = forced
+        return out
+
     def evicted(
         self, victims: list[BlockKey], slots: list[int], *, promoting: bool = False
     ) -> None:
@@ -249,7 +273,14 @@ class DiskLink(LowerTier):
         ``prepare_store``: never calls the manager (events wait for the loop). ``promoting``:
         only staged; the writer reserves their disk slots after the promotion, so that no
         block the same load reads next is evicted for them."""
-        chosen = self.index.select(victims)
+        forced, self._forced = self._forced, set()
+        if forced:  # an explicit demote (``takes``): admission aside
+            disk_slot = self.index.index.slot_of
+            taken = [k for k in victims if k in forced and disk_slot(k) is None]
+            rest = [k for k in victims if k not in forced or disk_slot(k) is not None]
+            chosen = taken + self.index.select(rest)
+        else:
+            chosen = self.index.select(victims)
         if not chosen:
             return
         if not self.store.health().ok:

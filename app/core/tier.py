@@ -12,7 +12,9 @@ them:
   into them, then held for the request) and returns the tasks that settle it (none: nothing
   started, the keys stay not ready). ``loaded`` lets go of the holds once the request pinned the
   keys itself; ``writing`` names the internal requests whose slots a read still writes into.
-- **take demoted blocks**: ``evicted(victims, slots)`` is the pool's eviction listener (the
+- **take demoted blocks**: ``takes(keys)`` answers, before an explicit ``demote`` evicts, which
+  keys the tier holds or will take, admission aside (the others stay in the pool);
+  ``evicted(victims, slots)`` is the pool's eviction listener (the
   victims' bytes are still in their slots: copy what you keep before returning, never call the
   manager; ``promoting``: the room is for a promotion, so evict none of the tier's own blocks
   before the loop's next turn), ``stored(keys)`` is told of every block that became ready in
@@ -150,6 +152,13 @@ class LowerTier(abc.ABC):
         whose load may want this tier's blocks next: the tier may copy the victims now but
         must evict none of its own blocks for them until the loop's next turn."""
         return None
+
+    def takes(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """An explicit ``demote`` is about to evict ``keys`` (ready, unpinned): per key,
+        whether the tier holds it or will take it from that eviction, whatever its admission
+        says (the very next ``evicted`` of the pool must then take it). ``demote`` evicts
+        only the keys some tier takes; the others stay in the pool. None by default."""
+        return [False] * len(keys)
 
     def stored(self, keys: Sequence[BlockKey]) -> None:
         """``keys`` became ready in the pool: take what the tier admits."""

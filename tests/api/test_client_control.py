@@ -36,7 +36,7 @@ from tests.api.harness import BLOCK, Harness, make_settings, running
 from tests.e2e.server import free_port
 from transfer.disk import disk_bytes_for
 
-NO_KEPT = {"pinned": 0, "retained": 0, "pending": 0, "not_in_pool": 0}
+NO_KEPT = {"pinned": 0, "retained": 0, "pending": 0, "not_in_pool": 0, "refused": 0}  # demote
 
 
 def keys_of(*ids: int) -> list[bytes]:

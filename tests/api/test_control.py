@@ -376,6 +376,26 @@ async def test_the_retained_blocks_quota_is_429_and_changes_nothing() -> None:
         assert await lookup(h, hexkeys(1, 2, 3, 4, 5)) == ["hit"] * 4 + ["miss"]
 
 
+async def test_the_retention_keys_bound_is_429_and_changes_nothing() -> None:
+    # Keys named by retentions, summed over them: many retentions of the same keys are bounded
+    # although they add no distinct block.
+    async with running(make_settings(max_retention_keys=5)) as h:
+        await store(h, "w", hexkeys(1, 2, 3))
+        assert (await retain(h, "a", hexkeys(1, 2, 3))).status_code == 201
+        assert (await retain(h, "b", hexkeys(1, 2))).status_code == 201
+        r = await retain(h, "c", hexkeys(1))  # 6 > 5
+        assert error(r) == (429, "quota_exceeded"), r.text
+        assert r.json()["error"]["quota"] == "retention_keys"
+        r = await retain(h, "b", hexkeys(2, 3))  # 3 more: refused, "b" unchanged
+        assert r.json()["error"]["quota"] == "retention_keys"
+        listing = await retentions(h)
+        assert [(x["name"], x["keys"]) for x in listing["retentions"]] == [("a", 3), ("b", 2)]
+        # Keys a retention names already cost nothing more; an ended one gives its keys back.
+        assert (await retain(h, "b", hexkeys(1, 2))).status_code == 200
+        assert (await h.client.delete("/v1/retentions/a")).status_code == 200
+        assert (await retain(h, "c", hexkeys(1, 2, 3))).status_code == 201
+
+
 async def test_the_retentions_quota_is_429_and_a_taken_name_still_extends() -> None:
     async with running(make_settings(max_retentions=2)) as h:
         await store(h, "w", hexkeys(1, 2, 3))
@@ -722,7 +742,7 @@ async def test_demote_moves_blocks_to_disk_with_their_bytes(tmp_path: Path) -> N
         assert r.status_code == 200, r.text
         assert r.json() == {
             "moved": keys[:3],
-            "kept": {"pinned": 0, "retained": 0, "pending": 0, "not_in_pool": 0},
+            "kept": {"pinned": 0, "retained": 0, "pending": 0, "not_in_pool": 0, "refused": 0},
         }
         await demoted(h, 3)
         assert await lookup(h, keys) == ["disk"] * 3 + ["hit"] * 5
@@ -754,12 +774,55 @@ async def test_demote_and_drop_keep_pinned_retained_and_pending_blocks(tmp_path:
         kept = {"pinned": 2, "retained": 2, "pending": 1, "not_in_pool": 1}
         r = await h.post("/v1/requests/hint/demote", {"keys": named[:5] + named[6:]})
         assert r.status_code == 200, r.text
-        assert r.json() == {"moved": [keys[4]], "kept": kept}
+        assert r.json() == {"moved": [keys[4]], "kept": {**kept, "refused": 0}}
         r = await h.post("/v1/requests/hint/drop", {"keys": named})
         assert r.status_code == 200, r.text
         assert r.json() == {"moved": [keys[5]], "kept": {**kept, "not_in_pool": 2}}
         await demoted(h, 1)
         assert await lookup(h, keys[:6]) == ["hit"] * 4 + ["disk", "miss"]
+
+
+async def test_demote_admits_what_the_disk_admission_would_refuse(tmp_path: Path) -> None:
+    # The tiers page's disk tier (--disk-admit-after 2), after one engine flow: each block was
+    # asked for once. An explicit demote is taken anyway, and a lookup then finds it on disk.
+    async with disk_node(tmp_path, disk_admit_after=2) as h:
+        keys = hexkeys(0x0A01, 0x0A02)
+        data = await store(h, "w", keys)
+        r = await h.post("/v1/requests/hint/demote", {"keys": keys})
+        assert r.status_code == 200, r.text
+        assert r.json() == {
+            "moved": keys,
+            "kept": {"pinned": 0, "retained": 0, "pending": 0, "not_in_pool": 0, "refused": 0},
+        }
+        await demoted(h, 2)
+        assert (await disk_stats(h))["demotions"]["refused_admission"] == 0
+        assert await lookup(h, keys) == ["disk", "disk"]
+        await h.start("r")
+        r = await h.post("/v1/requests/r/prepare-load", {"keys": keys})  # brings them up
+        assert error(r) == (409, "key_not_ready")
+
+        async def back() -> bool:
+            return await lookup(h, keys) == ["hit", "hit"]
+
+        await until(back)
+        slots = await pin(h, "r", keys)
+        assert [pool_bytes(h, s) for s in slots] == [data[k] for k in keys]
+
+
+async def test_demote_keeps_in_the_pool_what_no_tier_below_takes(tmp_path: Path) -> None:
+    async with disk_node(tmp_path) as h:
+        keys = hexkeys(1, 2, 3)
+        await store(h, "w", keys)
+        disk = h.service.tiers.get("disk")
+        assert isinstance(disk, DiskLink)
+        disk.store.stage([0] * disk.store.staging_free)  # every staging buffer taken
+        r = await h.post("/v1/requests/hint/demote", {"keys": keys})
+        assert r.status_code == 200, r.text
+        assert r.json() == {
+            "moved": [],
+            "kept": {"pinned": 0, "retained": 0, "pending": 0, "not_in_pool": 0, "refused": 3},
+        }
+        assert await lookup(h, keys) == ["hit"] * 3
 
 
 async def test_demote_without_a_lower_tier_is_409(h: Harness) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import tracemalloc
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ from manager import (
     available_policies,
     create_manager,
 )
-from manager.retention import MAX_NAME
+from manager.retention import MAX_NAME, RetentionTable
 from tests.manager.harness import HIT, MISS, FakeClock, Pool, key, keys
 
 BAD_TTLS: list[object] = [0, 0.0, -1, -0.5, math.nan, math.inf, -math.inf, True, False, "5", None]
@@ -988,3 +989,50 @@ RetentionMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None
 )
 TestRetentionMachine = RetentionMachine.TestCase
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def _retained_bytes(table: RetentionTable, prefix: str, names: int, ks: list[bytes]) -> int:
+    """Bytes ``names`` retentions of ``ks`` (each call with its own copies of the keys, as
+    decoded from a request's body) leave allocated in ``table``."""
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for n in range(names):
+            table.add(f"{prefix}{n}", [bytes(bytearray(k)) for k in ks], 60.0, 0.0)
+        return tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+
+
+def test_retentions_naming_the_same_keys_share_them_at_a_few_bytes_a_key() -> None:
+    ks = [i.to_bytes(8, "big") for i in range(2000)]
+    table = RetentionTable()
+    first = _retained_bytes(table, "a", 1, ks)
+    more = _retained_bytes(table, "b", 20, ks)
+    # One table of the keys, then an array of 4-byte ids per retention (a dict of its own
+    # keys and their copies was ~100 bytes a key).
+    assert more / (20 * len(ks)) < 8, more
+    assert first > 20 * len(ks)  # the first one holds the keys themselves
+    assert len(table.ids) == len(ks)
+    assert table.references == 21 * len(ks)
+    assert table.new_references("a0", [*ks[:10], b"new"]) == 1
+    assert table.new_references("fresh", ks[:10]) == 10
+
+
+def test_references_and_the_shared_table_come_back_as_retentions_end() -> None:
+    ks = [i.to_bytes(8, "big") for i in range(5000)]
+    table = RetentionTable()
+    table.add("a", ks, 60.0, 0.0)
+    table.add("b", ks[:100], 60.0, 0.0)
+    assert table.references == 5100
+    assert table.remove("a") == ks[100:]
+    # Under a quarter of its peak: rebuilt, and retention "b" still names its keys.
+    assert table.keys_of("b") == ks[:100]
+    assert sorted(table.ids.values()) == list(range(100))
+    assert table.remove("b") == ks[:100]
+    assert (table.references, len(table.ids)) == (0, 0)
+    table.add("c", ks[:3], 60.0, 0.0)
+    assert table.keys_of("c") == ks[:3]
