@@ -187,13 +187,18 @@ class MooncakeTier:
     def namespace(self) -> str:
         return self._namespace
 
-    def exists(self, keys: Sequence[bytes]) -> list[bool | None]:
+    def exists(self, keys: Sequence[bytes], timeout_s: float | None = None) -> list[bool | None]:
         """One ``batch_is_exist`` for ``keys``: True / False as the master answered, None for a
-        key it answered an error for and for every key when the call fails or is skipped."""
+        key it answered an error for and for every key when the call fails or is skipped.
+        ``timeout_s``: the caller's own budget (a lookup's), below the tier's: a call not
+        started by then never starts, and one not answered by then is no answer (None), not a
+        fault of the tier."""
         if not keys:
             return []
         names = [remote_name(self._namespace, k) for k in keys]
-        codes = self._call("exists", lambda s: s.batch_is_exist(names), (), len(keys))
+        codes = self._call(
+            "exists", lambda s: s.batch_is_exist(names), (), len(keys), budget_s=timeout_s
+        )
         if codes is None:
             return [None] * len(keys)
         found: list[bool | None] = [c == 1 if c in (0, 1) else None for c in codes]
@@ -321,15 +326,27 @@ class MooncakeTier:
     # -- machinery ---------------------------------------------------------------------------
 
     def _call(
-        self, what: str, fn: Callable[[Any], list[int]], slots: Sequence[int], n: int
+        self,
+        what: str,
+        fn: Callable[[Any], list[int]],
+        slots: Sequence[int],
+        n: int,
+        *,
+        budget_s: float | None = None,
     ) -> list[int] | None:
-        """Run ``fn(store)`` on the tier's threads, waiting at most ``timeout_s``: its ``n``
-        per-key result codes.
+        """Run ``fn(store)`` on the tier's threads, waiting at most ``timeout_s`` (or the
+        caller's ``budget_s``, if shorter): its ``n`` per-key result codes.
 
         ``None`` when skipped (degraded, closed), failed, timed out, or answered with a number
         of results other than ``n``; the slots stay held until ``fn`` has returned, whenever
-        that is.
+        that is. A call still queued when the wait ends is cancelled (it never starts); one
+        that outlived only the caller's budget is not counted against the tier.
         """
+        wait_s = self.config.timeout_s
+        if budget_s is not None and budget_s < wait_s:
+            wait_s = max(0.0, budget_s)
+        else:
+            budget_s = None
         with self._lock:
             store = self._store
             if self._closed or self._state != "ok" or store is None:
@@ -351,7 +368,7 @@ class MooncakeTier:
             self._count(skipped=1)
             return None
         try:
-            codes = list(future.result(self.config.timeout_s))
+            codes = list(future.result(wait_s))
             if len(codes) == n:
                 return codes
             self._count(errors=1)
@@ -359,6 +376,8 @@ class MooncakeTier:
         except concurrent.futures.TimeoutError:
             if future.cancel():  # still queued behind hung calls: it never touched the slots
                 self._release(slots)
+            if budget_s is not None:  # the caller's time is up, not the tier's
+                return None
             self._count(timeouts=1)
             self._fail(f"{what} did not finish within {self.config.timeout_s:g} s")
         except Exception as exc:

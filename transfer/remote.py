@@ -8,7 +8,9 @@ Host pool slots are the only place bytes come from or go to: the tier never hand
 - ``exists(keys) -> list[bool | None]``: one batch; per key, True when the store holds it now,
   False when the store answered that it does not, None when there was no answer for it (the
   call failed, timed out or was skipped). Only False says a block is gone: a node reports
-  its removal on that answer alone (``app.core.remote``).
+  its removal on that answer alone (``app.core.remote``). ``timeout_s``: the caller's budget
+  (a lookup's), when shorter than the tier's own: work not started by then never starts, and a
+  key not answered by then is None, which does not degrade the tier.
 - ``get_into(keys, slots) -> list[bool]``: copy each key's bytes into host slot ``slots[i]``;
   True only for a key whose full block was read into its slot. A False slot holds undefined
   bytes and must not be loaded (the caller drops the block it was reserved for).
@@ -77,7 +79,9 @@ class RemoteTier(Protocol):
     @property
     def namespace(self) -> str: ...
 
-    def exists(self, keys: Sequence[bytes]) -> list[bool | None]: ...
+    def exists(
+        self, keys: Sequence[bytes], timeout_s: float | None = None
+    ) -> list[bool | None]: ...
 
     def get_into(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]: ...
 

@@ -14,8 +14,9 @@
 - **Calls**: every key is its own request (GET, PUT, HEAD), ``concurrency`` at a time on the
   tier's threads (the client library lets go of the GIL while it waits); a batch waits at most
   ``timeout_s`` for all its keys, and a key not answered by then is False (its slot stays in
-  ``held_slots`` until its request ends; the client's own timeout ends it). Deletes go in bulk
-  (DeleteObjects).
+  ``held_slots`` until its request ends; the client's own timeout ends it). A lookup's
+  ``exists`` waits only for its own, shorter budget: the HEADs it has not started by then are
+  dropped, never sent. Deletes go in bulk (DeleteObjects).
 - **Health**: a batch whose every key failed with an error (not a 404) degrades the tier: a
   gateway down, 5xx after the client's retries, a timeout, refused credentials, a missing
   bucket. A probe thread lists an empty prefix of the namespace every ``probe_interval_s``,
@@ -166,6 +167,8 @@ class _Outcome:
     """What one key's request came to."""
 
     OK, ABSENT, CORRUPT, ERROR = "ok", "absent", "corrupt", "error"
+    # Not asked, or not answered, within the caller's budget: no answer, no fault.
+    UNANSWERED = "unanswered"
 
 
 class S3Tier:
@@ -249,12 +252,19 @@ class S3Tier:
         """The object's key in the bucket."""
         return f"{self._namespace}/{key.hex()}"
 
-    def exists(self, keys: Sequence[bytes]) -> list[bool | None]:
+    def exists(self, keys: Sequence[bytes], timeout_s: float | None = None) -> list[bool | None]:
         """One HEAD per key: True for an object of the right length, False for none (404)
-        or one of another length, None where no answer came (error, timeout, degraded)."""
+        or one of another length, None where no answer came (error, timeout, degraded).
+        ``timeout_s``: the caller's own budget (a lookup's), below the tier's: a HEAD not
+        started by then never starts (those queued are dropped), and a key not answered by then
+        is no answer (None), not a fault of the tier."""
         if not keys:
             return []
-        outcomes = self._batch("exists", [(self._head, (k,)) for k in keys], [])
+        calls = [(self._head, (k,)) for k in keys]
+        if timeout_s is not None and timeout_s < self.config.timeout_s:
+            outcomes = self._batch_within("exists", calls, max(0.0, timeout_s))
+        else:
+            outcomes = self._batch("exists", calls, [])
         answers: dict[str, bool | None] = {
             _Outcome.OK: True,
             _Outcome.ABSENT: False,
@@ -443,6 +453,58 @@ class S3Tier:
                 errors.append(f"{type(exc).__name__}: {_first_line(exc)}")
                 outcomes.append(_Outcome.ERROR)
         self._judge(what, outcomes, errors, late)
+        return outcomes
+
+    def _batch_within(
+        self, what: str, calls: list[tuple[Callable[..., str], tuple[Any, ...]]], budget_s: float
+    ) -> list[str]:
+        """Slot-free calls (HEADs) for a caller who waits ``budget_s`` only: at most
+        ``concurrency`` submitted at a time, the next one as one ends, none after the budget;
+        each one's outcome (``UNANSWERED`` where not asked or not answered in time: no fault
+        of the tier, and nothing of the call left queued behind it)."""
+        with self._lock:
+            if self._closed or self._state != "ok":
+                self._counters["skipped"] += 1
+                return [_Outcome.ERROR] * len(calls)
+        deadline = time.monotonic() + budget_s
+        outcomes = [_Outcome.UNANSWERED] * len(calls)
+        errors: list[str] = []
+        running: dict[concurrent.futures.Future[str], int] = {}
+        following = 0
+        while True:
+            while (
+                following < len(calls)
+                and len(running) < self.config.concurrency
+                and time.monotonic() < deadline
+            ):
+                fn, args = calls[following]
+                try:
+                    running[self._executor.submit(fn, *args)] = following
+                except RuntimeError:  # closed meanwhile
+                    following = len(calls)
+                    break
+                following += 1
+            left = deadline - time.monotonic()
+            if not running or left <= 0:
+                break
+            done, _ = concurrent.futures.wait(
+                running, timeout=left, return_when=concurrent.futures.FIRST_COMPLETED
+            )
+            for future in done:
+                i = running.pop(future)
+                exc = future.exception()
+                if exc is None:
+                    outcomes[i] = future.result()
+                elif isinstance(exc, FileNotFoundError):
+                    outcomes[i] = _Outcome.ABSENT
+                else:
+                    errors.append(f"{type(exc).__name__}: {_first_line(exc)}")
+                    outcomes[i] = _Outcome.ERROR
+        for future in running:
+            future.cancel()  # queued behind other calls: never sent
+        answered = [o for o in outcomes if o != _Outcome.UNANSWERED]
+        if answered:
+            self._judge(what, answered, errors, 0)
         return outcomes
 
     def _judge(self, what: str, outcomes: list[str], errors: list[str], late: int) -> None:

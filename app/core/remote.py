@@ -6,8 +6,12 @@ run on its own threads. ``RemoteLink``, the ``remote`` tier of the lower-tier co
 (``app.core.tier``, registered here), decides *when*, and keeps the manager right while it does:
 
 - **Lookups** (``found``): only the keys the pool lacks are asked about, in one batch per call,
-  off the event loop (``asyncio.to_thread``) and for at most ``remote_lookup_timeout_s``; a
-  late or failed answer is "not found". Keys the pool holds never wait on the remote tier.
+  off the event loop and for at most ``remote_lookup_timeout_s``; a late or failed answer is
+  "not found". Keys the pool holds never wait on the remote tier. Each namespace asks on a
+  lane of its own (``LookupLane``: ``LOOKUP_LANE_WIDTH`` calls at once, on its own threads,
+  never the loop's shared executor), and the store is given the lookup's remaining time: what
+  it has not started by then is never started. So one namespace's flood of misses queues
+  behind itself only, and leaves no work behind in the store when its lookups give up.
 - **Promotion** (``promote``, from ``prepare-load`` / ``onload`` of keys the pool lacks): slots
   are reserved for the keys as stores pending for the engine's request (``PENDING`` to every
   lookup, held against eviction), one ``get_into`` reads them into the slots, and each key read
@@ -50,13 +54,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import itertools
 import math
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
@@ -81,6 +86,62 @@ SWEEP_TICK_S = 1.0
 SWEEP_MIN_TICK_S = 0.05
 #: Keys per ``exists`` call of the sweep (the master answers 16k keys in about 5 ms).
 SWEEP_BATCH = 16384
+#: A namespace's lookups asking its store at once (``LookupLane``); more wait, on the loop.
+LOOKUP_LANE_WIDTH = 2
+#: The share of a lookup's remaining time the store is given: the rest brings its partial
+#: answer (the keys answered in time) back before the lookup's own bound ends.
+STORE_SHARE = 0.8
+
+T = TypeVar("T")
+
+
+class LookupLane:
+    """One namespace's own way to its store for lookups: at most ``width`` calls running at
+    once, on threads of its own, never the loop's default executor (which every namespace,
+    and every tier's reads and writes, share). A call that gets no thread before its deadline
+    never starts; one that started keeps its thread until it returns, so a namespace whose
+    calls outlive their callers only queues its own next ones."""
+
+    def __init__(self, width: int, name: str) -> None:
+        self.width = width
+        self.running = 0
+        self._free = asyncio.Semaphore(width)
+        self._threads = concurrent.futures.ThreadPoolExecutor(width, thread_name_prefix=name)
+
+    async def run(self, fn: Callable[[float], T], deadline: float) -> T | None:
+        """``fn(seconds left)`` on the lane once a thread is free, if that is before
+        ``deadline`` (the loop's clock); None when it did not start by then or the lane is
+        closed."""
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._free.acquire()
+        except TimeoutError:
+            return None
+        left = deadline - loop.time()
+        try:
+            if left <= 0:
+                raise RuntimeError("no time left")
+            future = self._threads.submit(fn, left)
+        except RuntimeError:  # no time left, or closed
+            self._free.release()
+            return None
+        self.running += 1
+
+        def ended() -> None:
+            self.running -= 1
+            self._free.release()
+
+        def done(_: concurrent.futures.Future[T]) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nothing waits
+                loop.call_soon_threadsafe(ended)
+
+        future.add_done_callback(done)
+        return await asyncio.wrap_future(future)
+
+    def close(self) -> None:
+        """Start nothing more; calls running end within their budgets."""
+        self._threads.shutdown(wait=False, cancel_futures=True)
 
 
 class WrittenKeys:
@@ -207,6 +268,7 @@ class RemoteLink(LowerTier):
         self._wakeup = asyncio.Event()
         self._drain: asyncio.Task[None] | None = None
         self.sweep_s = sweep_s
+        self.lookups = LookupLane(LOOKUP_LANE_WIDTH, f"kvoffload-{name}-lookup")
         self.written = WrittenKeys(tracked_blocks, removal_confirm_s)
         self._sweep: asyncio.Task[None] | None = None
         self.counts: collections.Counter[str] = collections.Counter()
@@ -234,6 +296,7 @@ class RemoteLink(LowerTier):
         self.counts["dropped_shutdown"] += len(self._queue)
         self._queue.clear()
         self._queued.clear()
+        self.lookups.close()
         await asyncio.to_thread(self.tier.close)
 
     def health(self) -> TierHealth:
@@ -311,20 +374,31 @@ class RemoteLink(LowerTier):
 
     async def found(self, keys: Sequence[BlockKey], req_id: str | None = None) -> list[bool]:
         """Per key, whether the remote tier holds it; False for all when it is degraded, slow
-        (past ``lookup_timeout_s``) or failing."""
+        (past ``lookup_timeout_s``) or failing, and for the keys it did not answer in time.
+        Asked on the namespace's lane (``LookupLane``): no thread free before the bound, no
+        call."""
         if not keys:
             return []
         if not self.tier.health().ok:
             self.counts["lookups_skipped"] += 1
             return [False] * len(keys)
         started = time.perf_counter()
-        stamps = self.written.stamps_of(keys)
-        try:
-            async with asyncio.timeout(self.lookup_timeout_s):
-                answer = await asyncio.to_thread(self.tier.exists, list(keys))
-        except TimeoutError:
+        asked = list(keys)
+        stamps = self.written.stamps_of(asked)
+        tier = self.tier
+
+        def ask(left: float) -> list[bool | None]:
+            return tier.exists(asked, timeout_s=left * STORE_SHARE)
+
+        deadline = asyncio.get_running_loop().time() + self.lookup_timeout_s
+        got: list[bool | None] | None = None
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout_at(deadline):
+                got = await self.lookups.run(ask, deadline)
+        if got is None or (got and all(a is None for a in got)):
             self.counts["lookup_timeouts"] += 1
             return [False] * len(keys)
+        answer = got
         self._observe("exists", started, len(keys), req_id)
         self.counts["lookup_hits"] += answer.count(True)
         self.counts["lookup_misses"] += answer.count(False)

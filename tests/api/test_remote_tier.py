@@ -54,7 +54,7 @@ class MemoryTier:
     def namespace(self) -> str:
         return self._namespace
 
-    def exists(self, keys: Sequence[bytes]) -> list[bool | None]:
+    def exists(self, keys: Sequence[bytes], timeout_s: float | None = None) -> list[bool | None]:
         self.store.asked.append(len(keys))
         if self.store.down or self.store.unanswered:
             self.counters["skipped"] += 1

@@ -1,0 +1,126 @@
+"""POST /v1/batch lets other calls run while it works (issue #42, finding 10): a large body is
+validated one op at a time and the ops run with yields to the loop between them, with the same
+ops, answers and refusals as a body validated whole. How long the loop is held is measured in
+``bench/batch_flood.py``, not here."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import app.http.routes.engine as engine
+from app.http.errors import APIError
+from app.http.routes.engine import _BatchRunner
+from tests.api.harness import Harness, hexkeys, make_settings
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def every_op_yields(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every body validated op by op, a yield after every op (the thresholds at zero)."""
+    monkeypatch.setattr(engine, "SPLIT_ABOVE_BYTES", 0)
+    monkeypatch.setattr(engine, "YIELD_AFTER_S", 0.0)
+
+
+async def ticking() -> tuple[list[int], Callable[[], object]]:
+    """A coroutine that counts the loop's turns it gets; (its count, a stop)."""
+    count = [0]
+
+    async def tick() -> None:
+        while True:
+            count[0] += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(tick())
+    await asyncio.sleep(0)
+    return count, task.cancel
+
+
+async def test_a_batch_yields_to_the_loop_between_its_ops(
+    h: Harness, every_op_yields: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await h.start()
+    count, stop = await ticking()
+    seen: list[int] = []
+    touch = h.service.manager.touch
+
+    def counting_touch(*args: Any, **kwargs: Any) -> None:
+        seen.append(count[0])
+        touch(*args, **kwargs)
+
+    monkeypatch.setattr(h.service.manager, "touch", counting_touch)
+    ops = [{"op": "touch", "req_id": "r1", "keys": hexkeys(i)} for i in range(5)]
+    r = await h.post("/v1/batch", {"ops": ops})
+    stop()
+    assert r.status_code == 200, r.text
+    assert len(seen) == 5
+    # Another coroutine ran between every two ops (before: all five in one loop turn).
+    assert all(b > a for a, b in itertools.pairwise(seen))
+
+
+async def test_a_large_body_is_validated_with_yields_between_its_ops(
+    every_op_yields: None,
+) -> None:
+    runner = _BatchRunner(make_settings(max_keys_per_call=64))
+    body = json.dumps(
+        {"ops": [{"op": "lookup", "req_id": f"r{i}", "keys": hexkeys(i, i + 1)} for i in range(6)]}
+    ).encode()
+    count, stop = await ticking()
+    before = count[0]
+    ops = await runner.validated_yielding(body)
+    turns = count[0] - before
+    stop()
+    assert ops == runner.validated(body)
+    assert turns >= len(ops) - 1
+
+
+def refusal(call: Callable[[], Any]) -> tuple[int, str, str]:
+    with pytest.raises(APIError) as err:
+        call()
+    return err.value.status, err.value.code, err.value.message
+
+
+async def split_refusal(runner: _BatchRunner, raw: bytes) -> tuple[int, str, str]:
+    with pytest.raises(APIError) as err:
+        await runner.validated_yielding(raw)
+    return err.value.status, err.value.code, err.value.message
+
+
+GOOD = {"op": "lookup", "req_id": "r1", "keys": ["00aa"]}
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"{",
+        b"[]",
+        b"{}",
+        b'{"ops": []}',
+        b'{"ops": "lookup"}',
+        b'{"ops": [], "extra": 1}',
+        b'{"ops": [{"op": "lookup", "req_id": "r1", "keys": ["00"]}], "extra": 1}',
+        b'{"ops": [{"op": "lookup", "req_id": "r1", "keys": ["00"]} {"op": "touch"}]}',
+        b'{"ops": [{"op": "lookup", "req_id": "r1", "keys": ["00"]}, ',
+        b'{"ops": [{"op": "lookup", "req_id": "r1", "keys": ["00"]}, {"op": "lookup", "k',
+        json.dumps({"ops": [GOOD, {"op": "lookup", "req_id": "r1", "keys": ["zz"]}]}).encode(),
+        json.dumps({"ops": [GOOD, {"op": "teleport", "req_id": "r1"}]}).encode(),
+        json.dumps({"ops": [GOOD, "not an object"]}).encode(),
+        json.dumps({"ops": [GOOD, {"op": "lookup", "keys": []}]}).encode(),
+        json.dumps({"ops": [GOOD, {"op": "lookup", "req_id": "r1", "keys": [], "x": 1}]}).encode(),
+        json.dumps({"ops": [GOOD, {**GOOD, "keys": ["00"] * 65}]}).encode(),
+        json.dumps({"ops": [GOOD] * 5}).encode(),
+        b'{"ops": [{"op": "lookup", "req_id": "r1", "keys": [NaN]}]}',
+        b'\xff{"ops": []}',
+    ],
+)
+async def test_validated_op_by_op_refuses_as_the_whole_body_does(
+    every_op_yields: None, raw: bytes
+) -> None:
+    runner = _BatchRunner(make_settings(max_keys_per_call=64, max_batch_ops=4))
+    assert await split_refusal(runner, raw) == refusal(lambda: runner.validated(raw))
