@@ -153,7 +153,7 @@ def create_app(
             exposition,
             token=None if token is None else token.get_secret_value(),
             # An open /metrics of a service with tenants tells no tenant another's req_ids.
-            exemplars=token is not None or not tenancy.enabled,
+            request_ids=token is not None or not tenancy.enabled,
         )
     add_docs_routes(app)
     _install_middleware(app, settings, tenancy, hooks, ENGINE_REQUEST_PREFIX, engine=True)

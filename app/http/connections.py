@@ -33,6 +33,19 @@ the cap is there to free, for as long as the client likes to send it. A refused 
 connection closed and may retry; the refusal is counted (``kvoffload_connections_closed_total``
 by reason) and logged.
 
+The admin listener (``evict_waiting``) closes another connection instead, when it can: past a
+cap, the oldest connection under that cap that is waiting on its client (its request head or
+body not complete, or idle between requests; never one the app is answering) is closed for the
+new one, counted under the same reason; only when there is none is the new one closed. What the
+pool socket does with its waiting connections, and for the same reason: on loopback every
+local user is the one peer ``127.0.0.1``, and a local user without the token could otherwise
+keep every slot filled with silent connections (reopened as fast as the head bound closes them)
+and the operator's calls would find none. The operator's connection sends its request at once
+and is answered, so a flood of connections that never complete a request evicts only its own.
+What it does not stop: a flood that lands more connections than the cap between the operator's
+connect and the first read of its request (one turn of the event loop) evicts it too; a larger
+cap narrows that.
+
 Timeouts are enforced by one sweep per listener, a few times per bound (``sweep_interval``),
 not by a timer per request: a request pays one clock read and three attribute writes, a timer
 would cost its creation and its cancellation on every call. A connection is closed between its
@@ -80,6 +93,9 @@ class ConnectionLimits:
     # Whether an accepted descriptor in the process's reserve is refused (the engine listener:
     # yes; the admin listener is what the reserve is kept for).
     spare_reserve: bool = False
+    # Past a cap, close the oldest connection waiting on its client instead of the new one
+    # (the admin listener; see the module docstring).
+    evict_waiting: bool = False
 
     @property
     def sweep_interval(self) -> float:
@@ -133,7 +149,9 @@ def listener_limits(settings: Settings, soft: int | None = None) -> dict[str, Co
         "engine": ConnectionLimits(
             head, body, engine, settings.max_connections_per_peer, spare_reserve=True
         ),
-        "admin": ConnectionLimits(head, body, admin),
+        "admin": ConnectionLimits(
+            head, body, admin, settings.admin_max_connections_per_peer, evict_waiting=True
+        ),
     }
 
 
@@ -187,6 +205,11 @@ class GuardedProtocol(HttpToolsProtocol):
     guard_peer: str | None = None
     guard_phase: int = IDLE
     guard_since: float = 0.0
+
+    def guard_waiting(self) -> bool:
+        """Whether the connection waits on its client: its request not complete, or idle
+        between requests (uvicorn's keep-alive timer armed). False while the app answers."""
+        return self.guard_phase != IDLE or self.timeout_keep_alive_task is not None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         peer = self.guard.admit(self, transport)
@@ -255,12 +278,13 @@ class ConnectionGuard:
         peer = peer_of(transport)
         limits = self.limits
         per_peer = limits.max_per_peer
-        if per_peer and self.peers.get(peer, 0) >= per_peer:
+        if per_peer and self.peers.get(peer, 0) >= per_peer and not self._evict("peer_cap", peer):
             self._count("peer_cap", peer)
             return None
-        if len(self.open) >= limits.max_connections or (
-            limits.spare_reserve and self._in_reserve(transport)
-        ):
+        if limits.spare_reserve and self._in_reserve(transport):
+            self._count("listener_cap", peer)
+            return None
+        if len(self.open) >= limits.max_connections and not self._evict("listener_cap", None):
             self._count("listener_cap", peer)
             return None
         if per_peer:
@@ -273,9 +297,33 @@ class ConnectionGuard:
         sock = transport.get_extra_info("socket")
         return sock is not None and in_reserve(sock.fileno())
 
+    def _evict(self, reason: str, peer: str | None) -> bool:
+        """With ``evict_waiting``, close the oldest open connection waiting on its client (of
+        ``peer``; of anyone when None) to make room, counted under ``reason``; whether one was.
+        """
+        if not self.limits.evict_waiting:
+            return False
+        oldest: GuardedProtocol | None = None
+        for conn in self.open:
+            if (
+                (peer is None or conn.guard_peer == peer)
+                and conn.guard_waiting()
+                and (oldest is None or conn.guard_since < oldest.guard_since)
+            ):
+                oldest = conn
+        if oldest is None:
+            return False
+        self._count(reason, oldest.guard_peer)
+        # Forgotten now, not when its close reaches connection_lost: the room is the new one's.
+        self.release(oldest)
+        oldest.transport.abort()
+        return True
+
     def release(self, conn: GuardedProtocol) -> None:
-        """Forget a connection ``admit`` let in, once it is closed."""
-        self.open.discard(conn)
+        """Forget a connection ``admit`` let in, once it is closed (or evicted); once."""
+        if conn not in self.open:
+            return  # evicted: forgotten then
+        self.open.remove(conn)
         peer = conn.guard_peer
         if self.limits.max_per_peer and peer is not None:
             left = self.peers.get(peer, 0) - 1

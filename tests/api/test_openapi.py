@@ -55,6 +55,7 @@ ADMIN_ROUTES = {
     ("put", "/admin/v1/policy"),
     ("get", "/admin/v1/stats"),
     ("get", "/admin/v1/tenants"),
+    ("get", "/admin/v1/readiness"),
     ("get", "/admin/v1/requests"),
     ("post", "/admin/v1/requests/{req_id}/release"),
     ("post", "/admin/v1/cache/clear"),

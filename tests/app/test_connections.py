@@ -45,7 +45,7 @@ def test_the_engine_cap_is_what_the_descriptor_table_leaves_after_a_reserve_and_
         assert engine.max_connections == soft - descriptor_reserve(soft) - 64
         assert engine.max_connections + admin.max_connections < soft
         assert engine.max_per_peer == 256
-        assert admin.max_per_peer == 0  # loopback callers all: one peer; its own cap bounds it
+        assert (admin.max_per_peer, admin.evict_waiting) == (16, True)
         assert engine.spare_reserve
         assert not admin.spare_reserve
         assert (engine.head_timeout_s, engine.body_timeout_s) == (5.0, 30.0)

@@ -21,7 +21,14 @@ Namespaces: every route that reads or changes a service's state (policy, shadow,
 requests, release, clear) acts on one namespace, named by the ``namespace`` query parameter:
 required when the service has tenants (422 without it, 404 for one it lacks), optional without
 (the one namespace, ``default``). ``GET /admin/v1/tenants`` breaks the pool down by tenant and
-namespace (quotas, pins, requests, blocks, hit ratio). The log level is the process's.
+namespace (quotas, pins, requests, blocks, hit ratio); ``GET /admin/v1/readiness`` is
+``/readyz`` in full (which namespace is not ready and why, every namespace's degraded tiers),
+what ``/readyz`` leaves out with tenants. The log level is the process's.
+
+Every query parameter of an admin route takes one value: one given twice is refused whatever
+the values (``admin_guard``), ``namespace`` with 400 ``ambiguous_credentials`` (as two
+``X-KVOffload-Namespace`` headers on the engine API: which one counts is not for the service to
+guess), any other with 422 ``invalid_field``; nothing changes.
 """
 
 from __future__ import annotations
@@ -46,12 +53,14 @@ from app.http.errors import BODY_ERRORS, APIError, responses
 from app.http.middleware import call_info
 from app.http.openapi import KVOffloadAPI
 from app.http.operations import retention_json, retentions_json
+from app.http.routes import health
 from app.http.routes.query import strict_query
 from app.http.routes.raw import body_parser
 from app.telemetry import logging as app_logging
 from app.telemetry.logging import audit
 from app.telemetry.request_ids import safe_req_id
 from manager import PolicyInfo, UnknownPolicyError
+from manager.policies import canonical_policy_name
 
 JSON = "application/json"
 ADMIN_REQUEST_PREFIX = "/admin/v1/requests/"
@@ -215,11 +224,36 @@ async def admin_guard(request: Request) -> None:
 
     The token is checked before the query string, so a caller without the token gets 401
     (403 with a wrong one) whatever it sends, and learns nothing from query validation. The
-    open routes check only the query. Routes still take ``Actor`` for the audit log.
+    open routes check only the query. Routes still take ``Actor`` for the audit log. A query
+    parameter given twice is refused (``repeated_query``).
     """
     if request.url.path not in OPEN_ADMIN_PATHS:
         await require_admin(request, await _bearer(request))
     await strict_query(request)
+    repeated_query(request)
+
+
+def repeated_query(request: Request) -> None:
+    """Refuse a query parameter given more than once (every admin parameter takes one value;
+    the framework would take the last one): 400 ``ambiguous_credentials`` for ``namespace``,
+    422 ``invalid_field`` for any other."""
+    if not request.scope.get("query_string"):
+        return
+    params = request.query_params
+    repeated = sorted({name for name in params if len(params.getlist(name)) > 1})
+    if not repeated:
+        return
+    if "namespace" in repeated:
+        raise APIError(
+            400,
+            "ambiguous_credentials",
+            "query: namespace: given more than once; accepted: one at most",
+        )
+    raise APIError(
+        422,
+        "invalid_field",
+        f"query: {', '.join(repeated[:5])}: given more than once; accepted: one at most",
+    )
 
 
 _parse_policy = body_parser(s.PolicyBody)
@@ -249,8 +283,10 @@ async def put_policy(
     _note(request, "admin_policy_set")
     body: s.PolicyBody = _parse_policy(await request.body())
     current, available = service.admin.policy()
-    if body.name not in available:  # an invalid body is 422 whatever If-Match says
-        raise UnknownPolicyError(body.name, available)
+    try:  # an invalid body is 422 whatever If-Match says
+        name = canonical_policy_name(body.name)  # ARC, LFU-DA, S3-FIFO: as serve --policy
+    except UnknownPolicyError:
+        raise UnknownPolicyError(body.name, available) from None
     if if_match is not None and not if_match_ok(if_match, current.generation):
         raise APIError(
             412,
@@ -258,7 +294,7 @@ async def put_policy(
             f"policy generation is {current.generation}, If-Match was {if_match}",
             {"ETag": etag(current.generation)},
         )
-    switch = service.admin.switch_policy(body.name, body.params, actor)
+    switch = service.admin.switch_policy(name, body.params, actor)
     return _answer(
         {
             "from": _policy_ref(switch.previous),
@@ -505,6 +541,12 @@ async def tenants(request: Request, actor: Actor) -> Response:
     )
 
 
+async def readiness(request: Request, actor: Actor) -> Response:
+    _note(request, "admin_readiness")
+    _status, body = health.answer(tenancy_of(request), full=True)
+    return _answer(body)
+
+
 @dataclass(frozen=True, slots=True)
 class AdminRoute:
     """One admin route: its handler, answer model, summary and the errors it documents."""
@@ -573,6 +615,13 @@ ROUTES: tuple[AdminRoute, ...] = (
         tenants,
         s.TenantsAnswer,
         "Every tenant: its quotas and use, and each namespace's blocks and hit ratio",
+    ),
+    AdminRoute(
+        "GET",
+        "/admin/v1/readiness",
+        readiness,
+        s.HealthAnswer,
+        "/readyz in full: why a namespace is not ready, and every namespace's degraded tiers",
     ),
     AdminRoute(
         "GET",

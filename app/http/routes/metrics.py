@@ -9,10 +9,11 @@ registry is read on the event loop, so the state collector sees the manager betw
 Who may read it. With a scrape token (``--metrics-token-file``, or ``KVOFFLOAD_METRICS_TOKEN``)
 every scrape needs ``Authorization: Bearer <token>`` (what Prometheus's scrape
 ``authorization`` setting sends): 401 without it, 403 with another (constant-time comparison).
-Without one, ``/metrics`` is open; and with tenants it then carries no exemplars, since an
-exemplar names an engine request (``req_id``) of whichever tenant made the last observation, so
-an open endpoint would tell every tenant every other tenant's request ids. Names and counts stay
-(restrict them by network, or give the endpoint a token).
+Without one, ``/metrics`` is open; and with tenants it then carries no request id: no
+exemplars (an exemplar names the engine request, ``req_id``, of whichever tenant made the last
+observation) and no series labelled ``req_id`` (the opt-in live-request table,
+``--metrics-live-requests``), so an open endpoint tells no tenant another's request ids. Names
+and counts stay (restrict them by network, or give the endpoint a token).
 """
 
 from __future__ import annotations
@@ -31,18 +32,21 @@ from app.http.errors import APIError
 _TEXT_SCHEMA = {"type": "string"}
 
 
-class WithoutExemplars:
-    """``registry``'s metrics with every sample's exemplar left out (a collector-like view the
-    encoders read as they read a registry)."""
+class WithoutRequestIds:
+    """``registry``'s metrics without a request id: every sample's exemplar left out, and every
+    sample labelled ``req_id`` (a collector-like view the encoders read as they read a
+    registry)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
 
     def collect(self) -> Iterator[Metric]:
-        """Every family of ``registry``, its samples without exemplars."""
+        """Every family of ``registry``, its samples without exemplars or ``req_id`` labels."""
         for family in self.registry.collect():
             family.samples = [
-                s if s.exemplar is None else s._replace(exemplar=None) for s in family.samples
+                s if s.exemplar is None else s._replace(exemplar=None)
+                for s in family.samples
+                if "req_id" not in s.labels
             ]
             yield family
 
@@ -52,13 +56,14 @@ def register_metrics_route(
     registry: CollectorRegistry,
     *,
     token: str | None = None,
-    exemplars: bool = True,
+    request_ids: bool = True,
 ) -> None:
     """Add ``GET /metrics`` serving ``registry``; with ``token``, only to callers bearing it
-    (401 / 403); without ``exemplars``, every exemplar left out (module docstring)."""
+    (401 / 403); without ``request_ids``, every exemplar and every ``req_id``-labelled series
+    left out (module docstring)."""
     expected = None if token is None else token.encode()
-    source: CollectorRegistry | WithoutExemplars = (
-        registry if exemplars else WithoutExemplars(registry)
+    source: CollectorRegistry | WithoutRequestIds = (
+        registry if request_ids else WithoutRequestIds(registry)
     )
 
     async def metrics(request: Request) -> Response:
@@ -87,7 +92,8 @@ def register_metrics_route(
             "Classic Prometheus text format by default; OpenMetrics 1.0 (with `req_id` "
             "exemplars) when `Accept` names `application/openmetrics-text`. With a scrape "
             "token (`--metrics-token-file`) it needs `Authorization: Bearer <token>`; a "
-            "service with tenants and no scrape token serves no exemplars."
+            "service with tenants and no scrape token serves no request id (no exemplars, no "
+            "`req_id` label)."
         ),
         tags=["health"],
         response_class=Response,
