@@ -43,9 +43,12 @@ from app.settings import (
     ConfigError,
     Settings,
     flag_name,
+    format_size,
+    is_size,
     load_or_refuse,
     load_settings,
     policy_params_accepted,
+    unknown_variables,
 )
 from manager import UnknownPolicyError
 from manager.policies import canonical_policy_name, policy_params_help
@@ -87,6 +90,8 @@ def _default(name: str) -> str:
     default = Settings.model_fields[name].default
     if name in OCTAL_SETTINGS:
         return f" (default: {default:04o})"
+    if is_size(Settings.model_fields[name]) and isinstance(default, int):
+        return f" (default: {format_size(default)})"
     if default is not None and not isinstance(default, dict) and not callable(default):
         return f" (default: {default})"
     return ""
@@ -99,8 +104,8 @@ def _short_metavar(name: str) -> str:
         return "MODE"
     if name.endswith("_s"):
         return "S"
-    if name.endswith("_bytes"):
-        return "BYTES"
+    if is_size(Settings.model_fields[name]):
+        return "SIZE"
     if annotation in (int, int | None):
         return "N"
     if annotation in (float, float | None):
@@ -199,13 +204,11 @@ def _is_switch(name: str) -> bool:
 #: ``serve --help``'s groups, each by its first setting: the settings that follow it, in their
 #: declared order, belong to it (a setting added later lands in its neighbours' group).
 SERVE_GROUPS = {
-    "admin_token": "admin token",
     "host": "listeners",
     "head_timeout_s": "connections",
     "num_blocks": "pool and policy",
     "lease_ttl_s": "leases, jobs, limits",
     "max_retained_blocks": "cache control (retentions, prefetches)",
-    "tiers": "tiers below the pool",
     "remote_tier": "remote tier (Mooncake)",
     "object_bucket": "object tier (S3)",
     "disk_dir": "disk tier",
@@ -216,34 +219,41 @@ SERVE_GROUPS = {
 }
 
 
+#: ``serve --help``'s first group: what a newcomer sets, in this order (each leaves its own
+#: group below for it).
+COMMON_SETTINGS = (
+    "config",
+    "host",
+    "port",
+    "admin_port",
+    "uds",
+    "admin_token_file",
+    "tenants",
+    "num_blocks",
+    "block_bytes",
+    "policy",
+    "device",
+    "tiers",
+    "disk_dir",
+    "disk_bytes",
+    "log_level",
+)
+COMMON_TITLE = "common options"
+
+
 def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    common = parser.add_argument_group(
+        COMMON_TITLE, "what most services set (the other options follow, by group)"
+    )
+    for name in COMMON_SETTINGS:
+        _add_serve_flag(common, name)
     group: argparse._ActionsContainer = parser
     groups: dict[str, argparse._ActionsContainer] = {}
     for name in Settings.model_fields:
         if name in SERVE_GROUPS:
             group = groups[name] = parser.add_argument_group(SERVE_GROUPS[name])
-        flag = flag_name(name)
-        if flag is None or name == "policy_params":
-            continue
-        if _is_switch(name):
-            action = group.add_argument(
-                flag,
-                dest=name,
-                action=_Switch,
-                default=argparse.SUPPRESS,
-                metavar="BOOL",
-                help=f"{_flag_help(name)}; {flag} alone: on, --no-{flag[2:]}: off",
-            )
-            _brief(action, _flag_brief(name), f"--[no-]{flag[2:]}")
-            continue
-        action = group.add_argument(
-            flag,
-            dest=name,
-            default=argparse.SUPPRESS,
-            metavar=name.upper(),
-            help=_flag_help(name),
-        )
-        _brief(action, _flag_brief(name), f"{flag} {_short_metavar(name)}")
+        if name not in COMMON_SETTINGS:
+            _add_serve_flag(group, name)
     action = groups.get("num_blocks", parser).add_argument(
         "--policy-param",
         dest="policy_params",
@@ -259,6 +269,32 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "eviction policy parameter (repeatable; --help-all: each policy's)",
         "--policy-param NAME=VALUE",
     )
+
+
+def _add_serve_flag(group: argparse._ActionsContainer, name: str) -> None:
+    """The flag of setting ``name`` (if it has one) in ``group``."""
+    flag = flag_name(name)
+    if flag is None or name == "policy_params":
+        return
+    if _is_switch(name):
+        action = group.add_argument(
+            flag,
+            dest=name,
+            action=_Switch,
+            default=argparse.SUPPRESS,
+            metavar="BOOL",
+            help=f"{_flag_help(name)}; {flag} alone: on, --no-{flag[2:]}: off",
+        )
+        _brief(action, _flag_brief(name), f"--[no-]{flag[2:]}")
+        return
+    action = group.add_argument(
+        flag,
+        dest=name,
+        default=argparse.SUPPRESS,
+        metavar=name.upper(),
+        help=_flag_help(name),
+    )
+    _brief(action, _flag_brief(name), f"{flag} {_short_metavar(name)}")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -303,8 +339,10 @@ def _build_parser() -> argparse.ArgumentParser:
         help="run the service (CPU pool on loopback by default)",
         allow_abbrev=False,
         usage="kvoffload serve [--config FILE] [OPTION ...]",
-        description="The options by group, one line each (--help-all: their whole text). Each "
-        "also reads the variable KVOFFLOAD_<NAME> and the --config file's key <name>.",
+        description="The common options, then the others by group, one line each (--help-all: "
+        "their whole text). Each also reads the variable KVOFFLOAD_<NAME> and the --config "
+        "file's key <name>. A SIZE is bytes, or a number with a unit: K, M, G, T (powers of "
+        "1000) or Ki, Mi, Gi, Ti (powers of 1024), B optional: 100M, 64KiB, 200GiB.",
         formatter_class=_OneLine,
     )
     _brief(serve._actions[0], "this help: an option a line, cut to the terminal's width")
@@ -418,6 +456,12 @@ def _serve(args: argparse.Namespace) -> int:
     from app.telemetry.logging import configure_logging, flush_logs, get_logger
 
     configure_logging(settings.log_level, fmt=settings.log_format)
+    for name, meant in unknown_variables():
+        # A typo (KVOFFLOAD_NUM_BLOCK) would leave its setting at the default without a word.
+        get_logger("cli").warning(
+            "unknown variable ignored",
+            extra={"fields": {"variable": name, "did_you_mean": meant}},
+        )
     if settings.remote_tier == "mooncake":
         # Mooncake's glog writes to descriptor 2: its lines become JSON records too.
         from app.telemetry.native_stderr import capture
@@ -487,6 +531,10 @@ def _admin(args: argparse.Namespace) -> int:
         elif args.policy_command == "shadow":
             call = lambda c: c.shadow()  # noqa: E731
         else:
+            # Any case and the literature's names (ARC, S3-FIFO), as serve --policy; an unknown
+            # one goes as written, for the service's refusal (and its did-you-mean).
+            with contextlib.suppress(UnknownPolicyError):
+                args.name = canonical_policy_name(args.name)
             call = lambda c: c.set_policy(  # noqa: E731
                 args.name, dict(args.param), if_match=args.if_match
             )

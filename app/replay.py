@@ -28,16 +28,16 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, TextIO
 
-from manager import InvalidArgumentError, ManagerError, available_policies
-from manager.policies import policy_params_help
+from manager import InvalidArgumentError, ManagerError, UnknownPolicyError, available_policies
+from manager.policies import canonical_policy_name, policy_params_help
 from manager.replay import (
     BELADY,
     ReplayResult,
     check_params,
     is_bound,
-    oracle_base_policy,
     parse_trace,
     replay,
+    replay_policy_name,
 )
 
 # What ``kvoffload replay --help`` says (the module docstring, in plain text for a terminal).
@@ -312,11 +312,14 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.st
         if args.policy == "all":
             policies = available_policies()
         else:
-            policies = [p for p in args.policy.split(",") if p]
-            # An oracle bound is valid when the policy it wraps is registered.
-            unknown = [
-                p for p in policies if (oracle_base_policy(p) or p) not in available_policies()
-            ]
+            # Any case and the literature's names (LRU, S3-FIFO), as serve --policy; an oracle
+            # bound is valid when the policy it wraps is registered.
+            policies, unknown = [], []
+            for name in (p for p in args.policy.split(",") if p):
+                try:
+                    policies.append(replay_policy_name(name))
+                except UnknownPolicyError:
+                    unknown.append(name)
             if unknown:
                 raise InvalidArgumentError(
                     f"unknown policy {', '.join(unknown)}; available: "
@@ -338,11 +341,14 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.st
                     f"--disk-capacity replays online policies; {', '.join(bounds)} is a "
                     "pool-only bound"
                 )
-        if args.disk_policy is not None and args.disk_policy not in available_policies():
-            raise InvalidArgumentError(
-                f"unknown --disk-policy {args.disk_policy}; available: "
-                f"{', '.join(available_policies())}"
-            )
+        if args.disk_policy is not None:
+            try:
+                args.disk_policy = canonical_policy_name(args.disk_policy)
+            except UnknownPolicyError:
+                raise InvalidArgumentError(
+                    f"unknown --disk-policy {args.disk_policy}; available: "
+                    f"{', '.join(available_policies())}"
+                ) from None
         params = dict(parse_param(p) for p in args.param)
         if params and len(policies) != 1:
             raise InvalidArgumentError("--param applies to a single --policy")

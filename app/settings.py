@@ -4,6 +4,9 @@
 fields (``--num-blocks`` for ``num_blocks``), the environment is read with the ``KVOFFLOAD_``
 prefix (``KVOFFLOAD_NUM_BLOCKS``, ``KVOFFLOAD_ADMIN_TOKEN``), and ``config`` (flag ``--config``,
 env ``KVOFFLOAD_CONFIG``) names a TOML or JSON file whose top-level keys are field names.
+Sizes (every ``*_bytes``: ``ByteSize``) take units there as in flags and variables (``100M``,
+``64KiB``: ``parse_size``). A ``KVOFFLOAD_*`` variable no one reads is told at start
+(``unknown_variables``); a file holding a secret that others may read is refused.
 
 Validation happens at construction; an invalid value or combination (an unknown policy or
 policy parameter, an admin listener on a non-loopback address without a token, an engine
@@ -25,18 +28,22 @@ the same way.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import ipaddress
 import json
 import os
 import re
+import stat
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar, get_args
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from kvoffload_client.client import TokenFileError
 from kvoffload_client.client import read_token_file as read_private_token_file
 from kvoffload_client.pool_socket import default_pool_socket
 from pydantic import (
+    BeforeValidator,
     Field,
     SecretStr,
     ValidationError,
@@ -75,6 +82,67 @@ _UDS_MODE_REQUIRED = 0o600
 UdsAuth = Literal["token", "file-mode"]
 RemoteTierName = Literal["none", "mooncake"]
 _S = TypeVar("_S", bound="AdminAuth")
+
+# Sizes in bytes: an integer, or a number and a unit as Kubernetes writes quantities (K, M, G, T
+# and P are powers of 1000; Ki, Mi, Gi, Ti and Pi powers of 1024; a B after either is allowed,
+# and the case of the letters is not read): 214748364800 is 200Gi, 200GiB or 200 GiB.
+_SIZE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*(?:([kmgtp])(i)?)?b?", re.IGNORECASE)
+_SIZE_PREFIXES = "kmgtp"
+SIZE_ACCEPTED = (
+    "accepted: a size in bytes: an integer, or a number with a unit: K, M, G, T (powers of "
+    "1000) or Ki, Mi, Gi, Ti (powers of 1024), B optional (100M, 64KiB, 200GiB)"
+)
+
+
+def parse_size(value: Any) -> Any:
+    """A size setting's value as written (``100M``, ``64KiB``, ``214748364800``) in bytes;
+    ``ValueError`` saying what is accepted for one that is not a size (or not a whole number
+    of bytes). Integers pass as they are: bounds are the field's."""
+    if isinstance(value, bool):
+        raise ValueError(SIZE_ACCEPTED)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lstrip("+-").isdigit():
+            return value  # an integer: as pydantic reads one (a bound's refusal shows it so)
+        match = _SIZE.fullmatch(text)
+        if match is not None:
+            number, prefix, binary = match.groups()
+            scale = 1
+            if prefix is not None:
+                base = 1024 if binary else 1000
+                scale = base ** (_SIZE_PREFIXES.index(prefix.lower()) + 1)
+            whole, _, fraction = number.partition(".")
+            numerator = int(whole + fraction) * scale
+            denominator = 10 ** len(fraction)
+            if numerator % denominator == 0:
+                return numerator // denominator
+    raise ValueError(SIZE_ACCEPTED)
+
+
+ByteSize = Annotated[int, BeforeValidator(parse_size)]
+"""A size setting (``*_bytes``): bytes, written as ``parse_size`` reads them."""
+
+
+def format_size(value: int) -> str:
+    """``value`` bytes as ``--help`` shows a size: with the largest unit dividing it
+    (``64 KiB``, ``8 MiB``, ``100 MB``), else as an integer; ``parse_size`` reads it back."""
+    for exponent in range(len(_SIZE_PREFIXES), 0, -1):
+        for base, suffix in ((1024, "iB"), (1000, "B")):
+            unit = base**exponent
+            if value and value % unit == 0:
+                return f"{value // unit} {_SIZE_PREFIXES[exponent - 1].upper()}{suffix}"
+    return str(value)
+
+
+def is_size(field: FieldInfo) -> bool:
+    """Whether a setting is a size (``ByteSize``)."""
+    return any(
+        isinstance(item, BeforeValidator) and item.func is parse_size for item in field.metadata
+    )
 
 
 def _unknown_policy(exc: UnknownPolicyError, *, named: bool = False) -> str:
@@ -181,6 +249,8 @@ def accepted_range(field: FieldInfo) -> str:
     ``a number greater than 0 and at most 1``."""
     annotation = field.annotation
     kind = "an integer" if int in (annotation, *get_args(annotation)) else "a number"
+    if is_size(field):
+        kind = "a size in bytes"
     bounds: dict[str, object] = {}
     for item in field.metadata:
         for name in ("gt", "ge", "lt", "le"):
@@ -223,6 +293,47 @@ def _env_value(field: str) -> str | None:
     reads it); None when unset."""
     name = (ENV_PREFIX + field).upper()
     return next((v for k, v in os.environ.items() if k.upper() == name), None)
+
+
+#: ``KVOFFLOAD_*`` variables that are not settings but that kvoffload reads (the admin
+#: command's, the vLLM tier's, the CUDA backend's switches) or its tests and deployments set.
+OTHER_VARIABLES = frozenset(
+    {
+        "KVOFFLOAD_ADMIN_URL",
+        "KVOFFLOAD_ADMIN_NAMESPACE",
+        "KVOFFLOAD_TOKEN_FILE",
+        "KVOFFLOAD_CUDA_BATCH_MEMCPY",
+        "KVOFFLOAD_CUDA_RAW_MEMCPY",
+        "KVOFFLOAD_IMAGE",
+        "KVOFFLOAD_BASE_IMAGE",
+        "KVOFFLOAD_DEPLOY_TESTS",
+        "KVOFFLOAD_REQUIRE_CEPH",
+        "KVOFFLOAD_REQUIRE_MOONCAKE",
+        "KVOFFLOAD_REQUIRE_VLLM",
+        "KVOFFLOAD_SOAK_ENGINES",
+        "KVOFFLOAD_SOAK_PROCESSES",
+        "KVOFFLOAD_SOAK_SECONDS",
+        "KVOFFLOAD_SOAK_SEED",
+        "KVOFFLOAD_TEST_CANARY_SECRET",
+    }
+)
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:
+    """Each ``KVOFFLOAD_*`` variable of ``environ`` (default: this process's) that is neither
+    a setting's (named in any case, as they are read) nor one of ``OTHER_VARIABLES``, with
+    the setting's variable it is closest to (None: none close): a typo the service would
+    otherwise ignore without a word. Names only: a value may be a secret."""
+    fields = [name.upper() for name in Settings.model_fields]
+    known = {*(ENV_PREFIX + field for field in fields), *OTHER_VARIABLES}
+    found = []
+    for name in sorted(os.environ if environ is None else environ):
+        upper = name.upper()
+        if upper.startswith(ENV_PREFIX) and upper not in known:
+            # Matched without the prefix, which every name shares.
+            close = difflib.get_close_matches(upper.removeprefix(ENV_PREFIX), fields, n=1)
+            found.append((name, ENV_PREFIX + close[0] if close else None))
+    return found
 
 
 def _reason(cls: type[AdminAuth], field: str, err: ErrorDetails) -> str:
@@ -303,7 +414,20 @@ class ConfigFileSource(PydanticBaseSettingsSource):
         path = self.current_state.get("config")
         if path is None:
             return {}
-        return load_config_file(Path(path))
+        data = load_config_file(Path(path))
+        secrets = sorted(key for key in data if key in _secret_fields(self.settings_cls))
+        if secrets:
+            check_private_file("config", Path(path), f"a secret ({', '.join(secrets)})")
+        return data
+
+
+def _secret_fields(cls: type[BaseSettings]) -> frozenset[str]:
+    """The settings that hold a secret themselves (a token, not a path to one)."""
+    return frozenset(
+        name
+        for name, field in cls.model_fields.items()
+        if SecretStr in (field.annotation, *get_args(field.annotation))
+    )
 
 
 def load_config_file(path: Path) -> dict[str, Any]:
@@ -339,6 +463,20 @@ def is_loopback(host: str) -> bool:
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def hosts_overlap(a: str, b: str) -> bool:
+    """Whether listeners on hosts ``a`` and ``b`` and one port would take the same address: the
+    same host, a wildcard (``0.0.0.0``, ``::``) and any, or ``localhost`` and a loopback."""
+    wildcards = ("", "0.0.0.0", "::")
+    if a == b or a in wildcards or b in wildcards:
+        return True
+    if "localhost" in (a, b):
+        return is_loopback(a) and is_loopback(b)
+    try:
+        return ipaddress.ip_address(a) == ipaddress.ip_address(b)
     except ValueError:
         return False
 
@@ -394,9 +532,10 @@ class AdminAuth(BaseSettings):
         return None if self.admin_token is None else self.admin_token.get_secret_value()
 
 
-#: What a token file refused for each reason should be instead.
+#: What a token file refused for each reason should be instead (``{path}``: the file's).
 _TOKEN_FILE_ACCEPTED = {
-    "mode": "chmod o-rwx (a Kubernetes secret: defaultMode 0440 or 0400)",
+    "mode": "chmod 600 {path} (or 0640 to share it with a group; a Kubernetes secret: "
+    "defaultMode 0440 or 0400)",
     "unreadable": "a readable file",
     "encoding": "a file holding the token",
     "empty": "a file holding the token",
@@ -414,8 +553,28 @@ def read_token_file(path: Path, field: str = "admin_token_file") -> str:
         return read_private_token_file(path, private=True)
     except TokenFileError as exc:
         problem = exc.problem + ("; it holds a token" if exc.kind == "mode" else "")
-        accepted = _TOKEN_FILE_ACCEPTED[exc.kind]
+        accepted = _TOKEN_FILE_ACCEPTED[exc.kind].format(path=path)
         raise config_error(field, path, f"{problem}; accepted: {accepted}") from None
+
+
+def check_private_file(field: str, path: Path, holds: str) -> None:
+    """``ConfigError`` for the setting ``field`` when the file ``path``, which ``holds`` a
+    secret (``a token``), may be read or written by others: the refusal ``read_token_file``
+    gives a token file, for the files that hold a secret but not one token (the ``--config``
+    file holding ``admin_token``, a MAC key). A file that cannot be looked at is left to its
+    reader, which names why."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if mode & (stat.S_IROTH | stat.S_IWOTH):
+        accepted = _TOKEN_FILE_ACCEPTED["mode"].format(path=path)
+        raise config_error(
+            field,
+            path,
+            f"readable or writable by others (mode {stat.S_IMODE(mode):04o}); it holds {holds}; "
+            f"accepted: {accepted}",
+        )
 
 
 class Settings(AdminAuth):
@@ -470,7 +629,7 @@ class Settings(AdminAuth):
         description="KV caches registered at once per namespace (one more: 429 quota_exceeded; "
         "a tenants file may set it per namespace)",
     )
-    max_mapped_bytes: int = Field(
+    max_mapped_bytes: ByteSize = Field(
         default=64 << 30,
         gt=0,
         description="bytes of host memory the KV caches registered in one namespace may map (one "
@@ -511,12 +670,22 @@ class Settings(AdminAuth):
     admin_max_connections: int = Field(
         default=64,
         gt=0,
-        description="admin listener: connections open at once, more are closed as they come",
+        description="admin listener: connections open at once; past it the oldest connection "
+        "still sending its request (or idle between requests) is closed for the new one, else "
+        "the new one is",
+    )
+    admin_max_connections_per_peer: int = Field(
+        default=16,
+        ge=0,
+        description="admin listener: connections one peer holds open at once; past it the "
+        "peer's oldest connection still sending its request (or idle between requests) is "
+        "closed for the new one, else the new one is (peers as for max_connections_per_peer; "
+        "0: no cap)",
     )
 
     # Pool and policy.
     num_blocks: int = Field(default=4096, gt=0, description="host pool size in blocks")
-    block_bytes: int = Field(default=65536, gt=0, description="bytes per host block")
+    block_bytes: ByteSize = Field(default=65536, gt=0, description="bytes per host block")
     policy: str = Field(default="lru", description="eviction policy name")
     policy_params: dict[str, Any] = Field(
         default_factory=dict, description="policy parameters (JSON object)"
@@ -528,7 +697,10 @@ class Settings(AdminAuth):
         default=False,
         description="let the cuda backend run on a pool that could not be pinned (slow)",
     )
-    shm_dir: Path = Field(default=Path("/dev/shm"), description="where the pool file lives")
+    shm_dir: Path = Field(
+        default=Path("/dev/shm"),
+        description="no longer used: the pool is a sealed memfd (still checked to be a directory)",
+    )
     copy_threads: int = Field(
         default=0,
         ge=0,
@@ -554,13 +726,13 @@ class Settings(AdminAuth):
     job_wait_max_s: float = Field(default=30.0, gt=0, description="longest POST /v1/jobs/wait")
     max_keys_per_call: int = Field(default=8192, gt=0, description="more keys in one op: 413")
     max_batch_ops: int = Field(default=1024, gt=0, description="more ops in one batch: 413")
-    max_body_bytes: int = Field(
+    max_body_bytes: ByteSize = Field(
         default=8 << 20,
         gt=0,
         description="larger bodies: 413 (each route's own cap, derived from the limits, may be "
         "lower: app/limits.py)",
     )
-    max_transfer_params_bytes: int = Field(
+    max_transfer_params_bytes: ByteSize = Field(
         default=16 << 10,
         gt=0,
         description="larger kv_transfer_params (as compact JSON) on a request: 413",
@@ -577,6 +749,12 @@ class Settings(AdminAuth):
     )
     max_retentions: int = Field(
         default=4096, gt=0, description="live retentions per namespace, more: 429"
+    )
+    max_retention_keys: int = Field(
+        default=1 << 20,
+        gt=0,
+        description="keys named by a namespace's retentions, summed over them (a key two "
+        "retentions name counts twice; 4 bytes each), more: 429",
     )
     retain_max_ttl_s: float = Field(
         default=3600.0, gt=0, description="longest retention TTL (longer: 422)"
@@ -616,7 +794,7 @@ class Settings(AdminAuth):
     mooncake_protocol: Literal["tcp", "rdma"] = Field(
         default="tcp", description="Mooncake transfer protocol: tcp or rdma"
     )
-    mooncake_segment_bytes: int = Field(
+    mooncake_segment_bytes: ByteSize = Field(
         default=1 << 30, ge=0, description="memory this node gives the shared store (0: none)"
     )
     mooncake_replicas: int = Field(default=1, ge=1, le=16, description="copies of each block")
@@ -683,7 +861,7 @@ class Settings(AdminAuth):
     object_verify_tls: bool = Field(
         default=True, description="verify the endpoint's TLS certificate (false: accept any)"
     )
-    object_bytes: int = Field(
+    object_bytes: ByteSize = Field(
         default=64 << 30,
         gt=0,
         description="bytes of objects this node keeps in the bucket, per namespace (more: the "
@@ -736,7 +914,7 @@ class Settings(AdminAuth):
         default=None,
         description="directory of the disk tier below the pool (one subdirectory per namespace)",
     )
-    disk_bytes: int = Field(
+    disk_bytes: ByteSize = Field(
         default=0, ge=0, description="bytes the disk tier may take (its index included)"
     )
     disk_admit_after: int = Field(
@@ -746,13 +924,13 @@ class Settings(AdminAuth):
     )
     disk_policy: str = Field(default="lru", description="the disk tier's eviction policy")
     disk_io_threads: int = Field(default=4, gt=0, le=64, description="disk I/O threads")
-    disk_staging_bytes: int = Field(
+    disk_staging_bytes: ByteSize = Field(
         default=128 << 20,
         gt=0,
         description="memory for evicted blocks on their way to disk, per namespace, taken at "
         "start (at least one block; more evicted than fits: dropped, counted)",
     )
-    disk_batch_bytes: int = Field(
+    disk_batch_bytes: ByteSize = Field(
         default=16 << 20,
         gt=0,
         description="bytes per disk write batch, and per read chunk of a promotion (chunks are "
@@ -957,6 +1135,16 @@ class Settings(AdminAuth):
         return self
 
     @model_validator(mode="after")
+    def _check_secret_files(self) -> Settings:
+        # The files of a secret that is not one token (read where it is used: the object MAC
+        # key) are refused at start, as the token files are (read above, with the same check).
+        for field in type(self).model_fields:
+            path = getattr(self, field)
+            if field.endswith(("_key_file", "_token_file")) and isinstance(path, Path):
+                check_private_file(field, path, "a secret")
+        return self
+
+    @model_validator(mode="after")
     def _check_connection_bounds(self) -> Settings:
         # The body's bound runs from the same first byte as the head's: a shorter one would
         # cut requests whose head the head bound let through.
@@ -970,6 +1158,14 @@ class Settings(AdminAuth):
 
     @model_validator(mode="after")
     def _check_combination(self) -> Settings:
+        if self.port and self.port == self.admin_port and hosts_overlap(self.host, self.admin_host):
+            # Refused here: starting would find it only after both listeners began to bind.
+            raise config_error(
+                "admin_port",
+                self.admin_port,
+                f"the engine listener's port too ({setting_names('port')}, on {self.host}); "
+                "accepted: another port, or 0 for any",
+            )
         if self.uds is not None and self.effective_pool_socket == self.uds:
             raise config_error(
                 "pool_socket", self.uds, "the engine socket's path (--uds); accepted: another path"

@@ -62,7 +62,7 @@ from typing import Any
 
 from manager.core import OffloadManager, create_manager
 from manager.errors import InvalidArgumentError, InvalidPolicyParamsError, UnknownPolicyError
-from manager.policies import available_policies, parse_policy_params
+from manager.policies import available_policies, canonical_policy_name, parse_policy_params
 from manager.policies.base import CanEvict, EvictionPolicy
 from manager.spec import BlockKey, LookupResult, ReqContext
 from manager.tiers import DiskIndex
@@ -91,6 +91,23 @@ def oracle_base_policy(name: str) -> str | None:
     if name.startswith(ORACLE_PREFIX):
         return name[len(ORACLE_PREFIX) :]
     return None
+
+
+def replay_policy_name(name: str) -> str:
+    """The name ``replay`` runs for ``name``: a registered policy's in any case or alias
+    (``LRU``, ``S3-FIFO``: ``canonical_policy_name``), ``belady``, or ``oracle-`` and one of
+    those (``oracle-ARC`` -> ``oracle-arc``); ``UnknownPolicyError`` otherwise."""
+    folded = name.strip().lower()
+    if folded == BELADY:
+        return BELADY
+    if folded.startswith(ORACLE_PREFIX):
+        try:
+            return ORACLE_PREFIX + canonical_policy_name(name.strip()[len(ORACLE_PREFIX) :])
+        except UnknownPolicyError:
+            raise UnknownPolicyError(
+                name, [ORACLE_PREFIX + p for p in available_policies()]
+            ) from None
+    return canonical_policy_name(name)
 
 
 def _split_horizon(name: str, params: Mapping[str, Any] | None) -> tuple[float, dict[str, Any]]:

@@ -34,6 +34,7 @@ tiers and finds none of the old owner's blocks.
 from __future__ import annotations
 
 import asyncio
+import difflib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -64,7 +65,11 @@ def chain_order(settings: Settings, known: Mapping[str, TierBackend]) -> list[st
     accepted = f"accepted: a comma-separated list of {', '.join(known) or 'no tiers'}"
     for name in names:
         if name not in known:
-            raise config_error("tiers", ",".join(names), f"no tier named {name!r}; {accepted}")
+            close = difflib.get_close_matches(name.lower(), list(known), n=1, cutoff=0.6)
+            meant = f" (did you mean {close[0]!r}?)" if close else ""
+            raise config_error(
+                "tiers", ",".join(names), f"no tier named {name!r}{meant}; {accepted}"
+            )
     if len(set(names)) != len(names):
         raise config_error("tiers", ",".join(names), f"a tier is named twice; {accepted}")
     left_out = [n for n, b in known.items() if b.enabled(settings) and n not in names]

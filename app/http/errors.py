@@ -20,7 +20,7 @@ PermissionDeniedError         403     its reason: namespace_denied, namespace_re
 HandleNotHeldError            403     handle_not_held
 QuotaExceededError            429/507 quota_exceeded (507 for blocks, 429 for the others:
                                       pins, requests, retained_blocks, retentions,
-                                      prefetch_keys)
+                                      retention_keys, prefetch_keys)
 RegistrationLimitError        429     quota_exceeded (max_registrations, max_mapped_bytes)
 UnknownRequestError           404     unknown_request
 UnknownJobError               404     unknown_job
@@ -146,7 +146,15 @@ class ErrorDetail(BaseModel):
     code: str
     message: str
     quota: (
-        Literal["blocks", "pins", "requests", "retained_blocks", "retentions", "prefetch_keys"]
+        Literal[
+            "blocks",
+            "pins",
+            "requests",
+            "retained_blocks",
+            "retentions",
+            "retention_keys",
+            "prefetch_keys",
+        ]
         | None
     ) = Field(default=None, description="with quota_exceeded: the quota that refused the call")
 

@@ -434,7 +434,9 @@ class WaitJobsAnswer(Answer):
     done: bool
 
 
-QuotaName = Literal["blocks", "pins", "requests", "retained_blocks", "retentions", "prefetch_keys"]
+QuotaName = Literal[
+    "blocks", "pins", "requests", "retained_blocks", "retentions", "retention_keys", "prefetch_keys"
+]
 
 
 class RetentionAnswer(Answer):
@@ -484,8 +486,13 @@ class PrefetchAnswer(Answer):
 class HintAnswer(Answer):
     """What ``demote`` or ``drop`` moved, and why the other keys stayed, counted."""
 
-    moved: list[KeyHex]
-    kept: dict[str, int] = Field(description="pinned, retained, pending, not_in_pool")
+    moved: list[KeyHex] = Field(
+        description="the keys moved; for demote, only blocks a tier below holds or takes"
+    )
+    kept: dict[str, int] = Field(
+        description="pinned, retained, pending, not_in_pool; for demote also refused (no tier "
+        "below holds or takes the block: it stays in the pool)"
+    )
 
 
 class OpError(Answer):

@@ -31,7 +31,10 @@ def render() -> str:
         "# Command line reference\n",
         "Every command's `--help`, generated from the parser "
         "(`python docs/tools/cli_reference.py`; CI checks it is current). Every `serve` option "
-        "also reads `KVOFFLOAD_<NAME>` and the `--config` file.\n",
+        "also reads `KVOFFLOAD_<NAME>` and the `--config` file. A size (`--*-bytes`) is bytes, "
+        "or a number with a unit, as Kubernetes writes quantities: `K`, `M`, `G`, `T` are "
+        "powers of 1000 and `Ki`, `Mi`, `Gi`, `Ti` powers of 1024, a `B` after either is "
+        "optional (`100M` is 100000000, `64KiB` is 65536, `200GiB` is 214748364800).\n",
     ]
     for path, parser in commands(_build_parser()):
         parser.prog = path

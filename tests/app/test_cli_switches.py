@@ -51,15 +51,16 @@ def test_an_unknown_option_is_answered_with_the_closest(
 
 
 def test_serve_help_groups_every_flag_and_its_usage_is_short() -> None:
-    from app.cli import SERVE_GROUPS
+    from app.cli import COMMON_SETTINGS, COMMON_TITLE, SERVE_GROUPS
     from app.settings import Settings
 
     assert set(SERVE_GROUPS) <= set(Settings.model_fields)
+    assert set(COMMON_SETTINGS) <= set(Settings.model_fields)
     serve = _serve()
     grouped = {
         s
         for g in serve._action_groups
-        if g.title in SERVE_GROUPS.values()
+        if g.title in (COMMON_TITLE, *SERVE_GROUPS.values())
         for a in g._group_actions
         for s in a.option_strings
     }
@@ -69,10 +70,23 @@ def test_serve_help_groups_every_flag_and_its_usage_is_short() -> None:
         for s in a.option_strings
         if s.startswith("--") and s not in grouped
     }
-    assert loose == {"--help", "--help-all", "--config"}  # the file the others may come from
+    assert loose == {"--help", "--help-all"}
     assert len(serve.format_usage().splitlines()) <= 2
     help_text = serve.format_help()
     assert all(f"\n{title}:\n" in help_text for title in SERVE_GROUPS.values())
+
+
+def test_serve_help_starts_with_the_common_options() -> None:
+    """The handful a newcomer sets come first, before the groups (#43.10), each once."""
+    help_text = _serve().format_help()
+    titles = [line for line in help_text.splitlines() if line.endswith(":") and line[0] != " "]
+    assert titles[:2] == ["options:", "common options:"], titles
+    common = help_text.partition("\ncommon options:\n")[2].partition("\n\n\n")[0]
+    for flag in ("--config", "--host", "--port", "--admin-port", "--num-blocks", "--block-bytes"):
+        assert f"\n  {flag} " in common, flag
+        assert help_text.count(f"\n  {flag} ") == 1, flag
+    for flag in ("--policy", "--tiers", "--admin-token-file", "--uds"):
+        assert f"\n  {flag} " in common, flag
 
 
 def _serve() -> argparse.ArgumentParser:

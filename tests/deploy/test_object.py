@@ -186,6 +186,7 @@ def test_k8s_patched_settings_are_accepted(
     env = _values(patched["env"])
     mac_key = tmp_path / "mac-key"
     mac_key.write_text("0" * 64 + "\n")
+    mac_key.chmod(0o600)
     settings = _object_settings(env, mac_key, monkeypatch)
     assert ObjectBackend().enabled(settings)
     assert settings.object_bytes == int(env["KVOFFLOAD_OBJECT_BYTES"])
@@ -291,6 +292,7 @@ def test_compose_settings_are_accepted(
     env["KVOFFLOAD_OBJECT_ENDPOINT"] = ""  # its default: unset
     mac_key = tmp_path / "mac-key"
     mac_key.write_text("k" * 64 + "\n")
+    mac_key.chmod(0o600)
     settings = _object_settings(env, mac_key, monkeypatch)
     assert settings.object_endpoint is None, "an empty endpoint is AWS's"
     assert settings.object_bytes == 64 << 30

@@ -294,6 +294,8 @@ async def test_with_a_shared_secret_only_nodes_that_hold_it_load_the_objects(
     secret, other = tmp_path / "secret", tmp_path / "other"
     secret.write_bytes(b"fleet secret of the test, 32 byt")
     other.write_bytes(b"another secret, also 32 bytes lo")
+    secret.chmod(0o600)
+    other.chmod(0o600)
     async with node(rgw, bucket, object_mac_key_file=secret) as (a, engine_a, _):
         data = await demote(a, engine_a, "object")
     keys = list(data)

@@ -71,6 +71,7 @@ async def test_a_mac_key_file_that_cannot_be_read_or_is_short_is_refused(
     assert err.field == "object_mac_key_file"
     short = tmp_path / "short"
     short.write_bytes(b"abc")
+    short.chmod(0o600)
     err = await start(object_mac_key_file=short)
     assert err.field == "object_mac_key_file"
     assert "16 bytes" in str(err)
