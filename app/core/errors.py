@@ -74,8 +74,16 @@ class AuthenticationError(ServiceError):
     """
 
     def __init__(self, reason: str) -> None:
-        super().__init__(f"engine credentials refused: {reason}")
+        super().__init__(f"engine credentials refused: {reason}{_AUTH_HINTS.get(reason, '')}")
         self.reason = reason
+
+
+#: What to send instead, for the refusals that are the caller's own doing (no token, or not
+#: one in the ``Bearer`` scheme); never the token itself.
+_AUTH_HINTS = {
+    "missing_token": "; send the tenant's token as `Authorization: Bearer <token>`",
+    "malformed_authorization": "; send `Authorization: Bearer <token>` (one token, no spaces)",
+}
 
 
 class PermissionDeniedError(ServiceError):
@@ -102,8 +110,8 @@ class HandleNotHeldError(ServiceError):
     def __init__(self, where: str, kind: str) -> None:
         super().__init__(
             f"{where}: this service has tenants and opens no {kind} a caller names; pass the "
-            "file's descriptor over the pool socket instead (app.pool_share.register_kv_cache, "
-            "KVOffloadClient.register_kv_cache(spec, fds=...))"
+            "file's descriptor over the pool socket instead (KVOffloadClient.register_kv_cache("
+            "spec, fds=...), or kvoffload_client.pool_socket.register_kv_cache)"
         )
         self.where = where
         self.kind = kind

@@ -1,9 +1,11 @@
 """Typed HTTP clients for kvoffload: the engine API (sync and async) and the admin API.
 
 ``KVOffloadClient`` / ``AsyncKVOffloadClient`` cover every engine route. Keys are ``bytes``
-(hex on the wire). They talk TCP (``base_url``) or a Unix socket (``uds=``). A call the service
-refuses raises ``KVOffloadError`` with the HTTP ``status`` and the error's ``code`` and
-``message``; transport failures raise ``httpx.TransportError``.
+(hex on the wire; anything else, a hex ``str`` included, raises ``TypeError`` before a request is
+sent). They talk TCP (``base_url``) or a Unix socket (``uds=``). A call the service refuses
+raises ``KVOffloadError`` with the HTTP ``status`` and the error's ``code`` and ``message``;
+transport failures raise ``httpx.TransportError``: when nothing answers at the address,
+``KVOffloadConnectError`` (an ``httpx.ConnectError``) naming the URL or socket and the likely fix.
 
 Credentials: a service with tenants wants a bearer token on every engine call (``token=`` or,
 better, ``token_file=``: a token never belongs on a command line) and serves the namespace named
@@ -40,9 +42,10 @@ import asyncio
 import contextlib
 import json
 import os
+import socket
 import stat
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -92,6 +95,67 @@ class KVOffloadQuotaError(KVOffloadError):
     def __init__(self, status: int, code: str, message: str, quota: str | None = None) -> None:
         super().__init__(status, code, message)
         self.quota = quota
+
+
+class KVOffloadConnectError(httpx.ConnectError):
+    """Nothing answered at the service's address (refused, no such socket, not allowed to
+    open it): ``where`` (the base URL, or ``Unix socket PATH``) and the likely fix are in the
+    message; the httpx error is ``__cause__``. An ``httpx.ConnectError``, not a
+    ``KVOffloadError``: the service said nothing, and code that tells transport failures from
+    refusals (the vLLM tier's) keeps doing so."""
+
+    def __init__(self, where: str, fix: str, cause: httpx.ConnectError) -> None:
+        request = None
+        with contextlib.suppress(RuntimeError):  # a cause raised before it had a request
+            request = cause.request
+        super().__init__(
+            f"cannot connect to the kvoffload service at {where} ({cause}): {fix}",
+            request=request,
+        )
+        self.where = where
+
+
+def _address(url: str, uds: str | None) -> tuple[str, str]:
+    """Where a client connects, in words, and the likely fix when nothing answers there."""
+    if uds is not None:
+        return (
+            f"Unix socket {uds}",
+            f"is the service running (`kvoffload serve --uds {uds}`), and may this user open "
+            "the socket (`--uds-mode 0660 --uds-group GROUP` on the service)?",
+        )
+    return url, "is the service running (`kvoffload serve`) and listening there (--host, --port)?"
+
+
+@contextlib.contextmanager
+def _connecting(address: tuple[str, str]) -> Iterator[None]:
+    """Raise a failed connection as ``KVOffloadConnectError`` naming ``address``."""
+    try:
+        yield
+    except httpx.ConnectError as exc:
+        _close_unix_socket_left_open(exc)
+        raise KVOffloadConnectError(*address, exc) from exc
+
+
+def _close_unix_socket_left_open(exc: BaseException) -> None:
+    """Close the socket of a failed Unix-socket connect that the HTTP library left open.
+
+    httpcore's sync backend (1.0.x) creates the socket and lets the connect's ``OSError``
+    through without closing it: every failed try would hold a descriptor until a garbage
+    collection (then a ``ResourceWarning``), while the error, which keeps it alive through its
+    traceback, is held or retried by the engine. Only that function's frame is touched."""
+    seen: set[int] = set()
+    err: BaseException | None = exc
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        tb = err.__traceback__
+        while tb is not None:
+            frame = tb.tb_frame
+            if frame.f_code.co_name == "connect_unix_socket":
+                sock = frame.f_locals.get("sock")
+                if isinstance(sock, socket.socket):
+                    sock.close()
+            tb = tb.tb_next
+        err = err.__cause__ or err.__context__
 
 
 def _error(status: int, body: Any, fallback: str) -> KVOffloadError:
@@ -458,7 +522,23 @@ class OpResult:
 
 
 def _hex(keys: Sequence[bytes]) -> list[str]:
-    return [k.hex() for k in keys]
+    """``keys`` on the wire (hex). ``TypeError`` naming the argument, what it got and what it
+    takes, unless every key is ``bytes`` (or ``bytearray``): one key type, so that a hex
+    string is never taken for the bytes it spells or the other way round."""
+    if isinstance(keys, str | bytes | bytearray):
+        raise TypeError(
+            f"keys: expected a sequence of bytes keys (e.g. a list), got one {type(keys).__name__}"
+        )
+    out = []
+    for i, key in enumerate(keys):
+        if not isinstance(key, bytes | bytearray):
+            hint = "; a hex str is not accepted: pass bytes.fromhex(key)"
+            raise TypeError(
+                f"keys[{i}]: expected bytes, got {type(key).__name__}"
+                f"{hint if isinstance(key, str) else ''}"
+            )
+        out.append(key.hex())
+    return out
 
 
 def _unhex(keys: Sequence[str]) -> list[bytes]:
@@ -973,6 +1053,7 @@ class KVOffloadClient(_SyncClient):
         self._http = httpx.Client(
             base_url=url, timeout=timeout, transport=transport, headers=self._credentials.headers
         )
+        self._address = _address(url, uds)
         self._namespace = namespace
         self._socket_auth = _SocketAuth(self._credentials, uds)
         self.last_pool_id: str | None = None
@@ -991,9 +1072,10 @@ class KVOffloadClient(_SyncClient):
 
     def _call(self, call: _Call[T], ok_statuses: tuple[int, ...] = ()) -> T:
         kwargs = _request_kwargs(call)
-        response = self._http.request(call.method, call.path, **kwargs)
-        if self._credentials.rotated(response, self._http.headers):
+        with _connecting(self._address):
             response = self._http.request(call.method, call.path, **kwargs)
+            if self._credentials.rotated(response, self._http.headers):
+                response = self._http.request(call.method, call.path, **kwargs)
         self.last_pool_id = response.headers.get(POOL_HEADER)
         return _read(call, response, ok_statuses)
 
@@ -1239,6 +1321,7 @@ class AsyncKVOffloadClient:
         self._http = httpx.AsyncClient(
             base_url=url, timeout=timeout, transport=transport, headers=self._credentials.headers
         )
+        self._address = _address(url, uds)
         self._namespace = namespace
         self._socket_auth = _SocketAuth(self._credentials, uds)
         self._renewers: dict[str, asyncio.Task[None]] = {}
@@ -1257,9 +1340,10 @@ class AsyncKVOffloadClient:
 
     async def _call(self, call: _Call[T], ok_statuses: tuple[int, ...] = ()) -> T:
         kwargs = _request_kwargs(call)
-        response = await self._http.request(call.method, call.path, **kwargs)
-        if self._credentials.rotated(response, self._http.headers):
+        with _connecting(self._address):
             response = await self._http.request(call.method, call.path, **kwargs)
+            if self._credentials.rotated(response, self._http.headers):
+                response = await self._http.request(call.method, call.path, **kwargs)
         return _read(call, response, ok_statuses)
 
     async def aclose(self) -> None:
