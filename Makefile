@@ -6,6 +6,7 @@
 #   make test-vllm  the tier's tests inside vLLM 0.33.0's real code (own venv: .venv-vllm)
 #   make test-remote  the remote tier against a real Mooncake Store (adds the mooncake extra)
 #   make test-object  the object tier against a real S3 server (a one-node Ceph RGW; root)
+#   make object-local  a local S3 endpoint with a bucket, to try the object tier (Ceph; Ctrl-C)
 #   make image  the service's image from a wheelhouse built here (no registry, no network inside)
 #   make test-deploy  the image and the compose files run for real in Docker (needs dockerd, root)
 
@@ -30,7 +31,7 @@ TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 
 .PHONY: setup run test test-vllm test-remote test-object lint docs format bench clean wheelhouse base-image image \
-	test-deploy
+	test-deploy object-local
 
 # vLLM test environment: vLLM without its dependencies (its CUDA stack is not needed on CPU),
 # then only what its kv_offload modules import (requirements/vllm-test.txt), then this package.
@@ -110,6 +111,13 @@ test-remote: $(MOONCAKE_STAMP)
 # their absence fails the run instead of skipping it.
 test-object: setup
 	KVOFFLOAD_REQUIRE_CEPH=1 $(PY) -m pytest tests/object $(PYTEST_ARGS)
+
+# The same cluster by hand, to try the object tier: deploy/tools/local_s3.py starts it, makes
+# the bucket (BUCKET), writes the keys to a 0600 file and prints the `kvoffload serve` command
+# that uses them; Ctrl-C removes it all. Needs the same Ceph packages; not root.
+BUCKET ?= kv-cache
+object-local: setup
+	$(PY) deploy/tools/local_s3.py --bucket '$(BUCKET)'
 
 # --- the image ------------------------------------------------------------------------------
 # The image is built from a wheelhouse made here, so the build needs no registry and no network:

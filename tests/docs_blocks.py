@@ -29,6 +29,7 @@ HAND_WRITTEN = (
     "tiers.md",
     "security.md",
     "operations.md",
+    "production.md",
     "benchmarks.md",
 )
 #: The blocks held to "run or say why" (``tests/test_docs_site.py``).

@@ -37,6 +37,7 @@ FOREIGN = {
     "--from-file": "kubectl create secret",
     "--from-literal": "kubectl create secret",
     "--enable-feature": "prometheus",
+    "--unix-socket": "curl",
     "--now": "systemctl disable",
     "--bs": "fio",
     "--direct": "fio",

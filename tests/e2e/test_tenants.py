@@ -17,7 +17,6 @@ import pytest
 from kvoffload_client.client import KVOffloadClient, KVOffloadError
 from kvoffload_client.pool_socket import PoolShareError, default_pool_socket, receive_pool
 
-from tests.docs_blocks import block, run_block
 from tests.e2e.server import TOKEN, ServerProcess
 from tests.e2e.test_admin_cli import admin, clean_env
 
@@ -243,26 +242,3 @@ def test_kv_caches_register_by_descriptor_and_idle_clients_starve_nobody(
             for conn in idle:
                 conn.close()
     assert "Traceback" not in server.log()
-
-
-def test_the_documented_registration_by_descriptor_runs_as_written(
-    server: ServerProcess, tmp_path: Path
-) -> None:
-    """The example of docs/security.md, "KV caches with tenants", against a real server with
-    tenants: only the socket, the token file and the block size (this server's) change."""
-    code = block("security.md", "tenant-registration")
-    assert "sealed_memfd(" in code
-    token_file = tmp_path / "engine-token"
-    token_file.write_text(ALPHA)
-    token_file.chmod(0o600)
-    done = run_block(
-        code,
-        {
-            "/run/kvoffload/engine.sock": str(server.uds),
-            "/etc/kvoffload/engine-token": str(token_file),
-            "BLOCK_BYTES, NUM_BLOCKS = 65536, 16": f"BLOCK_BYTES, NUM_BLOCKS = {BLOCK}, 16",
-        },
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout == "16\n"
