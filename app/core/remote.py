@@ -427,6 +427,13 @@ class RemoteLink(LowerTier):
         await self._until_released([s for s, good in zip(slots, ok, strict=True) if not good])
         return ok
 
+    def takes(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Per key an explicit ``demote`` is about to evict: whether this node has written it
+        to the store (tracked in ``written``). A key still queued or being put is not taken:
+        the write-behind reads it from its pool slot, so evicting it first would lose it."""
+        line = self.written.stamps_of(keys)
+        return [stamp is not None for stamp in line]
+
     # ------------------------------------------------------------------ write-behind
 
     def stored(self, keys: Sequence[BlockKey]) -> None:

@@ -544,3 +544,23 @@ async def test_a_block_is_reported_removed_only_once_it_stayed_gone_for_the_conf
         await until(reported)
         assert time.monotonic() - gone_at >= 0.5
         assert await removed_keys(a) == keys[:1]
+
+
+async def test_demote_moves_what_the_remote_tier_wrote_and_keeps_what_it_did_not() -> None:
+    store = MemoryStore()
+    async with node(store) as h:
+        keys = [bytes([0x0A, i]).hex() for i in (1, 2)]
+        data = await store_on(h, "w", keys, fill=7)
+        await written(h, 2)
+        stopped = remote_of(h)  # a third key the write-behind never takes: its queue is full
+        stopped.queue_blocks = 0
+        late = bytes([0x0A, 3]).hex()
+        await store_on(h, "x", [late], fill=9)
+        r = await h.post("/v1/requests/hint/demote", {"keys": [*keys, late]})
+        assert r.status_code == 200, r.text
+        assert r.json()["moved"] == keys
+        assert r.json()["kept"]["refused"] == 1  # not written below: it stays in the pool
+        await h.start("l")
+        r = await h.post("/v1/requests/l/lookup", {"keys": [*keys, late]})
+        assert r.json()["results"] == ["remote", "remote", "hit"], r.text
+        assert set(data) == set(keys)
