@@ -95,7 +95,7 @@ async def test_a_failed_start_leaves_nothing_half_running() -> None:
     from app.core.service import Service
     from app.settings import ConfigError
 
-    service = Service(make_settings(num_blocks=4, block_bytes=1 << 46))
+    service = Service(make_settings(num_blocks=1 << 20, block_bytes=1 << 26))
     with pytest.raises(ConfigError, match="--num-blocks / KVOFFLOAD_NUM_BLOCKS"):
         await service.start()
     assert service.state == "new"

@@ -175,7 +175,12 @@ def pod(k8s_objects) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def containers(pod) -> dict[str, dict[str, Any]]:
-    return {c["name"]: c for c in [*pod.get("initContainers", []), *pod["containers"]]}
+    """The service and vLLM (the run directory's root init container aside)."""
+    every = [*pod.get("initContainers", []), *pod["containers"]]
+    return {c["name"]: c for c in every if c["name"] != RUN_DIR_INIT}
+
+
+RUN_DIR_INIT = "kvoffload-run-dir"
 
 
 def _env(container: dict[str, Any]) -> dict[str, str]:
@@ -194,8 +199,23 @@ def test_k8s_kustomization_lists_every_file() -> None:
     assert listed == on_disk
 
 
+def test_k8s_the_sockets_directory_is_handed_to_the_service_first(pod, containers) -> None:
+    """The kubelet makes an emptyDir writable by all, which the service refuses for --uds."""
+    init = pod["initContainers"][0]
+    assert init["name"] == RUN_DIR_INIT
+    (mount,) = init["volumeMounts"]
+    assert os.path.dirname(_env(containers["kvoffload"])["KVOFFLOAD_UDS"]) == mount["mountPath"]
+    script = init["command"][-1]
+    assert f"chown 10001:10001 {mount['mountPath']}" in script
+    assert f"chmod 0750 {mount['mountPath']}" in script
+    security = init["securityContext"]
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
+    assert init["resources"]["limits"]["memory"]
+
+
 def test_k8s_kvoffload_is_a_native_sidecar_of_vllm(pod, containers) -> None:
-    (sidecar,) = pod["initContainers"]
+    (sidecar,) = [c for c in pod["initContainers"] if c["name"] != RUN_DIR_INIT]
     assert sidecar["name"] == "kvoffload"
     assert sidecar["restartPolicy"] == "Always", "started before vLLM, stopped after it"
     assert [c["name"] for c in pod["containers"]] == ["vllm"]
