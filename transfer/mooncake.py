@@ -339,8 +339,10 @@ class MooncakeTier:
 
         ``None`` when skipped (degraded, closed), failed, timed out, or answered with a number
         of results other than ``n``; the slots stay held until ``fn`` has returned, whenever
-        that is. A call still queued when the wait ends is cancelled (it never starts); one
-        that outlived only the caller's budget is not counted against the tier.
+        that is. A call still queued when the wait ends is cancelled (it never starts) and is
+        not counted against the tier; one that started and outlives the caller's budget is
+        waited for up to the tier's own ``timeout_s`` (its caller already answered None) and
+        counted as a timeout or error like any other call.
         """
         wait_s = self.config.timeout_s
         if budget_s is not None and budget_s < wait_s:
@@ -368,7 +370,16 @@ class MooncakeTier:
             self._count(skipped=1)
             return None
         try:
-            codes = list(future.result(wait_s))
+            try:
+                codes = list(future.result(wait_s))
+            except concurrent.futures.TimeoutError:
+                if budget_s is None or future.cancel():
+                    raise
+                # Started, and only the caller's time is up: the caller has its answer (none),
+                # but a call that outlives the tier's own timeout is the tier's fault, as
+                # without a budget. Waited for here, on the caller's (lookup lane's) thread.
+                future.result(max(0.0, self.config.timeout_s - wait_s))
+                return None
             if len(codes) == n:
                 return codes
             self._count(errors=1)
@@ -376,8 +387,8 @@ class MooncakeTier:
         except concurrent.futures.TimeoutError:
             if future.cancel():  # still queued behind hung calls: it never touched the slots
                 self._release(slots)
-            if budget_s is not None:  # the caller's time is up, not the tier's
-                return None
+                if budget_s is not None:  # it never started: the caller's time is up
+                    return None
             self._count(timeouts=1)
             self._fail(f"{what} did not finish within {self.config.timeout_s:g} s")
         except Exception as exc:
