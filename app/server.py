@@ -478,6 +478,11 @@ async def serve(
             extra={"fields": {"admin_host": settings.admin_host}},
         )
     tenancy = Tenancy(settings, credentials=credentials)
+    if tenancy.enabled and tenancy.front_registry is not None and settings.metrics_token is None:
+        log.warning(
+            "/metrics has no scrape token: with tenants it serves only the service-wide series "
+            "(no tenant, namespace or request id); --metrics-token-file serves them all"
+        )
     grace = settings.shutdown_grace_s
     public = Listener(
         uvicorn_config(

@@ -613,8 +613,8 @@ class Settings(AdminAuth):
     metrics_token_file: Path | None = Field(
         default=None,
         description="file with the bearer token GET /metrics requires (Prometheus: the scrape "
-        "config's authorization credentials_file); with tenants, without it /metrics carries "
-        "no exemplars (they name every tenant's requests)",
+        "config's authorization credentials_file); with tenants, without it /metrics serves "
+        "only the service-wide series (no tenant, namespace or request id)",
     )
     registration_by_name: bool = Field(
         default=False,

@@ -145,30 +145,34 @@ def create_app(
     install_error_handlers(app)
     register_engine_routes(app, settings)
     register_health_routes(app)
-    exposition = metrics_registry(tenancy)
+    token = settings.metrics_token
+    # An open /metrics of a service with tenants names no tenant, namespace or request id.
+    guarded = token is not None or not tenancy.enabled
+    exposition = metrics_registry(tenancy, namespaces=guarded)
     if exposition is not None:
-        token = settings.metrics_token
         register_metrics_route(
             app,
             exposition,
             token=None if token is None else token.get_secret_value(),
-            # An open /metrics of a service with tenants tells no tenant another's req_ids.
-            request_ids=token is not None or not tenancy.enabled,
+            request_ids=guarded,
         )
     add_docs_routes(app)
     _install_middleware(app, settings, tenancy, hooks, ENGINE_REQUEST_PREFIX, engine=True)
     return app
 
 
-def metrics_registry(tenancy: Tenancy) -> CollectorRegistry | None:
+def metrics_registry(tenancy: Tenancy, *, namespaces: bool = True) -> CollectorRegistry | None:
     """What ``GET /metrics`` serves: the one service's registry without tenants; with them,
-    every namespace's metrics labelled ``tenant`` and ``namespace``, beside the front metrics
-    (calls that reached no namespace). None with metrics off."""
+    the front metrics (calls that reached no namespace, the tenants file's reloads) and, with
+    ``namespaces``, every namespace's metrics labelled ``tenant`` and ``namespace``. None with
+    metrics off."""
     if tenancy.single is not None:
         return tenancy.single.registry
     if tenancy.front_registry is None:
         return None
     front = tenancy.front_registry
+    if not namespaces:
+        return front
 
     def sources() -> list[tuple[dict[str, str], CollectorRegistry]]:
         found: list[tuple[dict[str, str], CollectorRegistry]] = [({}, front)]

@@ -85,7 +85,7 @@ async def test_a_draining_service_with_tenants_says_only_that(tmp_path: Path) ->
         assert r.json() == {"status": "not_ready", "reason": "namespace 'a1': shutting down"}
 
 
-async def test_open_metrics_with_tenants_list_no_live_request_ids_a_scrape_token_does(
+async def test_open_metrics_with_tenants_name_no_tenant_namespace_or_request_id(
     tmp_path: Path,
 ) -> None:
     headers = {"Authorization": f"Bearer {ALPHA}", NS: "a1"}
@@ -97,7 +97,17 @@ async def test_open_metrics_with_tenants_list_no_live_request_ids_a_scrape_token
             assert r.status_code == 200
             assert "alice-secret-session-42" not in r.text
             assert "req_id=" not in r.text
-            assert "kvoffload_live_requests" in r.text  # counts stay
+            # No namespace's series: each names its tenant and namespace (#42.4).
+            assert "tenant=" not in r.text
+            assert "namespace=" not in r.text
+            assert "kvoffload_live_requests" not in r.text
+            # The service-wide series stay.
+            assert "kvoffload_tenants_reloads_total 0.0" in r.text
+            assert "# HELP kvoffload_http_requests" in r.text
+
+
+async def test_a_scrape_token_brings_live_request_ids_back(tmp_path: Path) -> None:
+    headers = {"Authorization": f"Bearer {ALPHA}", NS: "a1"}
     token_file = tmp_path / "scrape-token"
     token_file.write_text(SCRAPE + "\n")
     token_file.chmod(0o640)
@@ -115,6 +125,7 @@ async def test_open_metrics_with_tenants_list_no_live_request_ids_a_scrape_token
             'kvoffload_request_blocks{kind="pinned",namespace="a1",req_id="alice-session-7"'
             in r.text
         )
+        assert 'kvoffload_live_requests{namespace="a1",tenant=' in r.text
 
 
 async def test_a_repeated_admin_namespace_is_refused_and_clears_nothing(tmp_path: Path) -> None:

@@ -398,10 +398,12 @@ async def test_admin_views_break_down_by_tenant_and_need_a_namespace(tmp_path: P
 
 
 async def test_metrics_carry_tenant_and_namespace_labels(tmp_path: Path) -> None:
-    async with tenants_running(tmp_path) as t:
+    scrape = "scrape-token-for-the-labels-test-0001"
+    async with tenants_running(tmp_path, metrics_token=scrape) as t:
         await t.store(ALPHA, "a1", "w", hexkeys(1))
         await t.call(None, "GET", "/v1/events")  # refused: counted in the front metrics
-        text = (await t.engine.get("/metrics")).text
+        auth = {"Authorization": f"Bearer {scrape}"}
+        text = (await t.engine.get("/metrics", headers=auth)).text
         lines = text.splitlines()
         ops = [line for line in lines if line.startswith("kvoffload_manager_ops_total{")]
         assert any(
