@@ -81,6 +81,32 @@ class SwitchRoom(EventsRoom):
             kept_retained=sum(1 for k in kept if k not in refs),
         )
 
+    def sort_for_hint(self, keys: Sequence[BlockKey]) -> tuple[list[BlockKey], dict[str, int]]:
+        """The distinct ``keys`` a cache hint (drop, demote) may move, ready, unpinned and not
+        retained, in their order; and how many of the others stay, by the first reason that
+        applies: ``not_in_pool``, ``pending``, ``retained``, ``pinned``.
+
+        Set operations in C for the common states, so a hint of 8,192 keys holds the caller a
+        fraction of a millisecond (four lookups a key in Python took several).
+        """
+        chain = dict.fromkeys(keys)
+        present = chain.keys() & self._slot.keys()
+        pending = present & self._pending
+        rest = present - pending
+        retained_table = self._retained
+        retained = {k for k in rest if k in retained_table} if retained_table else set()
+        rest -= retained
+        pinned = rest & self._refs.keys()
+        rest -= pinned
+        movable = [k for k in chain if k in rest]
+        kept = {
+            "pinned": len(pinned),
+            "retained": len(retained),
+            "pending": len(pending),
+            "not_in_pool": len(chain) - len(present),
+        }
+        return movable, kept
+
     def drop(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
         """Remove the ready, unpinned blocks among ``keys`` (found unusable, e.g. corrupt);
         the ones removed, reported as one ``BlockRemoved`` event. Others are left as they are.

@@ -610,23 +610,9 @@ class Control:
 
     # ------------------------------------------------------------------ demote and drop
 
-    def _sort_hint(self, keys: Iterable[BlockKey]) -> tuple[list[BlockKey], dict[str, int]]:
+    def _sort_hint(self, keys: Sequence[BlockKey]) -> tuple[list[BlockKey], dict[str, int]]:
         """The keys a hint may move (ready, unpinned, not retained), and why the others stay."""
-        manager = self.manager
-        movable: list[BlockKey] = []
-        kept = dict.fromkeys(("pinned", "retained", "pending", "not_in_pool"), 0)
-        for key in dict.fromkeys(keys):
-            if manager.slot_of(key) is None:
-                kept["not_in_pool"] += 1
-            elif not manager.is_ready(key):
-                kept["pending"] += 1
-            elif manager.is_retained(key):
-                kept["retained"] += 1
-            elif manager.ref_count(key):
-                kept["pinned"] += 1
-            else:
-                movable.append(key)
-        return movable, kept
+        return self.manager.sort_for_hint(keys)
 
     def demote(self, keys: Sequence[BlockKey], req_id: str) -> Hinted:
         """Evict the movable ``keys`` that a tier below holds or takes (``LowerTier.takes``:

@@ -8,15 +8,19 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 import pytest
+import uvicorn
 
 import app.http.routes.engine as engine
 from app.http.errors import APIError
 from app.http.routes.engine import _BatchRunner
 from tests.api.harness import Harness, hexkeys, make_settings
+from tests.e2e.server import free_port
 
 pytestmark = pytest.mark.anyio
 
@@ -62,6 +66,56 @@ async def test_a_batch_yields_to_the_loop_between_its_ops(
     assert len(seen) == 5
     # Another coroutine ran between every two ops (before: all five in one loop turn).
     assert all(b > a for a, b in itertools.pairwise(seen))
+
+
+async def test_a_call_arriving_during_a_batch_ends_before_the_batch_goes_on(
+    h: Harness, every_op_yields: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over a real uvicorn, a lookup sent while a batch runs ends within one of the batch's
+    slices: the batch gives way for several loop turns, not one (a call takes a few turns:
+    read, route, answer; with one turn a slice it waited one slice a turn)."""
+    await h.start()
+    ran: list[int] = []
+    touch = h.service.manager.touch
+
+    def heavy_touch(*args: Any, **kwargs: Any) -> None:
+        time.sleep(0.005)  # an op that holds the loop, as one of 8,192 keys does
+        ran.append(1)
+        touch(*args, **kwargs)
+
+    monkeypatch.setattr(h.service.manager, "touch", heavy_touch)
+    port = free_port()
+    config = uvicorn.Config(h.app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    url = f"http://127.0.0.1:{port}"
+    ops = [{"op": "touch", "req_id": "r1", "keys": hexkeys(i)} for i in range(80)]
+    waited: list[int] = []
+
+    def lookups() -> None:  # another client, in a thread: its own turns are not the loop's
+        with httpx.Client(base_url=url) as c:
+            c.post("/v1/requests/r1/lookup", json={"keys": hexkeys(1)})  # connected, warm
+            while not ran:
+                time.sleep(0.001)
+            for _ in range(7):
+                before = len(ran)
+                c.post("/v1/requests/r1/lookup", json={"keys": hexkeys(1)}).raise_for_status()
+                waited.append(len(ran) - before)
+
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            batch = asyncio.create_task(client.post("/v1/batch", json={"ops": ops}))
+            await asyncio.to_thread(lookups)
+            assert (await batch).status_code == 200
+    finally:
+        server.should_exit = True
+        await serving
+    assert len(ran) == 80
+    # Each lookup ended within the slice it arrived in (before: three slices). The median, so
+    # that a client thread the OS ran late once does not decide.
+    assert sorted(waited)[len(waited) // 2] <= 1, waited
 
 
 async def test_a_large_body_is_validated_with_yields_between_its_ops(
