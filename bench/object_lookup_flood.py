@@ -8,7 +8,10 @@ one after another; *bob* keeps ``--flooders`` lookups of 8,192 missing keys in f
 each time (the negative cache never answers them). Counted: alice's lookups that answered
 ``object`` for every key, before bob's flood, during it, and after it; on this tree (*after*)
 and on a ``git worktree`` of ``--baseline`` (*before*), each in its own process, the same run.
-Target (after): every lookup of alice answers ``object`` during the flood.
+Target (after): every lookup of alice answers ``object`` during the flood. Also counted: the
+collector's full passes during the flood, and the longest (each one stops every thread of the
+process). As ``app.server`` does once it listens, the heap the services started with is frozen
+(``gc.freeze()``) before alice's first lookup.
 
 Run: ``.venv/bin/python bench/object_lookup_flood.py`` (``--quick``: fewer lookups). Prints the
 table and writes ``bench/results/object_lookup_flood.json``.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import subprocess
@@ -89,6 +93,10 @@ async def scenario(lookups: int, flooders: int, head_s: float) -> dict[str, Any]
         held = [i.to_bytes(8, "big") for i in range(8)]
         for key in held:
             fake.sizes[link.store.path(key)] = settings.block_bytes + MAC_BYTES  # type: ignore[union-attr]
+        # As ``app.server`` does once it listens: what exists now (torch, the services) lives
+        # as long as the process, and the collector's full passes no longer rescan it.
+        gc.collect()
+        gc.freeze()
 
         async def alice_phase() -> int:
             ok = 0
@@ -109,12 +117,40 @@ async def scenario(lookups: int, flooders: int, head_s: float) -> dict[str, Any]
         before = await alice_phase()
         tasks = [asyncio.create_task(flooder()) for _ in range(flooders)]
         await asyncio.sleep(0.5)
+        pauses = FullCollections()
+        gc.callbacks.append(pauses)
         during = await alice_phase()
+        gc.callbacks.remove(pauses)
         stop.set()
         await asyncio.gather(*tasks)
         await asyncio.sleep(settings.object_timeout_s)  # what bob left behind drains
         after = await alice_phase()
-    return {"before_flood": before, "during_flood": during, "after_flood": after}
+    return {
+        "before_flood": before,
+        "during_flood": during,
+        "after_flood": after,
+        "full_gc_during": pauses.count,
+        "longest_full_gc_ms_during": round(pauses.longest_s * 1000, 1),
+    }
+
+
+class FullCollections:
+    """A ``gc.callbacks`` entry: the collector's full passes (generation 2), and the longest
+    (every thread of the process waits through one: the loop, every namespace's HEADs)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.longest_s = 0.0
+        self._began = 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.count += 1
+            self.longest_s = max(self.longest_s, time.perf_counter() - self._began)
 
 
 def run_side(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -165,6 +201,12 @@ def main(argv: list[str] | None = None) -> int:
         cells = [f"{r[k]}/{n}" for k in ("before_flood", "during_flood", "after_flood")]
         print(head.format(side, *cells))
     print("alice's lookups that answered object for every key; target (after): all, during too")
+    for side, r in rows.items():
+        if "full_gc_during" in r:
+            print(
+                f"{side}: {r['full_gc_during']} full collections during the flood, the longest "
+                f"{r['longest_full_gc_ms_during']} ms"
+            )
     record = harness.machine(
         baseline=args.baseline,
         lookups=n,

@@ -16,7 +16,8 @@
   ``timeout_s`` for all its keys, and a key not answered by then is False (its slot stays in
   ``held_slots`` until its request ends; the client's own timeout ends it). A lookup's
   ``exists`` waits only for its own, shorter budget: the HEADs it has not started by then are
-  dropped, never sent. Deletes go in bulk (DeleteObjects).
+  dropped, never sent, and nothing is built for them meanwhile (what it holds is bounded by
+  ``concurrency``, not by the keys). Deletes go in bulk (DeleteObjects).
 - **Health**: a batch whose every key failed with an error (not a 404) degrades the tier: a
   gateway down, 5xx after the client's retries, a timeout, refused credentials, a missing
   bucket. A probe thread lists an empty prefix of the namespace every ``probe_interval_s``,
@@ -260,11 +261,14 @@ class S3Tier:
         is no answer (None), not a fault of the tier."""
         if not keys:
             return []
-        calls = [(self._head, (k,)) for k in keys]
         if timeout_s is not None and timeout_s < self.config.timeout_s:
-            outcomes = self._batch_within("exists", calls, max(0.0, timeout_s))
+            # Nothing built per key up front: a lookup of 8,192 keys that has time for a few
+            # hundred HEADs holds no call objects for the rest (they would outlive the young
+            # collections and bring on full ones, every thread of the process stopped while
+            # the collector walks the heap: another namespace's lookups run out of time).
+            outcomes = self._batch_within("exists", self._head, keys, max(0.0, timeout_s))
         else:
-            outcomes = self._batch("exists", calls, [])
+            outcomes = self._batch("exists", [(self._head, (k,)) for k in keys], [])
         answers: dict[str, bool | None] = {
             _Outcome.OK: True,
             _Outcome.ABSENT: False,
@@ -456,32 +460,32 @@ class S3Tier:
         return outcomes
 
     def _batch_within(
-        self, what: str, calls: list[tuple[Callable[..., str], tuple[Any, ...]]], budget_s: float
+        self, what: str, fn: Callable[[bytes], str], keys: Sequence[bytes], budget_s: float
     ) -> list[str]:
-        """Slot-free calls (HEADs) for a caller who waits ``budget_s`` only: at most
-        ``concurrency`` submitted at a time, the next one as one ends, none after the budget;
-        each one's outcome (``UNANSWERED`` where not asked or not answered in time: no fault
-        of the tier, and nothing of the call left queued behind it)."""
+        """Slot-free calls ``fn(key)`` (HEADs), one per key, for a caller who waits
+        ``budget_s`` only: at most ``concurrency`` submitted at a time, the next one as one
+        ends, none after the budget; each one's outcome (``UNANSWERED`` where not asked or not
+        answered in time: no fault of the tier, and nothing of the call left queued behind
+        it). What it holds meanwhile is bounded by ``concurrency``, not by the keys."""
         with self._lock:
             if self._closed or self._state != "ok":
                 self._counters["skipped"] += 1
-                return [_Outcome.ERROR] * len(calls)
+                return [_Outcome.ERROR] * len(keys)
         deadline = time.monotonic() + budget_s
-        outcomes = [_Outcome.UNANSWERED] * len(calls)
+        outcomes = [_Outcome.UNANSWERED] * len(keys)
         errors: list[str] = []
         running: dict[concurrent.futures.Future[str], int] = {}
         following = 0
         while True:
             while (
-                following < len(calls)
+                following < len(keys)
                 and len(running) < self.config.concurrency
                 and time.monotonic() < deadline
             ):
-                fn, args = calls[following]
                 try:
-                    running[self._executor.submit(fn, *args)] = following
+                    running[self._executor.submit(fn, keys[following])] = following
                 except RuntimeError:  # closed meanwhile
-                    following = len(calls)
+                    following = len(keys)
                     break
                 following += 1
             left = deadline - time.monotonic()

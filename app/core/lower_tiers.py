@@ -179,7 +179,10 @@ class TierChain:
         for tier in self.tiers:
             if not left:
                 break
-            there = await tier.found([keys[i] for i in left], req_id)
+            asked = keys if len(left) == len(keys) else [keys[i] for i in left]
+            there = await tier.found(asked, req_id)
+            if not any(there):  # a lookup of misses: nothing to sort out, key by key
+                continue
             still = []
             for i, held in zip(left, there, strict=True):
                 if held:

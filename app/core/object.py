@@ -30,6 +30,8 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import itertools
+import operator
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -137,17 +139,23 @@ class ObjectLink(RemoteLink):
         there" within ``negative_s`` a miss without asking: a lookup of the same missing prefix
         step after step costs one HEAD per key per ``negative_s``, not per step. Another node's
         new object is found at most ``negative_s`` late; this node's own writes at once."""
+        # Per key on the loop, in one go: C-level passes where it can (a flood of 8,192-key
+        # lookups of another namespace holds the loop, and the GIL, for that long each).
         absent = self._absent
+        ask: list[bool] | None = None
         if absent and self.negative_s > 0:
             now = time.monotonic()
             ask = [absent.get(k, 0.0) <= now for k in keys]
-            wanted = [k for k, a in zip(keys, ask, strict=True) if a]
-            told = iter(await super().found(wanted, req_id))
+            if all(ask):
+                ask = None
+        if ask is None:
+            answer = await super().found(keys, req_id)
+        else:
+            told = iter(await super().found(list(itertools.compress(keys, ask)), req_id))
             answer = [next(told) if a else False for a in ask]
             self.counts["lookups_cached_absent"] += ask.count(False)
-        else:
-            answer = await super().found(keys, req_id)
-        self._used([k for k, there in zip(keys, answer, strict=True) if there])
+        if self.kept and any(answer):
+            self._used(list(itertools.compress(keys, answer)))
         return answer
 
     def _settle(
@@ -157,12 +165,15 @@ class ObjectLink(RemoteLink):
         if self.negative_s <= 0:
             return
         absent, until = self._absent, time.monotonic() + self.negative_s
-        for key, there in zip(keys, answer, strict=True):
-            if there is False:  # the bucket's own answer (None: no answer, nothing learnt)
-                absent.pop(key, None)
-                absent[key] = until
-        for _ in range(len(absent) - NEGATIVE_MAX):
-            del absent[next(iter(absent))]
+        # The bucket's own "not there" (None: no answer, nothing learnt).
+        for key in itertools.compress(keys, map(operator.is_, answer, itertools.repeat(False))):
+            absent.pop(key, None)
+            absent[key] = until
+        # The oldest answers go, in one pass: ``next(iter(absent))`` per key to drop walks the
+        # holes the drops before it left at the front of the dict (milliseconds a lookup, on
+        # the loop, once a flood of misses filled it).
+        for key in list(itertools.islice(absent, max(0, len(absent) - NEGATIVE_MAX))):
+            del absent[key]
 
     def promote(
         self, keys: Sequence[BlockKey], req_id: str, protect: Sequence[BlockKey] = ()

@@ -191,7 +191,9 @@ class WrittenKeys:
     def stamps_of(self, keys: Sequence[BlockKey]) -> list[int | None]:
         """Each key's stamp now (None: not tracked), to hand to ``settle`` with the answer."""
         line = self._line
-        return [line.get(k) for k in keys]
+        if not line:
+            return [None] * len(keys)
+        return list(map(line.get, keys))
 
     def head(self, share: float) -> list[BlockKey]:
         """The first ``share`` of the line (at least one key when any is tracked)."""
@@ -206,6 +208,8 @@ class WrittenKeys:
         never hold the others back); a "held" clears the suspicion. A key stored again (or
         no longer tracked) since it was asked about is left alone."""
         line, absent = self._line, self._absent_since
+        if not line or stamps.count(None) == len(stamps):  # none of them tracked (when asked)
+            return []
         now = time.monotonic()
         gone = []
         for key, stamp, there in zip(keys, stamps, answer, strict=True):
@@ -403,7 +407,7 @@ class RemoteLink(LowerTier):
         self.counts["lookup_hits"] += answer.count(True)
         self.counts["lookup_misses"] += answer.count(False)
         self._settle(list(keys), stamps, answer)
-        return [bool(a) for a in answer]
+        return list(map(bool, answer))
 
     # ------------------------------------------------------------------ promotion
 

@@ -10,13 +10,16 @@ What is checked: while bob floods lookups of keys his store is slow to answer, a
 of keys her namespace holds still find them (each namespace asks on a lane of its own, not on
 the loop's executor that every namespace shares), and a lookup whose time is up leaves no
 HEADs queued behind it (the store is given the lookup's budget: what it has not started by
-then is never sent).
+then is never sent), a lookup of 8,192 keys holds no object per key while its store asks (what
+it held outlived the young collections: a flood of them brought on full ones, which stop every
+thread of the process), and the negative cache keeps its newest answers up to its bound.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -24,6 +27,7 @@ from typing import Any
 
 import pytest
 
+import app.core.object
 import transfer.s3
 from app.core.object import ObjectLink
 from app.core.remote import RemoteBackend, RemoteLink
@@ -87,14 +91,14 @@ def fake_s3(monkeypatch: pytest.MonkeyPatch) -> FakeS3:
 
 
 def object_settings(**overrides: Any) -> Settings:
-    return make_settings(
-        tiers=["object"],
-        object_bucket="kv-cache",
-        object_endpoint="http://127.0.0.1:9",
-        object_negative_cache_s=0.0,  # every lookup asks the bucket
-        object_timeout_s=5.0,
-        **overrides,
-    )
+    base: dict[str, Any] = {
+        "tiers": ["object"],
+        "object_bucket": "kv-cache",
+        "object_endpoint": "http://127.0.0.1:9",
+        "object_negative_cache_s": 0.0,  # every lookup asks the bucket
+        "object_timeout_s": 5.0,
+    }
+    return make_settings(**{**base, **overrides})
 
 
 @contextlib.asynccontextmanager
@@ -154,6 +158,56 @@ async def test_a_lookup_whose_time_is_up_leaves_no_heads_queued(fake_s3: FakeS3)
         health = bob.store.health()
         assert health.ok  # a lookup's budget running out is no fault of the store
         assert health.counters["timeouts"] == 0
+
+
+async def test_a_lookup_of_many_keys_holds_nothing_per_key_while_its_store_asks(
+    fake_s3: FakeS3,
+) -> None:
+    # Objects the collector tracks, alive while the first HEAD of a lookup of 8,192 keys runs.
+    # Before the fix, the store built a call (two tuples and a bound method) per key up front,
+    # and kept them for the lookup's whole budget: they outlived the young collections, so a
+    # flood of such lookups brought on full ones, each stopping every thread of the process
+    # (another namespace's HEADs, the loop) while it walked the heap.
+    settings = object_settings(max_keys_per_call=8192)
+    n = settings.max_keys_per_call
+    async with object_node(settings, "bob") as bob:
+        keys = keys_of(5, n)
+        seen: list[int] = []
+        head = fake_s3.head
+
+        def counting_head(store: Any, path: str) -> dict[str, Any]:
+            if not seen:
+                seen.append(len(gc.get_objects()))
+            return head(store, path)
+
+        fake_s3.head = counting_head  # type: ignore[method-assign]
+        before = len(gc.get_objects())
+        assert await bob.found(keys, "b1") == [False] * n
+    assert seen
+    assert seen[0] - before < n // 8
+
+
+async def test_the_negative_cache_keeps_the_newest_answers_up_to_its_bound(
+    fake_s3: FakeS3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(app.core.object, "NEGATIVE_MAX", 8)
+    async with object_node(object_settings(object_negative_cache_s=60.0), "bob") as bob:
+        held, older, newer = keys_of(1, 2), keys_of(2, 6), keys_of(3, 6)
+        for key in held:
+            fake_s3.sizes[bob.store.path(key)] = bob.store.block_bytes + MAC_BYTES
+        namespace = bob.store.namespace
+        assert await bob.found(older, "b1") == [False] * 6
+        assert await bob.found(newer, "b2") == [False] * 6
+        # 12 answers, 8 kept: the newest (older's last 2, all of newer's).
+        assert list(bob._absent) == older[4:] + newer
+        asked = fake_s3.heads_started[namespace]
+        mixed = [newer[0], held[0], older[0], older[5], held[1], newer[5]]
+        assert await bob.found(mixed, "b3") == [False, True, False, False, True, False]
+        # Asked: the two held keys and older[0] (dropped from the cache), nothing else.
+        assert fake_s3.heads_started[namespace] - asked == 3
+        assert bob.state()["lookups"]["cached_absent"] == 3
+        assert len(bob._absent) == 8
+        assert older[0] in bob._absent  # answered again: the newest now
 
 
 class SlowExistsTier(RemoteMemoryTier):
