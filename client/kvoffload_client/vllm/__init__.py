@@ -1,4 +1,4 @@
-"""kvoffload as a secondary tier of vLLM 0.33's tiering offloading connector.
+"""kvoffload as a secondary tier of vLLM's tiering offloading connector (vLLM 0.32 and 0.33).
 
 ``KVOffloadTier`` is a ``SecondaryTierManager`` that vLLM loads by ``type`` + ``module_path``
 (``"type": "KVOffloadTier", "module_path": "kvoffload_client.vllm"``) from
@@ -9,11 +9,14 @@ kvoffload service and its host pool. It imports vLLM, httpx, numpy and this dist
 Rooms: ``keys`` (the namespace digest and service keys), ``pool`` (the mapped host pool),
 ``state`` (what the threads share), ``protocol`` (one batch per step, its answers), ``link``
 (the link thread: connection, faults, KV events), ``copier`` (the copy thread), ``tier`` (the
-facade vLLM calls).
+facade vLLM calls), ``compat`` (what differs between the vLLM releases), ``cpu`` (the offloading
+spec of a CPU engine, ``CPUTieringOffloadingSpec``: vLLM's tiering with a worker that copies on
+the host; loaded by vLLM's ``spec_module_path``, not imported here).
 
 Threads and guarantees:
 
-- **Scheduler thread** (vLLM calls every tier method under its manager lock): methods only read
+- **Scheduler thread** (vLLM calls every tier method there, under its manager lock on 0.33;
+  0.32 has no lock and no other thread that calls the tier): methods only read
   and write in-memory state and enqueue work; none does I/O or waits. ``lookup`` answers RETRY
   for a key it has not asked the service about yet, then HIT or MISS once the answer is in.
   ``on_schedule_end`` hands the step's work (new requests, lookups, store and load jobs, touches,

