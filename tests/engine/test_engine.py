@@ -205,21 +205,29 @@ def test_an_engine_refuses_to_start_on_a_pool_of_the_wrong_block_size(stack: Sta
     assert WRONG_BLOCK_BYTES in DOCS.read_text()
 
 
+def loads_the_prefix_from_kvoffload(
+    stack: Stack, engine: EngineProcess, reference: Reference
+) -> None:
+    """``engine`` answers the reference prompt with its prefix loaded from kvoffload (hits and
+    loads in the service's stats): the recomputed tokens, and logprobs bit for bit those of a
+    hit in the engine's own prefix cache (a recompute differs in the last bits: its attention
+    runs over one long prefill instead of the cache)."""
+    before = stack.service.counters("ns-a")
+    loaded = engine.generate([reference.prompt])[0]
+    after = stack.service.counters("ns-a")
+    assert loaded.cached == PREFIX_BLOCKS * BLOCK_SIZE
+    assert loaded.tokens == reference.cold.tokens
+    assert loaded.logprobs == reference.hit.logprobs
+    assert after["lookup_hit"] - before["lookup_hit"] >= PREFIX_BLOCKS
+    assert after["loads"] - before["loads"] >= PREFIX_BLOCKS
+
+
 def test_tokens_loaded_from_kvoffload_equal_the_recomputed_ones(
     stack: Stack, reference: Reference
 ) -> None:
     a = stack.engine("a")
-    before = stack.service.counters("ns-a")
     a.reset()  # the engine's prefix cache and vLLM's host tier: only kvoffload holds it now
-    loaded = a.generate([reference.prompt])[0]
-    after = stack.service.counters("ns-a")
-    assert loaded.cached == PREFIX_BLOCKS * BLOCK_SIZE
-    assert loaded.tokens == reference.cold.tokens
-    # Bit for bit what vLLM computes from its own cached KV (a recompute differs in the last
-    # bits: its attention runs over one long prefill instead of the cache).
-    assert loaded.logprobs == reference.hit.logprobs
-    assert after["lookup_hit"] - before["lookup_hit"] >= PREFIX_BLOCKS
-    assert after["loads"] - before["loads"] >= PREFIX_BLOCKS
+    loads_the_prefix_from_kvoffload(stack, a, reference)
 
 
 def test_a_second_engine_process_gets_the_prefix_from_kvoffload(
@@ -227,14 +235,7 @@ def test_a_second_engine_process_gets_the_prefix_from_kvoffload(
 ) -> None:
     b = stack.engine("b")
     b.generate([model.prompt(998, 40)])
-    before = stack.service.counters("ns-a")
-    loaded = b.generate([reference.prompt])[0]
-    after = stack.service.counters("ns-a")
-    assert loaded.cached == PREFIX_BLOCKS * BLOCK_SIZE
-    assert loaded.tokens == reference.cold.tokens
-    assert loaded.logprobs == reference.hit.logprobs
-    assert after["lookup_hit"] - before["lookup_hit"] >= PREFIX_BLOCKS
-    assert after["loads"] - before["loads"] >= PREFIX_BLOCKS
+    loads_the_prefix_from_kvoffload(stack, b, reference)
     settled(stack.service, "ns-a")
 
 
