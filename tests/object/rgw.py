@@ -737,6 +737,11 @@ class RadosGateway:
                 "rgw data": str(d / "rgw"),
                 "debug rgw": str(self.rgw_debug),
                 "admin socket": str(d / "run" / "$name.asok"),
+                # No bucket lifecycle processing (nothing here sets a rule). Its threads take
+                # a lock per shard in RADOS: a gateway that exits at start (its port taken)
+                # leaves them locked, the next one's threads retry every 5 s, and a SIGTERM
+                # then waits on them past the 10 s teardown.
+                "rgw enable lc threads": "false",
             },
         }
         for section, options in self.extra_conf.items():
