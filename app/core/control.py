@@ -610,10 +610,6 @@ class Control:
 
     # ------------------------------------------------------------------ demote and drop
 
-    def _sort_hint(self, keys: Sequence[BlockKey]) -> tuple[list[BlockKey], dict[str, int]]:
-        """The keys a hint may move (ready, unpinned, not retained), and why the others stay."""
-        return self.manager.sort_for_hint(keys)
-
     def demote(self, keys: Sequence[BlockKey], req_id: str) -> Hinted:
         """Evict the movable ``keys`` that a tier below holds or takes (``LowerTier.takes``:
         the disk takes them whatever its admission says) now, into the tiers below; the
@@ -623,7 +619,7 @@ class Control:
     def _demote(self, keys: Sequence[BlockKey]) -> Hinted:
         if not self.tiers:
             raise NoLowerTierError()
-        movable, kept = self._sort_hint(keys)
+        movable, kept = self.manager.sort_for_hint(keys)
         # Only what a tier below holds or takes leaves the pool: a block no tier takes would
         # be lost, so it stays (``refused``), and ``moved`` never names a block held nowhere.
         taken = [False] * len(movable)
@@ -642,7 +638,7 @@ class Control:
         return self._observed("drop", req_id, self._drop, keys)
 
     def _drop(self, keys: Sequence[BlockKey]) -> Hinted:
-        movable, kept = self._sort_hint(keys)
+        movable, kept = self.manager.sort_for_hint(keys)
         done = self.manager.drop(movable) if movable else []
         self.counts["dropped"] += len(done)
         if done:
