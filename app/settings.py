@@ -815,6 +815,12 @@ class Settings(AdminAuth):
         default=8192, gt=0, description="write-behind queue bound, in blocks (more: dropped)"
     )
     remote_batch_blocks: int = Field(default=64, gt=0, description="blocks per remote put batch")
+    remote_staging_bytes: ByteSize = Field(
+        default=256 << 20,
+        ge=0,
+        description="queued blocks the pool evicts before their remote put are copied out, up "
+        "to this many bytes at a time (more: dropped, counted staging_full; 0: none)",
+    )
     remote_sweep_s: float = Field(
         default=10.0,
         ge=0,
@@ -895,6 +901,12 @@ class Settings(AdminAuth):
     )
     object_batch_blocks: int = Field(
         default=64, gt=0, description="blocks per object write-behind batch"
+    )
+    object_staging_bytes: ByteSize = Field(
+        default=256 << 20,
+        ge=0,
+        description="queued blocks the pool evicts before their object put are copied out, up "
+        "to this many bytes at a time (more: dropped, counted staging_full; 0: none)",
     )
     object_sweep_s: float = Field(
         default=0.0,

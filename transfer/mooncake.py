@@ -42,7 +42,14 @@ from typing import Any, Literal
 
 from transfer.errors import RemoteTierError
 from transfer.host_pool import HostPool
-from transfer.remote import COUNTERS, RemoteHealth, RemoteState, check_slots, remote_name
+from transfer.remote import (
+    COUNTERS,
+    RemoteHealth,
+    RemoteState,
+    check_blocks,
+    check_slots,
+    remote_name,
+)
 
 __all__ = ["MooncakeConfig", "MooncakeTier"]
 
@@ -245,10 +252,28 @@ class MooncakeTier:
         def put(store: Any) -> list[int]:
             return list(store.batch_put_from(names, ptrs, sizes, cfg))
 
-        codes = self._call("put", put, slots, len(keys))
+        return self._stored(self._call("put", put, slots, len(keys)), len(keys))
+
+    def put_bytes(self, keys: Sequence[bytes], blocks: Sequence[bytes]) -> list[bool]:
+        """``put_from`` for blocks staged outside the pool: one ``put`` a key, through the
+        client's local buffer (staged bytes are not registered memory)."""
+        check_blocks(keys, blocks, self._block_bytes)
+        if not keys:
+            return []
+        names = [remote_name(self._namespace, k) for k in keys]
+        cfg = self._replicate
+
+        def put(store: Any) -> list[int]:
+            return [store.put(name, block, cfg) for name, block in zip(names, blocks, strict=True)]
+
+        return self._stored(self._call("put", put, [], len(keys)), len(keys))
+
+    def _stored(self, codes: list[int] | None, n: int) -> list[bool]:
+        """Per key of a put, whether the store holds it now, from the call's codes (None: the
+        call failed); counted, and judged for the tier's health."""
         if codes is None:
-            self._count(put_failures=len(keys))
-            return [False] * len(keys)
+            self._count(put_failures=n)
+            return [False] * n
         stored = [c in (0, _OBJECT_ALREADY_EXISTS) for c in codes]
         bad = [c for c, ok in zip(codes, stored, strict=True) if not ok and c not in _PUT_ANSWERS]
         self._count(

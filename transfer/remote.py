@@ -3,7 +3,8 @@
 Primitives (every backend, one contract). Keys are the manager's opaque block keys (``bytes``);
 a backend stores a key under its *remote name* ``<namespace>/<hex key>`` (``remote_name``), so
 engines with different namespaces (model, layout, block size) never see each other's blocks.
-Host pool slots are the only place bytes come from or go to: the tier never hands out bytes.
+Host pool slots are where bytes come from or go to (and, for a put, a block's bytes staged
+outside the pool): the tier never hands out bytes.
 
 - ``exists(keys) -> list[bool | None]``: one batch; per key, True when the store holds it now,
   False when the store answered that it does not, None when there was no answer for it (the
@@ -16,6 +17,9 @@ Host pool slots are the only place bytes come from or go to: the tier never hand
   bytes and must not be loaded (the caller drops the block it was reserved for).
 - ``put_from(keys, slots) -> list[bool]``: store each slot's block under its key; True once the
   store holds it. A key the store already holds counts as stored.
+- ``put_bytes(keys, blocks) -> list[bool]``: ``put_from`` for blocks whose bytes are no longer in
+  the pool (copied out when the pool evicted them before their put: ``app.core.remote``), each
+  exactly one block long; the same objects, the same answers.
 - ``health() -> RemoteHealth``: state (``ok`` or ``degraded``), since when, the last error, and
   counters; never blocks on the backend. A backend that can lose its store while no call flows
   (a master that dies) checks on it by itself, so ``health()`` says so within seconds without
@@ -45,6 +49,7 @@ __all__ = [
     "RemoteHealth",
     "RemoteState",
     "RemoteTier",
+    "check_blocks",
     "check_slots",
     "remote_name",
 ]
@@ -87,6 +92,8 @@ class RemoteTier(Protocol):
 
     def put_from(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]: ...
 
+    def put_bytes(self, keys: Sequence[bytes], blocks: Sequence[bytes]) -> list[bool]: ...
+
     def health(self) -> RemoteHealth: ...
 
     def held_slots(self) -> frozenset[int]: ...
@@ -108,3 +115,12 @@ def check_slots(keys: Sequence[bytes], slots: Sequence[int], num_blocks: int) ->
             raise InvalidJobError(f"slot {slot!r} is outside the pool (0..{num_blocks - 1})")
     if len(set(slots)) != len(slots):
         raise InvalidJobError("a slot is named twice in one call")
+
+
+def check_blocks(keys: Sequence[bytes], blocks: Sequence[bytes], block_bytes: int) -> None:
+    """Raise ``InvalidJobError`` unless ``put_bytes`` got one block of ``block_bytes`` a key."""
+    if len(keys) != len(blocks):
+        raise InvalidJobError(f"{len(keys)} keys but {len(blocks)} blocks")
+    for i, block in enumerate(blocks):
+        if len(block) != block_bytes:
+            raise InvalidJobError(f"block {i} is {len(block)} bytes, not {block_bytes}")

@@ -51,7 +51,7 @@ from blake3 import blake3
 
 from transfer.errors import RemoteTierError
 from transfer.host_pool import HostPool
-from transfer.remote import COUNTERS, RemoteHealth, RemoteState, check_slots
+from transfer.remote import COUNTERS, RemoteHealth, RemoteState, check_blocks, check_slots
 
 __all__ = [
     "MAC_BYTES",
@@ -307,7 +307,9 @@ class S3Tier:
         if not keys:
             return []
         calls = [(self._put, (k, s)) for k, s in zip(keys, slots, strict=True)]
-        outcomes = self._batch("put", calls, slots, released_by_call=True)
+        return self._counted_puts(self._batch("put", calls, slots, released_by_call=True))
+
+    def _counted_puts(self, outcomes: list[str]) -> list[bool]:
         stored = [o == _Outcome.OK for o in outcomes]
         self._count(
             puts=sum(stored),
@@ -315,6 +317,14 @@ class S3Tier:
             bytes_written=sum(stored) * self._object_bytes,
         )
         return stored
+
+    def put_bytes(self, keys: Sequence[bytes], blocks: Sequence[bytes]) -> list[bool]:
+        """``put_from`` for blocks staged outside the pool: the same objects (block and MAC)."""
+        check_blocks(keys, blocks, self._block_bytes)
+        if not keys:
+            return []
+        calls = [(self._put_block, (k, b)) for k, b in zip(keys, blocks, strict=True)]
+        return self._counted_puts(self._batch("put", calls, []))
 
     def delete(self, keys: Sequence[bytes]) -> bool:
         """Delete the keys' objects (one bulk call per 1000 keys; a key with no object counts
@@ -383,11 +393,20 @@ class S3Tier:
 
     def _put(self, key: bytes, slot: int) -> str:
         body = np.empty(self._object_bytes, dtype=np.uint8)
-        bb = self._block_bytes
         try:
-            body[:bb] = self._memory[slot].numpy()
+            body[: self._block_bytes] = self._memory[slot].numpy()
         finally:
             self._release([slot])
+        return self._put_object(key, body)
+
+    def _put_block(self, key: bytes, block: bytes) -> str:
+        body = np.empty(self._object_bytes, dtype=np.uint8)
+        body[: self._block_bytes] = np.frombuffer(block, np.uint8)
+        return self._put_object(key, body)
+
+    def _put_object(self, key: bytes, body: np.ndarray[Any, Any]) -> str:
+        """Store ``body`` (the block in its first ``block_bytes``) with the block's MAC after it."""
+        bb = self._block_bytes
         body[bb:] = np.frombuffer(object_mac(self._mac_key, key, body[:bb].data), np.uint8)
         self._client.put(self._store, self.path(key), body.data)
         return _Outcome.OK

@@ -11,7 +11,8 @@ what the remote tier does, the same way:
 - **Promotion**: one call brings object-only keys into the pool and on to the engine's cache.
 - **Write-behind**: a block that becomes ready in the pool is queued (bounded: the overflow is
   dropped and counted, the pool never waits) and put, held in the pool until its bytes are
-  copied out.
+  copied out; one the pool evicts before its put is copied out at the eviction (staged, up to
+  ``object_staging_bytes``) and put from the copy.
 - **Removals**: the blocks it wrote are asked after (``object_sweep_s``); one the bucket keeps
   answering it does not hold (a lifecycle rule, another node's delete) is a ``BlockRemoved``
   event with medium ``OBJECT``.
@@ -302,6 +303,8 @@ class ObjectBackend(TierBackend):
             name=ctx.name,
             capacity_blocks=capacity,
             negative_s=s.object_negative_cache_s,
+            pool=ctx.pool,
+            staging_bytes=s.object_staging_bytes,
         )
 
 

@@ -26,7 +26,11 @@ run on its own threads. ``RemoteLink``, the ``remote`` tier of the lower-tier co
   with ``put_from``, each block *held* in the pool (``OffloadManager.hold``: not evicted, its
   slot not reused) until the put has let go of its slot. The queue is bounded: what does not fit
   is dropped and counted, never waited for. A stored batch is one ``BlockStored`` event with
-  medium ``REMOTE``.
+  medium ``REMOTE``. A queued block the pool evicts before its turn (a burst of stores larger
+  than the pool, exactly when a lower tier matters) is *staged*: its bytes are copied out at
+  the eviction, while its slot still holds them, and its put sends the copy (``put_bytes``).
+  Staging is bounded in bytes (``staging_bytes``) and never makes the pool wait: a block the
+  bound cannot take is dropped and counted (``staging_full``).
 - **Removals** (``sweep``): the store evicts on its own and tells nobody (nor does a lone
   master that restarts empty), so the node keeps the keys it reported stored (at most
   ``tracked_blocks``, in line: the one asked after longest ago first) and asks the store
@@ -250,6 +254,8 @@ class RemoteLink(LowerTier):
         on_event: Callable[[], None] = lambda: None,
         on_call: Callable[[str, float, int, str | None], None] | None = None,
         name: str = "remote",
+        pool: HostPool | None = None,
+        staging_bytes: int = 0,
     ) -> None:
         """``hold_s``: how long a promoted block waits, held, for its request's load.
         ``sweep_s``: every tracked key is asked about at least this often (0: no sweep; lookups
@@ -257,7 +263,10 @@ class RemoteLink(LowerTier):
         tracked for removal. ``removal_confirm_s``: how long a key must keep being answered
         "not held" before it is reported removed. ``on_event``: called after the manager got
         a remote KV event (drain it). ``on_call(op, seconds, keys, req_id)``: each remote
-        call's latency. ``name``: the name the chain knows it by."""
+        call's latency. ``name``: the name the chain knows it by. ``pool``: the pool the
+        manager's slots index, which queued blocks evicted before their put are copied out of,
+        up to ``staging_bytes`` at a time (no pool or 0: such blocks are lost, counted
+        ``gone_before_put``)."""
         self.name = name
         self.promotions = Promotions(manager, hold_s=hold_s, on_event=on_event, tier=name)
         self.tier = tier
@@ -269,6 +278,13 @@ class RemoteLink(LowerTier):
         self._on_call = on_call
         self._queue: collections.deque[BlockKey] = collections.deque()
         self._queued: set[BlockKey] = set()
+        self.pool = pool
+        self.staging_bytes = staging_bytes if pool is not None else 0
+        # Queued blocks the pool evicted, their bytes copied out; and those it evicted that the
+        # bound could not take (counted then, so their turn in the queue counts nothing more).
+        self._staged: dict[BlockKey, bytes] = {}
+        self._staged_total = 0
+        self._unstaged: set[BlockKey] = set()
         self._wakeup = asyncio.Event()
         self._drain: asyncio.Task[None] | None = None
         self.sweep_s = sweep_s
@@ -300,6 +316,9 @@ class RemoteLink(LowerTier):
         self.counts["dropped_shutdown"] += len(self._queue)
         self._queue.clear()
         self._queued.clear()
+        self._staged.clear()
+        self._staged_total = 0
+        self._unstaged.clear()
         self.lookups.close()
         await asyncio.to_thread(self.tier.close)
 
@@ -325,6 +344,9 @@ class RemoteLink(LowerTier):
             "capacity": self.queue_blocks,
             "dropped": sum(dropped.values()),
             "dropped_by": dropped,
+            "staged_blocks": len(self._staged),
+            "staged_bytes": self._staged_total,
+            "staging_capacity_bytes": self.staging_bytes,
         }
         promoted = self.promotions.counts
         health["promotions"] = {
@@ -440,6 +462,30 @@ class RemoteLink(LowerTier):
 
     # ------------------------------------------------------------------ write-behind
 
+    def evicted(
+        self, victims: list[BlockKey], slots: list[int], *, promoting: bool = False
+    ) -> None:
+        """The pool evicts ``victims``: copy out the queued ones (their put has not started;
+        a block being put is held, never evicted), as far as ``staging_bytes`` allows; the
+        rest of them are counted dropped (``staging_full``). Runs inside the manager's
+        ``prepare_store``, on the loop: never calls the manager."""
+        queued = self._queued
+        if not queued:
+            return
+        staged, unstaged = self._staged, self._unstaged
+        pool = self.pool
+        for key, slot in zip(victims, slots, strict=True):
+            if key not in queued or key in staged:
+                continue
+            if pool is None or self._staged_total + pool.block_bytes > self.staging_bytes:
+                if key not in unstaged:
+                    unstaged.add(key)
+                    self.counts["dropped_staging_full"] += 1
+                continue
+            staged[key] = pool.tensor[slot].numpy().tobytes()
+            self._staged_total += pool.block_bytes
+            self.counts["staged"] += 1
+
     def stored(self, keys: Sequence[BlockKey]) -> None:
         """Queue blocks that became ready for the remote tier; what does not fit is dropped."""
         if not keys:
@@ -480,18 +526,37 @@ class RemoteLink(LowerTier):
             return
         manager = self.manager
         held = manager.hold(batch)
-        keys = [k for k, s in zip(batch, held, strict=True) if s is not None]
-        slots = [s for s in held if s is not None]
-        self.counts["gone_before_put"] += len(batch) - len(keys)
-        if not keys:
+        keys: list[BlockKey] = []
+        slots: list[int] = []
+        copied: list[BlockKey] = []
+        blocks: list[bytes] = []
+        for key, slot in zip(batch, held, strict=True):
+            block = self._unstage(key)
+            if slot is not None:  # in the pool (again): put from there, the copy let go
+                self._unstaged.discard(key)
+                keys.append(key)
+                slots.append(slot)
+            elif block is not None:
+                copied.append(key)
+                blocks.append(block)
+            elif key in self._unstaged:
+                self._unstaged.discard(key)  # counted dropped at its eviction
+            else:
+                self.counts["gone_before_put"] += 1  # dropped from the pool, or lost
+        if not keys and not copied:
             return
         started = time.perf_counter()
+        ok: list[bool] = []
         try:
-            ok = await asyncio.to_thread(self.tier.put_from, keys, slots)
-            self._observe("put", started, len(keys), None)
+            if keys:
+                ok = await asyncio.to_thread(self.tier.put_from, keys, slots)
+            if copied:
+                ok += await asyncio.to_thread(self.tier.put_bytes, copied, blocks)
+            self._observe("put", started, len(keys) + len(copied), None)
             await self._until_released(slots)
         finally:
             manager.release_hold(keys)
+        keys += copied
         stored = [k for k, good in zip(keys, ok, strict=True) if good]
         self.counts["written"] += len(stored)
         self.counts["put_failed"] += len(keys) - len(stored)
@@ -499,6 +564,13 @@ class RemoteLink(LowerTier):
             manager.record_event("stored", stored, self.medium)
             self._track(stored)
             self._on_event()
+
+    def _unstage(self, key: BlockKey) -> bytes | None:
+        """The staged copy of ``key``, let go of (None: none)."""
+        block = self._staged.pop(key, None)
+        if block is not None:
+            self._staged_total -= len(block)
+        return block
 
     # ------------------------------------------------------------------ removals
 
@@ -637,6 +709,8 @@ class RemoteBackend(TierBackend):
             on_event=ctx.on_event,
             on_call=lambda op, sec, n, req: ctx.observer.tier_io(ctx.name, op, sec, n, req),
             name=ctx.name,
+            pool=ctx.pool,
+            staging_bytes=s.remote_staging_bytes,
         )
 
 

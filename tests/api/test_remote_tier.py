@@ -22,7 +22,14 @@ from app.core.remote import RemoteBackend, RemoteLink
 from app.settings import Settings
 from tests.api.harness import BLOCK, Harness, hexkeys, make_settings, running
 from transfer import HostPool
-from transfer.remote import COUNTERS, RemoteHealth, RemoteState, check_slots, remote_name
+from transfer.remote import (
+    COUNTERS,
+    RemoteHealth,
+    RemoteState,
+    check_blocks,
+    check_slots,
+    remote_name,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -37,6 +44,8 @@ class MemoryStore:
         self.unanswered = False  # exists answers None (no answer) per key, the tier still ok
         self.asked: list[int] = []  # keys per exists call
         self.lock = threading.Lock()
+        self.puts_open = threading.Event()  # cleared: every put waits until it is set
+        self.puts_open.set()
 
 
 class MemoryTier:
@@ -86,12 +95,15 @@ class MemoryTier:
 
     def put_from(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
         check_slots(keys, slots, self.pool.num_blocks)
+        return self.put_bytes(keys, [bytes(self.pool.tensor[s].numpy()) for s in slots])
+
+    def put_bytes(self, keys: Sequence[bytes], blocks: Sequence[bytes]) -> list[bool]:
+        check_blocks(keys, blocks, self.pool.block_bytes)
+        self.store.puts_open.wait(10)
         if self.store.down:
             return [False] * len(keys)
-        for key, slot in zip(keys, slots, strict=True):
-            self.store.blocks[remote_name(self._namespace, key)] = bytes(
-                self.pool.tensor[slot].numpy()
-            )
+        for key, block in zip(keys, blocks, strict=True):
+            self.store.blocks[remote_name(self._namespace, key)] = bytes(block)
             self.counters["puts"] += 1
         return [True] * len(keys)
 
@@ -564,3 +576,68 @@ async def test_demote_moves_what_the_remote_tier_wrote_and_keeps_what_it_did_not
         r = await h.post("/v1/requests/l/lookup", {"keys": [*keys, late]})
         assert r.json()["results"] == ["remote", "remote", "hit"], r.text
         assert set(data) == set(keys)
+
+
+async def burst(h: Harness, stores: int, per_store: int) -> dict[str, bytes]:
+    """``stores`` offloads of ``per_store`` new blocks each, back to back; their bytes."""
+    data: dict[str, bytes] = {}
+    for i in range(stores):
+        keys = hexkeys(*range(100 + i * per_store, 100 + (i + 1) * per_store))
+        data |= await store_on(h, f"burst{i}", keys, fill=i * per_store)
+    return data
+
+
+async def test_blocks_the_pool_evicts_before_their_put_are_staged_and_written() -> None:
+    # A pool of 16 blocks and 6 stores of 8 new blocks while the store is slow (its puts wait):
+    # the first batch is held in the pool for its put, the 32 blocks after it that the pool
+    # evicts before their turn are copied out at the eviction and written from the copy.
+    store = MemoryStore()
+    store.puts_open.clear()
+    async with node(store, num_blocks=16) as a:
+        data = await burst(a, 6, 8)
+        remote = remote_of(a)
+        assert remote.counts["staged"] >= 24
+        assert remote.state()["queue"]["staged_bytes"] > 0
+        store.puts_open.set()
+        await written(a, 48)
+        tier = remote.tier
+        assert isinstance(tier, MemoryTier)
+        for key, block in data.items():
+            assert store.blocks[remote_name(tier.namespace, bytes.fromhex(key))] == block
+        state = remote.state()
+        assert state["queue"]["dropped"] == 0
+        assert state["queue"]["staged_bytes"] == 0
+        assert state["write_behind_failed"]["gone_before_put"] == 0
+
+
+async def test_staging_is_bounded_in_bytes_and_what_it_cannot_take_is_counted() -> None:
+    store = MemoryStore()
+    store.puts_open.clear()
+    async with node(store, num_blocks=16, remote_staging_bytes=4 * BLOCK) as a:
+        data = await burst(a, 6, 8)
+        remote = remote_of(a)
+        assert remote.state()["queue"]["staged_bytes"] == 4 * BLOCK
+        store.puts_open.set()
+        dropped = remote.counts["dropped_staging_full"]
+        assert dropped > 0
+        await written(a, len(data) - dropped)
+        stats = (await a.admin.get("/admin/v1/stats")).json()["tiers"]["remote"]
+        assert stats["queue"]["dropped_by"]["staging_full"] == dropped
+        assert stats["write_behind_failed"]["gone_before_put"] == 0
+        names = {remote_name(remote.tier.namespace, bytes.fromhex(k)) for k in data}
+        assert len(names & store.blocks.keys()) == len(data) - dropped
+
+
+async def test_without_staging_the_evicted_blocks_are_lost_and_counted() -> None:
+    # The setting's floor, and what the staging above changes: nothing is copied out.
+    store = MemoryStore()
+    store.puts_open.clear()
+    async with node(store, num_blocks=16, remote_staging_bytes=0) as a:
+        data = await burst(a, 6, 8)
+        remote = remote_of(a)
+        dropped = remote.counts["dropped_staging_full"]
+        assert dropped >= 24
+        assert remote.counts["staged"] == 0
+        store.puts_open.set()
+        await written(a, len(data) - dropped)
+        assert remote.counts["gone_before_put"] == 0

@@ -23,6 +23,7 @@ from tests.tiers.test_tier_contract import (
     Backend,
     test_a_block_the_pool_lets_go_is_found_in_the_tier,
     test_a_broken_tier_drops_what_it_is_given_and_recovers,
+    test_a_burst_of_stores_three_times_the_pool_reaches_the_tier,
     test_one_onload_brings_the_blocks_up_from_the_tier,
 )
 
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.anyio
 __all__ = [
     "test_a_block_the_pool_lets_go_is_found_in_the_tier",
     "test_a_broken_tier_drops_what_it_is_given_and_recovers",
+    "test_a_burst_of_stores_three_times_the_pool_reaches_the_tier",
     "test_one_onload_brings_the_blocks_up_from_the_tier",
 ]
 

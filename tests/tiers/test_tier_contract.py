@@ -297,6 +297,28 @@ async def test_a_broken_tier_drops_what_it_is_given_and_recovers(backend: Backen
         await until(f"{backend.name} takes demotions again", taken)
 
 
+async def test_a_burst_of_stores_three_times_the_pool_reaches_the_tier(backend: Backend) -> None:
+    """Six offloads of 8 new blocks back to back into a pool of 16: every block the pool let
+    go is in the tier (the remote and object tiers stage the queued ones the pool evicts before
+    their put), and loads back with its bytes."""
+    async with serving(backend) as (service, engine):
+        data: dict[bytes, bytes] = {}
+        for i in range(3 * POOL_BLOCKS // N):
+            data |= await engine.offload(keys_of(*range(200 + i * N, 200 + (i + 1) * N)), 3000 + i)
+        pool = service.manager.manager
+        gone = [k for k in data if pool.slot_of(k) is None]
+        assert len(gone) >= 2 * POOL_BLOCKS
+
+        async def all_there() -> bool:
+            return await service.tiers.found(gone, "check") == [backend.name] * len(gone)
+
+        await until(f"{backend.name} holds every block the pool let go", all_there)
+        sample = gone[:N]
+        state, got = await engine.onload(sample)
+        assert state == "done"
+        assert got == [data[k] for k in sample]
+
+
 async def test_a_restarted_service_finds_the_tier_s_blocks(backend: Backend) -> None:
     async with serving(backend) as (service, engine):
         data = await demote(service, engine, backend.name)
