@@ -170,7 +170,7 @@ wheelhouse:
 	# The torch file itself as a requirement, so that its own dependencies come along and no
 	# other build of the same version is taken.
 	$(WHEEL_PYTHON) -m pip wheel -q -w $(WHEELHOUSE) -c $(CONSTRAINTS) $(WHEELHOUSE)/torch-*.whl \
-		./client '.[mooncake,object]'
+		./client '.[mooncake,object,events]'
 	$(WHEEL_PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])' >$(WHEELHOUSE)/PYTHON
 	@echo "wheelhouse: $$(ls $(WHEELHOUSE)/*.whl | wc -l) wheels, $$(du -sh $(WHEELHOUSE) | cut -f1)," \
 		"for Python $$(cat $(WHEELHOUSE)/PYTHON), in $(WHEELHOUSE)"

@@ -191,9 +191,14 @@ def _run_complete_load(service: Service, req_id: str, body: s.KeysBody) -> tuple
     return 200, "{}"
 
 
-def _run_prepare_store(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str]:
+def _note_blocks(service: Service, keys: list[bytes], body: s.StoreMeta) -> None:
+    service.note_blocks(keys, body.token_ids, body.block_size, body.parent_block_hash)
+
+
+def _run_prepare_store(service: Service, req_id: str, body: s.PrepareStoreBody) -> tuple[int, str]:
     _limit_keys(service, body.keys)
     out = service.manager.prepare_store(body.keys, ReqContext(req_id))
+    _note_blocks(service, body.keys, body)
     return 200, (
         f'{{"keys_to_store":{hex_list(out.keys_to_store)},"slots":{json.dumps(out.slots)},'
         f'"evicted_keys":{hex_list(out.evicted_keys)},'
@@ -218,11 +223,12 @@ def _event(wait_event: s.WaitEvent | None) -> bytes | None:
     return None if wait_event is None else bytes.fromhex(wait_event.handle)
 
 
-def _run_offload(service: Service, req_id: str, body: s.TransferBody) -> tuple[int, str]:
+def _run_offload(service: Service, req_id: str, body: s.OffloadBody) -> tuple[int, str]:
     _limit_keys(service, body.keys)
     started = service.transfers().offload(
         req_id, body.cache_id, body.keys, body.device_blocks, _event(body.wait_event)
     )
+    _note_blocks(service, body.keys, body)
     job, spec = started.job, started.spec
     return 202, json.dumps(
         {
@@ -405,7 +411,7 @@ OPERATIONS: tuple[Operation, ...] = (
         "prepare_store",
         "POST",
         "/v1/requests/{req_id}/prepare-store",
-        s.KeysBody,
+        s.PrepareStoreBody,
         s.PrepareStoreAnswer,
         200,
         (*_KEYS_ERRORS, 507),
@@ -427,7 +433,7 @@ OPERATIONS: tuple[Operation, ...] = (
         "offload",
         "POST",
         "/v1/requests/{req_id}/offload",
-        s.TransferBody,
+        s.OffloadBody,
         s.OffloadAnswer,
         202,
         (*_KEYS_ERRORS, 503, 507),
