@@ -27,7 +27,11 @@ Contract:
   that are chains (each key's parent the key before it), one ``BlockStored`` per run. Keys no
   engine described go out with ``token_ids`` empty and ``block_size`` 0.
 - **Restart.** Each namespace's stream starts with ``AllBlocksCleared`` (``Service.start``):
-  a restarted kvoffload has an empty pool, and its sequence numbers start again from 0.
+  a restarted kvoffload has an empty pool. Sequence numbers count up by one from the
+  publisher's start time in microseconds (``first_seq``), not from 0: a subscriber that tracks
+  them (Dynamo's) drops a number lower than one it has seen, so a restarted publisher counting
+  from 0 would go unheard; counting from above every earlier process's numbers, it is heard as
+  a gap, which the subscriber fills by replay, from the new stream's first batch, its clear.
 """
 
 from __future__ import annotations
@@ -198,6 +202,13 @@ def as_map(event: WireEvent) -> dict[str, Any]:
     return {"type": event[0], **dict(zip(_FIELDS[event[0]], event[1:], strict=True))}
 
 
+def first_seq() -> int:
+    """The sequence number of a new publisher's first batch: now, in microseconds since the
+    epoch (above any earlier process's numbers unless the clock went back, or one sent a
+    million batches a second)."""
+    return time.time_ns() // 1000
+
+
 def load_modules() -> tuple[Any, Any]:
     """``(zmq, msgpack)``; a ``ConfigError`` naming the extra when either is missing."""
     try:
@@ -251,7 +262,7 @@ class KVEventPublisher:
         self._replay: Any = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        self._seq = 0
+        self._seq = first_seq()
         # Written by the loop (dropped) or the thread (the rest); read at scrape time. Each
         # has one writer, and an int store is atomic under the GIL.
         self._published = 0
