@@ -1,0 +1,41 @@
+"""Tests against a real router's consumer of KV events: Dynamo's standalone KV indexer
+(``ai-dynamo-runtime`` 1.6.1, pinned in requirements/dynamo-test.txt), run as a subprocess from
+its own environment (``KVOFFLOAD_DYNAMO_PYTHON``, by default ``.venv-dynamo/bin/python``).
+
+Without that environment this directory is not collected, unless ``KVOFFLOAD_REQUIRE_DYNAMO=1``
+(set by ``make test-router``, which builds it), where its absence is an error, never a skip.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DYNAMO_PYTHON = Path(os.environ.get("KVOFFLOAD_DYNAMO_PYTHON", ROOT / ".venv-dynamo/bin/python"))
+
+
+def dynamo_missing() -> str | None:
+    """Why Dynamo's indexer cannot run here (None: it can)."""
+    if not DYNAMO_PYTHON.exists():
+        return f"{DYNAMO_PYTHON} does not exist"
+    probe = subprocess.run(
+        [str(DYNAMO_PYTHON), "-c", "import dynamo._core"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if probe.returncode != 0:
+        return f"{DYNAMO_PYTHON} cannot import dynamo._core: {probe.stderr.strip()[-500:]}"
+    return None
+
+
+_missing = dynamo_missing()
+if _missing is not None:
+    if os.environ.get("KVOFFLOAD_REQUIRE_DYNAMO") == "1":
+        raise RuntimeError(
+            f"KVOFFLOAD_REQUIRE_DYNAMO=1 but {_missing}: run `make test-router`, which builds "
+            ".venv-dynamo"
+        )
+    collect_ignore_glob = ["*"]
