@@ -20,6 +20,8 @@ from tests.router.indexer import BLOCK_TOKENS, Indexer
 PREFIX = list(range(1000, 1016))  # 4 blocks of 4 tokens
 OTHER = list(range(2000, 2016))
 MARK = [6000] * BLOCK_TOKENS
+CHAINED = list(range(7000, 7016))
+UNCHAINED = list(range(8000, 8016))
 
 
 def endpoints() -> tuple[str, str]:
@@ -34,13 +36,16 @@ def node(workdir: Path, ends: tuple[str, str], *extra: str) -> ServerProcess:
     )
 
 
-def store(srv: ServerProcess, tokens: list[int], req_id: str = "r") -> list[bytes]:
+def store(
+    srv: ServerProcess, tokens: list[int], req_id: str = "r", parent: bytes | None = None
+) -> list[bytes]:
     """An engine stores a prompt's blocks (keys are its own hashes: random here) with their
-    tokens, as the vLLM tier or any engine passing ``BlockTokens`` does."""
+    tokens, as any engine passing ``BlockTokens`` does; ``parent``: the key before them."""
     keys = [os.urandom(16) for _ in range(len(tokens) // BLOCK_TOKENS)]
     with KVOffloadClient(srv.url) as kv:
         kv.start_request(req_id)
-        out = kv.prepare_store(req_id, keys, tokens=BlockTokens(tokens, BLOCK_TOKENS))
+        meta = BlockTokens(tokens, BLOCK_TOKENS, parent)
+        out = kv.prepare_store(req_id, keys, tokens=meta)
         kv.complete_store(req_id, out.keys_to_store)
         kv.finish_request(req_id)
     return keys
@@ -102,6 +107,16 @@ def test_two_nodes_prefix_found_on_its_node_then_to_disk_then_dropped_and_cleare
         assert set(answer) == {"1"}, "node B holds nothing of A's prefix"
         assert indexer.until([*PREFIX[:8], 7, 7, 7, 7], holds("1", 8, cpu=8))["1"]["gpu"] == 0
         assert set(indexer.until(OTHER, holds("2", 16, cpu=16))) == {"2"}
+
+        # A prompt stored in two calls, the second naming the first's last key as its
+        # parent, is one sequence to the router; without the parent, the second call's blocks
+        # start a sequence of their own, which the prompt's prefix does not reach.
+        head = store(b, CHAINED[:8], "c1")
+        store(b, CHAINED[8:], "c2", parent=head[-1])
+        indexer.until(CHAINED, holds("2", 16, cpu=16))
+        store(b, UNCHAINED[:8], "u1")
+        store(b, UNCHAINED[8:], "u2")
+        indexer.until(UNCHAINED, holds("2", 8, cpu=8))
 
         # Eight new blocks on A evict the prefix to its disk: the count moves to disk.
         store(a, list(range(3000, 3032)), "r2")
