@@ -1021,11 +1021,12 @@ class Settings(AdminAuth):
         default=10000, gt=0, le=1 << 20, description="batches kept for replay"
     )
     kv_events_metadata_blocks: int = Field(
-        default=1 << 20,
+        default=1 << 16,
         gt=0,
         le=1 << 26,
-        description="blocks whose token ids and parent (given on store calls) are kept for "
-        "their events, least recently stored forgotten first",
+        description="blocks per namespace whose token ids and parent (given on store calls) "
+        "are kept for their events, least recently stored forgotten first (about 250 bytes "
+        "and 4 bytes a token each)",
     )
 
     # Fault injection (rehearse failures): any non-zero value wraps the worker.

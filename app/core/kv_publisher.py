@@ -43,6 +43,7 @@ import queue
 import socket
 import threading
 import time
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -107,22 +108,33 @@ class BlockInfo:
     parent: BlockKey | None
 
 
+# One key's entry: its tokens packed 4 bytes each (empty: not given), the block size (0: not
+# given), its parent key. A plain tuple and an array: a store call notes each key it stores,
+# and a dataclass per key cost more than the rest of the call's bookkeeping.
+_Entry = tuple["array[int]", int, BlockKey | None]
+_NO_TOKENS = array("I")
+
+
 class BlockMetadata:
-    """One namespace's ``BlockInfo`` by key: the newest ``capacity`` keys noted, the least
-    recently noted forgotten first (its events then carry the hash alone)."""
+    """One namespace's engine-given metadata by key: the ``capacity`` keys most recently
+    noted, the least recently noted forgotten first (its events then carry the hash alone).
+    Memory: about 250 bytes and 4 bytes a token per key."""
 
     def __init__(self, capacity: int) -> None:
         if capacity <= 0:
             raise ValueError(f"metadata capacity must be positive, got {capacity}")
         self.capacity = capacity
-        self._infos: OrderedDict[BlockKey, BlockInfo] = OrderedDict()
+        self._infos: OrderedDict[BlockKey, _Entry] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._infos)
 
     def get(self, key: BlockKey) -> BlockInfo | None:
         """The engine's word on ``key``, if kept."""
-        return self._infos.get(key)
+        entry = self._infos.get(key)
+        if entry is None:
+            return None
+        return BlockInfo(tuple(entry[0]), entry[1], entry[2])
 
     def note(
         self,
@@ -130,22 +142,50 @@ class BlockMetadata:
         token_ids: Sequence[int] | None,
         block_size: int | None,
         parent: BlockKey | None,
+        stored: Sequence[BlockKey] | None = None,
     ) -> None:
         """Keep what a store call said of ``keys``, a chain (head first) whose first key
         follows ``parent``: block ``i`` holds ``token_ids[i*block_size:(i+1)*block_size]``.
-        The caller has checked that ``token_ids`` has ``block_size`` tokens per key."""
-        infos = self._infos
+        ``stored``: the keys the call stores, when not all of them (the rest are resident and
+        were noted when they were stored; an engine offers a whole prompt at every step, and
+        noting its hits again would cost every call). The caller has checked that
+        ``token_ids`` has ``block_size`` tokens per key (each below 2**32)."""
+        if stored is not None and len(stored) < len(keys):
+            if not stored:
+                return
+            index = dict(zip(keys, range(len(keys)), strict=True))
+            positions: Sequence[int] = [index[k] for k in stored]
+            noted: Sequence[BlockKey] = stored
+        else:
+            positions, noted = range(len(keys)), keys
+        if not noted:
+            return
         size = block_size or 0
-        before = parent
-        for i, key in enumerate(keys):
-            tokens = (
-                () if not token_ids or not size else tuple(token_ids[i * size : (i + 1) * size])
-            )
-            infos[key] = BlockInfo(tokens, size if tokens else 0, before)
-            infos.move_to_end(key)
-            before = key
-        while len(infos) > self.capacity:
+        if token_ids and size:
+            packed = array("I", token_ids)
+            values = [
+                (packed[i * size : (i + 1) * size], size, keys[i - 1] if i else parent)
+                for i in positions
+            ]
+        else:
+            values = [(_NO_TOKENS, 0, keys[i - 1] if i else parent) for i in positions]
+        infos = self._infos
+        if not infos.keys().isdisjoint(noted):
+            # Noted again: to the young end (an update alone would leave them where they were).
+            pop = infos.pop
+            for key in noted:
+                pop(key, None)
+        infos.update(zip(noted, values, strict=True))
+        for _ in range(len(infos) - self.capacity):
             infos.popitem(last=False)
+
+    def entries(self, keys: Sequence[BlockKey]) -> list[_Entry | None]:
+        """Each key's entry (None: no word on it), or an empty list when there is none at
+        all (the common case of engines that pass no metadata, answered without a loop)."""
+        infos = self._infos
+        if not infos or infos.keys().isdisjoint(keys):
+            return []
+        return [infos.get(k) for k in keys]
 
 
 def wire_events(events: Sequence[KVEvent], meta: BlockMetadata | None) -> list[WireEvent]:
@@ -155,46 +195,51 @@ def wire_events(events: Sequence[KVEvent], meta: BlockMetadata | None) -> list[W
         if isinstance(event, AllBlocksCleared):
             out.append(("AllBlocksCleared",))
         elif isinstance(event, BlockRemoved):
-            hashes = [hash64(k) for k in event.block_hashes]
-            out.append(("BlockRemoved", hashes, router_medium(event.medium)))
+            out.append(("BlockRemoved", _hashes(event.block_hashes), router_medium(event.medium)))
         else:
             out.extend(_stored(event, meta))
     return out
 
 
+def _hashes(keys: Sequence[BlockKey]) -> list[int]:
+    return [int.from_bytes(k, "big") & _MASK64 for k in keys]
+
+
 def _stored(event: BlockStored, meta: BlockMetadata | None) -> list[WireEvent]:
     medium = router_medium(event.medium)
-    infos = [None if meta is None else meta.get(k) for k in event.block_hashes]
+    keys = event.block_hashes
+    entries = [] if meta is None else meta.entries(keys)
+    if not entries:
+        return [("BlockStored", _hashes(keys), None, [], 0, None, medium, None)]
+    # Runs of keys that are chains (each key's parent the key before it, one block size),
+    # one BlockStored each; keys without an entry form runs of their own.
     out: list[WireEvent] = []
-    run: list[BlockKey] = []
-    tokens: list[int] = []
-    size = 0
-    parent: BlockKey | None = None
-    for key, info in zip(event.block_hashes, infos, strict=True):
-        info_size = 0 if info is None else info.block_size
-        follows = (
-            bool(run)
-            and info_size == size
-            and (info_size == 0 or (info is not None and info.parent == run[-1]))
-        )
-        if not follows:
-            if run:
-                out.append(_stored_event(run, parent, tokens, size, medium))
-            run, tokens, size = [], [], info_size
-            parent = None if info is None else info.parent
-        run.append(key)
-        if info is not None:
-            tokens.extend(info.token_ids)
-    if run:
-        out.append(_stored_event(run, parent, tokens, size, medium))
+    start = 0
+    for pos in range(1, len(keys) + 1):
+        if pos < len(keys):
+            before, cur = entries[pos - 1], entries[pos]
+            if before is None and cur is None:
+                continue
+            if (
+                before is not None
+                and cur is not None
+                and cur[2] == keys[pos - 1]
+                and cur[1] == before[1]
+            ):
+                continue
+        first = entries[start]
+        if first is None:
+            out.append(("BlockStored", _hashes(keys[start:pos]), None, [], 0, None, medium, None))
+        else:
+            tokens = array("I")
+            for entry in entries[start:pos]:
+                assert entry is not None
+                tokens.extend(entry[0])
+            parent = None if first[2] is None else hash64(first[2])
+            run = _hashes(keys[start:pos])
+            out.append(("BlockStored", run, parent, tokens.tolist(), first[1], None, medium, None))
+        start = pos
     return out
-
-
-def _stored_event(
-    run: list[BlockKey], parent: BlockKey | None, tokens: list[int], size: int, medium: str
-) -> WireEvent:
-    parent_hash = None if parent is None else hash64(parent)
-    return ("BlockStored", [hash64(k) for k in run], parent_hash, tokens, size, None, medium, None)
 
 
 def as_map(event: WireEvent) -> dict[str, Any]:

@@ -349,12 +349,14 @@ class Service:
         token_ids: list[int] | None,
         block_size: int | None,
         parent: BlockKey | None,
+        stored: list[BlockKey],
     ) -> None:
         """Keep what an engine's store call said of ``keys`` (its tokens, ``block_size`` per
-        key, and the key before the first) for the routers' events; nothing when KV events
-        are off. The caller has checked the lengths."""
+        key, and the key before the first) for the routers' events, for ``stored``, the keys
+        it stores (``BlockMetadata.note``); nothing when KV events are off. The caller has
+        checked the lengths."""
         if self.block_meta is not None and (token_ids or parent is not None):
-            self.block_meta.note(keys, token_ids, block_size, parent)
+            self.block_meta.note(keys, token_ids, block_size, parent, stored)
 
     # ------------------------------------------------------------------ telemetry
 

@@ -16,6 +16,7 @@ import zmq
 
 from app.core.kv_publisher import (
     END_SEQ,
+    BlockInfo,
     BlockMetadata,
     KVEventPublisher,
     hash64,
@@ -77,6 +78,37 @@ def test_metadata_gives_tokens_and_parent_and_splits_runs_that_are_not_chains():
     (disk,) = wire_events([BlockStored(2, K[:2], "DISK")], meta)
     assert disk[3] == [1, 2, 3, 4]
     assert disk[6] == "DISK"
+
+
+def test_a_parent_alone_links_the_run_and_noting_again_replaces():
+    meta = BlockMetadata(8)
+    meta.note(K[:2], None, None, K[5])
+    (event,) = wire_events([BlockStored(1, K[:2])], meta)
+    assert event == (
+        "BlockStored",
+        [hash64(K[0]), hash64(K[1])],
+        hash64(K[5]),
+        [],
+        0,
+        None,
+        "CPU",
+        None,
+    )
+    meta.note(K[1:2], [9, 9], 2, None)  # K1 again, now the head of its own prompt
+    first, second = wire_events([BlockStored(2, K[:2])], meta)
+    assert first[1:5] == ([hash64(K[0])], hash64(K[5]), [], 0)
+    assert second[1:5] == ([hash64(K[1])], None, [9, 9], 2)
+
+
+def test_only_the_keys_a_call_stores_are_noted_with_parents_from_the_whole_chain():
+    meta = BlockMetadata(8)
+    meta.note(K[:4], [1, 1, 2, 2, 3, 3, 4, 4], 2, K[5], stored=[K[2], K[3]])
+    assert meta.get(K[0]) is None
+    assert meta.get(K[1]) is None
+    assert meta.get(K[2]) == BlockInfo((3, 3), 2, K[1])
+    assert meta.get(K[3]) == BlockInfo((4, 4), 2, K[2])
+    meta.note(K[:1], [7, 7], 2, None, stored=[])
+    assert len(meta) == 2
 
 
 def test_metadata_keeps_the_newest_keys():
