@@ -127,7 +127,7 @@ test-engine: $(ENGINE_STAMP) $(VLLM_STAMP)
 # KVOFFLOAD_REQUIRE_DYNAMO=1: a missing indexer fails the run instead of skipping the directory.
 DYNAMO_VENV ?= .venv-dynamo
 DYNAMO_STAMP := $(DYNAMO_VENV)/.kvoffload-installed
-.PHONY: test-router
+.PHONY: test-router bench-router
 
 $(DYNAMO_STAMP): requirements/dynamo-test.txt
 	test -x $(DYNAMO_VENV)/bin/python || $(PYTHON) -m venv $(DYNAMO_VENV)
@@ -137,6 +137,10 @@ $(DYNAMO_STAMP): requirements/dynamo-test.txt
 test-router: $(DYNAMO_STAMP) setup
 	KVOFFLOAD_REQUIRE_DYNAMO=1 KVOFFLOAD_DYNAMO_PYTHON=$(DYNAMO_VENV)/bin/python \
 		$(PY) -m pytest tests/router $(PYTEST_ARGS)
+
+# bench/router.py with its indexer arm (Dynamo's indexer from .venv-dynamo).
+bench-router: $(DYNAMO_STAMP) setup
+	KVOFFLOAD_DYNAMO_PYTHON=$(DYNAMO_VENV)/bin/python $(PY) bench/router.py
 
 # The mooncake extra goes into the main venv: its wheel brings its own libraries and pins
 # nothing the service uses (aiohttp, requests, msgpack besides), so `make test` can run there too.
@@ -241,6 +245,7 @@ bench: setup
 	$(PY) bench/pool_idle.py
 	$(PY) bench/tenant_hardening.py
 	$(PY) bench/control.py
+	$(PY) bench/router.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(ENGINE_VENV) $(DYNAMO_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis bench/results

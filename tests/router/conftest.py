@@ -9,27 +9,8 @@ Without that environment this directory is not collected, unless ``KVOFFLOAD_REQ
 from __future__ import annotations
 
 import os
-import subprocess
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-DYNAMO_PYTHON = Path(os.environ.get("KVOFFLOAD_DYNAMO_PYTHON", ROOT / ".venv-dynamo/bin/python"))
-
-
-def dynamo_missing() -> str | None:
-    """Why Dynamo's indexer cannot run here (None: it can)."""
-    if not DYNAMO_PYTHON.exists():
-        return f"{DYNAMO_PYTHON} does not exist"
-    probe = subprocess.run(
-        [str(DYNAMO_PYTHON), "-c", "import dynamo._core"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    if probe.returncode != 0:
-        return f"{DYNAMO_PYTHON} cannot import dynamo._core: {probe.stderr.strip()[-500:]}"
-    return None
-
+from tests.router.indexer import dynamo_missing
 
 _missing = dynamo_missing()
 if _missing is not None:

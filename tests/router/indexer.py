@@ -3,6 +3,7 @@ a kvoffload publisher as an instance, ``query`` which instances hold a prompt's 
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -10,17 +11,34 @@ from typing import Any
 
 import httpx
 
-from tests.e2e.server import ServerProcess, free_port, wait_for
-from tests.router.conftest import DYNAMO_PYTHON
+from tests.e2e.server import ROOT, ServerProcess, free_port, wait_for
 
 MODEL = "kv-model"
 BLOCK_TOKENS = 4
+#: The environment with Dynamo's runtime (``make test-router`` builds ``.venv-dynamo``).
+DYNAMO_PYTHON = Path(os.environ.get("KVOFFLOAD_DYNAMO_PYTHON", ROOT / ".venv-dynamo/bin/python"))
+
+
+def dynamo_missing() -> str | None:
+    """Why Dynamo's indexer cannot run here (None: it can)."""
+    if not DYNAMO_PYTHON.exists():
+        return f"{DYNAMO_PYTHON} does not exist"
+    probe = subprocess.run(
+        [str(DYNAMO_PYTHON), "-c", "import dynamo._core"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if probe.returncode != 0:
+        return f"{DYNAMO_PYTHON} cannot import dynamo._core: {probe.stderr.strip()[-500:]}"
+    return None
 
 
 class Indexer:
     """One ``run_kv_indexer`` process (one thread) on a free port; its log in ``log_path``."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, model: str = MODEL) -> None:
+        self.model = model
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / f"indexer-{self.port}.log"
@@ -53,7 +71,7 @@ class Indexer:
             "instance_id": instance_id,
             "endpoint": pub,
             "replay_endpoint": replay,
-            "model_name": MODEL,
+            "model_name": self.model,
             "block_size": BLOCK_TOKENS,
         }
         r = self.http.post("/register", json=body)
@@ -62,7 +80,7 @@ class Indexer:
     def query(self, tokens: list[int]) -> dict[str, dict[str, Any]]:
         """Each instance holding a prefix of ``tokens``: its ``longest_matched`` and the
         tokens of it in each tier (``gpu``, ``cpu``, ``disk``)."""
-        r = self.http.post("/query", json={"token_ids": tokens, "model_name": MODEL})
+        r = self.http.post("/query", json={"token_ids": tokens, "model_name": self.model})
         assert r.status_code == 200, r.text
         instances: dict[str, dict[str, Any]] = r.json()["instances"]
         return instances
