@@ -78,9 +78,10 @@ $(DEV_STAMP): pyproject.toml client/pyproject.toml $(CONSTRAINTS) $(TORCH_STAMP)
 run: $(SERVE_STAMP)
 	$(VENV)/bin/kvoffload serve
 
-# tests/object needs a Ceph cluster of its own: `make test-object` runs it.
+# tests/object needs a Ceph cluster of its own: `make test-object` runs it; tests/router,
+# Dynamo's indexer from .venv-dynamo: `make test-router`.
 test: setup
-	$(PY) -m pytest --ignore=tests/object $(PYTEST_ARGS)
+	$(PY) -m pytest --ignore=tests/object --ignore=tests/router $(PYTEST_ARGS)
 
 # $(call vllm_venv,VENV,PACKAGE,REQUIREMENTS,THIS): a venv with CPU torch, PACKAGE (a vLLM build,
 # pinned in REQUIREMENTS) without its dependencies, the rest of REQUIREMENTS, then this package

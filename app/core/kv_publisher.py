@@ -312,6 +312,7 @@ class KVEventPublisher:
         # has one writer, and an int store is atomic under the GIL.
         self._published = 0
         self._dropped = 0
+        self._unsent = 0
         self._replays = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -409,7 +410,7 @@ class KVEventPublisher:
 
     def counts(self) -> PublisherCounts:
         """Events sent and dropped so far, replay requests answered."""
-        return PublisherCounts(self._published, self._dropped, self._replays)
+        return PublisherCounts(self._published, self._dropped + self._unsent, self._replays)
 
     # ------------------------------------------------------------------ the thread
 
@@ -431,7 +432,7 @@ class KVEventPublisher:
                 self._send(pack, topic, ts, events)
             except Exception:
                 # The batch is lost (its events counted dropped); the next one goes on.
-                self._dropped += len(events)
+                self._unsent += len(events)
                 log.exception("KV event batch not sent")
 
     def _send(self, pack: Any, topic: bytes, ts: float, events: list[WireEvent]) -> None:
@@ -449,7 +450,9 @@ class KVEventPublisher:
         while self._replay.poll(0):
             frames = self._replay.recv_multipart()
             if len(frames) != 3 or len(frames[2]) != 8:
-                log.warning("malformed KV event replay request ignored")
+                # Unanswered, as vLLM's publisher leaves it; debug only: any local process
+                # may send these, and a warning each would let it flood the log.
+                log.debug("malformed KV event replay request ignored")
                 continue
             client, _, start = frames
             start_seq = int.from_bytes(start, "big")
