@@ -361,3 +361,58 @@ def test_the_service_needs_neither_package_with_events_off():
     assert out.returncode == 0, out.stderr
     assert "pip install 'kvoffload[events]'" in out.stdout
     assert "--kv-events-endpoint" in out.stdout
+
+
+def test_with_tenants_the_socket_mode_follows_the_tenant_rule(tmp_path):
+    from app.core.tenants import Credentials
+    from app.server import kv_event_publisher
+    from tests.e2e.test_tenants import tenant_file
+
+    tenants = tmp_path / "tenants"
+    tenants.mkdir()
+    tenant_file(
+        tenants, "alpha", 'tokens = ["alpha-events-token-0000000001"]\nnamespaces = ["a1"]\n'
+    )
+    credentials = Credentials(tenants)
+    modes = {}
+    for tenant in (None, "alpha"):
+        path = tmp_path / f"{tenant}.sock"
+        s = Settings(
+            tenants=tenants,
+            uds_mode=0o660,
+            kv_events_endpoint=f"ipc://{path}",
+            kv_events_tenant=tenant,
+        )
+        pub = kv_event_publisher(s, credentials)
+        assert pub is not None
+        pub.start()
+        try:
+            modes[tenant] = path.stat().st_mode & 0o777
+        finally:
+            pub.close()
+    # Every namespace (the admin's view): owner-only whatever --uds-mode says; one tenant's:
+    # the engine sockets' mode, for that tenant's group.
+    assert modes == {None: 0o600, "alpha": 0o660}
+
+
+def test_a_namespace_of_another_tenant_gets_no_sink(tmp_path):
+    from app.core.service import Service
+    from app.server import attach_kv_events
+
+    tenants = tmp_path / "t.toml"
+    tenants.write_text("")
+    s = Settings(
+        tenants=tenants,
+        kv_events_endpoint=f"ipc://{tmp_path}/e.sock",
+        kv_events_tenant="alpha",
+        num_blocks=8,
+    )
+    pub = KVEventPublisher(s)
+    ours, theirs = Service(s, namespace="a1"), Service(s, namespace="b1")
+    attach_kv_events(pub, s, "alpha", ours)
+    attach_kv_events(pub, s, "beta", theirs)
+    assert ours.on_events is not None
+    assert ours.block_meta is not None
+    assert theirs.on_events is None
+    assert theirs.block_meta is None
+    pub.close()
