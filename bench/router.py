@@ -353,21 +353,23 @@ def print_a(rows: list[dict[str, Any]]) -> None:
         if "skipped" in row:
             print(f"{row['nodes']:>5} {row['arm']:<13} skipped: {row['skipped']}")
             continue
+        ratio = row["vs_round_robin"]
+        shown = "-" if ratio is None else f"{ratio:.2f}"  # None: round robin hit nothing
         print(
             f"{row['nodes']:>5} {row['arm']:<13} {row['hit_ratio']:>9.3f} "
-            f"{row['vs_round_robin']:>6.2f} {row['recomputed_blocks']:>11} "
+            f"{shown:>6} {row['recomputed_blocks']:>11} "
             f"{row['recomputed_gib']:>9.1f} {row['requests_per_node']!s:<24}"
         )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--limit", type=int, default=0, help="trace requests (0: all)")
-    p.add_argument("--nodes", default="2,4", help="node counts, comma-separated")
+    p.add_argument("--limit", type=int, default=None, help="trace requests (0: all)")
+    p.add_argument("--nodes", default=None, help="node counts, comma-separated (2,4)")
     p.add_argument("--pool-blocks", type=int, default=4096, help="each node's pool")
     p.add_argument("--parts", default="a,b")
-    p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--seconds", type=float, default=5.0)
+    p.add_argument("--rounds", type=int, default=None, help="part (b)'s rounds (6)")
+    p.add_argument("--seconds", type=float, default=None, help="part (b)'s round (5 s)")
     p.add_argument("--cost-requests", type=int, default=200)
     p.add_argument(
         "--cost-pool", type=int, default=256, help="part (b)'s pools (256: every call evicts)"
@@ -375,8 +377,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
-    if args.quick:
-        args.limit, args.nodes, args.rounds, args.seconds = 300, "2", 2, 1.0
+    # --quick sets what was not given: 300 requests, 2 nodes, 2 rounds of 1 s.
+    quick = (300, "2", 2, 1.0) if args.quick else (0, "2,4", 6, 5.0)
+    for name, value in zip(("limit", "nodes", "rounds", "seconds"), quick, strict=True):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     parts = set(args.parts.split(","))
     counts = [int(n) for n in args.nodes.split(",")]
     reqs = requests_of(args.limit)
