@@ -1,20 +1,21 @@
 """KV events for routers: the pull feed's events, pushed over ZMQ in vLLM 0.33's framing.
 
 A KV-aware router (Dynamo's, llm-d's) learns where blocks are from vLLM's KV events: a ZMQ PUB
-socket sends three frames per batch, the topic, an 8-byte big-endian sequence number counted
-from 0, and a msgpack ``KVEventBatch`` ``[ts, [events], data_parallel_rank]``; a ROUTER socket
+socket sends three frames per batch, the topic, an 8-byte big-endian sequence number counting
+up by one (vLLM's from 0; kvoffload's, see Restart), and a msgpack ``KVEventBatch`` ``[ts,
+[events], data_parallel_rank]``; a ROUTER socket
 answers a replay request ``["", start_seq]`` with every batch still kept whose number is at
 least ``start_seq`` (each ``["", topic, seq, payload]``), then the end marker ``["", "", -1, ""]``.
 ``KVEventPublisher`` is that publisher for the whole process (``--kv-events-endpoint``,
 ``--kv-events-replay-endpoint``): each namespace's service hands it the events it drains
 (``Service.drain_events``, the same events ``GET /v1/events`` serves) through the sink
-``sink(namespace)`` returns, one topic per namespace (``--kv-events-topic``).
+``sink(namespace, meta)`` returns, one topic per namespace (``--kv-events-topic``).
 
 Contract:
 
 - **Never waits.** ``offer`` runs on the event loop, converts the events and puts the batch on
   a bounded queue without blocking; a full queue drops the batch and counts its events
-  (``dropped_events``). Encoding, sending and replay run on the publisher's own thread; a slow
+  (``counts().dropped``). Encoding, sending and replay run on the publisher's own thread; a slow
   or absent subscriber costs only its own messages (ZMQ's high-water mark drops them).
 - **Media routers index.** ``ROUTER_MEDIA``: the pool is ``CPU``, the disk tier ``DISK``, the
   remote tier ``REMOTE``, the object tier ``STORAGE`` (the pull feed's ``OBJECT``, a name no
@@ -64,8 +65,10 @@ ROUTER_MEDIA = {"CPU": "CPU", "DISK": "DISK", "REMOTE": "REMOTE", "OBJECT": "STO
 #: The replay answer's last message: sequence number -1.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _MASK64 = (1 << 64) - 1
-# How long the publisher thread waits on its queue before it looks at the replay socket again.
-_POLL_S = 0.02
+# How long the publisher thread waits on its queue before it looks at the replay socket again
+# (how late a replay request may be answered), or, without one, at whether it must stop.
+_POLL_S = 0.05
+_IDLE_S = 0.5
 
 EventSink = Callable[[Sequence[KVEvent]], None]
 # One event as it goes out, before its format (map or array) is chosen: the type, then the
@@ -371,6 +374,8 @@ class KVEventPublisher:
         thread, self._thread = self._thread, None
         if thread is not None:
             self._stopping.set()
+            with contextlib.suppress(queue.Full):  # full: it stops once the queue is empty
+                self._queue.put_nowait(None)
             thread.join(timeout=2.0)
         self._close_sockets()
 
@@ -420,7 +425,7 @@ class KVEventPublisher:
             if self._replay is not None:
                 self._serve_replays()
             try:
-                item = self._queue.get(timeout=_POLL_S)
+                item = self._queue.get(timeout=_IDLE_S if self._replay is None else _POLL_S)
             except queue.Empty:
                 if self._stopping.is_set():
                     return
