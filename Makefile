@@ -5,6 +5,7 @@
 #   make bench  run every benchmark (tables on stdout, JSON under bench/results/)
 #   make test-vllm  the tier's tests inside vLLM 0.33.0's real code (own venv: .venv-vllm)
 #   make test-engine  real vLLM CPU engines through kvoffload, a tiny model made at test time (.venv-engine)
+#   make test-router  kvoffload's KV events read by Dynamo's real KV indexer (.venv-dynamo)
 #   make test-remote  the remote tier against a real Mooncake Store (adds the mooncake extra)
 #   make test-object  the object tier against a real S3 server (a one-node Ceph RGW; root)
 #   make object-local  a local S3 endpoint with a bucket, to try the object tier (Ceph; Ctrl-C)
@@ -77,9 +78,10 @@ $(DEV_STAMP): pyproject.toml client/pyproject.toml $(CONSTRAINTS) $(TORCH_STAMP)
 run: $(SERVE_STAMP)
 	$(VENV)/bin/kvoffload serve
 
-# tests/object needs a Ceph cluster of its own: `make test-object` runs it.
+# tests/object needs a Ceph cluster of its own: `make test-object` runs it; tests/router,
+# Dynamo's indexer from .venv-dynamo: `make test-router`.
 test: setup
-	$(PY) -m pytest --ignore=tests/object $(PYTEST_ARGS)
+	$(PY) -m pytest --ignore=tests/object --ignore=tests/router $(PYTEST_ARGS)
 
 # $(call vllm_venv,VENV,PACKAGE,REQUIREMENTS,THIS): a venv with CPU torch, PACKAGE (a vLLM build,
 # pinned in REQUIREMENTS) without its dependencies, the rest of REQUIREMENTS, then this package
@@ -118,6 +120,28 @@ $(ENGINE_STAMP): pyproject.toml client/pyproject.toml requirements/engine-test.t
 test-engine: $(ENGINE_STAMP) $(VLLM_STAMP)
 	KVOFFLOAD_REQUIRE_ENGINE=1 $(ENGINE_PY) -m pytest tests/engine $(PYTEST_ARGS)
 	KVOFFLOAD_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest tests/engine/test_host_copy.py $(PYTEST_ARGS)
+
+# Dynamo's standalone KV indexer (ai-dynamo-runtime, pinned in requirements/dynamo-test.txt), the
+# real router consumer of kvoffload's KV events (tests/router). Own venv, .venv-dynamo, built
+# once and kept like .venv-vllm: the pinned wheels without their dependencies (dynamo._core
+# imports alone). The tests run in .venv and start the indexer from it as a subprocess.
+# KVOFFLOAD_REQUIRE_DYNAMO=1: a missing indexer fails the run instead of skipping the directory.
+DYNAMO_VENV ?= .venv-dynamo
+DYNAMO_STAMP := $(DYNAMO_VENV)/.kvoffload-installed
+.PHONY: test-router bench-router
+
+$(DYNAMO_STAMP): requirements/dynamo-test.txt
+	test -x $(DYNAMO_VENV)/bin/python || $(PYTHON) -m venv $(DYNAMO_VENV)
+	$(DYNAMO_VENV)/bin/python -m pip install -q --no-deps -r requirements/dynamo-test.txt
+	touch $@
+
+test-router: $(DYNAMO_STAMP) setup
+	KVOFFLOAD_REQUIRE_DYNAMO=1 KVOFFLOAD_DYNAMO_PYTHON=$(DYNAMO_VENV)/bin/python \
+		$(PY) -m pytest tests/router $(PYTEST_ARGS)
+
+# bench/router.py with its indexer arm (Dynamo's indexer from .venv-dynamo).
+bench-router: $(DYNAMO_STAMP) setup
+	KVOFFLOAD_DYNAMO_PYTHON=$(DYNAMO_VENV)/bin/python $(PY) bench/router.py
 
 # The mooncake extra goes into the main venv: its wheel brings its own libraries and pins
 # nothing the service uses (aiohttp, requests, msgpack besides), so `make test` can run there too.
@@ -170,7 +194,7 @@ wheelhouse:
 	# The torch file itself as a requirement, so that its own dependencies come along and no
 	# other build of the same version is taken.
 	$(WHEEL_PYTHON) -m pip wheel -q -w $(WHEELHOUSE) -c $(CONSTRAINTS) $(WHEELHOUSE)/torch-*.whl \
-		./client '.[mooncake,object]'
+		./client '.[mooncake,object,events]'
 	$(WHEEL_PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])' >$(WHEELHOUSE)/PYTHON
 	@echo "wheelhouse: $$(ls $(WHEELHOUSE)/*.whl | wc -l) wheels, $$(du -sh $(WHEELHOUSE) | cut -f1)," \
 		"for Python $$(cat $(WHEELHOUSE)/PYTHON), in $(WHEELHOUSE)"
@@ -222,6 +246,7 @@ bench: setup
 	$(PY) bench/pool_idle.py
 	$(PY) bench/tenant_hardening.py
 	$(PY) bench/control.py
+	$(PY) bench/router.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(ENGINE_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis bench/results
+	rm -rf $(VENV) $(VLLM_VENV) $(ENGINE_VENV) $(DYNAMO_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis bench/results

@@ -213,6 +213,7 @@ SERVE_GROUPS = {
     "object_bucket": "object tier (S3)",
     "disk_dir": "disk tier",
     "fault_fail_rate": "fault injection",
+    "kv_events_endpoint": "KV events for routers (ZMQ)",
     "metrics_enabled": "observability",
     "shadow_enabled": "shadow evaluation",
     "shutdown_grace_s": "process",

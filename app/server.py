@@ -54,6 +54,8 @@ import uvicorn
 from kvoffload_client.pool_socket import SharedPool
 
 from app.core.handles import check_registration
+from app.core.kv_publisher import BlockMetadata, KVEventPublisher
+from app.core.service import Service
 from app.core.tenancy import Tenancy
 from app.core.tenants import Credentials
 from app.core.transfers import check_machine
@@ -65,7 +67,7 @@ from app.pool_share import PoolShareServer
 from app.settings import Settings, config_error
 from app.telemetry.calls import host_port
 from app.telemetry.logging import bind_listener, get_logger
-from app.telemetry.metrics import register_connections
+from app.telemetry.metrics import register_connections, register_kv_events
 from transfer import HostPool
 from transfer.disk import DiskError, open_checked_dir
 
@@ -478,6 +480,7 @@ async def serve(
             extra={"fields": {"admin_host": settings.admin_host}},
         )
     tenancy = Tenancy(settings, credentials=credentials)
+    publisher = kv_event_publisher(settings, credentials)
     if tenancy.enabled and tenancy.front_registry is not None and settings.metrics_token is None:
         log.warning(
             "/metrics has no scrape token: with tenants it serves only the service-wide series "
@@ -503,6 +506,8 @@ async def serve(
     registry = tenancy.single.registry if tenancy.single is not None else tenancy.front_registry
     if registry is not None:
         register_connections(registry, lambda: guards_counts(guards.values()))
+        if publisher is not None:
+            register_kv_events(registry, publisher.counts)
     servers = (public, admin)
     stopper = Stopper(servers, tenancy, settings.shutdown_delay_s)
     stopper.install()
@@ -512,6 +517,12 @@ async def serve(
     # services start, and inherited by the namespaces a tenants reload adds.
     tenancy.set_on_fatal(stopper.fail)
     try:
+        if publisher is not None:
+            # Bound before the services start: each one's stream opens with its clear.
+            publisher.start()
+            tenancy.set_kv_events(
+                lambda tenant, service: attach_kv_events(publisher, settings, tenant, service)
+            )
         async with tenancy.running():
             if pool_share is not None:
                 pool_share.start()
@@ -552,8 +563,45 @@ async def serve(
         stopper.remove()
         if pool_share is not None:
             await pool_share.stop()
+        if publisher is not None:
+            publisher.close()
         socks.close()
         log.info("stopped")
+
+
+def kv_event_publisher(
+    settings: Settings, credentials: Credentials | None
+) -> KVEventPublisher | None:
+    """The KV-event publisher the settings ask for (None: off), not started; a ``ConfigError``
+    when its extra is missing or ``kv_events_tenant`` names no tenant. Its ``ipc://`` sockets
+    are owner-only when they carry more than one tenant's namespaces (the admin's view: the
+    service's own user reads them), else their mode is ``uds_mode`` (and group ``uds_group``)."""
+    if settings.kv_events_endpoint is None:
+        return None
+    mode = settings.uds_mode
+    if credentials is not None:
+        tenant = settings.kv_events_tenant
+        if tenant is None:
+            mode = 0o600
+        elif tenant not in credentials.table.tenants:
+            named = ", ".join(sorted(credentials.table.tenants))
+            raise config_error(
+                "kv_events_tenant",
+                tenant,
+                f"no such tenant in the tenants file; accepted: one it names ({named})",
+            )
+    return KVEventPublisher(settings, socket_mode=mode)
+
+
+def attach_kv_events(
+    publisher: KVEventPublisher, settings: Settings, tenant: str | None, service: Service
+) -> None:
+    """Give ``service`` (a namespace of ``tenant``) its sink on ``publisher``, unless the
+    publisher serves another tenant's namespaces only (``kv_events_tenant``)."""
+    if settings.kv_events_tenant is not None and tenant != settings.kv_events_tenant:
+        return
+    service.block_meta = BlockMetadata(settings.kv_events_metadata_blocks)
+    service.on_events = publisher.sink(service.namespace, service.block_meta)
 
 
 async def _listen(

@@ -34,6 +34,7 @@ import json
 import os
 import re
 import stat
+import string
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -455,6 +456,43 @@ def load_config_file(path: Path) -> dict[str, Any]:
             "config", path, "accepted: a table (TOML) or object (JSON) of settings at the top"
         )
     return data
+
+
+#: What a KV-event endpoint may be without tenants (``kv_events_endpoint_problem``).
+LOOPBACK_ENDPOINTS = "tcp://127.0.0.1:PORT, tcp://[::1]:PORT, tcp://localhost:PORT or ipc://PATH"
+_TOPIC_FIELDS = ("namespace", "node")
+
+
+def kv_events_endpoint_problem(endpoint: str) -> str | None:
+    """Why ``endpoint`` cannot be a KV-event socket (None: it can): a ZMQ ``tcp://`` address on
+    loopback with a port of its own (routers need to know it: no 0), or an absolute
+    ``ipc://`` path. Off loopback ZMQ would hand the events to anyone, unauthenticated."""
+    if endpoint.startswith("ipc://"):
+        path = endpoint.removeprefix("ipc://")
+        return None if path.startswith("/") and "\0" not in path else "not an absolute path"
+    if not endpoint.startswith("tcp://"):
+        return "neither tcp:// nor ipc://"
+    host, sep, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        return "no port 1..65535"
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not is_loopback(host):
+        return "not a loopback address (off loopback any reader would get the events)"
+    return None
+
+
+def topic_template_problem(template: str) -> str | None:
+    """Why ``template`` cannot be ``kv_events_topic`` (None: it can)."""
+    accepted = "accepted: text with {namespace} and {node}, e.g. kv@{node}@{namespace}"
+    try:
+        names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as exc:
+        return f"{exc}; {accepted}"
+    unknown = [name for name in names if name not in _TOPIC_FIELDS]
+    if unknown:
+        return f"unknown field {{{unknown[0]}}}; {accepted}"
+    return None
 
 
 def is_loopback(host: str) -> bool:
@@ -955,6 +993,54 @@ class Settings(AdminAuth):
         default=True, description="O_DIRECT where the filesystem allows it (false: buffered)"
     )
 
+    # KV events for routers (app/core/kv_publisher.py): the pull feed's events over ZMQ in
+    # vLLM's framing (off by default; needs the events extra).
+    kv_events_endpoint: str | None = Field(
+        default=None,
+        description="publish KV events for routers on this ZMQ PUB address, tcp://HOST:PORT on "
+        "loopback or ipc://PATH (with tenants: ipc only); off when unset",
+    )
+    kv_events_replay_endpoint: str | None = Field(
+        default=None,
+        description="answer routers' replay requests (missed batches by sequence number) on "
+        "this ZMQ ROUTER address, as for kv_events_endpoint",
+    )
+    kv_events_topic: str = Field(
+        default="{namespace}",
+        description="topic of each namespace's batches, with {namespace} and {node} "
+        "(llm-d: kv@{node}@{namespace})",
+    )
+    kv_events_node: str | None = Field(
+        default=None, description="what {node} is in kv_events_topic (default: the host name)"
+    )
+    kv_events_format: Literal["map", "array"] = Field(
+        default="map",
+        description="events as vLLM's tagged maps (map: Dynamo, vLLM's own subscribers) or as "
+        "arrays (array: llm-d)",
+    )
+    kv_events_tenant: str | None = Field(
+        default=None,
+        description="with tenants: publish only this tenant's namespaces, its sockets with "
+        "uds_mode and uds_group (unset: every namespace, sockets owner-only)",
+    )
+    kv_events_queue_batches: int = Field(
+        default=4096,
+        gt=0,
+        le=1 << 20,
+        description="batches waiting to be sent; more are dropped and counted, never waited for",
+    )
+    kv_events_replay_batches: int = Field(
+        default=10000, gt=0, le=1 << 20, description="batches kept for replay"
+    )
+    kv_events_metadata_blocks: int = Field(
+        default=1 << 16,
+        gt=0,
+        le=1 << 26,
+        description="blocks per namespace whose token ids and parent (given on store calls) "
+        "are kept for their events, least recently stored forgotten first (about 250 bytes "
+        "and 4 bytes a token each)",
+    )
+
     # Fault injection (rehearse failures): any non-zero value wraps the worker.
     fault_fail_rate: float = Field(default=0.0, ge=0, le=1, description="jobs that fail")
     fault_delay_s: float = Field(default=0.0, ge=0, description="delay added to every job")
@@ -1165,6 +1251,45 @@ class Settings(AdminAuth):
                 "body_timeout_s",
                 self.body_timeout_s,
                 f"accepted: at least {setting_names('head_timeout_s')} ({self.head_timeout_s:g})",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_kv_events(self) -> Settings:
+        endpoints = ("kv_events_endpoint", "kv_events_replay_endpoint")
+        for field in endpoints:
+            value = getattr(self, field)
+            if value is None:
+                continue
+            problem = kv_events_endpoint_problem(value)
+            if problem is None and self.tenants is not None and not value.startswith("ipc://"):
+                # Anyone on the host may connect to a TCP port: with tenants a socket file, its
+                # mode and group the credentials, is the only reader check ZMQ offers routers.
+                problem = f"not an ipc:// path, with {setting_names('tenants')} set"
+            if problem is not None:
+                accepted = "ipc://PATH" if self.tenants is not None else LOOPBACK_ENDPOINTS
+                raise config_error(field, value, f"{problem}; accepted: {accepted}")
+        if self.kv_events_replay_endpoint is not None:
+            if self.kv_events_endpoint is None:
+                raise config_error(
+                    "kv_events_replay_endpoint",
+                    self.kv_events_replay_endpoint,
+                    f"without {setting_names('kv_events_endpoint')}; accepted: both, or neither",
+                )
+            if self.kv_events_replay_endpoint == self.kv_events_endpoint:
+                raise config_error(
+                    "kv_events_replay_endpoint",
+                    self.kv_events_replay_endpoint,
+                    "the publisher's own address; accepted: another port or path",
+                )
+        problem = topic_template_problem(self.kv_events_topic)
+        if problem is not None:
+            raise config_error("kv_events_topic", self.kv_events_topic, problem)
+        if self.kv_events_tenant is not None and self.tenants is None:
+            raise config_error(
+                "kv_events_tenant",
+                self.kv_events_tenant,
+                f"without {setting_names('tenants')}; accepted: unset",
             )
         return self
 

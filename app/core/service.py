@@ -46,6 +46,7 @@ from app.core.background import CompletionPump, LeaseSweeper
 from app.core.control import Control
 from app.core.errors import ServiceUnavailableError
 from app.core.events import EventBuffer
+from app.core.kv_publisher import BlockMetadata, EventSink
 from app.core.lower_tiers import TierChain
 from app.core.observed import ObservedManager
 from app.core.quota import TenantQuota
@@ -56,7 +57,7 @@ from app.settings import Settings
 from app.telemetry.logging import get_logger
 from app.telemetry.metrics import Metrics, ServiceSnapshot
 from app.telemetry.observer import Observer, RequestCounts
-from manager import OffloadManager, ReleasedLeases, create_manager
+from manager import AllBlocksCleared, BlockKey, OffloadManager, ReleasedLeases, create_manager
 
 log = get_logger("service")
 #: The namespace of a service without tenants (the only one it has).
@@ -112,6 +113,11 @@ class Service:
                 f"manager has {manager.num_blocks} blocks but settings say {settings.num_blocks}"
             )
         self.events = EventBuffer(settings.event_buffer_size)
+        # KV events for routers (app.core.kv_publisher), set by whoever runs the publisher:
+        # the sink hears every event drained into ``events``; ``block_meta`` keeps what
+        # engines said of their blocks (token ids, parents) for those events.
+        self.on_events: EventSink | None = None
+        self.block_meta: BlockMetadata | None = None
         self.instance = uuid.uuid4().hex[:16]
         self.state: State = "new"
         self.draining = False
@@ -213,6 +219,10 @@ class Service:
             if self.state != "new":
                 raise RuntimeError(f"service cannot start from state {self.state!r}")
             s = self.settings
+            if self.on_events is not None:
+                # A router's view of this namespace starts empty, as its pool does: a restarted
+                # kvoffload's stream opens with a clear (its sequence numbers restart at 0).
+                self.on_events([AllBlocksCleared(0)])
             self.pump.bind(asyncio.get_running_loop())
             transfers = await Transfers.open(
                 s, self.manager, self.pump.wake, also_writing=self.tiers.writing
@@ -330,6 +340,23 @@ class Service:
         events = self.manager.manager.take_events()
         if events:
             self.events.extend(events)
+            if self.on_events is not None:
+                self.on_events(events)
+
+    def note_blocks(
+        self,
+        keys: list[BlockKey],
+        token_ids: list[int] | None,
+        block_size: int | None,
+        parent: BlockKey | None,
+        stored: list[BlockKey],
+    ) -> None:
+        """Keep what an engine's store call said of ``keys`` (its tokens, ``block_size`` per
+        key, and the key before the first) for the routers' events, for ``stored``, the keys
+        it stores (``BlockMetadata.note``); nothing when KV events are off. The caller has
+        checked the lengths."""
+        if self.block_meta is not None and (token_ids or parent is not None):
+            self.block_meta.note(keys, token_ids, block_size, parent, stored)
 
     # ------------------------------------------------------------------ telemetry
 

@@ -118,6 +118,7 @@ class Tenancy:
         self._users = 0
         self._watcher: asyncio.Task[None] | None = None
         self._on_fatal: Callable[[str], None] | None = None
+        self._attach_events: Callable[[str | None, Service], None] | None = None
         if credentials is None:
             svc = service if service is not None else Service(settings, registry=registry)
             self.single: Service | None = svc
@@ -177,6 +178,8 @@ class Tenancy:
             storage=storage_identity(ns.name, tenant),
         )
         service.on_fatal = self._on_fatal
+        if self._attach_events is not None:
+            self._attach_events(tenant, service)
         quota.members.append(service.manager.manager)
         return Space(tenant, ns.name, service)
 
@@ -186,6 +189,14 @@ class Tenancy:
         self._on_fatal = callback
         for service in self.services():
             service.on_fatal = callback
+
+    def set_kv_events(self, attach: Callable[[str | None, Service], None]) -> None:
+        """Hand every space's service to ``attach(tenant, service)`` (the KV-event publisher's
+        wiring: ``app.server``), now and for those a tenants reload adds later; set before the
+        services start, so that each one's stream opens with its clear."""
+        self._attach_events = attach
+        for space in list(self.spaces.values()):
+            attach(space.tenant, space.service)
 
     @property
     def enabled(self) -> bool:

@@ -16,11 +16,14 @@ last column is the cap under the default settings):
 operation                              cap                                             default
 =====================================  ==============================================  =========
 lookup, prepare_load, touch,           ``OP_FIXED_BYTES + max_keys_per_call *``        1.28 MiB
-complete_load, prepare_store,          ``KEY_ITEM_BYTES``                              (1343488)
-complete_store, retain, prefetch,
-demote, drop
-offload, onload                        ``OP_FIXED_BYTES + max_keys_per_call *``        1.62 MiB
+complete_load, complete_store,         ``KEY_ITEM_BYTES``                              (1343488)
+retain, prefetch, demote, drop
+prepare_store                          the same, plus ``max_keys_per_call *``          2.78 MiB
+                                       ``STORE_TOKENS_PER_KEY * TOKEN_ITEM_BYTES``     (2916352)
+onload                                 ``OP_FIXED_BYTES + max_keys_per_call *``        1.62 MiB
                                        ``(KEY_ITEM_BYTES + BLOCK_ITEM_BYTES)``         (1695744)
+offload                                the same, plus the tokens of prepare_store      3.12 MiB
+                                                                                       (3268608)
 start_request                          ``OP_FIXED_BYTES + TRANSFER_PARAMS_WIRE_FACTOR  136 KiB
                                        * max_transfer_params_bytes``                   (139264)
 batch                                  ``ENVELOPE_BYTES + max_batch_ops *``            8 MiB
@@ -78,6 +81,13 @@ KEY_ITEM_BYTES = 2 * MAX_KEY_BYTES + len('"",') + ITEM_SPACE_BYTES
 BLOCK_ITEM_BYTES = len(str(2**31 - 1)) + len(",") + ITEM_SPACE_BYTES
 """One device block index (``BlockIndex`` is below 2**31), comma, indentation (43)."""
 
+STORE_TOKENS_PER_KEY = 16
+"""Token ids per key a store's body has room for (``StoreMeta``: vLLM's default block size);
+an engine with larger blocks sends fewer keys per call."""
+
+TOKEN_ITEM_BYTES = len(str(2**32 - 1)) + len(", ")
+"""One token id in ``token_ids``, a separator (12): engines send them unindented."""
+
 JOB_ID_ITEM_BYTES = len(str(2**64)) + len(",") + ITEM_SPACE_BYTES
 """One job id (ids count up from 1; 2**64 is out of reach), comma, indentation (53)."""
 
@@ -120,6 +130,7 @@ def body_caps(settings: Settings) -> dict[str, int]:
     """The byte cap of each route that takes a body, by operation id (see the module table)."""
     keys = settings.max_keys_per_call
     keys_op = OP_FIXED_BYTES + keys * KEY_ITEM_BYTES
+    tokens = keys * STORE_TOKENS_PER_KEY * TOKEN_ITEM_BYTES
     transfer_op = OP_FIXED_BYTES + keys * (KEY_ITEM_BYTES + BLOCK_ITEM_BYTES)
     start_op = OP_FIXED_BYTES + TRANSFER_PARAMS_WIRE_FACTOR * settings.max_transfer_params_bytes
     caps = {
@@ -127,9 +138,9 @@ def body_caps(settings: Settings) -> dict[str, int]:
         "prepare_load": keys_op,
         "touch": keys_op,
         "complete_load": keys_op,
-        "prepare_store": keys_op,
+        "prepare_store": keys_op + tokens,
         "complete_store": keys_op,
-        "offload": transfer_op,
+        "offload": transfer_op + tokens,
         "onload": transfer_op,
         "start_request": start_op,
         "finish_request": EMPTY_BODY_BYTES,
@@ -141,7 +152,8 @@ def body_caps(settings: Settings) -> dict[str, int]:
         "renew_retention": OP_FIXED_BYTES,
         "release_retention": EMPTY_BODY_BYTES,
         "cancel_prefetch": EMPTY_BODY_BYTES,
-        "batch": ENVELOPE_BYTES + settings.max_batch_ops * max(keys_op, transfer_op, start_op),
+        "batch": ENVELOPE_BYTES
+        + settings.max_batch_ops * max(keys_op, transfer_op + tokens, start_op),
         "wait_jobs": OP_FIXED_BYTES + MAX_WAIT_JOBS * JOB_ID_ITEM_BYTES,
         "register_kv_cache": OP_FIXED_BYTES + MAX_TENSORS * TENSOR_ITEM_BYTES,
         "unregister_kv_cache": EMPTY_BODY_BYTES,

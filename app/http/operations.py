@@ -191,9 +191,16 @@ def _run_complete_load(service: Service, req_id: str, body: s.KeysBody) -> tuple
     return 200, "{}"
 
 
-def _run_prepare_store(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str]:
+def _note_blocks(
+    service: Service, keys: list[bytes], body: s.StoreMeta, stored: list[bytes]
+) -> None:
+    service.note_blocks(keys, body.token_ids, body.block_size, body.parent_block_hash, stored)
+
+
+def _run_prepare_store(service: Service, req_id: str, body: s.PrepareStoreBody) -> tuple[int, str]:
     _limit_keys(service, body.keys)
     out = service.manager.prepare_store(body.keys, ReqContext(req_id))
+    _note_blocks(service, body.keys, body, out.keys_to_store)
     return 200, (
         f'{{"keys_to_store":{hex_list(out.keys_to_store)},"slots":{json.dumps(out.slots)},'
         f'"evicted_keys":{hex_list(out.evicted_keys)},'
@@ -218,12 +225,13 @@ def _event(wait_event: s.WaitEvent | None) -> bytes | None:
     return None if wait_event is None else bytes.fromhex(wait_event.handle)
 
 
-def _run_offload(service: Service, req_id: str, body: s.TransferBody) -> tuple[int, str]:
+def _run_offload(service: Service, req_id: str, body: s.OffloadBody) -> tuple[int, str]:
     _limit_keys(service, body.keys)
     started = service.transfers().offload(
         req_id, body.cache_id, body.keys, body.device_blocks, _event(body.wait_event)
     )
     job, spec = started.job, started.spec
+    _note_blocks(service, body.keys, body, spec.keys_to_store)
     return 202, json.dumps(
         {
             "job_id": None if job is None else job.job_id,
@@ -405,7 +413,7 @@ OPERATIONS: tuple[Operation, ...] = (
         "prepare_store",
         "POST",
         "/v1/requests/{req_id}/prepare-store",
-        s.KeysBody,
+        s.PrepareStoreBody,
         s.PrepareStoreAnswer,
         200,
         (*_KEYS_ERRORS, 507),
@@ -427,7 +435,7 @@ OPERATIONS: tuple[Operation, ...] = (
         "offload",
         "POST",
         "/v1/requests/{req_id}/offload",
-        s.TransferBody,
+        s.OffloadBody,
         s.OffloadAnswer,
         202,
         (*_KEYS_ERRORS, 503, 507),

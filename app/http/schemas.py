@@ -175,6 +175,43 @@ class TransferBody(Body):
         return self
 
 
+MAX_BLOCK_TOKENS = 4096
+"""Most tokens one block may hold (``block_size`` of a store's metadata)."""
+TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
+
+
+class StoreMeta(Body):
+    """What a store may say of its keys for the routers' KV events (all optional, used only
+    with ``--kv-events-endpoint``): ``token_ids``, ``block_size`` tokens per key in key order;
+    ``parent_block_hash``, the key before the first one in its sequence (absent: the first
+    key starts it)."""
+
+    token_ids: Annotated[list[TokenId], Field(fail_fast=True)] | None = None
+    block_size: Annotated[int, Field(ge=1, le=MAX_BLOCK_TOKENS)] | None = None
+    parent_block_hash: HexKey | None = None
+
+    @model_validator(mode="after")
+    def _tokens_fit(self) -> StoreMeta:
+        tokens, size = self.token_ids, self.block_size
+        if (tokens is None) != (size is None):
+            raise ValueError("token_ids and block_size must be given together")
+        keys = getattr(self, "keys", [])
+        if tokens is not None and size is not None and len(tokens) != size * len(keys):
+            raise ValueError(
+                f"token_ids ({len(tokens)}) must hold block_size ({size}) tokens for each of "
+                f"the {len(keys)} keys"
+            )
+        return self
+
+
+class OffloadBody(TransferBody, StoreMeta):
+    """``offload``: a ``TransferBody`` that may carry ``StoreMeta``."""
+
+
+class PrepareStoreBody(KeysBody, StoreMeta):
+    """``prepare-store``: keys that may carry ``StoreMeta``."""
+
+
 class WaitJobsBody(Body):
     """``POST /v1/jobs/wait``: wait until every job has ended, or ``timeout_s`` passed."""
 
@@ -238,7 +275,7 @@ class CompleteLoadOp(KeysBody):
     req_id: ReqId
 
 
-class PrepareStoreOp(KeysBody):
+class PrepareStoreOp(PrepareStoreBody):
     """Batch op ``prepare_store``."""
 
     op: Literal["prepare_store"]
@@ -252,7 +289,7 @@ class CompleteStoreOp(CompleteStoreBody):
     req_id: ReqId
 
 
-class OffloadOp(TransferBody):
+class OffloadOp(OffloadBody):
     """Batch op ``offload``."""
 
     op: Literal["offload"]

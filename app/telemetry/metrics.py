@@ -665,3 +665,39 @@ def register_connections(
 ) -> None:
     """Export ``listeners()``, one ``ListenerConnections`` per listener, at each scrape."""
     registry.register(_ConnectionCollector(listeners))
+
+
+class _KVEventsCollector(Collector):
+    """The KV-event publisher's counts, read at scrape time (``offer`` pays nothing more)."""
+
+    def __init__(self, counts: Callable[[], tuple[int, int, int]]) -> None:
+        self._counts = counts
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        published, dropped, replays = self._counts()
+        yield CounterMetricFamily(
+            f"{PREFIX}_kv_events_published",
+            "KV events sent to routers on the ZMQ publisher (--kv-events-endpoint).",
+            value=published,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_kv_events_dropped",
+            "KV events not sent to routers: their batch found the publisher's queue full "
+            "(--kv-events-queue-batches) or could not be sent.",
+            value=dropped,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_kv_events_replays",
+            "Replay requests the publisher answered (--kv-events-replay-endpoint).",
+            value=replays,
+        )
+
+
+def register_kv_events(
+    registry: CollectorRegistry, counts: Callable[[], tuple[int, int, int]]
+) -> None:
+    """Export ``counts() -> (published, dropped, replays)`` of the KV-event publisher."""
+    registry.register(_KVEventsCollector(counts))

@@ -360,6 +360,29 @@ class Released:
 
 
 @dataclass(frozen=True, slots=True)
+class BlockTokens:
+    """What a store may tell routers of its keys (``offload``, ``prepare_store``; used by a
+    service publishing KV events, ignored by one that does not): ``token_ids``, ``block_size``
+    tokens per key in key order, and ``parent``, the key before the first one in its sequence
+    (None: the first key starts it)."""
+
+    token_ids: Sequence[int]
+    block_size: int
+    parent: bytes | None = None
+
+    def body(self) -> dict[str, Any]:
+        """The fields a store's body gains."""
+        out: dict[str, Any] = {"token_ids": list(self.token_ids), "block_size": self.block_size}
+        if self.parent is not None:
+            out["parent_block_hash"] = self.parent.hex()
+        return out
+
+
+def _tokens(tokens: BlockTokens | None) -> dict[str, Any]:
+    return {} if tokens is None else tokens.body()
+
+
+@dataclass(frozen=True, slots=True)
 class TransferStarted:
     """An ``offload`` / ``onload`` answer: the job (``None``: nothing had to move)."""
 
@@ -698,9 +721,11 @@ class Batch:
         """Add ``complete_load``."""
         return self._add("complete_load", req_id, keys=_hex(keys))
 
-    def prepare_store(self, req_id: str, keys: Sequence[bytes]) -> Batch:
-        """Add ``prepare_store``."""
-        return self._add("prepare_store", req_id, keys=_hex(keys))
+    def prepare_store(
+        self, req_id: str, keys: Sequence[bytes], *, tokens: BlockTokens | None = None
+    ) -> Batch:
+        """Add ``prepare_store`` (``tokens``: see ``BlockTokens``)."""
+        return self._add("prepare_store", req_id, keys=_hex(keys), **_tokens(tokens))
 
     def complete_store(self, req_id: str, keys: Sequence[bytes], success: bool = True) -> Batch:
         """Add ``complete_store``."""
@@ -713,9 +738,13 @@ class Batch:
         keys: Sequence[bytes],
         device_blocks: Sequence[int],
         wait_event: bytes | None = None,
+        *,
+        tokens: BlockTokens | None = None,
     ) -> Batch:
-        """Add ``offload`` (``wait_event``: see ``KVOffloadClient.offload``)."""
+        """Add ``offload`` (``wait_event``: see ``KVOffloadClient.offload``; ``tokens``: see
+        ``BlockTokens``)."""
         extra = {} if wait_event is None else {"wait_event": _wait_event(wait_event)}
+        extra.update(_tokens(tokens))
         return self._add(
             "offload",
             req_id,
@@ -823,11 +852,13 @@ class _Engine:
         return _Call("POST", _req(req_id, "/complete-load"), {"keys": _hex(keys)}, _none)
 
     @staticmethod
-    def prepare_store(req_id: str, keys: Sequence[bytes]) -> _Call[PrepareStore]:
+    def prepare_store(
+        req_id: str, keys: Sequence[bytes], tokens: BlockTokens | None = None
+    ) -> _Call[PrepareStore]:
         return _Call(
             "POST",
             _req(req_id, "/prepare-store"),
-            {"keys": _hex(keys)},
+            {"keys": _hex(keys), **_tokens(tokens)},
             lambda d: PrepareStore(
                 _unhex(d["keys_to_store"]),
                 d["slots"],
@@ -855,11 +886,13 @@ class _Engine:
         keys: Sequence[bytes],
         device_blocks: Sequence[int],
         wait_event: bytes | None = None,
+        tokens: BlockTokens | None = None,
     ) -> _Call[TransferStarted]:
         body: dict[str, Any] = {
             "cache_id": cache_id,
             "keys": _hex(keys),
             "device_blocks": list(device_blocks),
+            **_tokens(tokens),
         }
         if wait_event is not None:
             body["wait_event"] = _wait_event(wait_event)
@@ -1109,9 +1142,12 @@ class KVOffloadClient(_SyncClient):
         """Unpin keys pinned by ``prepare_load``."""
         self._call(_Engine.complete_load(req_id, keys))
 
-    def prepare_store(self, req_id: str, keys: Sequence[bytes]) -> PrepareStore:
-        """Reserve host slots for new keys (507 ``KVOffloadError`` when no room)."""
-        return self._call(_Engine.prepare_store(req_id, keys))
+    def prepare_store(
+        self, req_id: str, keys: Sequence[bytes], *, tokens: BlockTokens | None = None
+    ) -> PrepareStore:
+        """Reserve host slots for new keys (507 ``KVOffloadError`` when no room);
+        ``tokens``: see ``BlockTokens``."""
+        return self._call(_Engine.prepare_store(req_id, keys, tokens))
 
     def complete_store(
         self, req_id: str, keys: Sequence[bytes], success: bool = True
@@ -1126,12 +1162,17 @@ class KVOffloadClient(_SyncClient):
         keys: Sequence[bytes],
         device_blocks: Sequence[int],
         wait_event: bytes | None = None,
+        *,
+        tokens: BlockTokens | None = None,
     ) -> TransferStarted:
         """Store device blocks under keys (device->host job). ``wait_event``: the 64-byte
         ``ipc_handle()`` of an interprocess CUDA event recorded after the kernels that wrote
         the blocks; the copies wait on it (CUDA caches only). Keep the event alive until the
-        job has ended: the service opens it when the job starts."""
-        call = _Engine.transfer("offload", req_id, cache_id, keys, device_blocks, wait_event)
+        job has ended: the service opens it when the job starts. ``tokens``: what routers
+        learn of the keys (``BlockTokens``)."""
+        call = _Engine.transfer(
+            "offload", req_id, cache_id, keys, device_blocks, wait_event, tokens
+        )
         return self._call(call)
 
     def onload(
@@ -1390,9 +1431,12 @@ class AsyncKVOffloadClient:
         """Unpin keys pinned by ``prepare_load``."""
         await self._call(_Engine.complete_load(req_id, keys))
 
-    async def prepare_store(self, req_id: str, keys: Sequence[bytes]) -> PrepareStore:
-        """Reserve host slots for new keys (507 ``KVOffloadError`` when no room)."""
-        return await self._call(_Engine.prepare_store(req_id, keys))
+    async def prepare_store(
+        self, req_id: str, keys: Sequence[bytes], *, tokens: BlockTokens | None = None
+    ) -> PrepareStore:
+        """Reserve host slots for new keys (507 ``KVOffloadError`` when no room);
+        ``tokens``: see ``BlockTokens``."""
+        return await self._call(_Engine.prepare_store(req_id, keys, tokens))
 
     async def complete_store(
         self, req_id: str, keys: Sequence[bytes], success: bool = True
@@ -1407,12 +1451,17 @@ class AsyncKVOffloadClient:
         keys: Sequence[bytes],
         device_blocks: Sequence[int],
         wait_event: bytes | None = None,
+        *,
+        tokens: BlockTokens | None = None,
     ) -> TransferStarted:
         """Store device blocks under keys (device->host job). ``wait_event``: the 64-byte
         ``ipc_handle()`` of an interprocess CUDA event recorded after the kernels that wrote
         the blocks; the copies wait on it (CUDA caches only). Keep the event alive until the
-        job has ended: the service opens it when the job starts."""
-        call = _Engine.transfer("offload", req_id, cache_id, keys, device_blocks, wait_event)
+        job has ended: the service opens it when the job starts. ``tokens``: what routers
+        learn of the keys (``BlockTokens``)."""
+        call = _Engine.transfer(
+            "offload", req_id, cache_id, keys, device_blocks, wait_event, tokens
+        )
         return await self._call(call)
 
     async def onload(

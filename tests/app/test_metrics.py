@@ -24,6 +24,7 @@ from app.telemetry.metrics import (
     TierReport,
     failure_reason,
     register_connections,
+    register_kv_events,
     register_tenancy,
 )
 from app.telemetry.observer import Observer
@@ -329,6 +330,8 @@ def test_exported_families_match_the_deploy_catalogue_exactly(manager) -> None:
     register_tenancy(reg, lambda: (2, 1, False))  # with --tenants, the front registry's
     # kvoffload serve's listeners (app.server), in the registry /metrics serves.
     register_connections(reg, lambda: [ListenerConnections("engine", 3, 8, {"peer_cap": 2})])
+    # kvoffload serve's KV-event publisher (--kv-events-endpoint).
+    register_kv_events(reg, lambda: (5, 1, 2))
     exported = {}
     for family in reg.collect():
         name = family.name + ("_total" if family.type == "counter" else "")

@@ -66,8 +66,8 @@ def test_dockerfile_entrypoint_healthcheck_and_install() -> None:
     assert instructions["ENTRYPOINT"] == '["kvoffload", "serve", "--host", "0.0.0.0"]'
     assert "/livez" in instructions["HEALTHCHECK"]
     text = DOCKERFILE.read_text(encoding="utf-8")
-    # Both lower tiers' libraries: the remote tier's (mooncake) and the object tier's (object).
-    assert '--no-index --find-links /wheelhouse "kvoffload[mooncake,object]"' in text
+    # Both lower tiers' libraries (mooncake, object) and the KV-event publisher's (events).
+    assert '--no-index --find-links /wheelhouse "kvoffload[mooncake,object,events]"' in text
     assert "PIP_NO_INDEX=1" in text, "no package index is asked inside the build"
     assert "syntax=" not in text, "a syntax directive makes BuildKit pull its frontend image"
 

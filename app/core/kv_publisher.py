@@ -1,0 +1,472 @@
+"""KV events for routers: the pull feed's events, pushed over ZMQ in vLLM 0.33's framing.
+
+A KV-aware router (Dynamo's, llm-d's) learns where blocks are from vLLM's KV events: a ZMQ PUB
+socket sends three frames per batch, the topic, an 8-byte big-endian sequence number counting
+up by one (vLLM's from 0; kvoffload's, see Restart), and a msgpack ``KVEventBatch`` ``[ts,
+[events], data_parallel_rank]``; a ROUTER socket
+answers a replay request ``["", start_seq]`` with every batch still kept whose number is at
+least ``start_seq`` (each ``["", topic, seq, payload]``), then the end marker ``["", "", -1, ""]``.
+``KVEventPublisher`` is that publisher for the whole process (``--kv-events-endpoint``,
+``--kv-events-replay-endpoint``): each namespace's service hands it the events it drains
+(``Service.drain_events``, the same events ``GET /v1/events`` serves) through the sink
+``sink(namespace, meta)`` returns, one topic per namespace (``--kv-events-topic``).
+
+Contract:
+
+- **Never waits.** ``offer`` runs on the event loop, converts the events and puts the batch on
+  a bounded queue without blocking; a full queue drops the batch and counts its events
+  (``counts().dropped``). Encoding, sending and replay run on the publisher's own thread; a slow
+  or absent subscriber costs only its own messages (ZMQ's high-water mark drops them).
+- **Media routers index.** ``ROUTER_MEDIA``: the pool is ``CPU``, the disk tier ``DISK``, the
+  remote tier ``REMOTE``, the object tier ``STORAGE`` (the pull feed's ``OBJECT``, a name no
+  router indexes).
+- **Hashes as vLLM sends them.** A block's hash is the low 64 bits of its key read as a
+  big-endian integer (``hash64``), as vLLM's ``maybe_convert_block_hash`` does.
+- **Metadata when the engine gave it.** An engine may pass a store's ``token_ids``,
+  ``block_size`` and ``parent_block_hash`` (``BlockMetadata.note``); a ``BlockStored`` about
+  those keys, on any medium, carries them. The keys of one pull-feed event are split into runs
+  that are chains (each key's parent the key before it), one ``BlockStored`` per run. Keys no
+  engine described go out with ``token_ids`` empty and ``block_size`` 0.
+- **Restart.** Each namespace's stream starts with ``AllBlocksCleared`` (``Service.start``):
+  a restarted kvoffload has an empty pool. Sequence numbers count up by one from the
+  publisher's start time in microseconds (``first_seq``), not from 0: a subscriber that tracks
+  them (Dynamo's) drops a number lower than one it has seen, so a restarted publisher counting
+  from 0 would go unheard; counting from above every earlier process's numbers, it is heard as
+  a gap, which the subscriber fills by replay, from the new stream's first batch, its clear.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import queue
+import socket
+import threading
+import time
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from app.settings import Settings, config_error
+from app.telemetry.logging import get_logger
+from manager import AllBlocksCleared, BlockKey, BlockRemoved, BlockStored, KVEvent
+
+log = get_logger("kv_events")
+
+#: The optional dependencies the publisher needs, as a user installs them.
+EXTRA = "kvoffload[events]"
+#: The pull feed's media as the events name them: names routers index (Dynamo counts CPU as
+#: cpu, and DISK, REMOTE and STORAGE as disk; it drops an OBJECT medium it does not know).
+ROUTER_MEDIA = {"CPU": "CPU", "DISK": "DISK", "REMOTE": "REMOTE", "OBJECT": "STORAGE"}
+#: The replay answer's last message: sequence number -1.
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+_MASK64 = (1 << 64) - 1
+# How long the publisher thread waits on its queue before it looks at the replay socket again
+# (how late a replay request may be answered), or, without one, at whether it must stop.
+_POLL_S = 0.05
+_IDLE_S = 0.5
+
+EventSink = Callable[[Sequence[KVEvent]], None]
+# One event as it goes out, before its format (map or array) is chosen: the type, then the
+# values of vLLM's fields in their order (BlockStored: block_hashes, parent_block_hash,
+# token_ids, block_size, lora_id, medium, lora_name; BlockRemoved: block_hashes, medium).
+WireEvent = tuple[Any, ...]
+_FIELDS = {
+    "BlockStored": (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+    ),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}
+
+
+def hash64(key: BlockKey) -> int:
+    """The block hash routers see for ``key``: its low 64 bits, big-endian, as vLLM sends it."""
+    return int.from_bytes(key, "big") & _MASK64
+
+
+def router_medium(medium: str) -> str:
+    """The name routers index for one of the pull feed's media (``ROUTER_MEDIA``)."""
+    return ROUTER_MEDIA.get(medium, medium)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockInfo:
+    """What an engine said of one block: its tokens (empty: not given), how many tokens a
+    block holds (0: not given) and the key before it in its sequence (None: the first, or not
+    given)."""
+
+    token_ids: tuple[int, ...]
+    block_size: int
+    parent: BlockKey | None
+
+
+# One key's entry: its tokens packed 4 bytes each (empty: not given), the block size (0: not
+# given), its parent key. A plain tuple and an array: a store call notes each key it stores,
+# and a dataclass per key cost more than the rest of the call's bookkeeping.
+_Entry = tuple["array[int]", int, BlockKey | None]
+_NO_TOKENS = array("I")
+
+
+class BlockMetadata:
+    """One namespace's engine-given metadata by key: the ``capacity`` keys most recently
+    noted, the least recently noted forgotten first (its events then carry the hash alone).
+    Memory: about 250 bytes and 4 bytes a token per key."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity <= 0:
+            raise ValueError(f"metadata capacity must be positive, got {capacity}")
+        self.capacity = capacity
+        self._infos: OrderedDict[BlockKey, _Entry] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._infos)
+
+    def get(self, key: BlockKey) -> BlockInfo | None:
+        """The engine's word on ``key``, if kept."""
+        entry = self._infos.get(key)
+        if entry is None:
+            return None
+        return BlockInfo(tuple(entry[0]), entry[1], entry[2])
+
+    def note(
+        self,
+        keys: Sequence[BlockKey],
+        token_ids: Sequence[int] | None,
+        block_size: int | None,
+        parent: BlockKey | None,
+        stored: Sequence[BlockKey] | None = None,
+    ) -> None:
+        """Keep what a store call said of ``keys``, a chain (head first) whose first key
+        follows ``parent``: block ``i`` holds ``token_ids[i*block_size:(i+1)*block_size]``.
+        ``stored``: the keys the call stores, when not all of them (the rest are resident and
+        were noted when they were stored; an engine offers a whole prompt at every step, and
+        noting its hits again would cost every call). The caller has checked that
+        ``token_ids`` has ``block_size`` tokens per key (each below 2**32)."""
+        if stored is not None and len(stored) < len(keys):
+            if not stored:
+                return
+            index = dict(zip(keys, range(len(keys)), strict=True))
+            positions: Sequence[int] = [index[k] for k in stored]
+            noted: Sequence[BlockKey] = stored
+        else:
+            positions, noted = range(len(keys)), keys
+        if not noted:
+            return
+        size = block_size or 0
+        if token_ids and size:
+            packed = array("I", token_ids)
+            values = [
+                (packed[i * size : (i + 1) * size], size, keys[i - 1] if i else parent)
+                for i in positions
+            ]
+        else:
+            values = [(_NO_TOKENS, 0, keys[i - 1] if i else parent) for i in positions]
+        infos = self._infos
+        if not infos.keys().isdisjoint(noted):
+            # Noted again: to the young end (an update alone would leave them where they were).
+            pop = infos.pop
+            for key in noted:
+                pop(key, None)
+        infos.update(zip(noted, values, strict=True))
+        for _ in range(len(infos) - self.capacity):
+            infos.popitem(last=False)
+
+    def entries(self, keys: Sequence[BlockKey]) -> list[_Entry | None]:
+        """Each key's entry (None: no word on it), or an empty list when there is none at
+        all (the common case of engines that pass no metadata, answered without a loop)."""
+        infos = self._infos
+        if not infos or infos.keys().isdisjoint(keys):
+            return []
+        return [infos.get(k) for k in keys]
+
+
+def wire_events(events: Sequence[KVEvent], meta: BlockMetadata | None) -> list[WireEvent]:
+    """The router events for pull-feed ``events`` (see the module docstring)."""
+    out: list[WireEvent] = []
+    for event in events:
+        if isinstance(event, AllBlocksCleared):
+            out.append(("AllBlocksCleared",))
+        elif isinstance(event, BlockRemoved):
+            out.append(("BlockRemoved", _hashes(event.block_hashes), router_medium(event.medium)))
+        else:
+            out.extend(_stored(event, meta))
+    return out
+
+
+def _hashes(keys: Sequence[BlockKey]) -> list[int]:
+    return [int.from_bytes(k, "big") & _MASK64 for k in keys]
+
+
+def _stored(event: BlockStored, meta: BlockMetadata | None) -> list[WireEvent]:
+    medium = router_medium(event.medium)
+    keys = event.block_hashes
+    entries = [] if meta is None else meta.entries(keys)
+    if not entries:
+        return [("BlockStored", _hashes(keys), None, [], 0, None, medium, None)]
+    # Runs of keys that are chains (each key's parent the key before it, one block size),
+    # one BlockStored each; keys without an entry form runs of their own.
+    out: list[WireEvent] = []
+    start = 0
+    for pos in range(1, len(keys) + 1):
+        if pos < len(keys):
+            before, cur = entries[pos - 1], entries[pos]
+            if before is None and cur is None:
+                continue
+            if (
+                before is not None
+                and cur is not None
+                and cur[2] == keys[pos - 1]
+                and cur[1] == before[1]
+            ):
+                continue
+        first = entries[start]
+        if first is None:
+            out.append(("BlockStored", _hashes(keys[start:pos]), None, [], 0, None, medium, None))
+        else:
+            tokens = array("I")
+            for entry in entries[start:pos]:
+                assert entry is not None
+                tokens.extend(entry[0])
+            parent = None if first[2] is None else hash64(first[2])
+            run = _hashes(keys[start:pos])
+            out.append(("BlockStored", run, parent, tokens.tolist(), first[1], None, medium, None))
+        start = pos
+    return out
+
+
+def as_map(event: WireEvent) -> dict[str, Any]:
+    """vLLM's tagged-map form of one event (``type`` first, then its fields)."""
+    return {"type": event[0], **dict(zip(_FIELDS[event[0]], event[1:], strict=True))}
+
+
+def first_seq() -> int:
+    """The sequence number of a new publisher's first batch: now, in microseconds since the
+    epoch (above any earlier process's numbers unless the clock went back, or one sent a
+    million batches a second)."""
+    return time.time_ns() // 1000
+
+
+def load_modules() -> tuple[Any, Any]:
+    """``(zmq, msgpack)``; a ``ConfigError`` naming the extra when either is missing."""
+    try:
+        return importlib.import_module("zmq"), importlib.import_module("msgpack")
+    except ImportError as exc:
+        raise config_error(
+            "kv_events_endpoint",
+            None,
+            f"needs {exc.name}, not installed; accepted: install the events extra "
+            f"(pip install '{EXTRA}'), or leave KV events off",
+        ) from None
+
+
+class PublisherCounts(NamedTuple):
+    """What the publisher has done, for metrics: events sent and dropped (queue full),
+    replay requests answered."""
+
+    published: int
+    dropped: int
+    replays: int
+
+
+class KVEventPublisher:
+    """The process's KV-event publisher; see the module docstring.
+
+    ``start()`` binds both sockets (a ``ConfigError`` naming the setting when one cannot be
+    bound) and starts the thread; ``close()`` stops it and closes them. ``sink(namespace)``
+    is what a namespace's service calls with its events.
+    """
+
+    def __init__(self, settings: Settings, *, socket_mode: int = 0o600) -> None:
+        """``socket_mode``: the file mode (and with ``settings.uds_group`` the group, when it
+        is not 0600) of ``ipc://`` sockets. The caller decides it from the tenants rule."""
+        if settings.kv_events_endpoint is None:
+            raise ValueError("KV events are off (no kv_events_endpoint)")
+        self._zmq, self._msgpack = load_modules()
+        self.settings = settings
+        self.endpoint = settings.kv_events_endpoint
+        self.replay_endpoint = settings.kv_events_replay_endpoint
+        self.node = settings.kv_events_node or socket.gethostname()
+        self._array = settings.kv_events_format == "array"
+        self._socket_mode = socket_mode
+        self._queue: queue.Queue[tuple[bytes, float, list[WireEvent]] | None] = queue.Queue(
+            settings.kv_events_queue_batches
+        )
+        self._replay_buffer: deque[tuple[int, bytes, bytes]] = deque(
+            maxlen=settings.kv_events_replay_batches
+        )
+        self._ctx: Any = None
+        self._pub: Any = None
+        self._replay: Any = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._seq = first_seq()
+        # Written by the loop (dropped) or the thread (the rest); read at scrape time. Each
+        # has one writer, and an int store is atomic under the GIL.
+        self._published = 0
+        self._dropped = 0
+        self._unsent = 0
+        self._replays = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Bind the sockets and start sending; a ``ConfigError`` if an address is taken."""
+        zmq = self._zmq
+        self._ctx = zmq.Context()
+        try:
+            self._pub = self._ctx.socket(zmq.PUB)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            self._bind(self._pub, "kv_events_endpoint", self.endpoint)
+            if self.replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                # A whole replay and its end marker fit, as vLLM sizes it.
+                self._replay.setsockopt(
+                    zmq.SNDHWM, 2 * (self.settings.kv_events_replay_batches + 1)
+                )
+                self._bind(self._replay, "kv_events_replay_endpoint", self.replay_endpoint)
+        except BaseException:
+            self._close_sockets()
+            raise
+        self._thread = threading.Thread(target=self._run, name="kvoffload-kv-events", daemon=True)
+        self._thread.start()
+        log.info(
+            "KV events published",
+            extra={
+                "fields": {
+                    "endpoint": self.endpoint,
+                    "replay_endpoint": self.replay_endpoint,
+                    "topic": self.settings.kv_events_topic,
+                    "format": self.settings.kv_events_format,
+                }
+            },
+        )
+
+    def _bind(self, sock: Any, field: str, endpoint: str) -> None:
+        try:
+            sock.bind(endpoint)
+        except self._zmq.ZMQError as exc:
+            raise config_error(field, endpoint, f"cannot be bound ({exc})") from None
+        if endpoint.startswith("ipc://"):
+            path = Path(endpoint.removeprefix("ipc://"))
+            os.chmod(path, self._socket_mode)
+            group = self.settings.uds_group
+            if group is not None and self._socket_mode != 0o600:
+                import grp
+
+                gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+                os.chown(path, -1, gid)
+
+    def close(self) -> None:
+        """Stop the thread (what is still queued is sent first, briefly) and close the
+        sockets. Idempotent."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._stopping.set()
+            with contextlib.suppress(queue.Full):  # full: it stops once the queue is empty
+                self._queue.put_nowait(None)
+            thread.join(timeout=2.0)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+        self._pub = self._replay = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    # ------------------------------------------------------------------ the loop's side
+
+    def topic(self, namespace: str) -> bytes:
+        """The topic of ``namespace``'s batches (``kv_events_topic``)."""
+        return self.settings.kv_events_topic.format(namespace=namespace, node=self.node).encode()
+
+    def sink(self, namespace: str, meta: BlockMetadata | None) -> EventSink:
+        """What ``namespace``'s service calls with the events it drains; ``meta``: its
+        engines' word on its blocks."""
+        topic = self.topic(namespace)
+
+        def offer(events: Sequence[KVEvent]) -> None:
+            self.offer(topic, wire_events(events, meta))
+
+        return offer
+
+    def offer(self, topic: bytes, events: list[WireEvent]) -> None:
+        """Queue one batch for sending, never waiting: a full queue drops it (counted)."""
+        if not events:
+            return
+        try:
+            self._queue.put_nowait((topic, time.time(), events))
+        except queue.Full:
+            self._dropped += len(events)
+
+    def counts(self) -> PublisherCounts:
+        """Events sent and dropped so far, replay requests answered."""
+        return PublisherCounts(self._published, self._dropped + self._unsent, self._replays)
+
+    # ------------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        pack = self._msgpack.Packer(use_bin_type=True)
+        while True:
+            if self._replay is not None:
+                self._serve_replays()
+            try:
+                item = self._queue.get(timeout=_IDLE_S if self._replay is None else _POLL_S)
+            except queue.Empty:
+                if self._stopping.is_set():
+                    return
+                continue
+            if item is None:
+                return
+            topic, ts, events = item
+            try:
+                self._send(pack, topic, ts, events)
+            except Exception:
+                # The batch is lost (its events counted dropped); the next one goes on.
+                self._unsent += len(events)
+                log.exception("KV event batch not sent")
+
+    def _send(self, pack: Any, topic: bytes, ts: float, events: list[WireEvent]) -> None:
+        body = [list(e) for e in events] if self._array else [as_map(e) for e in events]
+        payload = pack.pack([ts, body, 0])
+        seq = self._seq.to_bytes(8, "big")
+        # NOBLOCK: PUB never blocks (past its high-water mark ZMQ drops per subscriber).
+        self._pub.send_multipart((topic, seq, payload), flags=self._zmq.NOBLOCK)
+        self._replay_buffer.append((self._seq, topic, payload))
+        self._seq += 1
+        self._published += len(events)
+
+    def _serve_replays(self) -> None:
+        zmq = self._zmq
+        while self._replay.poll(0):
+            frames = self._replay.recv_multipart()
+            if len(frames) != 3 or len(frames[2]) != 8:
+                # Unanswered, as vLLM's publisher leaves it; debug only: any local process
+                # may send these, and a warning each would let it flood the log.
+                log.debug("malformed KV event replay request ignored")
+                continue
+            client, _, start = frames
+            start_seq = int.from_bytes(start, "big")
+            with contextlib.suppress(zmq.Again):
+                for seq, topic, payload in list(self._replay_buffer):
+                    if seq >= start_seq:
+                        self._replay.send_multipart(
+                            (client, b"", topic, seq.to_bytes(8, "big"), payload),
+                            flags=zmq.NOBLOCK,
+                        )
+                self._replay.send_multipart((client, b"", b"", END_SEQ, b""), flags=zmq.NOBLOCK)
+            self._replays += 1

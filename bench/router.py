@@ -1,0 +1,420 @@
+"""Routing by kvoffload's KV events: what a KV-aware router's answer is worth, and what the
+publisher costs engine calls.
+
+Part (a), routing. The shipped trace replayed over N simulated nodes (N in ``--nodes``, by
+default 2 and 4), each a real ``kvoffload serve`` (``--pool-blocks`` blocks, LRU, the KV-event
+publisher on). Each request is one engine step on the node its router picks, one ``POST
+/v1/batch``: start, lookup of its keys (the answer's hit prefix is its hit), prepare-store and
+complete-store of every key with its tokens (the node stores what it lacks, evicting), finish.
+A trace block stands for 512 tokens; its events carry 4 stand-in tokens (derived from its id),
+enough for the indexer's own hashing of the prompt. Arms, on the same nodes, their pools
+cleared between arms:
+
+- ``round-robin`` (the baseline, same run): request i to node i mod N;
+- ``session-hash``: the session id hashed (BLAKE2b) mod N. The trace has no session ids: a
+  session is a chain of next turns as ``bench/control.py`` derives them (the first later
+  request that begins with every block of this one but its tail), a request in no chain its
+  own session;
+- ``indexer``: Dynamo's standalone KV indexer (``make test-router`` builds ``.venv-dynamo``)
+  subscribed to every node's publisher; the request goes to the node with the longest matched
+  prefix, round robin among ties and when none matches. Skipped (said in the table) without
+  that environment.
+
+Per row: the prefix hit ratio (hit blocks / blocks asked), its ratio to round-robin, blocks
+recomputed and their bytes at Llama-3.1-8B fp16's 128 KiB of KV per token (64 MiB a block),
+in GiB.
+
+Part (b), publisher cost: the same batch calls (the trace's first ``--cost-requests``
+requests, repeated) against two nodes of ``--cost-pool`` blocks (256 by default, so that nearly
+every call stores and evicts its ~30 blocks: the most events a call makes), one with the
+publisher off and one with it on and a
+pyzmq subscriber attached reading every batch, taking turns for ``--rounds`` rounds of
+``--seconds`` each (one client, sequential calls). Twice: stores that say their tokens (as in
+part (a): the service notes them for the events) and stores with hashes only (the vLLM tier's
+case). Calls per second, and on / off as the median of the rounds' ratios. Target: >= 0.97.
+
+Writes ``bench/results/router.json``. Run: ``.venv/bin/python bench/router.py`` (``make
+bench-router`` builds the Dynamo environment first); ``--quick``: 300 requests, 2 nodes, 2
+short rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+
+from bench import harness  # noqa: E402
+from bench.control import next_turns, read_timed_trace  # noqa: E402
+from tests.e2e.server import TOKEN, ServerProcess, free_port  # noqa: E402
+
+RESULTS = harness.RESULTS_DIR / "router.json"
+TOKENS_PER_BLOCK = 512  # the trace's blocks
+KV_BYTES_PER_TOKEN = 128 * 1024  # Llama-3.1-8B, fp16: 32 layers x 8 KV heads x 128 x 2 x 2 B
+STAND_IN_TOKENS = 4  # tokens per block in the events (tests/router/indexer.py's block size)
+COST_TARGET = 0.97
+GIB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One trace request: its keys (hex), stand-in tokens and session."""
+
+    keys: list[str]
+    tokens: list[int]
+    session: int
+
+
+def requests_of(limit: int) -> list[Request]:
+    """The trace's first ``limit`` requests (0: all), each with its session."""
+    timed = read_timed_trace(harness.TRACE, limit)
+    turns = next_turns(timed)
+    session = list(range(len(timed)))
+    for i, j in sorted(turns.items()):
+        session[j] = session[i]  # the next turn joins its predecessor's session
+    out = []
+    for i, r in enumerate(timed):
+        tokens: list[int] = []
+        for key in r.keys:
+            base = int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "big") >> 1
+            tokens.extend(range(base, base + STAND_IN_TOKENS))
+        out.append(Request([k.hex() for k in r.keys], tokens, session[i]))
+    return out
+
+
+def step(req_id: str, r: Request, tokens: bool = True) -> dict[str, Any]:
+    """One engine step on a node, as one batch (``tokens``: the store says its tokens)."""
+    meta = {"token_ids": r.tokens, "block_size": STAND_IN_TOKENS} if tokens else {}
+    return {
+        "ops": [
+            {"op": "start_request", "req_id": req_id},
+            {"op": "lookup", "req_id": req_id, "keys": r.keys},
+            {"op": "prepare_store", "req_id": req_id, "keys": r.keys, **meta},
+            {"op": "complete_store", "req_id": req_id, "keys": r.keys},
+            {"op": "finish_request", "req_id": req_id},
+        ]
+    }
+
+
+def run_step(client: httpx.Client, req_id: str, r: Request, tokens: bool = True) -> int:
+    """Run one step; its hit prefix."""
+    answer = client.post("/v1/batch", json=step(req_id, r, tokens))
+    answer.raise_for_status()
+    results = answer.json()["results"]
+    failed = [res for res in results if not res["ok"]]
+    if failed:
+        raise RuntimeError(f"batch op failed: {failed[0]}")
+    hit: int = results[1]["result"]["hit_prefix"]
+    return hit
+
+
+def endpoints() -> tuple[str, str]:
+    return f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+
+
+@dataclass
+class Node:
+    """One simulated node: its service and its publisher's addresses."""
+
+    server: ServerProcess
+    ends: tuple[str, str]
+    client: httpx.Client
+
+
+@contextmanager
+def nodes(workdir: Path, count: int, pool_blocks: int) -> Iterator[list[Node]]:
+    """``count`` kvoffload services with the publisher on, running for the block."""
+    with ExitStack() as stack:
+        out = []
+        for n in range(count):
+            ends = endpoints()
+            d = workdir / f"node{n}"
+            d.mkdir(parents=True, exist_ok=True)
+            srv = ServerProcess(
+                d,
+                "--num-blocks",
+                str(pool_blocks),
+                "--kv-events-endpoint",
+                ends[0],
+                "--kv-events-replay-endpoint",
+                ends[1],
+            )
+            stack.enter_context(srv.serving())
+            client = stack.enter_context(httpx.Client(base_url=srv.url, timeout=60))
+            out.append(Node(srv, ends, client))
+        yield out
+
+
+def clear(node: Node) -> None:
+    r = httpx.post(
+        f"{node.server.admin_url}/admin/v1/cache/clear",
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        timeout=60,
+    )
+    r.raise_for_status()
+
+
+Router = Callable[[int, Request], int]
+
+
+def replay(ns: list[Node], reqs: Sequence[Request], route: Router) -> dict[str, Any]:
+    """Every request on the node ``route`` picks; the arm's figures."""
+    asked = hit = 0
+    per_node = [0] * len(ns)
+    started = time.perf_counter()
+    for i, r in enumerate(reqs):
+        n = route(i, r)
+        per_node[n] += 1
+        hit += run_step(ns[n].client, f"q{i}", r)
+        asked += len(r.keys)
+    missed = asked - hit
+    return {
+        "requests": len(reqs),
+        "blocks": asked,
+        "hit_blocks": hit,
+        "hit_ratio": hit / asked if asked else 0.0,
+        "recomputed_blocks": missed,
+        "recomputed_gib": missed * TOKENS_PER_BLOCK * KV_BYTES_PER_TOKEN / GIB,
+        "requests_per_node": per_node,
+        "wall_s": time.perf_counter() - started,
+    }
+
+
+def round_robin(count: int) -> Router:
+    return lambda i, _r: i % count
+
+
+def session_hash(count: int) -> Router:
+    def route(_: int, r: Request) -> int:
+        digest = hashlib.blake2b(r.session.to_bytes(8, "big"), digest_size=8).digest()
+        return int.from_bytes(digest, "big") % count
+
+    return route
+
+
+def indexer_router(indexer: Any, count: int) -> Router:
+    turn = itertools.count()
+
+    def route(_: int, r: Request) -> int:
+        answer = indexer.query(r.tokens)
+        best = max((int(v["longest_matched"]) for v in answer.values()), default=0)
+        if best == 0:
+            return next(turn) % count
+        tied = sorted(int(k) - 1 for k, v in answer.items() if v["longest_matched"] == best)
+        return tied[next(turn) % len(tied)]
+
+    return route
+
+
+def part_a(
+    workdir: Path, reqs: list[Request], counts: Sequence[int], pool: int
+) -> list[dict[str, Any]]:
+    from tests.router.indexer import Indexer, dynamo_missing
+
+    missing = dynamo_missing()
+    rows: list[dict[str, Any]] = []
+    for count in counts:
+        with nodes(workdir / f"n{count}", count, pool) as ns:
+            arms: list[tuple[str, Router | None]] = [
+                ("round-robin", round_robin(count)),
+                ("session-hash", session_hash(count)),
+            ]
+            with ExitStack() as stack:
+                indexer = None
+                if missing is None:
+                    indexer = Indexer(workdir, model=f"bench-{count}")
+                    stack.callback(indexer.stop)
+                    for k, node in enumerate(ns):
+                        indexer.register(k + 1, node.server, node.ends)
+                arms.append(
+                    ("indexer", None if indexer is None else indexer_router(indexer, count))
+                )
+                base = None
+                for name, route in arms:
+                    if route is None:
+                        rows.append({"nodes": count, "arm": name, "skipped": missing})
+                        continue
+                    for node in ns:
+                        clear(node)
+                    row = {"nodes": count, "arm": name, **replay(ns, reqs, route)}
+                    if base is None:
+                        base = row["hit_ratio"]
+                    row["vs_round_robin"] = row["hit_ratio"] / base if base else None
+                    rows.append(row)
+    return rows
+
+
+class Subscriber:
+    """A pyzmq SUB reading every batch of a publisher on its own thread."""
+
+    def __init__(self, endpoint: str) -> None:
+        import zmq
+
+        self.context = zmq.Context()
+        self.sock = self.context.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.setsockopt(zmq.RCVTIMEO, 200)
+        self.sock.connect(endpoint)
+        self.batches = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import zmq
+
+        while not self._stop.is_set():
+            try:
+                self.sock.recv_multipart()
+            except zmq.Again:
+                continue
+            self.batches += 1
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sock.close(linger=0)
+        self.context.term()
+
+
+def calls_per_s(
+    client: httpx.Client, reqs: Sequence[Request], seconds: float, tokens: bool
+) -> float:
+    done = 0
+    start = time.perf_counter()
+    for i in itertools.count():
+        run_step(client, f"c{i}", reqs[i % len(reqs)], tokens)
+        done += 1
+        if time.perf_counter() - start >= seconds:
+            break
+    return done / (time.perf_counter() - start)
+
+
+def part_b(
+    workdir: Path, reqs: list[Request], rounds: int, seconds: float, pool: int
+) -> dict[str, Any]:
+    off_dir, on_dir = workdir / "off", workdir / "on"
+    off_dir.mkdir()
+    on_dir.mkdir()
+    ends = endpoints()
+    pool_flags = ("--num-blocks", str(pool))
+    on_flags = ("--kv-events-endpoint", ends[0], "--kv-events-replay-endpoint", ends[1])
+    with (
+        ServerProcess(off_dir, *pool_flags).serving() as off,
+        ServerProcess(on_dir, *pool_flags, *on_flags).serving() as on,
+        httpx.Client(base_url=off.url, timeout=60) as c_off,
+        httpx.Client(base_url=on.url, timeout=60) as c_on,
+    ):
+        sub = Subscriber(ends[0])
+        out: dict[str, Any] = {"rounds": rounds, "seconds": seconds, "target": COST_TARGET}
+        try:
+            for kind, tokens in (("tokens", True), ("hashes", False)):
+                rates: dict[str, list[float]] = {"off": [], "on": []}
+                for n in range(rounds):
+                    order = [("off", c_off), ("on", c_on)]
+                    if n % 2:
+                        order.reverse()
+                    for name, client in order:
+                        rates[name].append(calls_per_s(client, reqs, seconds, tokens))
+                ratios = [a / b for a, b in zip(rates["on"], rates["off"], strict=True)]
+                out[kind] = {
+                    "calls_per_s": {k: statistics.median(v) for k, v in rates.items()},
+                    "per_round": rates,
+                    "on_vs_off": statistics.median(ratios),
+                }
+            out["subscriber_batches"] = sub.batches
+        finally:
+            sub.close()
+    return out
+
+
+def print_a(rows: list[dict[str, Any]]) -> None:
+    print(
+        f"{'nodes':>5} {'arm':<13} {'hit ratio':>9} {'vs rr':>6} "
+        f"{'recomputed':>11} {'GiB':>9} {'per node':<24}"
+    )
+    for row in rows:
+        if "skipped" in row:
+            print(f"{row['nodes']:>5} {row['arm']:<13} skipped: {row['skipped']}")
+            continue
+        ratio = row["vs_round_robin"]
+        shown = "-" if ratio is None else f"{ratio:.2f}"  # None: round robin hit nothing
+        print(
+            f"{row['nodes']:>5} {row['arm']:<13} {row['hit_ratio']:>9.3f} "
+            f"{shown:>6} {row['recomputed_blocks']:>11} "
+            f"{row['recomputed_gib']:>9.1f} {row['requests_per_node']!s:<24}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--limit", type=int, default=None, help="trace requests (0: all)")
+    p.add_argument("--nodes", default=None, help="node counts, comma-separated (2,4)")
+    p.add_argument("--pool-blocks", type=int, default=4096, help="each node's pool")
+    p.add_argument("--parts", default="a,b")
+    p.add_argument("--rounds", type=int, default=None, help="part (b)'s rounds (6)")
+    p.add_argument("--seconds", type=float, default=None, help="part (b)'s round (5 s)")
+    p.add_argument("--cost-requests", type=int, default=200)
+    p.add_argument(
+        "--cost-pool", type=int, default=256, help="part (b)'s pools (256: every call evicts)"
+    )
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    # --quick sets what was not given: 300 requests, 2 nodes, 2 rounds of 1 s.
+    quick = (300, "2", 2, 1.0) if args.quick else (0, "2,4", 6, 5.0)
+    for name, value in zip(("limit", "nodes", "rounds", "seconds"), quick, strict=True):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    parts = set(args.parts.split(","))
+    counts = [int(n) for n in args.nodes.split(",")]
+    reqs = requests_of(args.limit)
+    record: dict[str, Any] = {
+        "bench": "router",
+        "machine": harness.machine(),
+        "requests": len(reqs),
+        "pool_blocks_per_node": args.pool_blocks,
+    }
+    with tempfile.TemporaryDirectory(prefix="kvoffload-router-") as tmp:
+        workdir = Path(tmp)
+        if "a" in parts:
+            rows = part_a(workdir, reqs, counts, args.pool_blocks)
+            record["routing"] = rows
+            print(f"(a) routing: {len(reqs)} requests, {args.pool_blocks} blocks a node")
+            print_a(rows)
+        if "b" in parts:
+            cost = part_b(
+                workdir, reqs[: args.cost_requests], args.rounds, args.seconds, args.cost_pool
+            )
+            record["publisher_cost"] = cost
+            print(
+                f"(b) publisher cost, median of {cost['rounds']} rounds (target >= {COST_TARGET})"
+            )
+            print(f"{'stores say':<11} {'off calls/s':>11} {'on calls/s':>10} {'on / off':>8}")
+            for kind in ("tokens", "hashes"):
+                c = cost[kind]["calls_per_s"]
+                print(
+                    f"{kind:<11} {c['off']:>11.0f} {c['on']:>10.0f} {cost[kind]['on_vs_off']:>8.3f}"
+                )
+    harness.write_results(args.out, record)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,418 @@
+"""The KV-event publisher (app/core/kv_publisher.py): router events from the pull feed's,
+vLLM 0.33's framing on real ZMQ sockets on 127.0.0.1, replay, drops, and its settings."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+
+from app.core.kv_publisher import (
+    END_SEQ,
+    BlockInfo,
+    BlockMetadata,
+    KVEventPublisher,
+    hash64,
+    wire_events,
+)
+from app.settings import ConfigError, Settings, load_settings
+from manager import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from tests.e2e.server import ROOT, free_port
+
+K = [bytes([i]) * 32 for i in range(1, 7)]
+RECV_MS = 5000
+
+
+def test_hash_is_the_low_64_bits_big_endian_as_vllm_sends_it():
+    key = bytes(range(32))
+    assert hash64(key) == int.from_bytes(key, "big") & (2**64 - 1)
+    assert hash64(b"\x01") == 1
+    assert hash64(b"\xff" * 64) == 2**64 - 1
+
+
+def test_media_map_to_names_routers_index():
+    events: list[KVEvent] = [
+        BlockStored(1, [K[0]], "CPU"),
+        BlockStored(2, [K[0]], "DISK"),
+        BlockStored(3, [K[0]], "REMOTE"),
+        BlockRemoved(4, [K[0]], "OBJECT"),
+        AllBlocksCleared(5),
+    ]
+    out = wire_events(events, None)
+    assert [e[0] for e in out] == ["BlockStored"] * 3 + ["BlockRemoved", "AllBlocksCleared"]
+    assert [out[0][6], out[1][6], out[2][6], out[3][2]] == ["CPU", "DISK", "REMOTE", "STORAGE"]
+
+
+def test_keys_no_engine_described_go_out_as_one_event_with_hashes_only():
+    (event,) = wire_events([BlockStored(1, K[:3])], BlockMetadata(8))
+    assert event == ("BlockStored", [hash64(k) for k in K[:3]], None, [], 0, None, "CPU", None)
+
+
+def test_metadata_gives_tokens_and_parent_and_splits_runs_that_are_not_chains():
+    meta = BlockMetadata(16)
+    meta.note(K[:2], [1, 2, 3, 4], 2, None)  # K0 <- K1
+    meta.note(K[3:5], [7, 8, 9, 10], 2, K[2])  # K2 <- K3 <- K4 (K2 undescribed)
+    out = wire_events([BlockStored(1, [K[0], K[1], K[3], K[4], K[5]])], meta)
+    assert out == [
+        ("BlockStored", [hash64(K[0]), hash64(K[1])], None, [1, 2, 3, 4], 2, None, "CPU", None),
+        (
+            "BlockStored",
+            [hash64(K[3]), hash64(K[4])],
+            hash64(K[2]),
+            [7, 8, 9, 10],
+            2,
+            None,
+            "CPU",
+            None,
+        ),
+        ("BlockStored", [hash64(K[5])], None, [], 0, None, "CPU", None),
+    ]
+    # A tier's event about the same keys carries the same metadata.
+    (disk,) = wire_events([BlockStored(2, K[:2], "DISK")], meta)
+    assert disk[3] == [1, 2, 3, 4]
+    assert disk[6] == "DISK"
+
+
+def test_a_parent_alone_links_the_run_and_noting_again_replaces():
+    meta = BlockMetadata(8)
+    meta.note(K[:2], None, None, K[5])
+    (event,) = wire_events([BlockStored(1, K[:2])], meta)
+    assert event == (
+        "BlockStored",
+        [hash64(K[0]), hash64(K[1])],
+        hash64(K[5]),
+        [],
+        0,
+        None,
+        "CPU",
+        None,
+    )
+    meta.note(K[1:2], [9, 9], 2, None)  # K1 again, now the head of its own prompt
+    first, second = wire_events([BlockStored(2, K[:2])], meta)
+    assert first[1:5] == ([hash64(K[0])], hash64(K[5]), [], 0)
+    assert second[1:5] == ([hash64(K[1])], None, [9, 9], 2)
+
+
+def test_only_the_keys_a_call_stores_are_noted_with_parents_from_the_whole_chain():
+    meta = BlockMetadata(8)
+    meta.note(K[:4], [1, 1, 2, 2, 3, 3, 4, 4], 2, K[5], stored=[K[2], K[3]])
+    assert meta.get(K[0]) is None
+    assert meta.get(K[1]) is None
+    assert meta.get(K[2]) == BlockInfo((3, 3), 2, K[1])
+    assert meta.get(K[3]) == BlockInfo((4, 4), 2, K[2])
+    meta.note(K[:1], [7, 7], 2, None, stored=[])
+    assert len(meta) == 2
+
+
+def test_metadata_keeps_the_newest_keys():
+    meta = BlockMetadata(2)
+    meta.note(K[:3], None, None, K[5])
+    assert len(meta) == 2
+    assert meta.get(K[0]) is None
+    info = meta.get(K[2])
+    assert info is not None
+    assert info.parent == K[1]
+    assert info.token_ids == ()
+    with pytest.raises(ValueError, match="positive"):
+        BlockMetadata(0)
+
+
+def settings(tmp_path: Path, **kw: Any) -> Settings:
+    return Settings(
+        kv_events_endpoint=f"tcp://127.0.0.1:{free_port()}",
+        kv_events_replay_endpoint=f"tcp://127.0.0.1:{free_port()}",
+        kv_events_node="node-a",
+        **kw,
+    )
+
+
+class Sockets:
+    """A ZMQ context whose sockets the test closes at its end."""
+
+    def __init__(self) -> None:
+        self.context = zmq.Context()
+        self.made: list[zmq.Socket[bytes]] = []
+
+    def socket(self, kind: int) -> zmq.Socket[bytes]:
+        sock = self.context.socket(kind)
+        self.made.append(sock)
+        return sock
+
+    def close(self) -> None:
+        for sock in self.made:
+            sock.close(linger=0)
+        self.context.term()
+
+
+@pytest.fixture
+def ctx():
+    sockets = Sockets()
+    yield sockets
+    sockets.close()
+
+
+def subscriber(ctx: Sockets, endpoint: str) -> zmq.Socket[bytes]:
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, RECV_MS)
+    sub.connect(endpoint)
+    return sub
+
+
+def publish_until_received(pub: KVEventPublisher, sub: zmq.Socket[bytes]) -> list[bytes]:
+    """Offer a marker batch until the subscriber has joined (ZMQ drops what a PUB sends before
+    a subscription reaches it), then answer the first frames it got."""
+    topic = pub.topic("warmup")
+    for _ in range(100):
+        pub.offer(topic, [("AllBlocksCleared",)])
+        if sub.poll(100):
+            return sub.recv_multipart()
+    raise AssertionError("the subscriber never joined")
+
+
+def test_batches_go_out_in_vllm_framing_and_replay_answers_from_a_seq(tmp_path, ctx):
+    before = time.time_ns() // 1000
+    pub = KVEventPublisher(settings(tmp_path, kv_events_topic="kv@{node}@{namespace}"))
+    pub.start()
+    try:
+        sub = subscriber(ctx, pub.endpoint)
+        first = publish_until_received(pub, sub)
+        assert first[0] == b"kv@node-a@warmup"
+        meta = BlockMetadata(8)
+        meta.note(K[:1], [5, 6], 2, None)
+        pub.sink("llama", meta)([BlockStored(9, K[:1]), BlockRemoved(10, K[:1])])
+        while True:  # skip the warm-up markers still in flight
+            topic, seq, payload = sub.recv_multipart()
+            if topic == b"kv@node-a@llama":
+                break
+        number = int.from_bytes(seq, "big")
+        assert len(seq) == 8
+        # Numbers count from the publisher's start in microseconds (restarts count higher).
+        assert number > before
+        ts, events, dp_rank = msgpack.unpackb(payload)
+        assert abs(ts - time.time()) < 60
+        assert dp_rank == 0
+        assert events == [
+            {
+                "type": "BlockStored",
+                "block_hashes": [hash64(K[0])],
+                "parent_block_hash": None,
+                "token_ids": [5, 6],
+                "block_size": 2,
+                "lora_id": None,
+                "medium": "CPU",
+                "lora_name": None,
+            },
+            {"type": "BlockRemoved", "block_hashes": [hash64(K[0])], "medium": "CPU"},
+        ]
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.RCVTIMEO, RECV_MS)
+        dealer.connect(pub.replay_endpoint)
+        dealer.send_multipart([b"", number.to_bytes(8, "big")])
+        replayed = []
+        while True:
+            frames = dealer.recv_multipart()
+            if frames[2] == END_SEQ:
+                assert frames == [b"", b"", END_SEQ, b""]
+                break
+            replayed.append(frames)
+        assert replayed == [[b"", topic, seq, payload]]
+        # From 0: every batch kept, in order.
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        seqs = []
+        while (frames := dealer.recv_multipart())[2] != END_SEQ:
+            seqs.append(int.from_bytes(frames[2], "big"))
+        assert seqs == list(range(seqs[0], number + 1))
+        assert seqs[0] >= before
+        assert pub.counts().replays == 2
+        assert pub.counts().published == len(seqs) + 1  # the last batch held two events
+    finally:
+        pub.close()
+
+
+def test_array_format_for_llm_d(tmp_path, ctx):
+    pub = KVEventPublisher(settings(tmp_path, kv_events_format="array"))
+    pub.start()
+    try:
+        sub = subscriber(ctx, pub.endpoint)
+        publish_until_received(pub, sub)
+        pub.sink("m", None)([BlockStored(1, K[:1], "OBJECT")])
+        while (frames := sub.recv_multipart())[0] != b"m":
+            pass
+        _, events, _ = msgpack.unpackb(frames[2])
+        assert events == [["BlockStored", [hash64(K[0])], None, [], 0, None, "STORAGE", None]]
+    finally:
+        pub.close()
+
+
+def test_a_full_queue_drops_and_counts_without_waiting(tmp_path):
+    pub = KVEventPublisher(settings(tmp_path, kv_events_queue_batches=1))  # not started
+    sink = pub.sink("m", None)
+    sink([BlockStored(1, K[:2])])
+    sink([BlockRemoved(2, K[:2]), AllBlocksCleared(3)])  # queue full: dropped at once
+    assert pub.counts().dropped == 2
+    assert pub.counts().published == 0
+    pub.close()
+
+
+def test_an_address_in_use_is_a_config_error_naming_the_setting(tmp_path):
+    first = KVEventPublisher(settings(tmp_path))
+    first.start()
+    try:
+        s = Settings(kv_events_endpoint=first.endpoint)
+        with pytest.raises(ConfigError, match=r"--kv-events-endpoint .*cannot be bound"):
+            KVEventPublisher(s).start()
+    finally:
+        first.close()
+
+
+def test_ipc_sockets_get_the_mode_asked(tmp_path, ctx):
+    path = tmp_path / "events.sock"
+    pub = KVEventPublisher(Settings(kv_events_endpoint=f"ipc://{path}"), socket_mode=0o600)
+    pub.start()
+    try:
+        assert path.stat().st_mode & 0o777 == 0o600
+        sub = subscriber(ctx, f"ipc://{path}")
+        assert publish_until_received(pub, sub)[0] == b"warmup"
+    finally:
+        pub.close()
+
+
+def test_missing_extra_is_refused_naming_it(monkeypatch):
+    real = importlib.import_module
+
+    def without_zmq(name: str, package: str | None = None):
+        if name == "zmq":
+            raise ModuleNotFoundError("No module named 'zmq'", name="zmq")
+        return real(name, package)
+
+    monkeypatch.setattr("importlib.import_module", without_zmq)
+    with pytest.raises(ConfigError, match=r"needs zmq.*pip install 'kvoffload\[events\]'"):
+        KVEventPublisher(Settings(kv_events_endpoint="tcp://127.0.0.1:5557"))
+
+
+EP = "kv_events_endpoint"
+
+
+@pytest.mark.parametrize(
+    ("given", "refusal"),
+    [
+        ({EP: "tcp://0.0.0.0:5557"}, "--kv-events-endpoint .*not a loopback address"),
+        ({EP: "tcp://10.1.2.3:5557"}, "not a loopback address"),
+        ({EP: "tcp://127.0.0.1:0"}, "no port 1..65535"),
+        ({EP: "udp://127.0.0.1:5"}, "neither tcp:// nor ipc://"),
+        ({EP: "ipc://relative"}, "not an absolute path"),
+        ({"kv_events_replay_endpoint": "tcp://127.0.0.1:5558"}, "without --kv-events-endpoint"),
+        (
+            {EP: "tcp://127.0.0.1:5557", "kv_events_replay_endpoint": "tcp://127.0.0.1:5557"},
+            "the publisher's own address",
+        ),
+        ({"kv_events_topic": "kv@{pod}"}, r"unknown field \{pod\}"),
+        ({"kv_events_topic": "kv@{node"}, "accepted: text with"),
+        ({"kv_events_tenant": "acme"}, "without --tenants"),
+        ({"kv_events_queue_batches": 0}, "kv-events-queue-batches"),
+    ],
+)
+def test_settings_refusals(given, refusal):
+    with pytest.raises(ConfigError, match=refusal):
+        load_settings(**given)
+
+
+def test_off_by_default_and_loopback_forms_accepted():
+    assert Settings().kv_events_endpoint is None
+    for endpoint in ("tcp://127.0.0.1:5557", "tcp://[::1]:5557", "tcp://localhost:1"):
+        assert Settings(kv_events_endpoint=endpoint).kv_events_endpoint == endpoint
+
+
+def test_with_tenants_only_ipc(tmp_path):
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text("")
+    with pytest.raises(ValueError, match="not an ipc:// path, with --tenants"):
+        Settings(tenants=tenants, kv_events_endpoint="tcp://127.0.0.1:5557")
+    s = Settings(tenants=tenants, kv_events_endpoint=f"ipc://{tmp_path}/e.sock")
+    assert s.kv_events_endpoint is not None
+
+
+def test_the_service_needs_neither_package_with_events_off():
+    # A fresh interpreter where importing zmq or msgpack fails, as without the extra.
+    code = (
+        "import sys\n"
+        "sys.modules['zmq'] = None\n"
+        "sys.modules['msgpack'] = None\n"
+        "import app.server\n"
+        "from app.settings import ConfigError, Settings\n"
+        "assert app.server.kv_event_publisher(Settings(), None) is None\n"
+        "try:\n"
+        "    app.server.kv_event_publisher(\n"
+        "        Settings(kv_events_endpoint='tcp://127.0.0.1:5557'), None)\n"
+        "except ConfigError as exc:\n"
+        "    print(exc)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert "pip install 'kvoffload[events]'" in out.stdout
+    assert "--kv-events-endpoint" in out.stdout
+
+
+def test_with_tenants_the_socket_mode_follows_the_tenant_rule(tmp_path):
+    from app.core.tenants import Credentials
+    from app.server import kv_event_publisher
+    from tests.e2e.test_tenants import tenant_file
+
+    tenants = tmp_path / "tenants"
+    tenants.mkdir()
+    tenant_file(
+        tenants, "alpha", 'tokens = ["alpha-events-token-0000000001"]\nnamespaces = ["a1"]\n'
+    )
+    credentials = Credentials(tenants)
+    modes = {}
+    for tenant in (None, "alpha"):
+        path = tmp_path / f"{tenant}.sock"
+        s = Settings(
+            tenants=tenants,
+            uds_mode=0o660,
+            kv_events_endpoint=f"ipc://{path}",
+            kv_events_tenant=tenant,
+        )
+        pub = kv_event_publisher(s, credentials)
+        assert pub is not None
+        pub.start()
+        try:
+            modes[tenant] = path.stat().st_mode & 0o777
+        finally:
+            pub.close()
+    # Every namespace (the admin's view): owner-only whatever --uds-mode says; one tenant's:
+    # the engine sockets' mode, for that tenant's group.
+    assert modes == {None: 0o600, "alpha": 0o660}
+
+
+def test_a_namespace_of_another_tenant_gets_no_sink(tmp_path):
+    from app.core.service import Service
+    from app.server import attach_kv_events
+
+    tenants = tmp_path / "t.toml"
+    tenants.write_text("")
+    s = Settings(
+        tenants=tenants,
+        kv_events_endpoint=f"ipc://{tmp_path}/e.sock",
+        kv_events_tenant="alpha",
+        num_blocks=8,
+    )
+    pub = KVEventPublisher(s)
+    ours, theirs = Service(s, namespace="a1"), Service(s, namespace="b1")
+    attach_kv_events(pub, s, "alpha", ours)
+    attach_kv_events(pub, s, "beta", theirs)
+    assert ours.on_events is not None
+    assert ours.block_meta is not None
+    assert theirs.on_events is None
+    assert theirs.block_meta is None
+    pub.close()

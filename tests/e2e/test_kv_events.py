@@ -1,0 +1,197 @@
+"""KV events for routers against a real ``kvoffload serve`` (``--kv-events-endpoint``): what a
+pyzmq subscriber in vLLM's framing reads when engines store, clear and restart, with tenants
+too, and the pull feed beside it unchanged."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+from kvoffload_client import BlockTokens, KVOffloadClient
+
+from app.core.kv_publisher import hash64
+from tests.e2e.router import RouterFeed
+from tests.e2e.server import ROOT, TOKEN, ServerProcess, free_port
+from tests.e2e.test_tenants import tenant_file
+
+BLOCK = 4096
+KEYS = [bytes([i]) * 16 for i in range(1, 4)]
+TOKENS = list(range(100, 112))  # 4 tokens a block, 3 blocks
+
+
+ALPHA = "alpha-events-token-0000000001"
+BETA = "beta-events-token-00000000001"
+
+
+def tenants_dir(tmp_path: Path) -> Path:
+    """Tenants alpha (namespace a1) and beta (b1)."""
+    directory = tmp_path / "tenants"
+    directory.mkdir()
+    tenant_file(directory, "alpha", f'tokens = ["{ALPHA}"]\nnamespaces = {{ a1 = 16 }}\n')
+    tenant_file(directory, "beta", f'tokens = ["{BETA}"]\nnamespaces = {{ b1 = 16 }}\n')
+    return directory
+
+
+def endpoints() -> tuple[str, str]:
+    return f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+
+
+def kinds(feed: RouterFeed) -> list[str]:
+    return [e["type"] for _, e in feed.events() if isinstance(e, dict)]
+
+
+def stored(feed: RouterFeed) -> list[dict[str, Any]]:
+    return [e for _, e in feed.events() if isinstance(e, dict) and e["type"] == "BlockStored"]
+
+
+def test_engine_stores_reach_a_subscriber_with_tokens_parent_and_64_bit_hashes(tmp_path: Path):
+    pub, replay = endpoints()
+    srv = ServerProcess(
+        tmp_path, "--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay
+    )
+    cache_file = Path(f"/dev/shm/kvoffload-e2e-events-{os.getpid()}")
+    cache_file.write_bytes(os.urandom(4 * BLOCK))
+    spec = {
+        "name": "e2e",
+        "device": "cpu",
+        "tensors": [
+            {
+                "shape": [4, BLOCK],
+                "dtype": "uint8",
+                "block_dim": 0,
+                "handle": {"kind": "shm", "path": str(cache_file)},
+            }
+        ],
+    }
+    with srv.serving(), RouterFeed(pub, replay) as feed, KVOffloadClient(srv.url) as kv:
+        # The stream opens with the namespace's clear, on its topic.
+        feed.wait_for(lambda f: kinds(f) == ["AllBlocksCleared"])
+        assert feed.seen[0][1] == "default"
+        cache = kv.register_kv_cache(spec)
+        kv.start_request("r1")
+        started = kv.offload(
+            "r1", cache.cache_id, KEYS[1:], [1, 2], tokens=BlockTokens(TOKENS[4:], 4, KEYS[0])
+        )
+        assert started.job_id is not None
+        kv.wait_jobs([started.job_id])
+        kv.finish_request("r1")
+        feed.wait_for(lambda f: len(stored(f)) == 1)
+        assert stored(feed) == [
+            {
+                "type": "BlockStored",
+                "block_hashes": [hash64(KEYS[1]), hash64(KEYS[2])],
+                "parent_block_hash": hash64(KEYS[0]),
+                "token_ids": TOKENS[4:],
+                "block_size": 4,
+                "lora_id": None,
+                "medium": "CPU",
+                "lora_name": None,
+            }
+        ]
+        # The pull feed still says the same in its own shape.
+        pulled = httpx.get(f"{srv.url}/v1/events").json()["events"]
+        assert pulled == [
+            {
+                "seq": pulled[0]["seq"],
+                "type": "BlockStored",
+                "block_hashes": [KEYS[1].hex(), KEYS[2].hex()],
+                "medium": "CPU",
+            }
+        ]
+        # An operator's clear reaches routers.
+        cleared = httpx.post(
+            f"{srv.admin_url}/admin/v1/cache/clear",
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
+        assert cleared.status_code == 200, cleared.text
+        feed.wait_for(lambda f: kinds(f)[-1:] == ["AllBlocksCleared"] and len(kinds(f)) == 3)
+        kv.unregister_kv_cache(cache.cache_id)
+        cache_file.unlink()
+        metrics = httpx.get(f"{srv.url}/metrics").text
+        assert "kvoffload_kv_events_published_total 3.0" in metrics
+        assert "kvoffload_kv_events_dropped_total 0.0" in metrics
+
+
+def test_a_restarted_service_opens_a_new_stream_with_a_clear(tmp_path: Path):
+    pub, replay = endpoints()
+    flags = ("--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay)
+    with ServerProcess(tmp_path, *flags).serving() as srv, KVOffloadClient(srv.url) as kv:
+        kv.start_request("r")
+        out = kv.prepare_store("r", KEYS, tokens=BlockTokens(TOKENS, 4))
+        kv.complete_store("r", out.keys_to_store)
+        with RouterFeed(pub, replay) as feed:
+            feed.wait_for(lambda f: kinds(f) == ["AllBlocksCleared", "BlockStored"])
+            assert stored(feed)[0]["token_ids"] == TOKENS
+            last = feed.seen[-1][0]
+    with ServerProcess(tmp_path, *flags).serving(), RouterFeed(pub, replay) as feed:
+        # A fresh publisher: its first batch a clear, so a router forgets what the stopped
+        # process held, numbered above the old stream's (a tracking router sees a gap).
+        feed.wait_for(lambda f: kinds(f) == ["AllBlocksCleared"])
+        assert feed.seen[0][0] > last
+
+
+def test_with_tenants_a_tenant_socket_carries_that_tenant_only(tmp_path: Path):
+    tenants = tenants_dir(tmp_path)
+    pub, replay = f"ipc://{tmp_path}/alpha.events", f"ipc://{tmp_path}/alpha.replay"
+    srv = ServerProcess(
+        tmp_path,
+        "--tenants",
+        str(tenants),
+        "--kv-events-endpoint",
+        pub,
+        "--kv-events-replay-endpoint",
+        replay,
+        "--kv-events-tenant",
+        "alpha",
+    )
+    with srv.serving(), RouterFeed(pub, replay) as feed:
+        for token in (ALPHA, BETA):
+            with KVOffloadClient(srv.url, token=token) as kv:
+                kv.start_request("r")
+                out = kv.prepare_store("r", KEYS[:1])
+                kv.complete_store("r", out.keys_to_store)
+        feed.wait_for(lambda f: kinds(f) == ["AllBlocksCleared", "BlockStored"])
+        assert {topic for topic, _ in feed.events()} == {"a1"}
+        # The socket files: the mode and group of the engine socket (--uds-mode: 0600).
+        assert stat.S_IMODE(os.stat(f"{tmp_path}/alpha.events").st_mode) == 0o600
+
+
+def test_with_tenants_tcp_and_an_unknown_tenant_are_refused_at_start(tmp_path: Path):
+    tenants = tenants_dir(tmp_path)
+    base = [sys.executable, "-m", "app.cli", "serve", "--tenants", str(tenants)]
+    tcp = subprocess.run(
+        [*base, "--kv-events-endpoint", "tcp://127.0.0.1:5557"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert tcp.returncode == 2
+    assert "not an ipc:// path, with --tenants" in tcp.stderr
+    unknown = subprocess.run(
+        [
+            *base,
+            "--kv-events-endpoint",
+            f"ipc://{tmp_path}/e.sock",
+            "--kv-events-tenant",
+            "nobody",
+            "--port",
+            str(free_port()),
+            "--admin-port",
+            str(free_port()),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert unknown.returncode == 2, unknown.stderr
+    assert (
+        "--kv-events-tenant / KVOFFLOAD_KV_EVENTS_TENANT = 'nobody': no such tenant in the "
+        "tenants file; accepted: one it names (alpha, beta)"
+    ) in unknown.stderr
