@@ -221,7 +221,7 @@ class Service:
             s = self.settings
             if self.on_events is not None:
                 # A router's view of this namespace starts empty, as its pool does: a restarted
-                # kvoffload's stream opens with a clear (its sequence numbers restart at 0).
+                # kvoffload's stream opens with a clear (its sequence numbers jump: kv_publisher).
                 self.on_events([AllBlocksCleared(0)])
             self.pump.bind(asyncio.get_running_loop())
             transfers = await Transfers.open(
