@@ -294,7 +294,8 @@ def install_error_handlers(app: FastAPI) -> None:
 # --------------------------------------------------------------------------- documentation
 
 _DESCRIPTIONS = {
-    400: "Malformed body (not JSON, or not the expected shape of JSON)",
+    400: "Malformed body (not JSON, or not the expected shape of JSON), or credentials or "
+    "namespace given twice (code says which)",
     401: "No bearer token, or one that is malformed, unknown or revoked (code says which)",
     403: "Wrong admin token, or a namespace that is not the caller's (code says which)",
     404: "Unknown request, job, KV cache, namespace, retention or prefetch, or keys held nowhere",

@@ -64,7 +64,8 @@ from manager.policies import canonical_policy_name
 
 JSON = "application/json"
 ADMIN_REQUEST_PREFIX = "/admin/v1/requests/"
-_AUTH_ERRORS = (401, 403)
+# 400 ``ambiguous_credentials``: two Authorization headers, or ``namespace`` given twice.
+_AUTH_ERRORS = (400, 401, 403)
 # A route acting on one namespace: 422 when the service has tenants and the call names none,
 # 404 when it names one the service lacks.
 _NAMESPACE_ERRORS = (404, 422)
