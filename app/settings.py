@@ -983,8 +983,9 @@ class Settings(AdminAuth):
     disk_batch_bytes: ByteSize = Field(
         default=16 << 20,
         gt=0,
-        description="bytes per disk write batch, and per read chunk of a promotion (chunks are "
-        "read concurrently and copied on as each lands; at least one block)",
+        description="bytes per disk write batch, and per read chunk of a promotion at most (a "
+        "promotion is at least 4 chunks, read concurrently and copied on as each lands; at "
+        "least one block)",
     )
     disk_timeout_s: float = Field(
         default=10.0, gt=0, description="a disk read slower than this is a miss (tier degraded)"

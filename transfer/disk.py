@@ -75,11 +75,13 @@ Data calls run their blocks on a small pool of I/O threads (``io_threads``: the 
 flight); they block the caller, so the service calls them off its event loop. The disk's side
 of every request is the store's own private memory, on huge pages where the kernel gives them
 (``_buffer``): blocks are copied out of the pool into staging buffers before they are written,
-and read into the I/O thread's read buffer (one run, 4 MiB) before they are copied into the
-pool. The MACs (BLAKE3, about 4-5.5 GiB/s a core at 1 MiB blocks; it releases the GIL) run on
-MAC threads (one per core, ``io_threads`` at most): a read's I/O thread hands its run's checks
-over and issues its next read at once, and a write's MACs are computed while its bytes are
-written, so no I/O thread waits on a hash and the disk keeps ``io_threads`` requests in flight.
+and read into read buffers (two per I/O thread, a run of ``READ_RUN_BYTES`` each) before they
+are copied into the pool. The MACs (BLAKE3, about 4-5.5 GiB/s a core at 1 MiB blocks; it
+releases the GIL) run on MAC threads (one per core, ``io_threads`` at most): a read's I/O
+thread hands its buffer over, the MAC thread checks each block there and copies only the good
+ones into their pool slots, and the I/O thread reads its next run into its other buffer at
+once; a write's MACs are computed while its bytes are written. So no I/O thread waits on a hash
+and the disk keeps ``io_threads`` requests in flight.
 """
 
 from __future__ import annotations
@@ -127,6 +129,14 @@ PAGE = 4096
 #: Bytes of contiguous slots read or written in one system call: large enough to amortize the
 #: call and let the device stream, small enough to spread a batch over the I/O threads.
 RUN_BYTES = 4 << 20
+#: Bytes of contiguous slots a read takes in one system call. Smaller than a write's run: an
+#: onload waits for its last block, and with 1 MiB reads four in flight stream as well as
+#: 4 MiB ones here (2.8 GB/s) while each block's MAC check and copy overlap the reads still in
+#: flight instead of all coming after them (with 4 MiB runs, a 16-block onload's four reads
+#: landed together and their checks added 3-4 ms after the last one).
+READ_RUN_BYTES = 1 << 20
+#: Read buffers per I/O thread: one being read into while the MAC threads check the other.
+READ_BUFFERS_PER_THREAD = 2
 _IOV_MAX = 1024  # Linux's limit of buffers per readv/writev
 ENTRY_BYTES = 128
 HEADER_BYTES = PAGE
@@ -667,17 +677,28 @@ class DiskStore:
         self.unauthenticated_dropped = self.index.unauthenticated
         # The disk's side of every transfer is the store's own memory, on huge pages where the
         # kernel gives them (``_buffer``): page-aligned buffers for blocks on their way from
-        # the pool to the disk, and one read buffer per I/O thread (a run is read into it,
-        # then copied into its pool slots: the pool is shared memory, on 4 KiB pages unless
-        # its tmpfs was mounted for huge ones, and reads straight into it ran at 0.6-0.7x).
+        # the pool to the disk, and two read buffers per I/O thread (a run is read into one,
+        # checked there and copied into its pool slots by a MAC thread while the I/O thread
+        # reads the next run into the other: the pool is shared memory, on 4 KiB pages
+        # unless its tmpfs was mounted for huge ones, and reads straight into it ran at
+        # 0.6-0.7x).
         self.staging_blocks = staging_blocks
         self._staging, staging_huge = _buffer(max(1, staging_blocks) * self.slot_bytes)
-        self._read_bytes = self._run_blocks(self.slot_bytes) * self.slot_bytes
-        self._reads, reads_huge = _buffer(io_threads * self._read_bytes)
+        self._read_bytes = self._read_run_blocks() * self.slot_bytes
+        buffers = READ_BUFFERS_PER_THREAD * io_threads
+        self._reads, reads_huge = _buffer(buffers * self._read_bytes)
         self._read_rows: np.ndarray[Any, np.dtype[np.uint8]] | None = np.frombuffer(
             self._reads, dtype=np.uint8
-        ).reshape(io_threads, self._read_bytes)
-        self._reads_free = list(range(io_threads))
+        ).reshape(buffers, self._read_bytes)
+        self._reads_free = list(range(buffers))
+        # Each buffer's block views, made once: an I/O thread runs no Python it can spare
+        # between two reads (it needs the GIL for it, and the disk idles meanwhile).
+        bb = self.block_bytes
+        self._read_views: list[list[memoryview]] = [
+            [row[i * bb : (i + 1) * bb].data for i in range(self._read_bytes // self.slot_bytes)]
+            for row in self._read_rows
+        ]
+        self._read_buffer_freed = threading.Condition(threading.Lock())
         #: Whether those buffers are on huge pages (False: each block read or written is
         #: split into more device requests; see ``_buffer``). None: unknown (no smaps), or
         #: both too small to hold one.
@@ -921,6 +942,12 @@ class DiskStore:
     def _run_blocks(self, block_bytes: int) -> int:
         return max(1, min(_IOV_MAX, RUN_BYTES // block_bytes))
 
+    def _read_run_blocks(self) -> int:
+        """Blocks a read run holds at most (``READ_RUN_BYTES``; one block when padded)."""
+        if self.slot_bytes != self.block_bytes:
+            return 1
+        return max(1, min(_IOV_MAX, READ_RUN_BYTES // self.slot_bytes))
+
     def forget(self, slots: Sequence[int]) -> None:
         """Unlist slots whose blocks the caller dropped (evicted from the disk index or found
         corrupt), so a restart does not bring them back. Best effort: a failed write leaves an
@@ -959,8 +986,7 @@ class DiskStore:
                 listed.append(i)
         # Blocks of a run land in separate pool slots; padding between them on disk (a block
         # size that is not whole pages) keeps them one block a call.
-        cap = self._run_blocks(self.slot_bytes) if self.slot_bytes == self.block_bytes else 1
-        runs = _runs(listed, lambda i: items[i][0], cap)
+        runs = _runs(listed, lambda i: items[i][0], self._read_run_blocks())
         left = [len(runs)]
 
         def settle() -> None:
@@ -1003,71 +1029,81 @@ class DiskStore:
         return done
 
     def _read_run(self, run: list[tuple[int, bytes, int]], finish: _Once) -> None:
-        """Read contiguous slots in one call into this thread's read buffer (``_buffer``),
-        copy each block into its pool slot, then hand the MAC checks to the MAC threads, so
-        that this I/O thread starts its next read at once (the disk keeps ``io_threads``
-        reads in flight). ``finish`` gets, per block, whether it was read and matches its MAC
-        (a False slot holds bytes nobody may use)."""
+        """Read contiguous slots in one call into a free read buffer (``_buffer``), then hand
+        the buffer to the MAC threads, which check each block there and copy the good ones
+        into their pool slots (``_check_run``), so that this I/O thread starts its next read
+        at once (the disk keeps ``io_threads`` reads in flight). ``finish`` gets, per block,
+        whether it was read and matches its MAC (a False slot holds bytes nobody may use)."""
         if self._closed:
             self._count("read_failures", len(run))
             finish([False] * len(run))
             return
-        bb = self.block_bytes
-        assert self._read_rows is not None  # None only once closed, the I/O threads stopped
-        # One buffer per I/O thread and a run per thread at a time: one is always free.
-        with self._mutex:
-            buf = self._reads_free.pop()
-        row = self._read_rows[buf]
-        views = [row[i * bb : (i + 1) * bb].data for i in range(len(run))]
-        want = bb * len(run)
+        buf = self._take_read_buffer()
         try:
+            views = self._read_views[buf][: len(run)]
+            want = self.block_bytes * len(run)
             got = self.preadv(self._data_fd, views, run[0][0] * self.slot_bytes)
             if got != want:
                 raise OSError(errno.EIO, f"short read ({got} of {want} bytes)")
-            pool = self.pool.tensor.numpy()
-            for i, (_, _, pool_slot) in enumerate(run):
-                pool[pool_slot] = row[i * bb : (i + 1) * bb]
         except OSError as exc:
+            self._give_read_buffer(buf)
             self._failed("read", exc)
             self._count("read_failures", len(run))
             finish([False] * len(run))
             return
-        finally:
-            # The mapping's exports end here on every path (a traceback kept alive would
-            # otherwise hold ``row`` and make ``close`` fail).
-            del row
-            _release(views)
-            with self._mutex:
-                self._reads_free.append(buf)
-        pool_tensor = self.pool.tensor
-        dests = [pool_tensor[pool_slot].numpy().data for _, _, pool_slot in run]
+        except BaseException:
+            self._give_read_buffer(buf)
+            raise
         try:
-            checking = self._macs.submit(self._check_run, run, dests, finish)
+            checking = self._macs.submit(self._check_run, run, buf, finish)
         except RuntimeError:  # the MAC threads are shut down (closing): check here
-            self._check_run(run, dests, finish)
+            self._check_run(run, buf, finish)
             return
         checking.add_done_callback(finish.on_error)
 
-    def _check_run(
-        self, run: list[tuple[int, bytes, int]], dests: list[memoryview], finish: _Once
-    ) -> None:
-        """Check each block read into ``dests`` against its entry's MAC (keyed BLAKE3, the
-        GIL released while it hashes), release the views, and ``finish`` with the result."""
+    def _take_read_buffer(self) -> int:
+        """A free read buffer, waiting for the MAC threads to give one back if none is (two
+        per I/O thread: the wait is the MAC threads falling behind the disk)."""
+        with self._read_buffer_freed:
+            while not self._reads_free:
+                self._read_buffer_freed.wait()
+            return self._reads_free.pop()
+
+    def _give_read_buffer(self, buf: int) -> None:
+        with self._read_buffer_freed:
+            self._reads_free.append(buf)
+            self._read_buffer_freed.notify()
+
+    def _check_run(self, run: list[tuple[int, bytes, int]], buf: int, finish: _Once) -> None:
+        """Check each block of the run read into read buffer ``buf`` against its entry's MAC
+        (keyed BLAKE3, the GIL released while it hashes), copy the good ones into their pool
+        slots (numpy's copy releases the GIL too), give the buffer back, and ``finish`` with
+        the result. The MAC is of the bytes copied on, so no block reaches the pool that
+        failed its check."""
+        ok: list[bool] = []
         try:
-            ok = []
-            for (slot, key, _), dest in zip(run, dests, strict=True):
-                entry = self.index.entries.get(slot)
-                ok.append(
+            bb = self.block_bytes
+            rows = self._read_rows
+            assert rows is not None  # closing waits for these threads before dropping it
+            views = self._read_views[buf]
+            entries, mac_key = self.index.entries, self._keys.block
+            pool = self.pool.tensor.numpy()
+            for i, (slot, key, pool_slot) in enumerate(run):
+                entry = entries.get(slot)
+                good = (
                     entry is not None
                     and entry.key == key
-                    and hmac.compare_digest(block_mac(self._keys.block, key, dest), entry.mac)
+                    and hmac.compare_digest(block_mac(mac_key, key, views[i]), entry.mac)
                 )
+                if good:
+                    pool[pool_slot] = rows[buf, i * bb : (i + 1) * bb]
+                ok.append(good)
         finally:
-            _release(dests)
-        good = ok.count(True)
-        self._count("checksum_failures", len(run) - good)
-        self._count("reads", good)
-        self._count("bytes_read", self.block_bytes * good)
+            self._give_read_buffer(buf)
+        good_blocks = ok.count(True)
+        self._count("checksum_failures", len(run) - good_blocks)
+        self._count("reads", good_blocks)
+        self._count("bytes_read", self.block_bytes * good_blocks)
         finish(ok)
 
     def held_slots(self) -> frozenset[int]:
@@ -1155,6 +1191,9 @@ class DiskStore:
         self._close_fds()
         self._staging_rows = None  # its export of the mapping ends before the mapping
         self._staging.close()
+        for views in self._read_views:
+            _release(views)
+        self._read_views = []
         self._read_rows = None  # as the staging rows
         self._reads.close()
 

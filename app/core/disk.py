@@ -19,7 +19,8 @@ It is the ``disk`` tier of the lower-tier contract (``app.core.tier``), register
   free, or the tier degraded: the demotion is dropped and counted, never waited for.
 - **Lookups** (``found``): the in-memory index answers at once; the disk is not read.
 - **Promotion** (``promote``): ``app.core.promotion`` with a read from disk into the reserved
-  pool slots (through the store's read buffers), checked against each block's keyed MAC. A
+  pool slots (through the store's read buffers), checked against each block's keyed MAC, in
+  ``PROMOTION_PARTS`` chunks at least (an ``onload`` copies each on as it lands). A
   block that fails (torn, corrupt, forged, unreadable) is dropped from the disk (counted) and is
   a miss; its bytes are never loadable.
 - **Start** (``open_disk``): the store refuses a directory others could have planted files in
@@ -68,6 +69,10 @@ log = get_logger("disk")
 #: How often a degraded store tries a write again.
 PROBE_S = 1.0
 OnIO = Callable[[str, float, int, str | None], None]
+
+
+#: Chunks a promotion is split into at least (each ``read_blocks`` at most).
+PROMOTION_PARTS = 4
 
 
 class DiskLink(LowerTier):
@@ -481,7 +486,10 @@ class DiskLink(LowerTier):
         on_disk = [k for k in dict.fromkeys(keys) if pool.slot_of(k) is None]
         on_disk = [k for k, there in zip(on_disk, self.index.found(on_disk), strict=True) if there]
         started: list[asyncio.Task[None]] = []
-        step = self.read_blocks
+        # At least PROMOTION_PARTS chunks where there are blocks enough: a load copies each
+        # chunk on as it lands, so only the last chunk's copy comes after the last read (one
+        # chunk of a 16-block onload made the whole copy wait for all 16 reads).
+        step = max(1, min(self.read_blocks, -(-len(on_disk) // PROMOTION_PARTS)))
         for first in range(0, len(on_disk), step):
             task = self._promote(on_disk[first : first + step], req_id, protect)
             if task is None:  # no room (or nothing left on disk): later chunks fare no better

@@ -17,7 +17,7 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ import app.core.disk as disk_module
 from app.core.disk import DiskLink
 from app.core.service import Service
 from app.settings import ConfigError
+from manager import BlockKey
 from tests.api.harness import BLOCK, Harness, hexkeys, make_settings, running
 from transfer.disk import DiskStore, disk_bytes_for
 
@@ -681,12 +682,13 @@ async def test_an_onload_of_pool_and_disk_keys_survives_store_pressure_during_pr
 
 @pytest.mark.parametrize("second", ["read", "eio"])
 async def test_an_onload_copies_each_chunk_while_the_next_is_still_read(
-    tmp_path: Path, second: str
+    tmp_path: Path, second: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An onload of 16 disk keys is two promotions of 8 (``disk_batch_bytes``): the first
-    chunk's bytes reach the device cache while the second chunk's read is held, the job still
-    ``running``. Then either the second read completes (every byte arrives) or it fails with
-    EIO (the job fails, nothing stays pinned, its device blocks are untouched)."""
+    """An onload of 16 disk keys is promoted in four chunks of 4 (``PROMOTION_PARTS``, each
+    within ``disk_batch_bytes``): the first half's bytes reach the device cache while the
+    second half's reads are held, the job still ``running``. Then either those reads complete
+    (every byte arrives) or fail with EIO (the job fails, nothing stays pinned, its device
+    blocks are untouched)."""
     async with disk_node(tmp_path) as h:
         d = link(h)
         keys = hexkeys(*range(1, 49))
@@ -708,6 +710,14 @@ async def test_an_onload_copies_each_chunk_while_the_next_is_still_read(
             return int(real(fd, bufs, off))
 
         d.store.preadv = held
+        parts: list[int] = []
+        start = d.promotions.start
+
+        def counted(keys: Sequence[BlockKey], *args: Any) -> asyncio.Task[None] | None:
+            parts.append(len(keys))
+            return start(keys, *args)
+
+        monkeypatch.setattr(d.promotions, "start", counted)
         dev, cache_id = await h.device(16)
         for i in range(16):
             dev.write(i, b"\0" * BLOCK)
@@ -716,6 +726,7 @@ async def test_an_onload_copies_each_chunk_while_the_next_is_still_read(
         r = await h.post("/v1/requests/r/onload", body)
         assert r.status_code == 202, r.text
         job_id = r.json()["job_id"]
+        assert parts == [4, 4, 4, 4]
 
         async def first_chunk_copied() -> bool:
             return [dev.read(i) for i in range(8)] == [data[k] for k in load[:8]]

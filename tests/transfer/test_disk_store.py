@@ -10,11 +10,13 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+import transfer.disk as disk_module
 from transfer import HostPool
 from transfer.disk import (
     ENTRY_BYTES,
@@ -311,6 +313,61 @@ def test_submitted_reads_run_in_order_and_hold_their_slots_until_done(
     assert store.held_slots() == frozenset()
     assert [slot_bytes(pool, s) for s in (8, 9, 10, 11)] == [data[0], data[2], data[3], data[1]]
     assert store.submit_reads([]).result() == []
+
+
+def test_a_block_that_fails_its_mac_never_reaches_its_pool_slot(
+    pool: HostPool, open_store: Opener, tmp_path: Path
+) -> None:
+    store = open_store()
+    fill(pool, 0, 2)
+    assert write(store, 0, 0, b"k0")
+    with open(tmp_path / "d" / "blocks", "r+b") as f:
+        f.seek(7)
+        byte = f.read(1)[0]
+        f.seek(7)
+        f.write(bytes([byte ^ 1]))
+    before = fill(pool, 6, 9)
+    assert store.read_many([(0, b"k0", 6)]) == [False]
+    assert slot_bytes(pool, 6) == before  # the bad bytes stopped in the store's own buffer
+
+
+def test_reads_are_runs_of_read_run_bytes_and_overlap_their_checks(
+    pool: HostPool, open_store: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read takes ``READ_RUN_BYTES`` of contiguous slots at most, and the I/O thread reads the
+    next run while the MAC threads check the last one, two read buffers a thread: with the
+    checks held, one I/O thread has read two runs (and waits for a buffer), never a third."""
+    monkeypatch.setattr(disk_module, "READ_RUN_BYTES", 2 * BLOCK)
+    store = open_store(io_threads=1)
+    data = {i: fill(pool, i, i) for i in range(6)}
+    for i in range(6):
+        assert write(store, i, i, f"k{i}".encode())
+    reads: list[tuple[int, int]] = []
+    real_read = store.preadv
+
+    def counted(fd: int, bufs: list[memoryview], off: int) -> int:
+        reads.append((off // store.slot_bytes, len(bufs)))
+        return int(real_read(fd, bufs, off))
+
+    gate = threading.Event()
+    real_mac = disk_module.block_mac
+
+    def held_mac(mac_key: bytes, key: bytes, data: object) -> bytes:
+        gate.wait(10)
+        return real_mac(mac_key, key, data)  # type: ignore[arg-type]
+
+    store.preadv = counted
+    monkeypatch.setattr(disk_module, "block_mac", held_mac)
+    future = store.submit_reads([(i, f"k{i}".encode(), 8 + i) for i in range(6)])
+    deadline = time.monotonic() + 10
+    while len(reads) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)  # a third read, were it to come, has had the time to
+    assert reads == [(0, 2), (2, 2)]
+    gate.set()
+    assert future.result(10) == [True] * 6
+    assert reads == [(0, 2), (2, 2), (4, 2)]
+    assert [slot_bytes(pool, 8 + i) for i in range(6)] == [data[i] for i in range(6)]
 
 
 def test_reads_submitted_to_a_closed_store_read_nothing(pool: HostPool, open_store: Opener) -> None:
