@@ -37,6 +37,13 @@ def test_hash_is_the_low_64_bits_big_endian_as_vllm_sends_it():
     assert hash64(b"\xff" * 64) == 2**64 - 1
 
 
+@pytest.mark.parametrize("sizes", [[16] * 5, [32] * 3, [8, 8], [12] * 4, [16, 32, 16], [1]])
+def test_hashes_of_keys_of_any_length_are_their_low_64_bits(sizes):
+    keys = [bytes((i * 37 + j) % 256 for j in range(n)) for i, n in enumerate(sizes)]
+    (event,) = wire_events([BlockRemoved(1, keys)], None)
+    assert event[1] == [hash64(k) for k in keys]
+
+
 def test_media_map_to_names_routers_index():
     events: list[KVEvent] = [
         BlockStored(1, [K[0]], "CPU"),
@@ -233,6 +240,43 @@ def test_batches_go_out_in_vllm_framing_and_replay_answers_from_a_seq(tmp_path, 
         assert seqs[0] >= before
         assert pub.counts().replays == 2
         assert pub.counts().published == len(seqs) + 1  # the last batch held two events
+    finally:
+        pub.close()
+
+
+def test_batches_of_one_window_go_out_as_one_message_per_topic_in_order(tmp_path, ctx, monkeypatch):
+    """The calls of one coalescing window cost one wake-up and one message per topic: a
+    topic's consecutive batches merged in order, another topic's between them kept apart, and
+    metadata noted after a batch was offered still read when it is converted."""
+    import app.core.kv_publisher as kv_publisher
+
+    pub = KVEventPublisher(settings(tmp_path))
+    pub.start()
+    try:
+        sub = subscriber(ctx, pub.endpoint)
+        publish_until_received(pub, sub)
+        monkeypatch.setattr(kv_publisher, "COALESCE_S", 0.5)  # the calls below fit in it
+        meta = BlockMetadata(8)
+        a, b = pub.sink("a", meta), pub.sink("b", None)
+        a([BlockStored(1, K[:1])])
+        a([BlockRemoved(2, K[:1])])
+        b([BlockStored(3, K[1:2])])
+        a([BlockStored(4, K[2:3])])
+        meta.note(K[:1], [7], 1, None)  # noted before the window ends: the event carries it
+        got: list[tuple[bytes, list[Any]]] = []
+        tokens: list[Any] = []
+        while len(got) < 3:
+            topic, _, payload = sub.recv_multipart()
+            if topic != b"warmup":
+                events = msgpack.unpackb(payload)[1]
+                got.append((topic, [(e["type"], e["block_hashes"]) for e in events]))
+                tokens.append(events[0].get("token_ids"))
+        assert tokens[0] == [7]
+        assert got == [
+            (b"a", [("BlockStored", [hash64(K[0])]), ("BlockRemoved", [hash64(K[0])])]),
+            (b"b", [("BlockStored", [hash64(K[1])])]),
+            (b"a", [("BlockStored", [hash64(K[2])])]),
+        ]
     finally:
         pub.close()
 
