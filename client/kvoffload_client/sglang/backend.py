@@ -1,8 +1,8 @@
 """``KVOffloadStorage``: SGLang's ``HiCacheStorage`` over a kvoffload service (SGLang 0.5.23).
 
 Loaded by SGLang's ``dynamic`` storage backend, which builds it with ``(storage_config,
-kwargs)`` and then calls ``register_mem_pool_host(host_pool)``. Imports SGLang and torch, so
-it is imported only by SGLang (``kvoffload_client.sglang`` loads it on first use).
+kwargs)`` and then calls ``register_mem_pool_host(host_pool)``. Imports SGLang, so it
+is imported only by SGLang (``kvoffload_client.sglang`` loads it on first use).
 
 - **v1** (``interface_v1: 1``): ``batch_set_v1`` / ``batch_get_v1`` copy each page's regions,
   as ``host_pool.get_page_buffer_meta`` gives them, straight between SGLang's host pool and
@@ -25,7 +25,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import torch
+import numpy as np
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
@@ -93,7 +93,7 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
     def _keys(self, keys: Sequence[str]) -> list[bytes]:
         return [service_key(self.prefix, k) for k in keys]
 
-    def _pages(self, host_indices: torch.Tensor, n: int) -> list[list[Region]] | None:
+    def _pages(self, host_indices: Any, n: int) -> list[list[Region]] | None:
         """Each of the ``n`` pages' regions from the host pool's page metadata."""
         ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
         if n == 0 or len(ptrs) % n:
@@ -131,7 +131,7 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
     def batch_set_v1(
         self,
         keys: list[str],
-        host_indices: torch.Tensor,
+        host_indices: Any,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         """Store each key's page from the host pool; per key whether kvoffload holds it."""
@@ -142,13 +142,13 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
     def batch_get_v1(
         self,
         keys: list[str],
-        host_indices: torch.Tensor,
+        host_indices: Any,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         """Load each key's page into the host pool; per key whether it was loaded."""
         return self._v1("get", keys, host_indices)
 
-    def _v1(self, kind: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+    def _v1(self, kind: str, keys: list[str], host_indices: Any) -> list[bool]:
         """A v1 ``set`` or ``get`` of the pages at ``host_indices``; never raises."""
         store = self.store
         if store is None:
@@ -206,7 +206,7 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
         keys: list[str],
         target_locations: Any = None,
         target_sizes: Any = None,
-    ) -> list[torch.Tensor | None]:
+    ) -> list[Any]:
         """Fill ``target_locations[i]`` (contiguous flat pages) with the page of ``keys[i]``;
         per key the tensor, or None where it was not loaded."""
         store = self.store
@@ -226,9 +226,7 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
             store.counters["faults_internal"] += 1
             return [None] * len(keys)
 
-    def get(
-        self, key: str, target_location: Any = None, target_sizes: Any = None
-    ) -> torch.Tensor | None:
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
         """``batch_get`` of one page."""
         return self.batch_get([key], [target_location])[0]
 
@@ -273,14 +271,16 @@ def _page_bytes(mem_pool_host: Any, interface: str) -> int:
     """Bytes of one page as this backend keeps it."""
     page_size = int(mem_pool_host.page_size)
     if interface == "v1":
-        _, sizes = mem_pool_host.get_page_buffer_meta(torch.arange(page_size))
+        # Any index sequence with len() and tolist() will do: no torch import here (the
+        # engine side imports none; SGLang's process has it all the same).
+        _, sizes = mem_pool_host.get_page_buffer_meta(np.arange(page_size))
         return int(sum(sizes))
     page = mem_pool_host.get_dummy_flat_data_page()
     return int(page.numel() * page.element_size())
 
 
-def _bytes_of(value: Any) -> torch.Tensor:
-    """``value`` as a contiguous tensor (a copy only when it is not one)."""
-    if not isinstance(value, torch.Tensor):
+def _bytes_of(value: Any) -> Any:
+    """``value`` (a torch tensor) made contiguous (a copy only when it is not one)."""
+    if not hasattr(value, "contiguous") or not hasattr(value, "data_ptr"):
         raise TypeError(f"a page value must be a tensor, got {type(value).__name__}")
     return value.contiguous()

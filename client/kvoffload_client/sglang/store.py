@@ -39,7 +39,7 @@ from typing import Any
 import httpx
 
 from kvoffload_client.attach import MappedPool, map_pool, parse_url
-from kvoffload_client.block_copy import _move_all
+from kvoffload_client.block_copy import move_all
 from kvoffload_client.client import (
     Batch,
     KVOffloadAuthError,
@@ -336,7 +336,7 @@ class PageStore:
             moves = []
             for key, slot in zip(to_store, slots, strict=True):
                 moves.extend(_page_moves(current, slot, pages[index[key]], self.page_bytes, True))
-            _move_all(moves)
+            move_all(moves)
         except (KeyError, IndexError, ValueError) as exc:
             self._fault("bad_answer", f"a store it answered cannot be copied ({exc})")
             ok = False
@@ -375,7 +375,7 @@ class PageStore:
             moves = []
             for slot, page in zip(slots, pages, strict=True):
                 moves.extend(_page_moves(current, slot, page, self.page_bytes, False))
-            _move_all(moves)
+            move_all(moves)
         except (IndexError, ValueError) as exc:
             self._fault("bad_answer", f"a load it answered cannot be copied ({exc})")
             ok = False
