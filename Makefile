@@ -6,6 +6,8 @@
 #   make test-vllm  the tier's tests inside vLLM 0.33.0's real code (own venv: .venv-vllm)
 #   make test-engine  real vLLM CPU engines through kvoffload, a tiny model made at test time (.venv-engine)
 #   make test-router  kvoffload's KV events read by Dynamo's real KV indexer (.venv-dynamo)
+#   make test-sglang  the SGLang HiCache backend inside SGLang 0.5.23's own code (.venv-sglang)
+#   make bench-sglang  pages/s through kvoffload vs SGLang's file backend (.venv-sglang)
 #   make test-remote  the remote tier against a real Mooncake Store (adds the mooncake extra)
 #   make test-object  the object tier against a real S3 server (a one-node Ceph RGW; root)
 #   make object-local  a local S3 endpoint with a bucket, to try the object tier (Ceph; Ctrl-C)
@@ -120,6 +122,28 @@ $(ENGINE_STAMP): pyproject.toml client/pyproject.toml requirements/engine-test.t
 test-engine: $(ENGINE_STAMP) $(VLLM_STAMP)
 	KVOFFLOAD_REQUIRE_ENGINE=1 $(ENGINE_PY) -m pytest tests/engine $(PYTEST_ARGS)
 	KVOFFLOAD_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest tests/engine/test_host_copy.py $(PYTEST_ARGS)
+
+# SGLang 0.5.23's own code on the CPU (tests/sglang): its host pools, its cache controller and
+# its dynamic storage backend factory driving kvoffload_client.sglang against a real kvoffload
+# serve. Own venv, .venv-sglang, built once and kept like .venv-vllm: CPU torch, sglang without
+# its dependencies (its CUDA stack is not needed), then only what it imports on the CPU
+# (requirements/sglang-test.txt), then this package. KVOFFLOAD_REQUIRE_SGLANG=1: a missing
+# SGLang fails the run instead of skipping the directory.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+SGLANG_STAMP := $(SGLANG_VENV)/.kvoffload-installed
+.PHONY: test-sglang bench-sglang
+
+$(SGLANG_STAMP): pyproject.toml client/pyproject.toml requirements/sglang-test.txt
+	$(call vllm_venv,$(SGLANG_VENV),sglang,requirements/sglang-test.txt,.[dev])
+
+test-sglang: $(SGLANG_STAMP)
+	KVOFFLOAD_REQUIRE_SGLANG=1 $(SGLANG_PY) -m pytest tests/sglang $(PYTEST_ARGS)
+
+# bench/sglang_backend.py: pages/s set and got through kvoffload and through SGLang's file
+# backend, in one run on this machine.
+bench-sglang: $(SGLANG_STAMP)
+	$(SGLANG_PY) bench/sglang_backend.py
 
 # Dynamo's standalone KV indexer (ai-dynamo-runtime, pinned in requirements/dynamo-test.txt), the
 # real router consumer of kvoffload's KV events (tests/router). Own venv, .venv-dynamo, built
@@ -249,4 +273,4 @@ bench: setup
 	$(PY) bench/router.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(ENGINE_VENV) $(DYNAMO_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis bench/results
+	rm -rf $(VENV) $(VLLM_VENV) $(ENGINE_VENV) $(DYNAMO_VENV) $(SGLANG_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis bench/results

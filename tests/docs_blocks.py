@@ -26,6 +26,7 @@ HAND_WRITTEN = (
     "architecture.md",
     "api.md",
     "vllm.md",
+    "sglang.md",
     "tiers.md",
     "security.md",
     "operations.md",

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-__all__ = ["BlockCopier", "default_copy_threads"]
+__all__ = ["BlockCopier", "default_copy_threads", "move_all"]
 
 PARALLEL_MIN_BYTES = 4 << 20
 """Below this many bytes a copy runs on the caller's thread (threads cost more than they win)."""
@@ -79,7 +79,7 @@ class BlockCopier:
         ]
         total = len(dst_rows) * row
         if self._pool is None or total < PARALLEL_MIN_BYTES:
-            _move_all(moves)
+            move_all(moves)
             return
         # Split into about `threads` shares of equal bytes (a long run is cut in pieces).
         share = -(-total // self.threads)
@@ -93,8 +93,8 @@ class BlockCopier:
                 if left == 0:
                     shares.append([])
                     left = share
-        futures = [self._pool.submit(_move_all, part) for part in shares[1:] if part]
-        _move_all(shares[0])
+        futures = [self._pool.submit(move_all, part) for part in shares[1:] if part]
+        move_all(shares[0])
         for f in futures:
             f.result()
 
@@ -104,7 +104,9 @@ class BlockCopier:
             self._pool.shutdown(wait=True)
 
 
-def _move_all(moves: list[tuple[int, int, int]]) -> None:
+def move_all(moves: list[tuple[int, int, int]]) -> None:
+    """Run ``(dst, src, nbytes)`` memory moves in order on this thread (``memmove`` releases
+    the GIL)."""
     move = ctypes.memmove
     for d, s, n in moves:
         move(d, s, n)

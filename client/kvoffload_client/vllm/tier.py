@@ -10,7 +10,6 @@ import threading
 import time
 from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
-from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
@@ -30,6 +29,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
+from kvoffload_client.attach import parse_url
 from kvoffload_client.client import KVOffloadClient
 from kvoffload_client.pool_socket import default_pool_socket
 from kvoffload_client.vllm.compat import ConfigInfoMapping, warn_if_unsupported
@@ -374,15 +374,3 @@ def check_prefetch_deadline(value: object) -> float:
             f"prefetches), got {value!r}"
         )
     return deadline
-
-
-def parse_url(url: str) -> tuple[str | None, str | None]:
-    """(base_url, uds) of a tier ``url``: ``unix:///path`` or ``http(s)://host:port``."""
-    parts = urlsplit(url)
-    if parts.scheme == "unix":
-        if not parts.path:
-            raise ValueError(f"kvoffload tier url {url!r} names no socket path")
-        return None, parts.path
-    if parts.scheme in ("http", "https"):
-        return url.rstrip("/"), None
-    raise ValueError(f"kvoffload tier url {url!r}: use unix:///path or http://host:port")
