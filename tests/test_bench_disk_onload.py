@@ -12,13 +12,13 @@ def test_the_stage_table_takes_each_calls_spans_relative_to_its_start() -> None:
     spans = [
         ("read syscalls", 10.001, 10.004, 0.0001),
         ("read syscalls", 10.002, 10.006, 0.0001),
-        ("MAC checks", 10.005, 10.007, 0.002),
+        ("MAC checks + pool copy", 10.005, 10.007, 0.002),
         ("read syscalls", 20.002, 20.012, 0.0002),
-        ("MAC checks", 20.013, 20.015, 0.001),
+        ("MAC checks + pool copy", 20.013, 20.015, 0.001),
         ("read syscalls", 30.0, 30.1, 0.1),  # in no call: left out
     ]
     table = stage_table({"spans": spans, "missing": ["job observed"]}, calls)
-    reads, macs = table["stages"]["read syscalls"], table["stages"]["MAC checks"]
+    reads, macs = table["stages"]["read syscalls"], table["stages"]["MAC checks + pool copy"]
     # Medians over the two calls: starts 1 and 2 ms, ends 6 and 12, sums 7 and 10.
     assert reads["start"] == pytest.approx(1.5)
     assert reads["end"] == pytest.approx(9.0)
