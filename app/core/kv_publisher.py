@@ -299,14 +299,13 @@ def load_modules() -> tuple[Any, Any]:
 
 
 class _Batch(NamedTuple):
-    """One batch on its way to the publisher's thread: the pull feed's events (``raw``, with
-    their namespace's metadata) or events already in their wire form."""
+    """One batch on its way to the publisher's thread: the pull feed's events, with their
+    namespace's metadata."""
 
     topic: bytes
     ts: float
-    events: Sequence[Any]
+    events: Sequence[KVEvent]
     meta: BlockMetadata | None
-    raw: bool
 
 
 class PublisherCounts(NamedTuple):
@@ -440,16 +439,12 @@ class KVEventPublisher:
         topic = self.topic(namespace)
 
         def offer(events: Sequence[KVEvent]) -> None:
-            self._put(_Batch(topic, time.time(), events, meta, True))
+            self._put(_Batch(topic, time.time(), events, meta))
 
         return offer
 
-    def offer(self, topic: bytes, events: list[WireEvent]) -> None:
-        """Queue one batch of events already in their wire form for sending, never waiting: a
-        full queue drops it (counted)."""
-        self._put(_Batch(topic, time.time(), events, None, False))
-
     def _put(self, batch: _Batch) -> None:
+        """Queue one batch for the thread, never waiting: a full queue drops it (counted)."""
         if not batch.events:
             return
         pending = self._pending
@@ -480,9 +475,7 @@ class KVEventPublisher:
                 time.sleep(COALESCE_S)  # the window: the next calls' batches join this one
             for batch in self._window():
                 try:
-                    events = (
-                        wire_events(batch.events, batch.meta) if batch.raw else list(batch.events)
-                    )
+                    events = wire_events(batch.events, batch.meta)
                     self._send(pack, batch.topic, batch.ts, events)
                 except Exception:
                     # The batch is lost (its events counted dropped); the next one goes on.
@@ -492,18 +485,13 @@ class KVEventPublisher:
                 return
 
     def _window(self) -> list[_Batch]:
-        """The batches queued so far, in order, consecutive batches of one topic and kind
-        merged into one (the first one's time stamp)."""
+        """The batches queued so far, in order, consecutive batches of one topic merged into one
+        (the first one's time stamp)."""
         pending, merged = self._pending, list[_Batch]()
         while pending:
             batch = pending.popleft()
             last = merged[-1] if merged else None
-            if (
-                last is not None
-                and last.topic == batch.topic
-                and last.raw == batch.raw
-                and last.meta is batch.meta
-            ):
+            if last is not None and last.topic == batch.topic and last.meta is batch.meta:
                 merged[-1] = last._replace(events=[*last.events, *batch.events])
             else:
                 merged.append(batch)

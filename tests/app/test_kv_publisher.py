@@ -176,9 +176,9 @@ def subscriber(ctx: Sockets, endpoint: str) -> zmq.Socket[bytes]:
 def publish_until_received(pub: KVEventPublisher, sub: zmq.Socket[bytes]) -> list[bytes]:
     """Offer a marker batch until the subscriber has joined (ZMQ drops what a PUB sends before
     a subscription reaches it), then answer the first frames it got."""
-    topic = pub.topic("warmup")
+    warmup = pub.sink("warmup", None)
     for _ in range(100):
-        pub.offer(topic, [("AllBlocksCleared",)])
+        warmup([AllBlocksCleared(0)])
         if sub.poll(100):
             return sub.recv_multipart()
     raise AssertionError("the subscriber never joined")
