@@ -41,6 +41,7 @@ import contextlib
 import errno
 import gc
 import grp
+import math
 import os
 import signal
 import socket
@@ -178,7 +179,7 @@ def listen_tcp(settings: Settings, listener: str) -> socket.socket:
     host: str = getattr(settings, f"{prefix}host")
     port: int = getattr(settings, f"{prefix}port")
     try:
-        return bind_tcp(host, port)
+        sock = bind_tcp(host, port)
     except OSError as exc:
         where = host_port(host, port)
         if exc.errno == errno.EADDRINUSE:
@@ -194,6 +195,21 @@ def listen_tcp(settings: Settings, listener: str) -> socket.socket:
             f"cannot listen on {where} ({listener} listener: {why}); accepted: an address of "
             "this machine (127.0.0.1, ::1, 0.0.0.0, ...)",
         ) from None
+    if listener == "admin":
+        defer_accept(sock, settings.head_timeout_s)
+    return sock
+
+
+def defer_accept(sock: socket.socket, seconds: float) -> None:
+    """Have the kernel hand a connection of ``sock`` to the service only once its first bytes
+    arrived, or ``seconds`` (rounded up) after its handshake (Linux ``TCP_DEFER_ACCEPT``; a
+    no-op elsewhere). A connection that stays silent is held by the kernel, not the service:
+    it takes no slot under the admin listener's caps, so silent connections reopened as fast
+    as they are closed cannot evict the operator's connection before its request is read
+    (``app.http.connections``)."""
+    option = getattr(socket, "TCP_DEFER_ACCEPT", None)
+    if option is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, option, max(1, math.ceil(seconds)))
 
 
 def socket_group(settings: Settings) -> int | None:

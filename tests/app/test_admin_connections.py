@@ -7,6 +7,8 @@ against a real ``kvoffload serve``: tests/e2e/test_admin_flood.py.
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Iterator
 from typing import Any, cast
 
 import pytest
@@ -17,13 +19,17 @@ from app.settings import ConfigError, load_settings
 
 
 class _Transport:
-    """A TCP transport from ``host`` that records its abort."""
+    """A TCP transport from ``host`` that records its abort (``sock``: the socket eviction
+    asks for unread bytes, none when None)."""
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, sock: socket.socket | None = None) -> None:
         self.host = host
+        self.sock = sock
         self.aborted = False
 
     def get_extra_info(self, name: str) -> Any:
+        if name == "socket":
+            return self.sock
         return (self.host, 40000) if name == "peername" else None
 
     def abort(self) -> None:
@@ -34,11 +40,18 @@ class _Conn:
     """What ``admit`` and the eviction read of a connection (``connection_made`` sets phase
     and start after ``admit``: here they are set first)."""
 
-    def __init__(self, phase: int, since: float, host: str, keep_alive: bool = False) -> None:
+    def __init__(
+        self,
+        phase: int,
+        since: float,
+        host: str,
+        keep_alive: bool = False,
+        sock: socket.socket | None = None,
+    ) -> None:
         self.guard_phase = phase
         self.guard_since = since
         self.guard_peer: str | None = None
-        self.transport = _Transport(host)
+        self.transport = _Transport(host, sock)
         self.keep_alive = keep_alive
 
     def guard_waiting(self) -> bool:
@@ -82,6 +95,40 @@ def test_past_the_listener_s_cap_anyone_s_oldest_waiting_connection_makes_room()
     assert silent.transport.aborted
     assert guard.closed["listener_cap"] == 2
     assert len(guard.open) == 3
+
+
+@pytest.fixture
+def socket_pairs() -> Iterator[list[tuple[socket.socket, socket.socket]]]:
+    """Four TCP connections on 127.0.0.1 (accepted side, client side), closed after the test."""
+    pairs = []
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        for _ in range(4):
+            client = socket.create_connection(listener.getsockname())
+            pairs.append((listener.accept()[0], client))
+    yield pairs
+    for pair in pairs:
+        for sock in pair:
+            sock.close()
+
+
+def test_a_connection_whose_request_is_unread_is_passed_over_while_another_can_go(
+    socket_pairs: list[tuple[socket.socket, socket.socket]],
+) -> None:
+    # The operator's connection, accepted before a burst of the flood's and its request not
+    # read yet, is the oldest waiting: the next silent one goes instead (CI lost a call so).
+    (op_srv, op_cli), (a_srv, _a_cli), (b_srv, b_cli), (c_srv, _c_cli) = socket_pairs
+    guard = ConnectionGuard("admin", ConnectionLimits(5.0, 30.0, 8, 2, evict_waiting=True))
+    operator = _Conn(HEAD, 1.0, "127.0.0.1", sock=op_srv)
+    silent = _Conn(HEAD, 2.0, "127.0.0.1", sock=a_srv)
+    op_cli.sendall(b"GET /admin/v1/stats HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert [admit(guard, c) for c in (operator, silent)] == [True, True]
+    assert admit(guard, _Conn(HEAD, 3.0, "127.0.0.1", sock=b_srv))
+    assert (operator.transport.aborted, silent.transport.aborted) == (False, True)
+    # Once every waiting connection has bytes unread, the oldest of them goes after all.
+    b_cli.sendall(b"GET / HTTP/1.1\r\n")
+    assert admit(guard, _Conn(HEAD, 4.0, "127.0.0.1", sock=c_srv))
+    assert operator.transport.aborted
+    assert guard.closed["peer_cap"] == 2
 
 
 def test_with_nothing_waiting_or_on_the_engine_listener_the_new_connection_is_refused() -> None:
