@@ -31,4 +31,5 @@ else:
         import kvoffload_client.sglang.backend  # noqa: F401
         import sglang.srt.managers.cache_controller
         import sglang.srt.mem_cache.pool_host.mha
-        import sglang.srt.mem_cache.storage.backend_factory  # noqa: F401
+        import sglang.srt.mem_cache.storage.backend_factory
+        import sglang.test.kits.unified_radix_cache.storage  # noqa: F401
