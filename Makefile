@@ -123,9 +123,9 @@ test-engine: $(ENGINE_STAMP) $(VLLM_STAMP)
 	KVOFFLOAD_REQUIRE_ENGINE=1 $(ENGINE_PY) -m pytest tests/engine $(PYTEST_ARGS)
 	KVOFFLOAD_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest tests/engine/test_host_copy.py $(PYTEST_ARGS)
 
-# SGLang 0.5.23's own code on the CPU (tests/sglang): its host pools, its cache controller and
-# its dynamic storage backend factory driving kvoffload_client.sglang against a real kvoffload
-# serve. Own venv, .venv-sglang, built once and kept like .venv-vllm: CPU torch, sglang without
+# SGLang 0.5.23's own code on the CPU (tests/sglang): its host pools, its cache controller, its
+# dynamic storage backend factory and its radix cache's L3 produce and consume flow driving
+# kvoffload_client.sglang against a real kvoffload serve. Own venv, .venv-sglang, built once and kept like .venv-vllm: CPU torch, sglang without
 # its dependencies (its CUDA stack is not needed), then only what it imports on the CPU
 # (requirements/sglang-test.txt), then this package. KVOFFLOAD_REQUIRE_SGLANG=1: a missing
 # SGLang fails the run instead of skipping the directory.
