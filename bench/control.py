@@ -74,7 +74,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -86,6 +86,7 @@ if str(ROOT) not in sys.path:
 from bench import harness  # noqa: E402
 from manager import ReqContext, create_manager  # noqa: E402
 from manager.replay import parse_trace  # noqa: E402
+from testsupport.polling import until_async  # noqa: E402
 
 if TYPE_CHECKING:
     from app.core.disk import DiskLink
@@ -351,14 +352,6 @@ async def disk_service(
         yield h
 
 
-async def until_true(pred: Callable[[], bool], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met in time")
-        await asyncio.sleep(0.002)
-
-
 class Sessions:
     """Sessions whose blocks sit on disk only, loaded back as an engine resumes them."""
 
@@ -384,7 +377,9 @@ class Sessions:
         r = await self.h.post("/v1/requests/demote/demote", {"keys": keys})
         assert r.status_code == 200, r.text
         assert len(r.json()["moved"]) == len(keys), r.text
-        await until_true(lambda: sum(self.counts()) >= written)
+        await until_async(
+            "every block written", lambda: sum(self.counts()) >= written, 60, every_s=0.002
+        )
         assert self.counts()[1] == 0, dict(self.disk.counts)
 
     async def put_on_disk(self, sessions: int) -> None:

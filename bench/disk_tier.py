@@ -76,7 +76,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -88,6 +88,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from app.core.disk import DiskLink
 from app.settings import Settings
 from bench.harness import RESULTS_DIR, machine, read_trace, write_results
+from testsupport.polling import until_async
 from transfer.disk import DiskStore, block_mac, disk_bytes_for, slots_for
 from transfer.host_pool import HostPool
 
@@ -439,14 +440,6 @@ async def service(**overrides: Any) -> AsyncIterator[Any]:
         yield h
 
 
-async def until(pred: Callable[[], bool], timeout_s: float = 120.0, step: float = 0.002) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met in time")
-        await asyncio.sleep(step)
-
-
 async def store_keys(h: Any, req: str, keys: list[str], fill: int | None = None) -> None:
     """Store ``keys`` through the pool (prepare/complete-store); ``fill``: a seed for random
     bytes written into their slots first (None: the pool's bytes as they are)."""
@@ -603,7 +596,7 @@ async def part_a_service(
                         def all_out(w: int = want) -> bool:
                             return demoted(h) + dropped(h) >= w
 
-                        await until(all_out)
+                        await until_async("every block out", all_out, 120, every_s=0.002)
                         demote_s.append(time.perf_counter() - t)
                         # Every thread of this process: the loop's copy, the MACs, the I/O.
                         demote_cpu_s.append(time.process_time() - cpu)
@@ -643,7 +636,9 @@ async def part_a_service(
 
         before = demoted(h)
         await onload(0)
-        await until(lambda: demoted(h) + dropped(h) >= before + n)
+        await until_async(
+            "the demotions done", lambda: demoted(h) + dropped(h) >= before + n, 120, every_s=0.002
+        )
         writes_before = disk.store.health().counters["writes"]
         phases.clear()
         pool = h.service.transfers().pool.tensor

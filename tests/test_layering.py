@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"app": ROOT, "manager": ROOT, "transfer": ROOT, "kvoffload_client": ROOT / "client"}
 
 # The app's rooms, lowest first. A module may import app modules of its own rank or lower.
-# A new module must be given its room here (the test names it otherwise).
+# A new module directly under app/ (or a new package there) must be named here (the test names
+# it otherwise); a module deeper takes its package's room.
 APP_RANKS: dict[str, int] = {
     "app": 0,  # the package root: a docstring and the version lookup
     "app.settings": 0,
@@ -190,13 +191,36 @@ def test_app_imports_only_downward(name: str) -> None:
     assert upward == [], f"{name} (room {room(name)}) imports upward: {upward}"
 
 
+def roomless(modules: list[str]) -> list[str]:
+    """The app modules whose room is not named in ``APP_RANKS``: a module directly under
+    ``app/`` or a package there must be named itself (every name starts with ``app``, so the
+    root's rank would otherwise take any module in silently); one deeper takes its package's."""
+    return [n for n in modules if n != "app" and ".".join(n.split(".")[:2]) not in APP_RANKS]
+
+
 def test_every_app_module_has_a_room() -> None:
-    roomless = [
-        n
-        for n in MODULES
-        if n.split(".")[0] == "app" and not any(n == r or n.startswith(r + ".") for r in APP_RANKS)
+    assert roomless([n for n in MODULES if n.split(".")[0] == "app"]) == []
+
+
+def test_the_room_check_names_a_new_module_directly_under_app() -> None:
+    assert roomless(["app.server", "app.core.service", "app.brand_new", "app.newpkg.mod"]) == [
+        "app.brand_new",
+        "app.newpkg.mod",
     ]
-    assert roomless == []
+
+
+def test_the_architecture_page_names_every_module() -> None:
+    # The page's room lists are where a newcomer looks first: a module it does not name is one
+    # they will not find there. File names only (the page lists them per package).
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    unnamed = sorted(
+        str(path.relative_to(ROOT))
+        for path in MODULES.values()
+        if path.name != "__init__.py"
+        and f"`{path.name}`" not in page
+        and f"`{path.parent.name}/{path.name}`" not in page
+    )
+    assert unnamed == [], "docs/architecture.md names none of these modules"
 
 
 def server_imports(name: str, path: Path) -> list[str]:

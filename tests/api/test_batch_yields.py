@@ -19,7 +19,7 @@ import uvicorn
 import app.http.routes.engine as engine
 from app.http.errors import APIError
 from app.http.routes.engine import _BatchRunner
-from tests.api.harness import Harness, hexkeys, make_settings
+from tests.api.harness import Harness, hexkeys, make_settings, running
 from tests.e2e.server import free_port
 
 pytestmark = pytest.mark.anyio
@@ -178,3 +178,60 @@ async def test_validated_op_by_op_refuses_as_the_whole_body_does(
 ) -> None:
     runner = _BatchRunner(make_settings(max_keys_per_call=64, max_batch_ops=4))
     assert await split_refusal(runner, raw) == refusal(lambda: runner.validated(raw))
+
+
+async def test_a_large_answer_is_sent_in_pieces_with_the_loop_given_way_between(
+    every_op_yields: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over a real uvicorn, the answer of 8 stores of 2,048 keys (about 400 kB) is sent as it
+    was made, in pieces of ``ANSWER_PIECE_BYTES``, the loop turning between them; the client
+    reads one answer of its ``content-length``, each op's result whole and in order."""
+    monkeypatch.setattr(engine, "ANSWER_PIECE_BYTES", 64 << 10)
+    keys = [hexkeys(*range(j * 2048, (j + 1) * 2048)) for j in range(8)]
+    ops: list[dict[str, Any]] = [{"op": "prepare_store", "req_id": "r1", "keys": k} for k in keys]
+    ops.append({"op": "touch", "req_id": "missing", "keys": keys[0][:1]})  # an error's piece
+    sends: list[tuple[int, int]] = []  # (body bytes, loop turns so far) of each body message
+    call = engine.PiecesResponse.__call__
+    count = [0]
+
+    async def watched(self: engine.PiecesResponse, scope: Any, receive: Any, send: Any) -> None:
+        async def watching(message: Any) -> None:
+            if message["type"] == "http.response.body":
+                sends.append((len(message["body"]), count[0]))
+            await send(message)
+
+        await call(self, scope, receive, watching)
+
+    monkeypatch.setattr(engine.PiecesResponse, "__call__", watched)
+    settings = make_settings(num_blocks=1 << 15, max_keys_per_call=2048, max_body_bytes=8 << 20)
+    async with running(settings) as h:
+        await h.start()
+        count, stop = await ticking()
+        port = free_port()
+        server = uvicorn.Server(
+            uvicorn.Config(h.app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+        )
+        serving = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+                r = await c.post("/v1/batch", json={"ops": ops})
+        finally:
+            server.should_exit = True
+            await serving
+            stop()
+    assert r.status_code == 200
+    assert int(r.headers["content-length"]) == len(r.content) > 400_000
+    results = r.json()["results"]
+    assert [x["status"] for x in results] == [200] * 8 + [404]
+    assert results[8]["error"]["code"] == "unknown_request"
+    for j, result in enumerate(results[:8]):
+        assert result["result"]["keys_to_store"] == keys[j]
+        assert len(result["result"]["slots"]) == 2048
+    assert sum(size for size, _ in sends) == len(r.content)
+    # Ops' answers grouped to at least a piece a message (one op's answer is never split).
+    assert len(sends) >= 4
+    assert all(size >= 64 << 10 for size, _ in sends[:-1])
+    turns = [t for _, t in sends]
+    assert turns[-1] > turns[0]  # other callbacks ran while the answer was going out

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 import httpx
 import pytest
 from kvoffload_client.client import AsyncKVOffloadClient, Batch, KVOffloadError
 
 from tests.api.harness import Harness
+from testsupport.polling import until_async
 
 pytestmark = pytest.mark.anyio
 
@@ -78,18 +78,11 @@ async def test_async_client_renews_a_lease_until_unregistered_or_gone(h: Harness
                 renewals.append(request.url.path)
             return await super().handle_async_request(request)
 
-    async def eventually(cond: Callable[[], bool]) -> None:
-        for _ in range(1000):
-            if cond():
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError("condition never became true")
-
     async with AsyncKVOffloadClient("http://engine", transport=Counting(h.app)) as c:
         cache = await c.register_kv_cache(dev.spec(), lease_s=0.3)
         assert c.renewing == [cache.cache_id]
         # Several leases' worth of renewals: the registration is still there.
-        await eventually(lambda: len(renewals) >= 8)
+        await until_async("len(renewals) >= 8", lambda: len(renewals) >= 8)
         assert [x.cache_id for x in await c.kv_caches()] == [cache.cache_id]
         await c.unregister_kv_cache(cache.cache_id)
         assert c.renewing == []
@@ -97,7 +90,7 @@ async def test_async_client_renews_a_lease_until_unregistered_or_gone(h: Harness
         other = await c.register_kv_cache({**dev.spec(), "name": "other"}, lease_s=0.3)
         r = await h.client.delete(f"/v1/kv-caches/{other.cache_id}")
         assert r.status_code in (200, 204), r.text
-        await eventually(lambda: c.renewing == [])
+        await until_async("c.renewing == []", lambda: c.renewing == [])
         # Without renew the lease lapses; aclose stops a renewer still running.
         kept = await c.register_kv_cache({**dev.spec(), "name": "kept"}, lease_s=30.0)
         lapsing = await c.register_kv_cache({**dev.spec(), "name": "l"}, lease_s=0.2, renew=False)

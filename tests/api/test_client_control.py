@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from kvoffload_client.client import (
 
 from tests.api.harness import BLOCK, Harness, make_settings, running
 from tests.e2e.server import free_port
+from testsupport.polling import until
 from transfer.disk import disk_bytes_for
 
 NO_KEPT = {"pinned": 0, "retained": 0, "pending": 0, "not_in_pool": 0, "refused": 0}  # demote
@@ -126,13 +127,6 @@ def live_service(**overrides: Any) -> Iterator[Live]:
             raise failed[0]
 
 
-def eventually(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition never became true"
-        time.sleep(0.02)
-
-
 def stored(c: KVOffloadClient, req_id: str, keys: list[bytes]) -> None:
     """Make ``keys`` ready in the pool (a store whose bytes are whatever the slots hold)."""
     c.start_request(req_id)
@@ -204,7 +198,10 @@ def test_sync_client_covers_every_control_call(tmp_path: Path) -> None:
         assert isinstance(hint, Hint)
         assert hint.moved == keys[4:7]
         assert hint.kept == NO_KEPT
-        eventually(lambda: c.lookup("w", keys[4:7]).results == ["disk"] * 3)
+        until(
+            "the demoted keys found on disk",
+            lambda: c.lookup("w", keys[4:7]).results == ["disk"] * 3,
+        )
 
         # prefetch: brought up, held, then waited on and cancelled.
         p = c.prefetch("agent", keys[4:7], 30.0)

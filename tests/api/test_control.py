@@ -11,8 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from app.telemetry.logging import AUDIT_LOGGER, fields_of
 from tests.api.harness import BLOCK, TOKEN, Harness, hexkeys, make_settings, running
 from tests.api.test_disk_tier import gated, pool_bytes, store
 from tests.app.exposition import OPENMETRICS, parse
+from testsupport.polling import until_async
 from transfer.disk import disk_bytes_for
 
 pytestmark = pytest.mark.anyio
@@ -105,13 +105,6 @@ def error(r: httpx.Response) -> tuple[int, str]:
     return r.status_code, r.json()["error"]["code"]
 
 
-async def until(predicate: Callable[[], Awaitable[bool]], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
-
-
 async def disk_stats(h: Harness) -> dict[str, Any]:
     r = await h.admin.get("/admin/v1/stats")
     assert r.status_code == 200, r.text
@@ -125,7 +118,7 @@ async def demoted(h: Harness, count: int) -> None:
     async def done() -> bool:
         return bool((await disk_stats(h))["demotions"]["written"] >= count)
 
-    await until(done)
+    await until_async("done", done)
 
 
 async def on_disk(h: Harness, count: int = 8) -> tuple[list[str], dict[str, bytes]]:
@@ -265,7 +258,7 @@ async def test_a_retention_expires_through_the_lease_sweeper(h: Harness) -> None
         assert r.status_code in (200, 404), r.text
         return r.status_code == 404
 
-    await until(gone, 5.0)
+    await until_async("gone", gone, 5.0)
     assert (await retentions(h))["retained_blocks"] == 0
     await flood(h)
     assert await lookup(h, hexkeys(1, 2)) == ["miss", "miss"]
@@ -496,7 +489,7 @@ async def test_retain_promotes_keys_on_disk_and_keeps_them_once_they_land(
         async def landed() -> bool:
             return bool((await h.client.get("/v1/retentions/s")).json()["in_pool"] == 5)
 
-        await until(landed)
+        await until_async("landed", landed)
         assert await lookup(h, cold[:4]) == ["hit"] * 4
         await flood(h)
         assert await lookup(h, [*cold[:4], *warm]) == ["hit"] * 5
@@ -549,7 +542,8 @@ async def test_prefetch_brings_disk_keys_up_holds_them_and_a_load_uses_them(
         async def unheld() -> bool:
             return h.service.manager.manager.num_pinned == 0
 
-        await until(unheld)  # no hold left behind: the prefetch's nor its promotions'
+        # No hold left behind: the prefetch's nor its promotions'.
+        await until_async("nothing pinned", unheld)
         control = (await h.admin.get("/admin/v1/stats")).json()["control"]
         assert (control["prefetches_live"], control["prefetch_keys"]) == (0, 0)
         # Used and no longer held: evictable again.
@@ -581,7 +575,7 @@ async def test_a_prefetch_past_its_deadline_is_wasted(h: Harness) -> None:
     async def over() -> bool:
         return bool((await get_prefetch(h, p["prefetch_id"]))["state"] == "done")
 
-    await until(over)
+    await until_async("over", over)
     done = await get_prefetch(h, p["prefetch_id"])
     assert done["counts"]["wasted"] == 3
     assert done["counts"].get("used", 0) == 0
@@ -757,7 +751,7 @@ async def test_demote_moves_blocks_to_disk_with_their_bytes(tmp_path: Path) -> N
         async def back() -> bool:
             return await lookup(h, keys[:3]) == ["hit"] * 3
 
-        await until(back)
+        await until_async("back", back)
         slots = await pin(h, "r", keys[:3])
         assert [pool_bytes(h, s) for s in slots] == [data[k] for k in keys[:3]]
 
@@ -804,7 +798,7 @@ async def test_demote_admits_what_the_disk_admission_would_refuse(tmp_path: Path
         async def back() -> bool:
             return await lookup(h, keys) == ["hit", "hit"]
 
-        await until(back)
+        await until_async("back", back)
         slots = await pin(h, "r", keys)
         assert [pool_bytes(h, s) for s in slots] == [data[k] for k in keys]
 
@@ -864,7 +858,7 @@ async def test_drop_leaves_the_copies_below(tmp_path: Path) -> None:
         async def landed() -> bool:
             return bool((await h.client.get("/v1/retentions/up")).json()["in_pool"] == 2)
 
-        await until(landed)
+        await until_async("landed", landed)
         assert (await h.client.delete("/v1/retentions/up")).status_code == 200
         r = await h.post("/v1/requests/hint/drop", {"keys": keys})
         assert r.json()["moved"] == keys
@@ -960,7 +954,7 @@ async def test_control_metrics() -> None:
         async def expired() -> bool:
             return len((await retentions(h))["retentions"]) == 1
 
-        await until(expired)
+        await until_async("expired", expired)
         assert (await retain(h, "e", hexkeys(4))).status_code == 201
         assert (await h.client.delete("/v1/retentions/e")).status_code == 200
 

@@ -29,6 +29,7 @@ from app.core.service import Service
 from app.settings import ConfigError
 from manager import BlockKey
 from tests.api.harness import BLOCK, Harness, hexkeys, make_settings, running
+from testsupport.polling import until_async
 from transfer.disk import DiskStore, disk_bytes_for
 
 pytestmark = pytest.mark.anyio
@@ -102,18 +103,11 @@ async def stats(h: Harness) -> dict[str, Any]:
     return disk
 
 
-async def until(predicate: Any, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
-
-
 async def demoted(h: Harness, count: int) -> None:
     async def done() -> bool:
         return bool((await stats(h))["demotions"]["written"] >= count)
 
-    await until(done)
+    await until_async("done", done)
 
 
 async def lookup(h: Harness, req: str, keys: list[str]) -> list[str]:
@@ -151,7 +145,7 @@ async def invariants(h: Harness) -> None:
             and not d.store.held_slots()
         )
 
-    await until(settled)
+    await until_async("settled", settled)
     assert manager.num_pinned == 0
     assert manager.stats().pending == 0
     assert d.index.index.num_pinned == 0
@@ -213,7 +207,7 @@ async def test_evicted_blocks_demote_and_onload_in_one_call_with_identical_bytes
         async def settled() -> bool:
             return h.service.manager.manager.num_pinned == 0
 
-        await until(settled)
+        await until_async("settled", settled)
         s = await stats(h)
         assert s["promotions"]["loaded"] >= 16
         assert s["state"] == "ok"
@@ -245,7 +239,7 @@ async def test_prepare_load_of_a_disk_key_is_409_then_pending_then_hit(tmp_path:
         async def hit() -> bool:
             return await lookup(h, "r", cold) == ["hit"] * 4
 
-        await until(hit)
+        await until_async("hit", hit)
         store_.preadv = real
         r = await h.post("/v1/requests/r/prepare-load", {"keys": cold})
         assert r.status_code == 200, r.text
@@ -356,7 +350,7 @@ async def test_io_errors_degrade_the_tier_and_a_failed_read_is_a_miss(tmp_path: 
         async def recovered() -> bool:
             return bool((await stats(h))["state"] == "ok")
 
-        await until(recovered)
+        await until_async("recovered", recovered)
         assert "disk_tier" not in (await h.client.get("/readyz")).json().get("details", {})
         body = {"cache_id": cache_id, "keys": keys[2:4], "device_blocks": [2, 3]}
         r = await h.post("/v1/requests/r/onload", body)
@@ -401,7 +395,7 @@ async def test_a_full_disk_degrades_drops_demotions_and_recovers_without_restart
             s = await stats(h)
             return bool(s["state"] == "degraded" and sum(s["demotions"]["dropped"].values()))
 
-        await until(degraded_and_counted)
+        await until_async("degraded_and_counted", degraded_and_counted)
         ready = await h.client.get("/readyz")
         assert ready.status_code == 200
         assert "No space left on device" in ready.json()["details"]["disk_tier"]
@@ -429,7 +423,7 @@ async def test_a_full_disk_degrades_drops_demotions_and_recovers_without_restart
         async def recovered() -> bool:
             return bool((await stats(h))["state"] == "ok")
 
-        await until(recovered)
+        await until_async("recovered", recovered)
         written = (await stats(h))["demotions"]["written"]
         await store(h, "w3", hexkeys(*range(200, 216)))
         await demoted(h, written + 1)  # demoting again
@@ -439,7 +433,7 @@ async def test_a_full_disk_degrades_drops_demotions_and_recovers_without_restart
         # while the disk is full.
         filler = fill_up(tmpfs)
         await store(h, "w4", hexkeys(*range(300, 340)))
-        await until(degraded)
+        await until_async("degraded", degraded)
         incidents = (await stats(h))["counters"]["incidents"]
         for _ in range(5):
             await asyncio.sleep(disk_module.PROBE_S)
@@ -448,7 +442,7 @@ async def test_a_full_disk_degrades_drops_demotions_and_recovers_without_restart
         assert s["state"] == "degraded", s
         assert s["counters"]["incidents"] == incidents, s
         filler.unlink()
-        await until(recovered)
+        await until_async("recovered", recovered)
         assert all(c.status < 500 for c in h.calls)
 
 
@@ -498,7 +492,7 @@ async def test_a_disk_gone_read_only_still_serves_its_hits(ext4: tuple[Path, str
         async def degraded() -> bool:
             return bool((await stats(h))["state"] == "degraded")
 
-        await until(degraded)
+        await until_async("degraded", degraded)
         ready = await h.client.get("/readyz")
         assert ready.status_code == 200
         assert "Read-only file system" in ready.json()["details"]["disk_tier"]
@@ -589,13 +583,13 @@ async def test_promotion_while_the_disk_evicts_under_store_pressure(tmp_path: Pa
         async def no_room() -> bool:
             return bool((await stats(h))["demotions"]["dropped"].get("no_room", 0) >= 1)
 
-        await until(no_room)
+        await until_async("no_room", no_room)
         gate.set()
 
         async def hit() -> bool:
             return await lookup(h, "r", [k]) == ["hit"]
 
-        await until(hit)
+        await until_async("hit", hit)
         for req, ks in (("r", [k]), ("r2", rest)):
             r = await h.post(f"/v1/requests/{req}/prepare-load", {"keys": ks})
             assert r.status_code == 200, r.text
@@ -627,7 +621,7 @@ async def test_a_block_evicted_twice_before_it_is_written_leaks_no_staging_buffe
         async def in_flight() -> bool:
             return bool(d.index.index.stats().pending == 8)
 
-        await until(in_flight)
+        await until_async("in_flight", in_flight)
         pool = h.service.manager.manager
         k = bytes.fromhex(keys[-1])
         slot = pool.slot_of(k)
@@ -642,7 +636,7 @@ async def test_a_block_evicted_twice_before_it_is_written_leaks_no_staging_buffe
         async def settled() -> bool:
             return d.store.staging_free == d.store.staging_blocks and not d._queue
 
-        await until(settled)
+        await until_async("settled", settled)
         assert d.index.found([k]) == [True]
         (on_disk,) = [s for key, s in d.store.listed() if key == k]
         assert d.store.read_many([(on_disk, k, slot)]) == [True]  # same bytes, same slot
@@ -731,7 +725,7 @@ async def test_an_onload_copies_each_chunk_while_the_next_is_still_read(
         async def first_chunk_copied() -> bool:
             return [dev.read(i) for i in range(8)] == [data[k] for k in load[:8]]
 
-        await until(first_chunk_copied)
+        await until_async("first_chunk_copied", first_chunk_copied)
         assert (await h.client.get(f"/v1/jobs/{job_id}")).json()["state"] == "running"
         gate.set()
         job = await h.wait(job_id)
@@ -816,7 +810,7 @@ async def test_a_read_past_its_timeout_is_a_miss_and_keeps_its_slots_until_it_en
         async def timed_out() -> bool:
             return bool((await stats(h))["state"] == "degraded")
 
-        await until(timed_out)
+        await until_async("timed_out", timed_out)
         assert "past 0.2s" in (await h.client.get("/readyz")).json()["details"]["disk_tier"]
         assert (await stats(h))["read_timeouts"] == 1
         held = d.store.held_slots()
@@ -829,7 +823,7 @@ async def test_a_read_past_its_timeout_is_a_miss_and_keeps_its_slots_until_it_en
         async def released() -> bool:
             return not d.store.held_slots() and pool.stats().pending == 0
 
-        await until(released)
+        await until_async("released", released)
         assert await lookup(h, "r", [k]) == ["disk"]  # a timeout says nothing of the block
         d.store.preadv = os.preadv
         d.store.probe = real_probe  # type: ignore[method-assign]
@@ -837,7 +831,7 @@ async def test_a_read_past_its_timeout_is_a_miss_and_keeps_its_slots_until_it_en
         async def recovered() -> bool:
             return bool((await stats(h))["state"] == "ok")
 
-        await until(recovered)
+        await until_async("recovered", recovered)
         dev, cache_id = await h.device(2)
         r = await h.post(
             "/v1/requests/r/onload", {"cache_id": cache_id, "keys": [k], "device_blocks": [0]}
@@ -870,7 +864,7 @@ async def test_an_abort_during_a_disk_read_keeps_the_slots_until_it_ends(tmp_pat
         async def settled() -> bool:
             return d.promotions.in_flight == 0 and pool.stats().pending == 0
 
-        await until(settled)
+        await until_async("settled", settled)
         p = (await stats(h))["promotions"]
         assert p["started"] == 2
         assert p["loaded"] + p["failed"] + p["abandoned"] == 2, p
@@ -884,7 +878,7 @@ async def test_an_abort_during_a_disk_read_keeps_the_slots_until_it_ends(tmp_pat
         async def unheld() -> bool:
             return pool.num_pinned == 0
 
-        await until(unheld)
+        await until_async("unheld", unheld)
         await invariants(h)
 
 
@@ -907,7 +901,7 @@ async def test_a_disk_smaller_than_a_write_batch_still_takes_the_victims(tmp_pat
         async def full() -> bool:
             return len(d.index.index.resident_keys()) == 8 and not d._queue
 
-        await until(full)
+        await until_async("full", full)
         s = await stats(h)
         assert s["demotions"]["written"] == 8, s
         assert s["demotions"]["dropped"].get("no_room", 0) == 8, s
@@ -1011,7 +1005,7 @@ async def test_mixed_concurrent_stores_onloads_and_loads_never_serve_wrong_bytes
                 and m.stats().pending == 0
             )
 
-        await until(at_rest)
+        await until_async("at_rest", at_rest)
         for req_id in list(d.promotions._held_for):
             d.promotions.let_go(req_id, None)  # holds of promotions nobody loaded (hold_s)
         await invariants(h)
@@ -1072,7 +1066,7 @@ async def test_the_engines_own_complete_store_cannot_complete_a_promotion(
         async def ready() -> bool:
             return await lookup(h, "r", [k]) == ["hit"]
 
-        await until(ready)
+        await until_async("ready", ready)
         r = await h.post("/v1/requests/r/prepare-load", {"keys": [k]})
         assert r.status_code == 200, r.text
         assert pool_bytes(h, r.json()["slots"][0]) == data[k]
@@ -1109,7 +1103,7 @@ async def test_demotion_batches_are_written_several_at_once_where_the_disk_has_r
         async def writing() -> bool:
             return len(entered) >= at_once
 
-        await until(writing)
+        await until_async("writing", writing)
         await asyncio.sleep(0.2)  # the next batch waits for one of these to end
         assert entered == [2] * at_once
         gate.set()

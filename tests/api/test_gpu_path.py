@@ -3,27 +3,16 @@ cache, registration leases (renew, lapse), and a transfer backend that failed fo
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
-
 import pytest
 
 from tests.api.harness import Harness, hexkeys
 from tests.shm_device import ShmDevice
+from testsupport.polling import until_async
 from transfer.cpu_worker import CpuTransferWorker
 
 pytestmark = pytest.mark.anyio
 
 EVENT = {"kind": "cuda_ipc_event", "handle": "ab" * 64}
-
-
-async def until(cond: Callable[[], object], timeout_s: float = 10.0) -> None:
-    """Wait for the service's sweep to act (bounded; nothing asserts on time)."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout_s
-    while not await cond():  # type: ignore[misc]
-        assert loop.time() < end, "condition never became true"
-        await asyncio.sleep(0.02)
 
 
 @pytest.mark.parametrize("op", ["offload", "onload"])
@@ -62,7 +51,7 @@ async def test_a_lease_renewed_lives_and_a_lapsed_one_is_gone(h: Harness) -> Non
         r = await h.client.get("/v1/kv-caches")
         return leased not in [c["cache_id"] for c in r.json()["kv_caches"]]
 
-    await until(gone)
+    await until_async("gone", gone)
     r = await h.client.get("/v1/kv-caches")
     assert [c["cache_id"] for c in r.json()["kv_caches"]] == [cache_id]  # no lease: stays
     body = {"cache_id": leased, "keys": hexkeys(1), "device_blocks": [0]}
@@ -84,7 +73,7 @@ async def test_a_backend_failed_for_good_is_not_ready_and_asks_for_a_restart(
     async def told() -> bool:
         return bool(asked)
 
-    await until(told)
+    await until_async("told", told)
     assert asked == [reason]
     r = await h.client.get("/readyz")
     assert r.status_code == 503

@@ -11,11 +11,9 @@ the service did not make.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ from app.telemetry.logging import fields_of
 from tests.api.harness import BLOCK, hexkeys, make_settings
 from tests.api.test_remote_tier import MemoryStore, MemoryTier
 from tests.api.test_tenancy import Tenants, tenants_running, write_tenants
+from testsupport.polling import until_async
 from transfer import HostPool
 from transfer.disk import disk_bytes_for
 
@@ -69,13 +68,6 @@ def disk(tmp_path: Path) -> dict[str, Any]:
     }
 
 
-async def until(predicate: Any, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
-
-
 async def store_blocks(t: Tenants, token: str, ns: str, keys: list[str]) -> dict[str, bytes]:
     """Store ``keys`` in ``ns`` four at a time, random bytes each written into the pool slots
     (as an engine that maps the pool does); the request is finished after. Their bytes."""
@@ -112,7 +104,7 @@ async def demoted(t: Tenants, ns: str, count: int) -> None:
     async def done() -> bool:
         return bool((await admin_stats(t, ns))["tiers"]["disk"]["blocks"] == count)
 
-    await until(done)
+    await until_async("done", done)
 
 
 async def lookup(t: Tenants, token: str, ns: str, keys: list[str]) -> list[str]:
@@ -148,7 +140,7 @@ async def sees_nothing(t: Tenants, token: str, ns: str, written: dict[str, bytes
     async def settled() -> bool:  # a remote promotion is tried (pending) before it misses
         return "pending" not in await lookup(t, token, ns, keys)
 
-    await until(settled)
+    await until_async("settled", settled)
     assert await lookup(t, token, ns, keys) == ["miss"] * len(keys)
     r = await t.call(token, "POST", "/v1/requests/r/prepare-load", {"keys": keys[:4]}, ns)
     assert r.status_code == 409, r.text
@@ -390,7 +382,7 @@ async def test_the_remote_tier_of_a_namespace_given_to_another_tenant_is_another
         async def put() -> bool:
             return len(store.blocks) == len(keys)
 
-        await until(put)
+        await until_async("put", put)
         write_tenants(t.path, tenants(["a1"], ["b1", "a2"]))
         assert await t.tenancy.reload()
         await sees_nothing(t, BOB, "a2", written)

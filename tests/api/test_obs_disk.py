@@ -4,9 +4,7 @@ values, the read's ``req_id`` exemplar, and the exposition against the catalogue
 
 from __future__ import annotations
 
-import asyncio
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +21,7 @@ from tests.app.exposition import (
 )
 from tests.deploy.helpers import DASHBOARD, all_rules, dashboard_expressions, load_json
 from tests.deploy.promql import Analysis, analyse
+from testsupport.polling import until_async
 from transfer.disk import slots_for
 
 pytestmark = pytest.mark.anyio
@@ -41,13 +40,6 @@ def disk_settings(disk_dir: Path, **overrides: Any) -> Any:
     }
     base.update(overrides)
     return make_settings(**base)
-
-
-async def until(predicate: Any, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 async def store(h: Harness, req: str, keys: list[str], fill: int) -> dict[str, bytes]:
@@ -71,7 +63,7 @@ async def demoted(h: Harness, count: int) -> None:
         disk = (await h.admin.get("/admin/v1/stats")).json()["tiers"]["disk"]
         return bool(disk["demotions"]["written"] >= count and disk["queue"]["depth"] == 0)
 
-    await until(done)
+    await until_async("done", done)
 
 
 async def promote(h: Harness, req: str, keys: list[str]) -> list[int]:
@@ -87,7 +79,7 @@ async def promote(h: Harness, req: str, keys: list[str]) -> list[int]:
         r = await h.post(f"/v1/requests/{req}/lookup", {"keys": keys})
         return bool(r.json()["hit_prefix"] == len(keys))
 
-    await until(ready)
+    await until_async("ready", ready)
     r = await h.post(f"/v1/requests/{req}/prepare-load", {"keys": keys})
     assert r.status_code == 200, r.text
     slots: list[int] = r.json()["slots"]
@@ -241,7 +233,7 @@ async def corrupt_read(tmp_path: Path) -> Exposition:
             r = await h.post("/v1/requests/r-bad/lookup", {"keys": keys[:1]})
             return bool(r.json()["results"] == ["miss"])  # never loaded: a miss
 
-        await until(dropped)
+        await until_async("dropped", dropped)
         return await scrape(h)
 
 

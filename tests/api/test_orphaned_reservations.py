@@ -5,26 +5,17 @@ deadline (engine-written stores) or when the service's own store job ends."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 
 import pytest
 
 from tests.api.harness import Harness, hexkeys, make_settings, running
 from tests.app.exposition import parse
 from tests.manager.harness import FakeClock
+from testsupport.polling import until_async
 
 pytestmark = pytest.mark.anyio
 
 DEADLINE_S = 30.0
-
-
-async def _eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> None:
-    """Poll ``check`` until it holds (the background tasks run on their own schedule)."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout_s
-    while not await check():
-        assert loop.time() < end, "condition not reached in time"
-        await asyncio.sleep(0.02)
 
 
 async def _metrics(h: Harness) -> tuple[float | None, float | None]:
@@ -67,7 +58,7 @@ async def test_an_unreported_abort_frees_its_slots_at_the_writer_deadline() -> N
             listed = (await h.admin.get("/admin/v1/requests")).json()["requests"]
             return [r["req_id"] for r in listed] == ["other"]
 
-        await _eventually(freed)
+        await until_async("freed", freed)
         assert await _metrics(h) == (0.0, 3.0)
         stats = (await h.admin.get("/admin/v1/stats")).json()
         assert (stats["blocks"]["free"], stats["blocks"]["pending"]) == (4, 0)
@@ -109,7 +100,7 @@ async def test_a_store_job_of_the_service_keeps_its_slots_until_it_ends() -> Non
             total: int = (await h.admin.get("/admin/v1/requests")).json()["total"]
             return total == 0
 
-        await _eventually(freed)
+        await until_async("freed", freed)
         stats = (await h.admin.get("/admin/v1/stats")).json()
         assert stats["blocks"]["free"] == 8
         # Freed by the job's own report, not by the writer deadline.

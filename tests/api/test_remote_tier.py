@@ -21,6 +21,7 @@ import pytest
 from app.core.remote import RemoteBackend, RemoteLink
 from app.settings import Settings
 from tests.api.harness import BLOCK, Harness, hexkeys, make_settings, running
+from testsupport.polling import until_async
 from transfer import HostPool
 from transfer.remote import (
     COUNTERS,
@@ -171,19 +172,12 @@ async def store_on(h: Harness, req: str, keys: list[str], fill: int) -> dict[str
     return written
 
 
-async def until(predicate: Any, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
-
-
 async def written(h: Harness, count: int) -> None:
     async def done() -> bool:
         stats = (await h.admin.get("/admin/v1/stats")).json()
         return bool(stats["tiers"]["remote"]["written"] >= count)
 
-    await until(done)
+    await until_async("done", done)
 
 
 async def test_a_prefix_stored_on_one_node_loads_with_identical_bytes_on_another() -> None:
@@ -205,7 +199,7 @@ async def test_a_prefix_stored_on_one_node_loads_with_identical_bytes_on_another
             r = await b.post("/v1/requests/r/lookup", {"keys": keys})
             return bool(r.json()["hit_prefix"] == 3)
 
-        await until(ready)
+        await until_async("ready", ready)
         r = await b.post("/v1/requests/r/prepare-load", {"keys": keys})
         assert r.status_code == 200, r.text
         for key, slot in zip(keys, r.json()["slots"], strict=True):
@@ -259,7 +253,7 @@ async def test_a_degraded_tier_means_misses_readiness_with_details_and_no_writes
             s = (await a.admin.get("/admin/v1/stats")).json()["tiers"]["remote"]
             return bool(s["queue"]["dropped"] >= 1)
 
-        await until(dropped)
+        await until_async("dropped", dropped)
         # Back: the tier is used again.
         store.down = False
         r = await b.post("/v1/requests/r/lookup", {"keys": keys})
@@ -281,7 +275,7 @@ async def test_a_key_that_vanished_remotely_is_dropped_never_loaded() -> None:
             r = await b.post("/v1/requests/r/lookup", {"keys": keys})
             return bool(r.json()["results"] == ["hit", "miss"])
 
-        await until(settled)
+        await until_async("settled", settled)
         assert (await b.post("/v1/requests/r/prepare-load", {"keys": keys})).status_code == 409
         r = await b.post("/v1/requests/r/prepare-load", {"keys": keys[:1]})
         assert r.status_code == 200
@@ -311,7 +305,7 @@ async def test_an_abort_during_a_slow_get_keeps_the_slots_until_it_ends() -> Non
             r = await b.post("/v1/requests/x/lookup", {"keys": keys})
             return bool(r.json()["results"] == ["hit", "hit"])
 
-        await until(landed)
+        await until_async("landed", landed)
         assert "r" not in manager.request_ids  # the engine's own request is gone, as it asked
         assert not remote_of(b).writing()
 
@@ -384,7 +378,7 @@ async def sweeps(store: MemoryStore, n: int) -> None:
     async def enough() -> bool:
         return len(store.asked) >= asked + n
 
-    await until(enough)
+    await until_async("enough", enough)
 
 
 async def removed_keys(h: Harness) -> list[str]:
@@ -404,7 +398,7 @@ async def test_a_block_the_store_evicts_is_reported_removed_by_the_sweep() -> No
         async def reported() -> bool:
             return bool(await events(a, "BlockRemoved"))
 
-        await until(reported)
+        await until_async("reported", reported)
         await sweeps(store, 3)  # the others are still there
         assert await events(a, "BlockRemoved") == [[keys[1]]]
         tracked = (await a.admin.get("/admin/v1/stats")).json()["tiers"]["remote"]["tracked"]
@@ -429,7 +423,8 @@ async def test_a_block_the_store_evicts_is_reported_removed_by_the_sweep() -> No
         async def all_reported() -> bool:
             return sum(len(k) for k in await events(a, "BlockRemoved")) == 4
 
-        await until(all_reported)  # and nothing is left to report: none is tracked
+        # And nothing is left to report: none is tracked.
+        await until_async("every removal reported", all_reported)
         assert await removed_keys(a) == sorted([*keys, keys[1]])
         assert (await a.admin.get("/admin/v1/stats")).json()["tiers"]["remote"]["tracked"][
             "blocks"
@@ -480,7 +475,7 @@ async def test_no_answer_is_not_a_removal() -> None:
         async def reported() -> bool:
             return bool(await events(a, "BlockRemoved"))
 
-        await until(reported)
+        await until_async("reported", reported)
         assert await removed_keys(a) == keys
 
 
@@ -553,7 +548,7 @@ async def test_a_block_is_reported_removed_only_once_it_stayed_gone_for_the_conf
         async def reported() -> bool:
             return bool(await events(a, "BlockRemoved"))
 
-        await until(reported)
+        await until_async("reported", reported)
         assert time.monotonic() - gone_at >= 0.5
         assert await removed_keys(a) == keys[:1]
 

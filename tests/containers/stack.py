@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import httpx
 
 from tests.e2e.prometheus import running_prometheus
-from tests.e2e.server import wait_for
+from testsupport.polling import until
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -217,10 +217,10 @@ class Stack:
         services: Sequence[str] = (),
         also: Callable[[], str] | None = None,
     ) -> T:
-        """tests.e2e.server.wait_for, whose AssertionError also shows ``describe(services)``
+        """testsupport.polling.until, whose AssertionError also shows ``describe(services)``
         and what ``also`` says, so that a failed wait explains itself."""
         try:
-            return wait_for(what, probe, within_s)
+            return until(what, probe, within_s)
         except AssertionError as e:
             said = [_said(also)] if also is not None else []
             said.append(_said(lambda: self.describe(services)))
@@ -321,4 +321,4 @@ def scraped(
             return None
         return found
 
-    return wait_for(f"Prometheus to answer {query}", probe, within_s)
+    return until(f"Prometheus to answer {query}", probe, within_s)

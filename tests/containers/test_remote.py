@@ -21,7 +21,7 @@ from tests.containers.stack import (
     host_prometheus,
     scraped,
 )
-from tests.e2e.server import wait_for
+from testsupport.polling import until
 
 NODE_A = "http://127.0.0.1:8000"
 NODE_B = "http://127.0.0.1:8010"
@@ -67,7 +67,7 @@ def test_both_nodes_are_ready_with_the_remote_tier(stack: Stack) -> None:
             body: dict[str, str] = httpx.get(f"{url}/readyz", timeout=5).json()
             return body if body.get("status") == "ready" else None
 
-        wait_for(f"{url}/readyz ready", ready, 60)
+        until(f"{url}/readyz ready", ready, 60)
 
 
 def test_an_engine_on_a_stores_and_one_on_b_loads_the_same_bytes(
@@ -79,7 +79,7 @@ def test_an_engine_on_a_stores_and_one_on_b_loads_the_same_bytes(
     keys = [engine_module.block_key(seed, i) for i in range(BLOCKS)]
     token = stack.project.engine_token
     # Node A writes behind to the shared store; B sees the keys once A's puts have landed.
-    on_b = wait_for(
+    on_b = until(
         "node B answers remote for every key A stored",
         lambda: r if set(r := lookup(NODE_B, token, keys)) == {"remote"} else None,
         60,

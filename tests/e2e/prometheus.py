@@ -12,7 +12,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.e2e.server import free_port, wait_for
+from tests.e2e.server import free_port
+from testsupport.polling import until
 
 PROMETHEUS = shutil.which("prometheus")
 
@@ -42,7 +43,7 @@ def running_prometheus(workdir: Path, scrape_config: str, ready_within_s: float)
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_for(
+        until(
             "Prometheus ready",
             lambda: True if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200 else None,
             ready_within_s,

@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -32,23 +32,6 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
-
-
-def wait_for(what: str, probe: Callable[[], T | None], within_s: float, every_s: float = 0.2) -> T:
-    """``probe()`` every ``every_s`` until it answers something other than None (an HTTP
-    transport error counts as None: not up yet); AssertionError naming ``what`` after
-    ``within_s`` seconds."""
-    deadline = time.monotonic() + within_s
-    while True:
-        try:
-            found = probe()
-        except httpx.TransportError:
-            found = None
-        if found is not None:
-            return found
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {within_s:g} s: {what}")
-        time.sleep(every_s)
 
 
 class ServerProcess:

@@ -27,7 +27,7 @@ import sys
 import textwrap
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,21 +38,10 @@ from kvoffload_client.client import KVOffloadAdminClient, KVOffloadClient, KVOff
 from tests.e2e.server import ROOT, TOKEN, ServerProcess
 from tests.load import wire
 from tests.shm_device import ShmDevice
+from testsupport.polling import until
 
 BLOCK = 4096
 NUM_BLOCKS = 256  # ServerProcess's pool
-
-
-def until(what: Callable[[], Any], timeout: float, every: float = 0.05) -> Any:
-    """Poll ``what()`` until it returns something truthy; that value (fails after ``timeout``)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = what()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not true after {timeout}s: {what}")
-        time.sleep(every)
 
 
 def blocks(admin: KVOffloadAdminClient) -> dict[str, int]:
@@ -69,7 +58,7 @@ def at_rest(admin: KVOffloadAdminClient) -> dict[str, Any]:
         b = st["blocks"]
         return st if (b["pinned"], b["pending"], st["jobs"]["running"]) == (0, 0, 0) else None
 
-    stats: dict[str, Any] = until(idle, 10)
+    stats: dict[str, Any] = until("nothing pinned, pending or running", idle, 10)
     return stats
 
 
@@ -233,7 +222,11 @@ def test_an_engine_killed_holding_pins_gets_them_taken_back(faulty: ServerProces
         assert sorted(held["pins"]) == sorted(k.hex() for k in ready)
         assert sorted(held["pending_stores"]) == sorted(k.hex() for k in new)
 
-        until(lambda: blocks(admin)["pinned"] == 0 and blocks(admin)["pending"] == 0, 10)
+        until(
+            "nothing pinned or pending",
+            lambda: blocks(admin)["pinned"] == 0 and blocks(admin)["pending"] == 0,
+            10,
+        )
         stats = admin.stats()
         assert stats["counters"]["forced_lease_releases"] == forced + 1
         assert "doomed" not in {r["req_id"] for r in admin.requests()["requests"]}
@@ -391,7 +384,7 @@ def test_sigterm_drains_then_exits_cleanly(tmp_path: Path) -> None:
                 poll = pool.submit(poller.wait_jobs, ids, 20)
                 time.sleep(0.2)
                 srv.proc.send_signal(signal.SIGTERM)
-                until(lambda: not c.ready(), 2)
+                until("the service not ready", lambda: not c.ready(), 2)
                 waited = poll.result(timeout=2)
             assert waited.done is False  # answered by the drain, not by the jobs
             assert c.lookup("drain", keys).results  # still served while draining
@@ -400,7 +393,7 @@ def test_sigterm_drains_then_exits_cleanly(tmp_path: Path) -> None:
                 states: list[str] = [c.job(j).state for j in ids]
                 return None if "running" in states else states
 
-            assert until(ended, 3) == ["done", "done", "done"]
+            assert until("the jobs ended", ended, 3) == ["done", "done", "done"]
         status = srv.proc.wait(timeout=20)
     finally:
         srv.kill()

@@ -19,8 +19,9 @@ import pytest
 from kvoffload_client.client import KVOffloadClient, KVOffloadError
 from kvoffload_client.pool_socket import default_pool_socket, receive_pool
 
-from tests.e2e.server import TOKEN, ServerProcess, wait_for
+from tests.e2e.server import TOKEN, ServerProcess
 from tests.e2e.test_tenants import tenant_file
+from testsupport.polling import until
 from transfer.disk import disk_bytes_for
 
 ALICE = "alice-e2e-token-00000000001"
@@ -132,7 +133,7 @@ def test_a_namespace_given_to_another_tenant_hands_over_none_of_the_old_owners_b
     srv = disk_server(tmp_path, tenants_dir)
     with srv.serving():
         written = store(srv, keys)
-        wait_for(
+        until(
             "alice's evicted blocks on disk",
             lambda: True if disk_blocks(srv, "a2") == STORED - POOL else None,
             30,
@@ -163,7 +164,7 @@ def test_a_namespace_given_to_another_tenant_hands_over_none_of_the_old_owners_b
                     return None
                 return True
 
-        wait_for("a2 given to bob", bob_has_a2, 30, 0.05)
+        until("a2 given to bob", bob_has_a2, 30, 0.05)
         bob_sees_nothing(srv, written)
         assert not bytes_on_disk(root, written)
         assert ALICE not in srv.log()

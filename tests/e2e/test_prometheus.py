@@ -20,7 +20,8 @@ import pytest
 
 from tests.app.exposition import OPENMETRICS, parse
 from tests.e2e.prometheus import PROMETHEUS, running_prometheus
-from tests.e2e.server import ServerProcess, wait_for
+from tests.e2e.server import ServerProcess
+from testsupport.polling import until
 
 DEADLINE_S = 20.0
 
@@ -91,7 +92,7 @@ def test_prometheus_scrapes_values_and_req_id_exemplars(
             return hits
         return None
 
-    wait_for("Prometheus to scrape the lookup", scraped_value, deadline - time.monotonic())
+    until("Prometheus to scrape the lookup", scraped_value, deadline - time.monotonic())
     assert _query(prometheus, 'up{job="kvoffload"}')[0]["value"][1] == "1"
 
     for promql in (
@@ -102,6 +103,4 @@ def test_prometheus_scrapes_values_and_req_id_exemplars(
         def exemplar_seen(promql: str = promql) -> bool | None:
             return True if req_id in _exemplar_ids(prometheus, promql, started) else None
 
-        wait_for(
-            f"the exemplar of {req_id} on {promql}", exemplar_seen, deadline - time.monotonic()
-        )
+        until(f"the exemplar of {req_id} on {promql}", exemplar_seen, deadline - time.monotonic())

@@ -36,8 +36,9 @@ import pytest
 from kvoffload_client.client import KVOffloadClient
 
 from tests.app.exposition import OPENMETRICS, Exposition, parse
-from tests.e2e.server import ROOT, TOKEN, ServerProcess, wait_for
+from tests.e2e.server import ROOT, TOKEN, ServerProcess
 from tests.load.slowloris import Target
+from testsupport.polling import until
 
 TENANT_TOKEN = "slowloris-e2e-token-000000001"
 COUNT = 40  # per transport and kind: 160 attack connections open at once
@@ -298,13 +299,13 @@ def wait_released(srv: ServerProcess) -> Exposition:
         held = ex.value("kvoffload_connections_open", listener="engine")
         return ex if held is None or held == 1 else None
 
-    return wait_for("the engine listener's connections released", quiet, CLOSED_WITHIN_S)
+    return until("the engine listener's connections released", quiet, CLOSED_WITHIN_S)
 
 
 def wait_until_served(srv: ServerProcess) -> None:
     """Until the engine listener serves 127.0.0.1 again (the held connections' closes have
     reached the server)."""
-    wait_for(
+    until(
         "the engine listener serving 127.0.0.1 again",
         lambda: httpx.get(f"{srv.url}/readyz", timeout=2).status_code == 200 or None,
         within_s=CLOSED_WITHIN_S,

@@ -17,7 +17,7 @@ logprob, compared bit for bit.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from tests.e2e.server import TOKEN, ServerProcess
 from tests.engine import model
 from tests.engine.driver import BLOCK_SIZE
 from tests.engine.engines import EngineProcess, Output, kv_transfer_config
+from testsupport.polling import until
 
 CHUNK_BYTES = model.kv_bytes_per_token() * BLOCK_SIZE  # vLLM's chunk row stride: 512 KiB
 PREFIX_BLOCKS = 8
@@ -147,19 +148,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 service.proc.kill()
 
 
-def wait_for(what: str, probe: Callable[[], bool], within_s: float = 30.0) -> None:
-    deadline = time.monotonic() + within_s
-    while not probe():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {within_s:g} s: {what}")
-        time.sleep(0.1)
-
-
 def stored(service: Service, namespace: str, blocks: int) -> None:
     """Wait until the namespace's pool completed ``blocks`` more stores than it had."""
-    wait_for(
+    until(
         f"{blocks} blocks stored in {namespace}",
         lambda: service.counters(namespace)["stores_completed"] >= blocks,
+        within_s=30.0,
     )
 
 
@@ -171,7 +165,7 @@ def settled(service: Service, namespace: str) -> None:
         stats = service.stats(namespace)
         return bool(stats["live_requests"] == 0 and stats["blocks"]["pinned"] == 0)
 
-    wait_for(f"no request or pin left in {namespace}", idle, within_s=10.0)
+    until(f"no request or pin left in {namespace}", idle, within_s=10.0)
 
 
 @dataclass
@@ -269,7 +263,7 @@ def test_hits_survive_a_restart_of_kvoffload_with_a_disk_tier(
         disk = service.stats("ns-a")["tiers"]["disk"]
         return bool(disk["demotions"]["written"] >= 2 * PREFIX_BLOCKS)
 
-    wait_for("the first prefixes written to disk", on_disk)
+    until("the first prefixes written to disk", on_disk, within_s=30.0)
     service.restart()
     out = b.generate([p3])[0]
     counters = service.counters("ns-a")

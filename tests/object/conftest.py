@@ -66,13 +66,19 @@ def rgw(ceph_installed: None, tmp_path_factory: pytest.TempPathFactory) -> Itera
         gateway.close()
 
 
-@pytest.fixture(autouse=True)
-def _gateway_running(request: pytest.FixtureRequest) -> None:
-    """Before a test that uses the cluster: resume or restart a gateway that an earlier
-    test's fault left paused, stopped or killed (a test that failed midway included)."""
+def restore_gateway(request: Any) -> None:
+    """Resume or restart the gateway an earlier test's fault left paused, stopped or killed,
+    when the test about to run (``request``) uses the cluster."""
     if "rgw" in request.fixturenames:
         gateway: RadosGateway = request.getfixturevalue("rgw")
         gateway.ensure_gateway()
+
+
+@pytest.fixture(autouse=True)
+def _gateway_running(request: pytest.FixtureRequest) -> None:
+    """Before a test that uses the cluster, ``restore_gateway`` (a test that failed midway
+    included)."""
+    restore_gateway(request)
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from tests.object import rgw as rgw_module
+from tests.object.conftest import restore_gateway
 from tests.object.rgw import RadosGateway, RgwError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -183,12 +184,25 @@ def test_ensure_gateway_recovers_from_each_fault(rgw: RadosGateway, s3: Any) -> 
         assert s3.list_buckets()["ResponseMetadata"]["HTTPStatusCode"] == 200
 
 
-def test_left_paused_by_a_test(rgw: RadosGateway) -> None:
-    """Leaves the gateway paused on purpose: the next test must find it running."""
+def test_a_gateway_left_paused_is_running_again_for_the_next_test_that_uses_it(
+    rgw: RadosGateway, s3: Any
+) -> None:
+    # What the autouse fixture does before each test, on a test that uses the cluster and on
+    # one that does not; the gateway is running again when this test ends.
+    class Request:
+        def __init__(self, names: list[str]) -> None:
+            self.fixturenames = names
+
+        def getfixturevalue(self, name: str) -> Any:
+            assert name == "rgw"
+            return rgw
+
     rgw.pause_gateway()
-
-
-def test_next_test_finds_the_gateway_running(rgw: RadosGateway, s3: Any) -> None:
+    try:
+        restore_gateway(Request(["tmp_path"]))
+        assert rgw.gateway_state() != "running"  # a test without the cluster leaves it be
+    finally:
+        restore_gateway(Request(["rgw", "s3"]))
     assert rgw.gateway_state() == "running"
     assert s3.list_buckets()["ResponseMetadata"]["HTTPStatusCode"] == 200
 

@@ -32,11 +32,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from testsupport.polling import until
 
 ROOT = Path(__file__).resolve().parents[2]
 _serial = itertools.count()
@@ -243,15 +244,6 @@ def sigkill(proc: subprocess.Popen[bytes] | None) -> None:
         proc.wait(20)
 
 
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float, every_s: float = 0.2) -> None:
-    """Call ``check`` until it is true; AssertionError naming ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s:g} s")
-        time.sleep(every_s)
-
-
 def _mooncake_master_binary() -> str:
     found = shutil.which("mooncake_master", path=str(Path(sys.executable).parent))
     found = found or shutil.which("mooncake_master")
@@ -296,7 +288,7 @@ class MooncakeMaster:
         log = (self.workdir / f"master-{self.starts}.log").open("wb")
         self.proc = subprocess.Popen(self.host.argv(argv), stdout=log, stderr=subprocess.STDOUT)
         log.close()
-        wait_for("mooncake_master listening", self._listening, timeout_s)
+        until("mooncake_master listening", self._listening, timeout_s)
         return self
 
     def _listening(self) -> bool:
@@ -358,7 +350,7 @@ class Etcd:
         log = (self.workdir / "etcd.log").open("wb")
         self.proc = subprocess.Popen(self.host.argv(argv), stdout=log, stderr=subprocess.STDOUT)
         log.close()
-        wait_for("etcd serving", lambda: "ready to serve client requests" in self._log(), timeout_s)
+        until("etcd serving", lambda: "ready to serve client requests" in self._log(), timeout_s)
         return self
 
     def _log(self) -> str:

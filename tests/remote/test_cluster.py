@@ -12,7 +12,8 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.remote.hosts import Node, wait_for
+from tests.remote.hosts import Node
+from testsupport.polling import until
 
 BLOCK = 64 << 10
 
@@ -88,7 +89,7 @@ def test_two_replicas_survive_the_sigkill_of_a_host_that_held_one(cluster) -> No
     # and every block must come back once the master has dropped b.
     got: dict[bytes, bytes] = {}
     all_read = reads_back(writer, ks, data, got)
-    wait_for("every replicated block read after the kill", all_read, timeout_s=60, every_s=1)
+    until("every replicated block read after the kill", all_read, within_s=60, every_s=1)
     assert holder_c.exists(ks) == [True] * 12
 
 
@@ -104,12 +105,12 @@ def test_master_killed_and_restarted_degrades_then_recovers(cluster) -> None:
     killed = time.monotonic()
     # No call made: each tier's own health check of the master finds it gone.
     for node in (a, b):
-        wait_for(f"{node.host.name} degraded with no call made", state_is(node, "degraded"), 30)
+        until(f"{node.host.name} degraded with no call made", state_is(node, "degraded"), 30)
         took = time.monotonic() - killed
         print(f"[master SIGKILL] {node.host.name} degraded {took:.2f} s later, no call made")
     # Calls now skip Mooncake.
     for node in (a, b):
-        wait_for(f"{node.host.name} answers misses", noticed(node, before), timeout_s=30)
+        until(f"{node.host.name} answers misses", noticed(node, before), within_s=30)
     skipped = a.health()["counters"]["skipped"]
     assert a.exists(before) == [None] * 4  # no answer (skipped), not "absent"
     assert a.get(before, range(4, 8)) == [None] * 4
@@ -122,10 +123,10 @@ def test_master_killed_and_restarted_degrades_then_recovers(cluster) -> None:
 
     cluster.master.start()
     for node in (a, b):
-        wait_for(f"{node.host.name} ok again", state_is(node, "ok"), 60)
+        until(f"{node.host.name} ok again", state_is(node, "ok"), 60)
     # A restarted master starts empty; the tier is used again once the segments are back.
     after, fresh = keys(4, "after"), blocks(4)
-    wait_for("a put after the restart", lambda: a.put(after, range(4), fresh) == [True] * 4, 60, 1)
+    until("a put after the restart", lambda: a.put(after, range(4), fresh) == [True] * 4, 60, 1)
     assert b.get(after, range(8, 12)) == fresh
 
 
@@ -156,8 +157,8 @@ def test_a_host_cut_off_degrades_and_recovers_when_its_link_returns(cluster) -> 
     finally:
         cluster.net.link_up(b.host)
 
-    wait_for("b ok again", state_is(b, "ok"), 60)
-    wait_for("b reads again", lambda: b.get(ks, range(6, 12)) == data, 30, 1)
+    until("b ok again", state_is(b, "ok"), 60)
+    until("b reads again", lambda: b.get(ks, range(6, 12)) == data, 30, 1)
     health = b.health()
     assert health["counters"]["incidents"] >= 1
     assert health["held_slots"] == []
@@ -171,7 +172,7 @@ def test_a_host_whose_master_is_down_at_start_connects_when_it_comes(cluster) ->
     assert a.health()["counters"]["skipped"] == 1
 
     cluster.master.start()
-    wait_for("a connected", state_is(a, "ok"), 60)
+    until("a connected", state_is(a, "ok"), 60)
     b = cluster.node("b")
     ks, data = keys(3, "late"), blocks(3)
     assert a.put(ks, range(3), data) == [True] * 3
@@ -186,9 +187,9 @@ def test_ha_masters_a_killed_leader_loses_no_block_and_the_standby_takes_over(ha
     ha_cluster.etcd.start()
     leader, standby = ha_cluster.masters
     leader.start()
-    wait_for("m1 leads", lambda: leader.role() == "leader", 60)
+    until("m1 leads", lambda: leader.role() == "leader", 60)
     standby.start()
-    wait_for("m2 stands by", lambda: standby.role() == "standby", 60)
+    until("m2 stands by", lambda: standby.role() == "standby", 60)
     a, b, c = (ha_cluster.node(n) for n in ("a", "b", "c"))
     ks, data = keys(8, "ha"), blocks(8)
     assert a.put(ks, range(8), data) == [True] * 8
@@ -196,12 +197,12 @@ def test_ha_masters_a_killed_leader_loses_no_block_and_the_standby_takes_over(ha
 
     leader.kill()
     killed = time.monotonic()
-    wait_for("m2 leads after the kill", lambda: standby.role() == "leader", 90)
+    until("m2 leads after the kill", lambda: standby.role() == "leader", 90)
     took_over = time.monotonic() - killed
     # Every block written before the kill, read back on another node with its bytes.
     got: dict[bytes, bytes] = {}
     all_read = reads_back(b, ks, data, got)
-    wait_for("every block written before the kill read back", all_read, 90, every_s=0.5)
+    until("every block written before the kill read back", all_read, 90, every_s=0.5)
     read_back = time.monotonic() - killed
     lost = len(ks) - len(got)
     print(
@@ -209,9 +210,9 @@ def test_ha_masters_a_killed_leader_loses_no_block_and_the_standby_takes_over(ha
         f"read back with equal bytes {read_back:.1f} s after the kill; lost {lost}, wrong 0"
     )
     after, fresh = keys(4, "ha-after"), blocks(4)
-    wait_for("writes again", lambda: a.put(after, range(8, 12), fresh) == [True] * 4, 60, 1.0)
+    until("writes again", lambda: a.put(after, range(8, 12), fresh) == [True] * 4, 60, 1.0)
     # Each node's client finds the new leader on its own (seen 20-70 s after the kill: it runs
     # out its calls to the dead leader first), so c may read them a little later than a wrote.
-    wait_for("c reads what a wrote after", lambda: c.get(after, range(4)) == fresh, 90, 1.0)
+    until("c reads what a wrote after", lambda: c.get(after, range(4)) == fresh, 90, 1.0)
     for node in (a, b, c):
-        wait_for(f"{node.host.name} ok", state_is(node, "ok"), 30)
+        until(f"{node.host.name} ok", state_is(node, "ok"), 30)

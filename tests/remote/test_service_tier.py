@@ -26,8 +26,8 @@ from typing import Any
 
 import pytest
 
-from tests.remote.hosts import wait_for
 from tests.remote.service import ServeError, ServeNode
+from testsupport.polling import until
 
 BLOCK = 64 << 10
 _req = itertools.count()
@@ -76,7 +76,7 @@ def written(node: ServeNode) -> int:
 
 
 def wait_written(node: ServeNode, at_least: int, timeout_s: float = 30) -> None:
-    wait_for(
+    until(
         f"{node.host.name} wrote {at_least} blocks behind",
         lambda: written(node) >= at_least,
         timeout_s,
@@ -278,7 +278,7 @@ def test_master_killed_and_restarted_nodes_serve_their_pools_then_use_the_tier_a
     cluster.master.kill()
     probe, _ = prefix(2, "nobody")
     for node in (a, b):
-        wait_for(f"{node.host.name} degraded", functools.partial(degraded, node, probe), 60, 0.5)
+        until(f"{node.host.name} degraded", functools.partial(degraded, node, probe), 60, 0.5)
         assert node.alive()
         ready_but_degraded(node)
         serves_its_pool(node, keys, data)
@@ -291,12 +291,12 @@ def test_master_killed_and_restarted_nodes_serve_their_pools_then_use_the_tier_a
     dropped = a.remote()["queue"]["dropped"]
     assert a.store(req("store"), during, during_data) == during
     serves_its_pool(a, during, during_data)
-    wait_for("a dropped the write-behind", lambda: a.remote()["queue"]["dropped"] > dropped, 30)
+    until("a dropped the write-behind", lambda: a.remote()["queue"]["dropped"] > dropped, 30)
     assert b.lookup(req("look"), during) == ["miss"] * 4
 
     cluster.master.start()
     for node in (a, b):
-        wait_for(f"{node.host.name} ok again", functools.partial(state_is, node, "ok"), 60, 0.5)
+        until(f"{node.host.name} ok again", functools.partial(state_is, node, "ok"), 60, 0.5)
 
     # A restarted master starts empty, and takes puts again once the nodes' segments are
     # mounted again: fresh blocks until one batch is written behind.
@@ -312,12 +312,10 @@ def test_master_killed_and_restarted_nodes_serve_their_pools_then_use_the_tier_a
             return False
         return True
 
-    wait_for("a block written behind after the restart", stored_after, 90, 0.5)
+    until("a block written behind after the restart", stored_after, 90, 0.5)
     # The blocks written before the restart went with the master: the node that wrote them
     # finds them gone (its sweep, every 10 s by default) and says so in its KV events.
-    wait_for(
-        "a reported the blocks lost with the master", lambda: removed_remote(a) >= set(keys), 40
-    )
+    until("a reported the blocks lost with the master", lambda: removed_remote(a) >= set(keys), 40)
     after, after_data = fresh[-1]
     assert b.lookup(req("look"), after) == ["remote"] * 4
     request, slots, _ = load_remote(b, after)
@@ -352,7 +350,7 @@ def test_blocks_the_store_evicts_are_reported_removed_by_the_node_that_wrote_the
     time.sleep(6)
     second, second_data = prefix(120, "evict-second")
     store_in_batches(a, second, second_data)
-    wait_for(
+    until(
         "a tried to write every block behind",
         lambda: written(a) + a.remote()["write_behind_failed"]["put"] >= 320,
         60,
@@ -368,7 +366,7 @@ def test_blocks_the_store_evicts_are_reported_removed_by_the_node_that_wrote_the
         seen["removed"] = removed_remote(a)
         return bool(seen["gone"]) and seen["gone"] == seen["removed"]
 
-    wait_for("a's removals = what b cannot find", agree, 60, 0.5)
+    until("a's removals = what b cannot find", agree, 60, 0.5)
     tracked = a.remote()["tracked"]
     assert tracked["removed"] == len(seen["removed"])
     assert tracked["blocks"] == written(a) - len(seen["removed"])
@@ -406,7 +404,7 @@ def test_a_node_cut_off_serves_its_pool_and_uses_the_tier_again_when_its_link_re
     cluster.net.link_down(b.host)
     try:
         probe, _ = prefix(2, "nobody")
-        wait_for("b degraded", lambda: degraded(b, probe), 60, 0.5)
+        until("b degraded", lambda: degraded(b, probe), 60, 0.5)
         assert b.alive()
         ready_but_degraded(b)
         serves_its_pool(b, keys, data)
@@ -423,8 +421,8 @@ def test_a_node_cut_off_serves_its_pool_and_uses_the_tier_again_when_its_link_re
     finally:
         cluster.net.link_up(b.host)
 
-    wait_for("b ok again", lambda: state_is(b, "ok"), 60, 0.5)
-    wait_for("b sees a's blocks", lambda: b.lookup(req("look"), during) == ["remote"] * 4, 30)
+    until("b ok again", lambda: state_is(b, "ok"), 60, 0.5)
+    until("b sees a's blocks", lambda: b.lookup(req("look"), during) == ["remote"] * 4, 30)
     request, slots, _ = load_remote(b, during)
     assert b.read(slots) == during_data
     b.finish(request)
@@ -442,10 +440,10 @@ def test_a_node_started_before_its_master_serves_and_connects_when_it_comes(
     dropped = a.remote()["queue"]["dropped"]
     assert a.store(req("store"), early, early_data) == early
     serves_its_pool(a, early, early_data)
-    wait_for("a dropped the write-behind", lambda: a.remote()["queue"]["dropped"] > dropped, 30)
+    until("a dropped the write-behind", lambda: a.remote()["queue"]["dropped"] > dropped, 30)
 
     cluster.master.start()
-    wait_for("a connected", lambda: state_is(a, "ok"), 60, 0.5)
+    until("a connected", lambda: state_is(a, "ok"), 60, 0.5)
     assert a.readyz()["body"].get("details") is None
     b = nodes.start("b")
     keys, data = prefix(4, "late")

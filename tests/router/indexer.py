@@ -11,7 +11,8 @@ from typing import Any
 
 import httpx
 
-from tests.e2e.server import ROOT, ServerProcess, free_port, wait_for
+from tests.e2e.server import ROOT, ServerProcess, free_port
+from testsupport.polling import until
 
 MODEL = "kv-model"
 BLOCK_TOKENS = 4
@@ -54,7 +55,7 @@ class Indexer:
                 stderr=subprocess.STDOUT,
             )
         self.http = httpx.Client(base_url=self.url, timeout=10)
-        wait_for("the indexer answers /health", self._healthy, 60)
+        until("the indexer answers /health", self._healthy, 60)
 
     def _healthy(self) -> bool | None:
         if self.proc.poll() is not None:
@@ -98,7 +99,7 @@ class Indexer:
             return last if check(last) else None
 
         try:
-            return wait_for(f"indexer answer for {tokens[:8]}...", probe, 30, every_s=0.1)
+            return until(f"indexer answer for {tokens[:8]}...", probe, 30, every_s=0.1)
         except AssertionError:
             raise AssertionError(f"last answer {last}; indexer log:\n{self.log()}") from None
 

@@ -20,8 +20,9 @@ import pytest
 import torch
 from kvoffload_client.client import KVOffloadAdminClient, KVOffloadClient
 
-from tests.e2e.server import TOKEN, ServerProcess, wait_for
+from tests.e2e.server import TOKEN, ServerProcess
 from tests.sglang import pools as P
+from testsupport.polling import until
 
 POOL_BLOCKS = 16
 ROOT = Path(__file__).resolve().parents[2]
@@ -233,11 +234,11 @@ def test_pages_survive_a_restart_of_kvoffload_with_a_disk_tier(service: Service)
         disk = service.stats()["tiers"]["disk"]
         return True if disk["demotions"]["written"] >= 4 else None
 
-    wait_for("the first pages written to disk", on_disk, within_s=30)
+    until("the first pages written to disk", on_disk, within_s=30)
     service.restart()
     # The backend maps the new service's pool by itself (its first answers name a new pool).
     dst = torch.arange(20 * P.PAGE, 24 * P.PAGE)
-    wait_for("the restarted service answers", lambda: be.batch_exists(kept) == 4 or None, 10)
+    until("the restarted service answers", lambda: be.batch_exists(kept) == 4 or None, 10)
     assert be.batch_get_v1(kept, dst) == [True] * 4
     assert P.page_bytes(pools.host, dst) == P.page_bytes(pools.host, src)
     be.close()
@@ -264,7 +265,7 @@ def test_a_killed_kvoffload_is_misses_with_correct_bytes_then_recovers(service: 
         service.proc = ServerProcess(service.work, *service.flags).start()
     # A new service, an empty pool (the killed one's pool pages were never demoted).
     again = P.page_keys(P.tokens(seed=71, pages=2))
-    wait_for("writes again", lambda: be.batch_set_v1(again, src) == [True, True] or None, 10)
+    until("writes again", lambda: be.batch_set_v1(again, src) == [True, True] or None, 10)
     assert be.batch_get_v1(again, dst) == [True, True]
     assert P.page_bytes(pools.host, dst) == P.page_bytes(pools.host, src)
     be.close()

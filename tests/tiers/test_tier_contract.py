@@ -41,6 +41,7 @@ from tests.api.harness import make_settings
 from tests.api.test_remote_tier import MemoryStore
 from tests.api.test_remote_tier import MemoryTier as RemoteMemoryTier
 from tests.shm_device import ShmDevice
+from testsupport.polling import until_async
 from transfer import HostPool
 
 pytestmark = pytest.mark.anyio
@@ -144,10 +145,8 @@ UNTIL_S = 10.0
 
 
 async def until(what: str, check: Callable[[], Any]) -> None:
-    deadline = time.monotonic() + UNTIL_S
-    while not await check():
-        assert time.monotonic() < deadline, f"not in time: {what}"
-        await asyncio.sleep(0.02)
+    """``until_async`` bounded by ``UNTIL_S`` (the object suite lengthens it)."""
+    await until_async(what, check, UNTIL_S)
 
 
 def keys_of(*ns: int) -> list[bytes]:

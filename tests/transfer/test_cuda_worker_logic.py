@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 from typing import Any
 
 import pytest
@@ -19,6 +18,7 @@ import torch
 from tests.transfer.fake_cuda import FakeRaw, World, install
 from tests.transfer.helpers import mixed_block_bytes
 from tests.transfer.kvref import host_block, mixed_layout
+from testsupport.polling import until
 from transfer import HostPool, KVCacheRegistry, TransferJob, WorkerClosedError, cuda_worker
 from transfer.cuda_copy import DirectCopier, StagedCopier
 from transfer.cuda_worker import CudaTransferWorker, is_sticky_cuda_error
@@ -82,14 +82,6 @@ def world(fake, make_pool, monkeypatch):
         w.shutdown(timeout=5)
 
 
-def until(cond: Any, timeout: float = 30.0) -> None:
-    """Wait for a condition another thread makes true (bounded; never asserts on time)."""
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "condition never became true"
-        time.sleep(0.002)
-
-
 def test_round_trip_through_the_issuing_thread(world, fake, path) -> None:
     pool, cache, layout, originals, make = world
     w = make(staging_bytes=1000, chunk_bytes=1000)  # several chunks per job
@@ -123,7 +115,7 @@ def test_an_issued_job_past_its_deadline_is_reported_failed_only_when_its_copies
     w = make()
     fake.events.gate.clear()  # the "GPU" does not finish
     slow = w.submit(TransferJob("store", cache.cache_id, [0], [0], 0.05))
-    until(lambda: fake.events.recorded >= 1)
+    until("an event recorded", lambda: fake.events.recorded >= 1, 30)
     assert w.wait([slow], timeout=0.3) == []  # past its deadline: not reported yet
     assert [job_id for job_id, _age in w.in_flight()] == [slow]
     fake.events.gate.set()  # the copies end
@@ -144,9 +136,11 @@ def test_a_load_goes_ahead_of_a_queued_store_within_the_in_flight_cap(world, fak
     w = make(chunk_bytes=bb, staging_bytes=bb, max_inflight_bytes=bb)
     fake.events.gate.clear()
     store = w.submit(TransferJob("store", cache.cache_id, list(range(6)), list(range(6)), 30.0))
-    until(lambda: fake.events.recorded == 1)
+    until("one event recorded", lambda: fake.events.recorded == 1, 30)
     load = w.submit(TransferJob("load", cache.cache_id, [20], [20], 30.0))
-    until(lambda: fake.events.recorded == 2)  # the load's chunk, not the store's second
+    until(
+        "two events recorded", lambda: fake.events.recorded == 2, 30
+    )  # the load's chunk, not the store's second
     assert w._active[True] is not None
     assert w._active[True].part == 0
     assert w._lanes[0].inflight == {True: bb, False: bb}
@@ -175,12 +169,12 @@ def test_a_sticky_cuda_error_poisons_the_worker(world, fake) -> None:
     fake.events.gate.clear()
     fake.events.error = RuntimeError("CUDA error: an illegal memory access was encountered")
     first = w.submit(TransferJob("store", cache.cache_id, [0], [0], 30.0))
-    until(lambda: fake.events.recorded >= 1)
+    until("an event recorded", lambda: fake.events.recorded >= 1, 30)
     fake.events.gate.set()
     [r] = w.wait([first], timeout=30)
     assert not r.ok
     assert "illegal memory access" in (r.reason or "")
-    until(lambda: w.fatal is not None)
+    until("the worker failed", lambda: w.fatal is not None, 30)
     assert "illegal memory access" in (w.fatal or "")
     with pytest.raises(WorkerClosedError, match="illegal memory access"):
         w.submit(TransferJob("store", cache.cache_id, [1], [1], 30.0))
@@ -214,11 +208,13 @@ def test_a_raw_call_s_sticky_code_poisons_the_worker_and_keeps_the_mappings(worl
     w.registry._caches[own.cache_id] = own
     fake.events.gate.clear()
     held = w.submit(TransferJob("store", own.cache_id, [1], [1], 30.0))
-    until(lambda: fake.events.recorded >= 1)  # issued; its copies still queued
+    until(
+        "an event recorded", lambda: fake.events.recorded >= 1, 30
+    )  # issued; its copies still queued
     w.registry.unregister(own.cache_id)
     fake.raw.fail_2d_from, fake.raw.code_2d = fake.raw.calls_2d + 1, 700
     jid = w.submit(TransferJob("store", cache.cache_id, [0], [0], 30.0))
-    until(lambda: w.fatal is not None)
+    until("the worker failed", lambda: w.fatal is not None, 30)
     assert "cudaMemcpy2DAsync returned 700" in (w.fatal or "")
     assert "the CUDA context is lost" in (w.fatal or "")
     assert cuda_worker.poisoned()
@@ -242,14 +238,14 @@ def test_caches_of_jobs_a_shutdown_already_reported_are_kept_too(world, fake) ->
     w.registry._caches[own.cache_id] = own
     fake.events.gate.clear()
     jid = w.submit(TransferJob("store", own.cache_id, [1], [1], 30.0))
-    until(lambda: fake.events.recorded >= 1)
+    until("an event recorded", lambda: fake.events.recorded >= 1, 30)
     w.registry.unregister(own.cache_id)
     w.shutdown(timeout=0.1)
     assert [(r.job_id, r.ok) for r in w.poll_finished()] == [(jid, False)]
     assert not w.quiesced
     fake.events.error = RuntimeError("CUDA error: an illegal memory access was encountered")
     fake.events.gate.set()
-    until(lambda: w.fatal is not None)
+    until("the worker failed", lambda: w.fatal is not None, 30)
     assert any(c is own for c in cuda_worker._KEPT_AFTER_POISON)
 
 
@@ -330,7 +326,7 @@ def test_shutdown_counts_a_half_issued_chunk_s_copies_as_in_flight(world, fake) 
     fake.raw.fail_2d_from = 2  # the first tensor's copy is queued, the second refused
     fake.events.gate.clear()
     jid = w.submit(TransferJob("store", cache.cache_id, [0], [0], 60.0))
-    until(lambda: fake.events.recorded >= 1)
+    until("an event recorded", lambda: fake.events.recorded >= 1, 30)
     assert w._lanes[0].inflight[True] == 0
     w.shutdown(timeout=0.2)
     assert w.quiesced is False
@@ -344,7 +340,7 @@ def test_shutdown_fails_what_the_gpu_never_finished_and_keeps_the_pool_pinned(wo
     w = make(sync_timeout_s=0.2)
     fake.events.gate.clear()
     ids = [w.submit(TransferJob("store", cache.cache_id, [i], [i], 60.0)) for i in range(3)]
-    until(lambda: fake.events.recorded >= 1)
+    until("an event recorded", lambda: fake.events.recorded >= 1, 30)
     w.shutdown(timeout=0.2)
     results = w.poll_finished()
     assert sorted(r.job_id for r in results) == ids
@@ -434,4 +430,4 @@ def test_a_forgotten_cache_s_memory_is_let_go_once_its_jobs_ended(world, fake) -
         gc.collect()
         return all(r() is None for r in refs)
 
-    until(let_go, timeout=10.0)
+    until("the tensors let go", let_go, 10)

@@ -25,11 +25,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+from kvoffload_client.attach import MappedPool
 from kvoffload_client.client import Batch, KVOffloadAdminClient, KVOffloadClient, OpResult
 from kvoffload_client.vllm import M_FAULTS, M_PREFETCHES
 from kvoffload_client.vllm.copier import Copier
 from kvoffload_client.vllm.link import Link
-from kvoffload_client.vllm.pool import MappedPool
 from kvoffload_client.vllm.state import Probe, Shared, Step
 from kvoffload_client.vllm.tier import check_prefetch_deadline
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext

@@ -144,6 +144,49 @@ async def give_way() -> None:
         await asyncio.sleep(0)
 
 
+#: A batch's answer is handed to the server in messages of about this size, giving way between
+#: them: joined and encoded whole, the answer of 12 ops of 8,192 keys (6.7 MB) held the loop up to
+#: 14 ms (copies of the whole text, each as long as the answer).
+ANSWER_PIECE_BYTES = 256 << 10
+
+
+class PiecesResponse(Response):
+    """A JSON answer sent as it was made, its ``pieces`` (UTF-8 bytes whose concatenation is
+    the answer: a batch's are its ops' results) grouped into messages of at least
+    ``ANSWER_PIECE_BYTES``, the loop given way between them once sending held it
+    ``YIELD_AFTER_S``, with its ``content-length``: no copy of the whole answer is ever made."""
+
+    def __init__(self, pieces: list[bytes], status: int = 200) -> None:
+        self.pieces = pieces
+        self.status_code = status
+        self.background = None
+        self.body = b""  # never sent as one: see __call__
+        self.raw_headers = [
+            (b"content-length", str(sum(map(len, pieces))).encode()),
+            (b"content-type", JSON.encode()),
+        ]
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        group: list[bytes] = []
+        size = 0
+        held = time.perf_counter()
+        for piece in self.pieces:
+            group.append(piece)
+            size += len(piece)
+            if size >= ANSWER_PIECE_BYTES:
+                await send(
+                    {"type": "http.response.body", "body": b"".join(group), "more_body": True}
+                )
+                group, size = [], 0
+                if time.perf_counter() - held > YIELD_AFTER_S:
+                    await give_way()
+                    held = time.perf_counter()
+        await send({"type": "http.response.body", "body": b"".join(group), "more_body": False})
+
+
 _OPS_START = re.compile(r'\s*\{\s*"ops"\s*:\s*\[')
 _SPACE = re.compile(r"\s*")
 
@@ -257,12 +300,15 @@ class _BatchRunner:
         service = service_of(request)  # credentials first: a stranger learns nothing
         ops = await self.validated_yielding(await read_body(request))
         outcomes: list[tuple[str, int]] = []
-        parts: list[str] = []
+        # The answer's pieces, encoded as each op ends: '{"results":[', then the ops' results
+        # separated by commas, then ']}'.
+        parts: list[bytes] = [b'{"results":[']
         errors: Counter[tuple[int, str]] = Counter()
         traced = False
         tiers = bool(service.tiers)
         held = time.perf_counter()
-        for op in ops:
+        for i, op in enumerate(ops):
+            sep = "," if i else ""
             if time.perf_counter() - held > YIELD_AFTER_S:  # let other calls run in between
                 await give_way()
                 held = time.perf_counter()
@@ -283,15 +329,16 @@ class _BatchRunner:
                     log.error("batch op failed", exc_info=exc, extra={"fields": {"op": op.op}})
                 errors[err.status, err.code] += 1
                 outcomes.append((op.op, err.status))
-                parts.append(_op_error(err))
+                parts.append(f"{sep}{_op_error(err)}".encode())
                 continue
             outcomes.append((op.op, status))
-            parts.append(f'{{"ok":true,"status":{status},"result":{text}}}')
+            parts.append(f'{sep}{{"ok":true,"status":{status},"result":{text}}}'.encode())
         if info is not None:
             info.ops = outcomes
             info.batch_req_ids = list(dict.fromkeys(op.req_id for op in ops))
             info.op_errors = dict(errors) if errors else None
-        return json_response(f'{{"results":[{",".join(parts)}]}}')
+        parts.append(b"]}")
+        return PiecesResponse(parts)
 
 
 def _op_error(err: APIError) -> str:

@@ -69,8 +69,8 @@ only separates key digests inside one service namespace.
 
 from __future__ import annotations
 
+from kvoffload_client.attach import MappedPool, map_pool
 from kvoffload_client.vllm.keys import namespace_digest, service_key
-from kvoffload_client.vllm.pool import MappedPool, map_pool
 from kvoffload_client.vllm.state import M_CALLS, M_FAULTS, M_PREFETCHES
 from kvoffload_client.vllm.tier import KVOffloadTier
 

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 from vllm.v1.kv_offload.base import Medium, OffloadingEvent, OffloadKey
 
+from kvoffload_client.attach import MappedPool, map_pool
 from kvoffload_client.client import (
     Batch,
     KVOffloadAuthError,
@@ -23,7 +24,6 @@ from kvoffload_client.client import (
 )
 from kvoffload_client.pool_socket import PoolShareError
 from kvoffload_client.vllm.copier import Copier
-from kvoffload_client.vllm.pool import MappedPool, map_pool
 from kvoffload_client.vllm.protocol import BatchProtocol, Pending
 from kvoffload_client.vllm.state import (
     M_CALLS,

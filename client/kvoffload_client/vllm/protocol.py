@@ -23,10 +23,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvoffload_client.attach import MappedPool
 from kvoffload_client.client import Batch, OpResult
 from kvoffload_client.vllm.copier import Copier
 from kvoffload_client.vllm.keys import service_key
-from kvoffload_client.vllm.pool import MappedPool
 from kvoffload_client.vllm.state import (
     M_FAULTS,
     M_PREFETCHES,

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from kvoffload_client.client import KVOffloadClient
 
-from kvoffload_client.vllm.pool import MappedPool
+from kvoffload_client.attach import MappedPool
 
 log = logging.getLogger("kvoffload.vllm_tier")
 
