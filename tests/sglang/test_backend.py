@@ -304,6 +304,18 @@ def test_credentials_are_checked_at_registration(tmp_path: Path) -> None:
         be.close()
 
 
+def test_a_hybrid_model_s_other_host_pool_is_refused_at_registration(tmp_path: Path) -> None:
+    # SGLang's hybrid cache registers its group's pools through v2 after the KV pool: the KV
+    # pool (the anchor) again, then e.g. a Mamba state pool, whose pages kvoffload cannot keep.
+    pools, other = P.make_pools("page_first"), P.make_pools("layer_first")
+    be = P.backend(pools, P.extra_config(f"unix://{tmp_path}/none.sock"))
+    be.register_mem_host_pool_v2(pools.host, "full")  # the KV pool itself: kept
+    with pytest.raises(ValueError, match=r"host pool 'mamba' \(MHATokenToKVPoolHost"):
+        be.register_mem_host_pool_v2(other.host, "mamba")
+    assert list(be.registered_pools) == ["full"]
+    be.close()
+
+
 def test_an_unreachable_service_at_registration_is_not_an_error(tmp_path: Path) -> None:
     pools = P.make_pools("page_first")
     be = P.backend(pools, P.extra_config(f"unix://{tmp_path}/none.sock"))

@@ -12,7 +12,9 @@ is imported only by SGLang (``kvoffload_client.sglang`` loads it on first use).
   The two keep a ``layer_first`` page's bytes in different orders, so their keys differ.
 - No data-path call raises: faults are misses and skipped writes, counted (``counters``) and
   logged once per incident. ``register_mem_pool_host`` refuses a pool whose block size is not
-  the page's, and credentials the service refuses (``ValueError`` naming the setting).
+  the page's, and credentials the service refuses (``ValueError`` naming the setting);
+  ``register_mem_host_pool_v2`` refuses a hybrid model's other host pools (the v2 methods,
+  which move them, are not implemented: kvoffload keeps KV pages only).
 - ``get_stats`` answers SGLang's ``StorageMetrics`` (pages and GB/s per call since the last
   call) when ``--enable-cache-report`` style storage metrics are on.
 """
@@ -89,6 +91,22 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
             log.warning(
                 "kvoffload is not reachable at %s yet: pages miss until it is", self.config.url
             )
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: str) -> None:
+        """SGLang's hybrid cache registers each host pool of its group here, at attach and
+        when it adds one later: the KV pool ``register_mem_pool_host`` took (kept) and the
+        model's other state (Mamba or sliding-window states, sparse-attention indexes), which
+        SGLang moves with the v2 methods. kvoffload keeps KV pages only, so another pool is
+        refused here (``ValueError`` naming it) rather than failing on the data path."""
+        if host_pool is getattr(self, "mem_pool_host", None):
+            super().register_mem_host_pool_v2(host_pool, host_pool_name)
+            return
+        raise ValueError(
+            f"kvoffload's HiCache backend keeps KV pages only; this model also has the host "
+            f"pool {host_pool_name!r} ({type(host_pool).__name__}: a hybrid model's state), "
+            "which it cannot store; accepted: models whose cache is KV alone (MHA or MLA), or "
+            "another --hicache-storage-backend for this model"
+        )
 
     def _keys(self, keys: Sequence[str]) -> list[bytes]:
         return [service_key(self.prefix, k) for k in keys]
