@@ -539,6 +539,7 @@ async def serve(
             tenancy.set_kv_events(
                 lambda tenant, service: attach_kv_events(publisher, settings, tenant, service)
             )
+            publisher.started()  # a namespace a tenants reload adds is new to the routers
         async with tenancy.running():
             if pool_share is not None:
                 pool_share.start()

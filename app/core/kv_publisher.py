@@ -37,6 +37,10 @@ Contract:
   them (Dynamo's) drops a number lower than one it has seen, so a restarted publisher counting
   from 0 would go unheard; counting from above every earlier process's numbers, it is heard as
   a gap, which the subscriber fills by replay, from the new stream's first batch, its clear.
+- **A namespace a tenants reload adds** opens without that clear (``sink``): nothing of it was
+  published by this process, and a router that reads the node's namespaces as one instance
+  (Dynamo) would forget all of them at it. One this process served before, removed or moved
+  and added again, keeps its clear.
 """
 
 from __future__ import annotations
@@ -357,6 +361,9 @@ class KVEventPublisher:
         self._dropped = 0
         self._unsent = 0
         self._replays = 0
+        # Namespaces given a sink in this process, and whether the ones of its start are in.
+        self._namespaces: set[str] = set()
+        self._started = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -435,13 +442,33 @@ class KVEventPublisher:
 
     def sink(self, namespace: str, meta: BlockMetadata | None) -> EventSink:
         """What ``namespace``'s service calls with the events it drains; ``meta``: its
-        engines' word on its blocks."""
+        engines' word on its blocks.
+
+        A stream opens with the service's ``AllBlocksCleared``, except that of a namespace
+        first seen after ``started`` (one a tenants reload adds): its pool is new, no router
+        holds anything of it from this process, and a router that indexes the node as one
+        instance (Dynamo) would forget every other namespace's blocks at that clear. A
+        namespace this process served before (removed or moved, then added again) keeps its
+        opening clear: routers may still hold its old blocks."""
         topic = self.topic(namespace)
+        drop_opening = [self._started and namespace not in self._namespaces]
+        self._namespaces.add(namespace)
 
         def offer(events: Sequence[KVEvent]) -> None:
+            if drop_opening[0]:  # the first batch only
+                drop_opening[0] = False
+                if events and isinstance(events[0], AllBlocksCleared):
+                    events = events[1:]
+                    if not events:
+                        return
             self._put(_Batch(topic, time.time(), events, meta))
 
         return offer
+
+    def started(self) -> None:
+        """The namespaces of the process's start have their sinks: a namespace given one
+        from now on is new to the routers (``sink``)."""
+        self._started = True
 
     def _put(self, batch: _Batch) -> None:
         """Queue one batch for the thread, never waiting: a full queue drops it (counted)."""

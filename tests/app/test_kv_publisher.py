@@ -296,6 +296,38 @@ def test_array_format_for_llm_d(tmp_path, ctx):
         pub.close()
 
 
+def test_a_namespace_a_reload_adds_opens_without_a_clear_one_served_before_with_one(tmp_path, ctx):
+    pub = KVEventPublisher(settings(tmp_path))
+    pub.start()
+    try:
+        sub = subscriber(ctx, pub.endpoint)
+        publish_until_received(pub, sub)
+        at_start = pub.sink("a1", None)
+        pub.started()
+        added = pub.sink("b1", None)  # new: its opening clear would wipe a1 in Dynamo
+        again = pub.sink("a1", None)  # a1 removed and added again: routers may hold its blocks
+        at_start([AllBlocksCleared(0)])
+        added([AllBlocksCleared(0)])
+        added([BlockStored(1, K[:1])])
+        added([AllBlocksCleared(2)])  # a later clear (an operator's) goes out
+        again([AllBlocksCleared(0)])
+        pub.sink("end", None)([BlockStored(3, K[:1])])
+        seen: dict[bytes, list[str]] = {}
+        while True:
+            topic, _seq, payload = sub.recv_multipart()
+            if topic == b"end":
+                break
+            if topic != b"warmup":
+                _ts, events, _rank = msgpack.unpackb(payload)
+                seen.setdefault(topic, []).extend(e["type"] for e in events)
+        assert seen == {
+            b"a1": ["AllBlocksCleared", "AllBlocksCleared"],
+            b"b1": ["BlockStored", "AllBlocksCleared"],
+        }
+    finally:
+        pub.close()
+
+
 def test_a_full_queue_drops_and_counts_without_waiting(tmp_path):
     pub = KVEventPublisher(settings(tmp_path, kv_events_queue_batches=1))  # not started
     sink = pub.sink("m", None)

@@ -5,6 +5,7 @@ too, and the pull feed beside it unchanged."""
 from __future__ import annotations
 
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -12,12 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from kvoffload_client import BlockTokens, KVOffloadClient
+from kvoffload_client import BlockTokens, KVOffloadClient, KVOffloadError
 
 from app.core.kv_publisher import hash64
 from tests.e2e.router import RouterFeed
 from tests.e2e.server import ROOT, TOKEN, ServerProcess, free_port
 from tests.e2e.test_tenants import tenant_file
+from testsupport.polling import until
 
 BLOCK = 4096
 KEYS = [bytes([i]) * 16 for i in range(1, 4)]
@@ -195,3 +197,56 @@ def test_with_tenants_tcp_and_an_unknown_tenant_are_refused_at_start(tmp_path: P
         "--kv-events-tenant / KVOFFLOAD_KV_EVENTS_TENANT = 'nobody': no such tenant in the "
         "tenants file; accepted: one it names (alpha, beta)"
     ) in unknown.stderr
+
+
+def test_a_namespace_a_reload_adds_opens_without_the_clear_that_would_wipe_the_node(
+    tmp_path: Path,
+):
+    """alpha gets a second namespace by a tenants reload (SIGHUP, or the file's poll). A
+    router such as Dynamo reads the node's namespaces as one instance, so an opening clear of
+    a2 would forget a1's blocks: a2's stream opens with its first store instead."""
+    tenants = tenants_dir(tmp_path)
+    pub, replay = f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"
+    srv = ServerProcess(
+        tmp_path,
+        "--tenants",
+        str(tenants),
+        "--kv-events-endpoint",
+        pub,
+        "--kv-events-replay-endpoint",
+        replay,
+    )
+    with srv.serving(), RouterFeed(pub, replay) as feed:
+        with KVOffloadClient(srv.url, token=ALPHA, namespace="a1") as kv:
+            kv.start_request("r")
+            out = kv.prepare_store("r", KEYS[:1])
+            kv.complete_store("r", out.keys_to_store)
+        feed.wait_for(lambda f: ("a1", "BlockStored") in by_topic(f))
+        tenant_file(
+            tenants, "alpha", f'tokens = ["{ALPHA}"]\nnamespaces = {{ a1 = 16, a2 = 16 }}\n'
+        )
+        assert srv.proc is not None
+        srv.proc.send_signal(signal.SIGHUP)
+
+        def a2_stored() -> bool | None:
+            with KVOffloadClient(srv.url, token=ALPHA, namespace="a2") as kv:
+                try:
+                    kv.start_request("r2")
+                except KVOffloadError as exc:
+                    if exc.status != 403:  # not alpha's until the reload applies
+                        raise
+                    return None
+                out = kv.prepare_store("r2", KEYS[1:2])
+                kv.complete_store("r2", out.keys_to_store)
+                return True
+
+        until("a2 added by the reload", a2_stored, 30)
+        feed.wait_for(lambda f: ("a2", "BlockStored") in by_topic(f))
+        assert [t for t in by_topic(feed) if t[0] == "a2"] == [("a2", "BlockStored")]
+        assert by_topic(feed).count(("a1", "AllBlocksCleared")) == 1  # the start's, only
+        assert by_topic(feed).count(("b1", "AllBlocksCleared")) == 1
+
+
+def by_topic(feed: RouterFeed) -> list[tuple[str, str]]:
+    """Each event seen as (topic, type), in order."""
+    return [(topic, e["type"]) for topic, e in feed.events() if isinstance(e, dict)]
