@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from kvoffload_client import BlockTokens, KVOffloadClient, KVOffloadError
+from kvoffload_client import BlockTokens, KVOffloadClient
 
 from app.core.kv_publisher import hash64
 from tests.e2e.router import RouterFeed
 from tests.e2e.server import ROOT, TOKEN, ServerProcess, free_port
-from tests.e2e.test_tenants import tenant_file
+from tests.e2e.test_tenants import granted, tenant_file
 from testsupport.polling import until
 
 BLOCK = 4096
@@ -228,19 +228,11 @@ def test_a_namespace_a_reload_adds_opens_without_the_clear_that_would_wipe_the_n
         assert srv.proc is not None
         srv.proc.send_signal(signal.SIGHUP)
 
-        def a2_stored() -> bool | None:
-            with KVOffloadClient(srv.url, token=ALPHA, namespace="a2") as kv:
-                try:
-                    kv.start_request("r2")
-                except KVOffloadError as exc:
-                    if exc.status != 403:  # not alpha's until the reload applies
-                        raise
-                    return None
-                out = kv.prepare_store("r2", KEYS[1:2])
-                kv.complete_store("r2", out.keys_to_store)
-                return True
-
-        until("a2 added by the reload", a2_stored, 30)
+        until("a2 added by the reload", lambda: granted(srv.url, ALPHA, "a2"), 30)
+        with KVOffloadClient(srv.url, token=ALPHA, namespace="a2") as kv:
+            kv.start_request("r2")
+            out = kv.prepare_store("r2", KEYS[1:2])
+            kv.complete_store("r2", out.keys_to_store)
         feed.wait_for(lambda f: ("a2", "BlockStored") in by_topic(f))
         assert [t for t in by_topic(feed) if t[0] == "a2"] == [("a2", "BlockStored")]
         assert by_topic(feed).count(("a1", "AllBlocksCleared")) == 1  # the start's, only

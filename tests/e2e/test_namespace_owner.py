@@ -20,7 +20,7 @@ from kvoffload_client.client import KVOffloadClient, KVOffloadError
 from kvoffload_client.pool_socket import default_pool_socket, receive_pool
 
 from tests.e2e.server import TOKEN, ServerProcess
-from tests.e2e.test_tenants import tenant_file
+from tests.e2e.test_tenants import granted, tenant_file
 from testsupport.polling import until
 from transfer.disk import disk_bytes_for
 
@@ -154,17 +154,8 @@ def test_a_namespace_given_to_another_tenant_hands_over_none_of_the_old_owners_b
         assert srv.proc is not None
         srv.proc.send_signal(signal.SIGHUP)
 
-        def bob_has_a2() -> bool | None:
-            with KVOffloadClient(srv.url, token=BOB, namespace="a2") as bob:
-                try:
-                    bob.start_request("probe")
-                except KVOffloadError as exc:
-                    if exc.status != 403:  # refused as not bob's until the reload applies
-                        raise
-                    return None
-                return True
-
-        until("a2 given to bob", bob_has_a2, 30, 0.05)
+        # Refused as not bob's until the reload applies.
+        until("a2 given to bob", lambda: granted(srv.url, BOB, "a2"), 30, 0.05)
         bob_sees_nothing(srv, written)
         assert not bytes_on_disk(root, written)
         assert ALICE not in srv.log()

@@ -26,6 +26,19 @@ BETA = "beta-e2e-token-0000000000001"
 BLOCK = 4096
 
 
+def granted(url: str, token: str, namespace: str) -> bool | None:
+    """True once ``token`` may start a request in ``namespace`` (a tenants reload applied);
+    None while it is refused with 403 (for ``until``)."""
+    with KVOffloadClient(url, token=token, namespace=namespace) as kv:
+        try:
+            kv.start_request("probe")
+        except KVOffloadError as exc:
+            if exc.status != 403:
+                raise
+            return None
+        return True
+
+
 def tenant_file(directory: Path, name: str, body: str) -> None:
     """Write ``NAME.toml`` as Kubernetes or an operator would: whole, owner-only."""
     tmp = directory / f".{name}.tmp"
