@@ -528,11 +528,12 @@ class KVEventPublisher:
         body = [list(e) for e in events] if self._array else [as_map(e) for e in events]
         payload = pack.pack([ts, body, 0])
         seq = self._seq.to_bytes(8, "big")
-        # NOBLOCK: PUB never blocks (past its high-water mark ZMQ drops per subscriber).
-        self._pub.send_multipart((topic, seq, payload), flags=self._zmq.NOBLOCK)
+        # Counted and kept before it is sent: a subscriber that got it finds it counted.
+        self._published += len(events)
         self._replay_buffer.append((self._seq, topic, payload))
         self._seq += 1
-        self._published += len(events)
+        # NOBLOCK: PUB never blocks (past its high-water mark ZMQ drops per subscriber).
+        self._pub.send_multipart((topic, seq, payload), flags=self._zmq.NOBLOCK)
 
     def _serve_replays(self) -> None:
         zmq = self._zmq
@@ -545,6 +546,8 @@ class KVEventPublisher:
                 continue
             client, _, start = frames
             start_seq = int.from_bytes(start, "big")
+            # Counted before it is answered: a client that read its end marker finds it counted.
+            self._replays += 1
             with contextlib.suppress(zmq.Again):
                 for seq, topic, payload in list(self._replay_buffer):
                     if seq >= start_seq:
@@ -553,4 +556,3 @@ class KVEventPublisher:
                             flags=zmq.NOBLOCK,
                         )
                 self._replay.send_multipart((client, b"", b"", END_SEQ, b""), flags=zmq.NOBLOCK)
-            self._replays += 1
