@@ -52,7 +52,7 @@ import httpx
 from kvoffload_client.client import AsyncKVOffloadClient, Batch, Job, KVOffloadError
 
 from bench.harness import proc_cpu_seconds, proc_status
-from tests.shm_device import ShmDevice
+from testsupport.shm_device import ShmDevice
 
 # Refusals an engine meets in normal operation: a hit evicted (or cleared) between its lookup and
 # its load, and a store that finds every block pinned or pending.

@@ -19,7 +19,7 @@ from app.http.apps import create_admin_app, create_app
 from app.http.openapi import KVOffloadAPI
 from app.settings import Settings
 from app.telemetry.calls import CallInfo
-from tests.shm_device import ShmDevice
+from testsupport.shm_device import ShmDevice
 
 TOKEN = "test-admin-token"
 BLOCK = 4096

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tests.api.harness import Harness, hexkeys
-from tests.shm_device import ShmDevice
 from testsupport.polling import until_async
+from testsupport.shm_device import ShmDevice
 from transfer.cpu_worker import CpuTransferWorker
 
 pytestmark = pytest.mark.anyio

@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 from app.telemetry.logging import fields_of
 from app.telemetry.request_ids import safe_req_id
 from tests.api.harness import TOKEN, Harness, hexkeys, make_settings, running
-from tests.shm_device import SHM_DIR, ShmDevice
+from testsupport.shm_device import SHM_DIR, ShmDevice
 
 pytestmark = pytest.mark.anyio
 SAFE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,120}")

@@ -36,7 +36,7 @@ from tests.api.test_tenancy import (
     tenants_running,
     write_tenants,
 )
-from tests.shm_device import MemfdDevice, ShmDevice
+from testsupport.shm_device import MemfdDevice, ShmDevice
 
 pytestmark = pytest.mark.anyio
 

@@ -20,7 +20,7 @@ import pytest
 from kvoffload_client.client import KVOffloadAdminClient, KVOffloadClient
 
 from tests.e2e.server import TOKEN, ServerProcess
-from tests.shm_device import ShmDevice
+from testsupport.shm_device import ShmDevice
 from transfer.disk import disk_bytes_for
 
 BLOCK = 4096

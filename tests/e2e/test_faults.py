@@ -37,8 +37,8 @@ from kvoffload_client.client import KVOffloadAdminClient, KVOffloadClient, KVOff
 
 from tests.e2e.server import ROOT, TOKEN, ServerProcess
 from tests.load import wire
-from tests.shm_device import ShmDevice
 from testsupport.polling import until
+from testsupport.shm_device import ShmDevice
 
 BLOCK = 4096
 NUM_BLOCKS = 256  # ServerProcess's pool

@@ -13,7 +13,7 @@ import pytest
 from kvoffload_client.client import KVOffloadAdminClient, KVOffloadClient, KVOffloadError
 
 from tests.e2e.server import ROOT, TOKEN, ServerProcess
-from tests.shm_device import ShmDevice
+from testsupport.shm_device import ShmDevice
 
 
 def client_for(server: ServerProcess, transport: str) -> KVOffloadClient:

@@ -30,7 +30,7 @@ from tests.deploy.helpers import (
 )
 from tests.deploy.promql import Analysis, analyse
 from tests.e2e.server import TOKEN, ServerProcess
-from tests.shm_device import ShmDevice
+from testsupport.shm_device import ShmDevice
 
 BLOCK = 4096
 JOB_REQ = "e2e-jobs"

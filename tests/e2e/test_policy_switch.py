@@ -9,7 +9,7 @@ import time
 from kvoffload_client.client import KVOffloadAdminClient, KVOffloadClient
 
 from tests.e2e.server import TOKEN, ServerProcess
-from tests.shm_device import ShmDevice
+from testsupport.shm_device import ShmDevice
 
 WORKERS = 4
 PRESTORED = 64

@@ -26,7 +26,7 @@ from kvoffload_client.client import KVOffloadClient
 
 from tests.e2e.server import ROOT, ServerProcess
 from tests.e2e.test_tenants import tenant_file
-from tests.shm_device import MemfdDevice
+from testsupport.shm_device import MemfdDevice
 from transfer.disk import disk_bytes_for
 
 ALICE = "alice-pool-attack-token-000001"

@@ -21,7 +21,7 @@ from kvoffload_client.client import KVOffloadClient
 from kvoffload_client.pool_socket import POOL_HEADER, PoolShareError, receive_pool
 
 from tests.e2e.server import ROOT, ServerProcess
-from tests.shm_device import ShmDevice
+from testsupport.shm_device import ShmDevice
 
 UNSHARE = ("unshare", "--pid", "--fork", "--mount-proc")
 

@@ -27,7 +27,7 @@ from kvoffload_client.pool_socket import default_pool_socket, register_kv_cache
 
 from tests.e2e.server import ROOT, ServerProcess
 from tests.e2e.test_tenants import tenant_file
-from tests.shm_device import MemfdDevice
+from testsupport.shm_device import MemfdDevice
 
 ALICE = "alice-attack-token-00000000001"
 BOB = "bob-attack-token-0000000000001"

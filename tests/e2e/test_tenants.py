@@ -228,7 +228,7 @@ def test_kv_caches_register_by_descriptor_and_idle_clients_starve_nobody(
     # file by path (on TCP or the Unix socket) and learns nothing; alpha registers its cache in
     # a sealed memfd by passing its descriptor over the pool socket; 70 idle connections on
     # that socket starve nobody.
-    from tests.shm_device import MemfdDevice, ShmDevice
+    from testsupport.shm_device import MemfdDevice, ShmDevice
 
     pool_socket = default_pool_socket(str(server.uds))
     with ShmDevice(4, BLOCK, name="alpha-kv") as dev, MemfdDevice(4, BLOCK, "alpha-kv") as mem:

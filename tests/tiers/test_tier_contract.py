@@ -40,8 +40,8 @@ from manager import KeyNotReadyError
 from tests.api.harness import make_settings
 from tests.api.test_remote_tier import MemoryStore
 from tests.api.test_remote_tier import MemoryTier as RemoteMemoryTier
-from tests.shm_device import ShmDevice
 from testsupport.polling import until_async
+from testsupport.shm_device import ShmDevice
 from transfer import HostPool
 
 pytestmark = pytest.mark.anyio

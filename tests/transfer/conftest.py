@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from tests.shm_device import SHM_DIR
 from tests.transfer.helpers import ShmCache, build_shm_cache
 from tests.transfer.kvref import unique_prefix
+from testsupport.shm_device import SHM_DIR
 from transfer import HostPool, KVCacheRegistry
 from transfer.disk import DiskStore
 

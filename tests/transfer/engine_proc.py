@@ -26,9 +26,9 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     import torch
 
-from tests.shm_device import shm_spec
 from tests.transfer.helpers import write_shm_tensors
 from tests.transfer.kvref import device_block, host_block, mixed_layout
+from testsupport.shm_device import shm_spec
 
 
 class Engine:

@@ -15,8 +15,8 @@ import pytest
 import torch
 from kvoffload_client.pool_socket import sealed_memfd
 
-from tests.shm_device import shm_spec
 from tests.transfer.helpers import write_shm_tensors
+from testsupport.shm_device import shm_spec
 from transfer import (
     KVCacheRegistry,
     KVCacheSpec,
