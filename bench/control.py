@@ -26,7 +26,7 @@ Per row: prefix hit ratio, its ratio to ``none`` at the same pool size, the hits
 blocks retained at the time, stores refused (``prepare_store`` None: the pool was full of
 retained and pinned blocks), retentions made and skipped by reason.
 
-Part (b), prefetch load time: an in-process service (``tests/api/harness.py``, as
+Part (b), prefetch load time: an in-process service (``testsupport/api_harness.py``, as
 ``disk_tier.py`` runs it) with a disk tier on an ext4 directory (O_DIRECT; ``--dir``, default
 the system's temporary directory), a registered shm "device" cache. Sessions of ``--b-keys``
 blocks of ``--b-block-kib`` KiB are stored and demoted (``POST demote``: written to disk, gone
@@ -90,7 +90,7 @@ from testsupport.polling import until_async  # noqa: E402
 
 if TYPE_CHECKING:
     from app.core.disk import DiskLink
-    from tests.api.harness import Harness
+    from testsupport.api_harness import Harness
 
 RESULTS = harness.RESULTS_DIR / "control.json"
 KIB = 1024
@@ -332,8 +332,8 @@ def pct(values: Sequence[float], q: float) -> float:
 async def disk_service(
     directory: str, pool_blocks: int, block: int, slots: int
 ) -> AsyncIterator[Harness]:
-    """An in-process service (``tests/api/harness.py``) with a disk tier in ``directory``."""
-    from tests.api.harness import make_settings, running
+    """An in-process service (``testsupport/api_harness.py``) with a disk tier in ``directory``."""
+    from testsupport.api_harness import make_settings, running
     from transfer.disk import disk_bytes_for
 
     settings = make_settings(

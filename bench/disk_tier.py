@@ -425,7 +425,7 @@ def hexkey(prefix: int, i: int) -> str:
 
 @contextlib.asynccontextmanager
 async def service(**overrides: Any) -> AsyncIterator[Any]:
-    from tests.api.harness import make_settings, running
+    from testsupport.api_harness import make_settings, running
 
     base = {
         "job_deadline_s": 120.0,

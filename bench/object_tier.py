@@ -145,7 +145,7 @@ async def size_part(
 ) -> dict[str, Any]:
     """Parts (a) and (b) at one block size."""
     from app.core.object import ObjectLink
-    from tests.api.harness import make_settings, running
+    from testsupport.api_harness import make_settings, running
     from transfer.s3 import MAC_BYTES
 
     n = mib * (1 << 20) // block
@@ -317,7 +317,7 @@ def layout_part(rgw: RadosGateway, mib: int, reps: int, concurrency: int) -> dic
 
 async def lookup_part(rgw: RadosGateway, reps: int) -> dict[str, Any]:
     """(e): lookups of 32 misses (the bucket asked) against 32 pool hits."""
-    from tests.api.harness import make_settings, running
+    from testsupport.api_harness import make_settings, running
 
     settings = make_settings(
         num_blocks=64,

@@ -608,7 +608,7 @@ async def onload_size(
     raw client's ``batch_get_into`` of the same objects, paired per repetition; the service
     with ``--copy-threads copy_threads``."""
     from app.core.remote import RemoteLink
-    from tests.api.harness import make_settings, running
+    from testsupport.api_harness import make_settings, running
 
     n = batch_bytes // block_bytes
     settings = make_settings(

@@ -1,4 +1,4 @@
-"""Fixtures of the in-process API tests; the harness itself is ``tests.api.harness``."""
+"""Fixtures of the in-process API tests; the harness itself is ``testsupport.api_harness``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from tests.api.harness import Harness, make_settings, running
+from testsupport.api_harness import Harness, make_settings, running
 
 
 @pytest.fixture

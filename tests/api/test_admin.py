@@ -11,7 +11,7 @@ from pydantic import SecretStr, ValidationError
 from app.cli import main as cli_main
 from app.settings import Settings
 from app.telemetry.logging import AUDIT_LOGGER, fields_of
-from tests.api.harness import TOKEN, Harness, hexkeys, make_settings, running
+from testsupport.api_harness import TOKEN, Harness, hexkeys, make_settings, running
 
 pytestmark = pytest.mark.anyio
 

@@ -15,9 +15,9 @@ import httpx
 import pytest
 
 from app.http.routes.health import NOT_READY
-from tests.api.harness import hexkeys
 from tests.api.test_security_tenants import OPENMETRICS, SCRAPE, engine_with
 from tests.api.test_tenancy import ALPHA, BETA, NS, tenants_running
+from testsupport.api_harness import hexkeys
 
 pytestmark = pytest.mark.anyio
 
@@ -160,7 +160,7 @@ async def test_without_tenants_readyz_still_says_why_and_what(tmp_path: Path) ->
     ``/readyz`` keeps its details, and the admin route answers the same."""
     from app.core.service import Service
     from app.http.apps import create_admin_app, create_app
-    from tests.api.harness import TOKEN, make_settings
+    from testsupport.api_harness import TOKEN, make_settings
 
     settings = make_settings()
     service = Service(settings)

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from tests.api.harness import Harness, hexkeys, make_settings, running
+from testsupport.api_harness import Harness, hexkeys, make_settings, running
 
 pytestmark = pytest.mark.anyio
 

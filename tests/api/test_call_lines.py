@@ -11,7 +11,7 @@ import pytest
 
 from app.http.middleware import error_code
 from app.telemetry.logging import ACCESS_LOGGER, CALL_EVENT
-from tests.api.harness import Harness, hexkeys
+from testsupport.api_harness import Harness, hexkeys
 
 pytestmark = pytest.mark.anyio
 LOOKUP = "/v1/requests/{req_id}/lookup"

@@ -8,7 +8,7 @@ import httpx
 import pytest
 from kvoffload_client.client import AsyncKVOffloadClient, Batch, KVOffloadError
 
-from tests.api.harness import Harness
+from testsupport.api_harness import Harness
 from testsupport.polling import until_async
 
 pytestmark = pytest.mark.anyio

@@ -32,8 +32,8 @@ from kvoffload_client.client import (
     Retentions,
 )
 
-from tests.api.harness import BLOCK, Harness, make_settings, running
 from tests.e2e.server import free_port
+from testsupport.api_harness import BLOCK, Harness, make_settings, running
 from testsupport.polling import until
 from transfer.disk import disk_bytes_for
 

@@ -20,9 +20,9 @@ import pytest
 
 from app.core.disk import DiskLink
 from app.telemetry.logging import AUDIT_LOGGER, fields_of
-from tests.api.harness import BLOCK, TOKEN, Harness, hexkeys, make_settings, running
 from tests.api.test_disk_tier import gated, pool_bytes, store
 from tests.app.exposition import OPENMETRICS, parse
+from testsupport.api_harness import BLOCK, TOKEN, Harness, hexkeys, make_settings, running
 from testsupport.polling import until_async
 from transfer.disk import disk_bytes_for
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.api.harness import hexkeys
 from tests.api.test_tenancy import Tenants, tenants_running, write_tenants
+from testsupport.api_harness import hexkeys
 
 pytestmark = pytest.mark.anyio
 

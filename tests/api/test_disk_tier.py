@@ -28,7 +28,7 @@ from app.core.disk import DiskLink
 from app.core.service import Service
 from app.settings import ConfigError
 from manager import BlockKey
-from tests.api.harness import BLOCK, Harness, hexkeys, make_settings, running
+from testsupport.api_harness import BLOCK, Harness, hexkeys, make_settings, running
 from testsupport.polling import until_async
 from transfer.disk import DiskStore, disk_bytes_for
 

@@ -11,7 +11,7 @@ import pytest
 
 from app.http import openapi
 from app.http.openapi import KVOffloadAPI, add_docs_routes
-from tests.api.harness import Harness
+from testsupport.api_harness import Harness
 
 pytestmark = pytest.mark.anyio
 

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.api.harness import Harness, hexkeys, make_settings, running
+from testsupport.api_harness import Harness, hexkeys, make_settings, running
 
 pytestmark = pytest.mark.anyio
 

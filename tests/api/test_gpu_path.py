@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.api.harness import Harness, hexkeys
+from testsupport.api_harness import Harness, hexkeys
 from testsupport.polling import until_async
 from testsupport.shm_device import ShmDevice
 from transfer.cpu_worker import CpuTransferWorker

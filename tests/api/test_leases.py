@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from app.http.apps import create_app
-from tests.api.harness import Harness, hexkeys, make_settings, running
+from testsupport.api_harness import Harness, hexkeys, make_settings, running
 
 pytestmark = pytest.mark.anyio
 

@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from app.http.limits import MAX_TRANSFER_PARAMS_DEPTH, body_caps
-from tests.api.harness import Harness, make_settings, running
+from testsupport.api_harness import Harness, make_settings, running
 
 pytestmark = pytest.mark.anyio
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.api.harness import Harness, hexkeys
+from testsupport.api_harness import Harness, hexkeys
 
 pytestmark = pytest.mark.anyio
 

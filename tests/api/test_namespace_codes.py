@@ -18,8 +18,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from app.core.tenancy import Tenancy
 from app.core.tenants import Credentials
 from app.http.apps import create_app
-from tests.api.harness import make_settings, running
 from tests.api.test_tenancy import ALPHA, BETA, NS, TENANTS, tenants_running, write_tenants
+from testsupport.api_harness import make_settings, running
 
 pytestmark = pytest.mark.anyio
 

@@ -25,9 +25,9 @@ from app.core.disk import open_disk
 from app.core.tenancy import Tenancy
 from app.settings import Settings
 from app.telemetry.logging import fields_of
-from tests.api.harness import BLOCK, hexkeys, make_settings
 from tests.api.test_remote_tier import MemoryStore, MemoryTier
 from tests.api.test_tenancy import Tenants, tenants_running, write_tenants
+from testsupport.api_harness import BLOCK, hexkeys, make_settings
 from testsupport.polling import until_async
 from transfer import HostPool
 from transfer.disk import disk_bytes_for

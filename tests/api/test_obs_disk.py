@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 
-from tests.api.harness import BLOCK, Harness, hexkeys, make_settings, running
 from tests.app.exposition import (
     OPENMETRICS,
     Exposition,
@@ -21,6 +20,7 @@ from tests.app.exposition import (
 )
 from tests.deploy.helpers import DASHBOARD, all_rules, dashboard_expressions, load_json
 from tests.deploy.promql import Analysis, analyse
+from testsupport.api_harness import BLOCK, Harness, hexkeys, make_settings, running
 from testsupport.polling import until_async
 from transfer.disk import slots_for
 

@@ -27,7 +27,7 @@ from app.telemetry.logging import (
 from app.telemetry.logging import unconfigure_logging as unconfigure
 from app.telemetry.request_ids import safe_req_id
 from manager import OffloadManager, ReqContext, create_manager
-from tests.api.harness import TOKEN, Harness, hexkeys, make_settings, running
+from testsupport.api_harness import TOKEN, Harness, hexkeys, make_settings, running
 
 pytestmark = pytest.mark.anyio
 Lines = Callable[[], list[dict[str, Any]]]

@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.exposition import generate_latest
 
 from app.telemetry.request_ids import safe_req_id
-from tests.api.harness import Harness, hexkeys, make_settings, running
 from tests.app.exposition import OPENMETRICS, catalogue_mismatches, parse
+from testsupport.api_harness import Harness, hexkeys, make_settings, running
 
 pytestmark = pytest.mark.anyio
 LOOKUP = "/v1/requests/{req_id}/lookup"

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from manager import available_policies
-from tests.api.harness import Harness, hexkeys, make_settings, running
+from testsupport.api_harness import Harness, hexkeys, make_settings, running
 
 pytestmark = pytest.mark.anyio
 SHADOW = "/admin/v1/policy/shadow"

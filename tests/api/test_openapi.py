@@ -12,7 +12,7 @@ from app.http import schemas as s
 from app.http.errors import ErrorBody
 from app.http.operations import OPERATIONS
 from app.http.routes.admin import LogLevelAnswer, LogLevelSwitchAnswer, ShadowAnswer
-from tests.api.harness import Harness, hexkeys
+from testsupport.api_harness import Harness, hexkeys
 
 pytestmark = pytest.mark.anyio
 

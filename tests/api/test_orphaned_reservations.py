@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
-from tests.api.harness import Harness, hexkeys, make_settings, running
 from tests.app.exposition import parse
 from tests.manager.harness import FakeClock
+from testsupport.api_harness import Harness, hexkeys, make_settings, running
 from testsupport.polling import until_async
 
 pytestmark = pytest.mark.anyio

@@ -20,7 +20,7 @@ import pytest
 
 from app.core.remote import RemoteBackend, RemoteLink
 from app.settings import Settings
-from tests.api.harness import BLOCK, Harness, hexkeys, make_settings, running
+from testsupport.api_harness import BLOCK, Harness, hexkeys, make_settings, running
 from testsupport.polling import until_async
 from transfer import HostPool
 from transfer.remote import (

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from starlette.types import Message
 
-from tests.api.harness import Harness, hexkeys, make_settings, running
+from testsupport.api_harness import Harness, hexkeys, make_settings, running
 
 pytestmark = pytest.mark.anyio
 

@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 
 from app.telemetry.logging import fields_of
 from app.telemetry.request_ids import safe_req_id
-from tests.api.harness import TOKEN, Harness, hexkeys, make_settings, running
+from testsupport.api_harness import TOKEN, Harness, hexkeys, make_settings, running
 from testsupport.shm_device import SHM_DIR, ShmDevice
 
 pytestmark = pytest.mark.anyio

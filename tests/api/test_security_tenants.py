@@ -26,7 +26,6 @@ from app.core.tenants import Credentials
 from app.http.apps import create_app
 from app.pool_share import PoolShareServer
 from app.server import pool_of, register_over_socket
-from tests.api.harness import BLOCK, hexkeys, make_settings
 from tests.api.test_tenancy import (
     ALPHA,
     BETA,
@@ -36,6 +35,7 @@ from tests.api.test_tenancy import (
     tenants_running,
     write_tenants,
 )
+from testsupport.api_harness import BLOCK, hexkeys, make_settings
 from testsupport.shm_device import MemfdDevice, ShmDevice
 
 pytestmark = pytest.mark.anyio

@@ -248,7 +248,7 @@ def test_a_bad_config_file_value_names_the_file_and_key_not_the_flag(
 
 @pytest.mark.anyio
 async def test_copy_threads_reach_the_cpu_worker() -> None:
-    from tests.api.harness import make_settings, running
+    from testsupport.api_harness import make_settings, running
     from transfer.cpu_worker import default_copy_threads
 
     for asked, used in ((0, default_copy_threads()), (3, 3)):

@@ -9,8 +9,8 @@ import pytest
 from app.http.routes.admin import SAMPLED
 from manager import available_policies
 from manager.shadow import MIN_SAMPLED_REQUESTS
-from tests.api.harness import Harness, make_settings, running
 from tests.api.test_obs_shadow import lives, shadow
+from testsupport.api_harness import Harness, make_settings, running
 
 pytestmark = pytest.mark.anyio
 

@@ -7,7 +7,7 @@ import pytest
 
 from app.core.kv_publisher import BlockMetadata, hash64, wire_events
 from manager import BlockStored
-from tests.api.harness import Harness, hexkeys
+from testsupport.api_harness import Harness, hexkeys
 
 pytestmark = pytest.mark.anyio
 

@@ -28,7 +28,7 @@ from app.http.apps import create_admin_app, create_app
 from app.http.operations import OPERATIONS
 from app.settings import Settings
 from app.telemetry.logging import configure_logging, fields_of, unconfigure_logging
-from tests.api.harness import TOKEN, hexkeys, make_settings
+from testsupport.api_harness import TOKEN, hexkeys, make_settings
 
 pytestmark = pytest.mark.anyio
 

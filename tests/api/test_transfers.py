@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.api.harness import Harness, hexkeys, make_settings, running
+from testsupport.api_harness import Harness, hexkeys, make_settings, running
 
 pytestmark = pytest.mark.anyio
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.api.harness import TOKEN, make_settings, running
 from tests.api.test_client_control import Live, live_service
 from tests.e2e.server import ROOT
+from testsupport.api_harness import TOKEN, make_settings, running
 
 NAMES = [
     ("ARC", "arc"),

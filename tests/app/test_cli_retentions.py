@@ -15,9 +15,9 @@ import pytest
 from kvoffload_client.client import KVOffloadClient
 
 from app.core.service import DEFAULT_NAMESPACE
-from tests.api.harness import TOKEN
 from tests.api.test_client_control import Live, keys_of, live_service, stored
 from tests.e2e.server import ROOT
+from testsupport.api_harness import TOKEN
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 
 from app.core.service import Service
 from app.settings import ConfigError
-from tests.api.harness import make_settings
+from testsupport.api_harness import make_settings
 from transfer import HostPool
 
 pytestmark = pytest.mark.anyio

@@ -37,9 +37,9 @@ from app.core.service import Service
 from app.core.tier import LowerTier, TierBackend
 from app.settings import ConfigError, Settings
 from manager import KeyNotReadyError
-from tests.api.harness import make_settings
 from tests.api.test_remote_tier import MemoryStore
 from tests.api.test_remote_tier import MemoryTier as RemoteMemoryTier
+from testsupport.api_harness import make_settings
 from testsupport.polling import until_async
 from testsupport.shm_device import ShmDevice
 from transfer import HostPool

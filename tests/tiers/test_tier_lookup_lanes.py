@@ -33,9 +33,9 @@ from app.core.object import ObjectLink
 from app.core.remote import RemoteBackend, RemoteLink
 from app.core.service import Service
 from app.settings import Settings
-from tests.api.harness import make_settings
 from tests.api.test_remote_tier import MemoryStore
 from tests.api.test_remote_tier import MemoryTier as RemoteMemoryTier
+from testsupport.api_harness import make_settings
 from transfer import HostPool
 from transfer.s3 import MAC_BYTES
 
