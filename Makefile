@@ -180,7 +180,7 @@ test-remote: $(MOONCAKE_STAMP)
 	KVOFFLOAD_REQUIRE_MOONCAKE=1 $(PY) -m pytest tests/remote tests/transfer/test_remote.py $(PYTEST_ARGS)
 
 # The object tier against a real S3 server: a one-node Ceph (monitor, OSD, RADOS Gateway) on
-# 127.0.0.1, brought up from nothing by tests/object/rgw.py and torn down after. Needs Debian's
+# 127.0.0.1, brought up from nothing by testsupport/rgw.py and torn down after. Needs Debian's
 # ceph-mon, ceph-osd, radosgw and ceph-common (.ci/run installs them); KVOFFLOAD_REQUIRE_CEPH=1:
 # their absence fails the run instead of skipping it.
 test-object: setup

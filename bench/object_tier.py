@@ -1,5 +1,5 @@
 """Object tier (S3): one-call onload and demotion against the raw client, and two nodes sharing a
-bucket, on a real Ceph RADOS Gateway brought up here (``tests/object/rgw.py``, 127.0.0.1).
+bucket, on a real Ceph RADOS Gateway brought up here (``testsupport/rgw.py``, 127.0.0.1).
 
 **(a) One-call onload of object-only keys vs the raw client's parallel GETs.** An in-process
 service (the apps over ASGI, as the tests run it) with the object tier alone below a pool of N
@@ -68,7 +68,7 @@ from kvoffload_client.client import KVOffloadAdminClient  # noqa: E402
 
 from bench import harness, http_bench  # noqa: E402
 from bench.remote_tier import replay_nodes  # noqa: E402
-from tests.object.rgw import RadosGateway  # noqa: E402
+from testsupport.rgw import RadosGateway  # noqa: E402
 
 BLOCK_SIZES = (256 << 10, 1 << 20)
 #: Seconds the gateway is left after the stores that make the keys object-only, before (a) reads.

@@ -1,6 +1,6 @@
 """S3 clients on a real Ceph RADOS Gateway: GET/PUT GB/s, GET latency, CPU per GB, vs boto3.
 
-The gateway is a one-node Ceph cluster brought up here from nothing (``tests/object/rgw.py``:
+The gateway is a one-node Ceph cluster brought up here from nothing (``testsupport/rgw.py``:
 one monitor, one memstore OSD, one ``radosgw``, all on 127.0.0.1; Debian's ``ceph-mon ceph-osd
 radosgw ceph-common``) and torn down at the end. The clients, each on the same objects:
 
@@ -66,7 +66,7 @@ if str(ROOT) not in sys.path:
 import obstore  # noqa: E402
 
 from bench import harness  # noqa: E402
-from tests.object.rgw import RadosGateway  # noqa: E402
+from testsupport.rgw import RadosGateway  # noqa: E402
 
 KIB = 1024
 BASELINE = "boto3"

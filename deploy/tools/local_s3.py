@@ -1,6 +1,6 @@
 """A local S3 endpoint with a bucket, for trying the object tier on one machine (``make
 object-local``): a one-node Ceph cluster with its RADOS Gateway on 127.0.0.1, the one that
-``make test-object`` runs the tier against (``tests/object/rgw.py``, so this works from a
+``make test-object`` runs the tier against (``testsupport/rgw.py``, so this works from a
 checkout), plus the bucket and a credentials file.
 
 It prints the ``kvoffload serve`` command that uses it, runs until Ctrl-C (SIGINT) or SIGTERM,
@@ -26,10 +26,10 @@ import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-# The cluster helper lives with the tests that use it: import it from this checkout.
+# The cluster helper is test support (testsupport/, never installed): import it from this checkout.
 sys.path.insert(0, str(ROOT))
 
-from tests.object.rgw import (  # noqa: E402
+from testsupport.rgw import (  # noqa: E402
     CephNotInstalled,
     RadosGateway,
     RgwError,

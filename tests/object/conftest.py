@@ -1,4 +1,4 @@
-"""Fixtures for tests against a real Ceph RADOS Gateway (``tests.object.rgw``).
+"""Fixtures for tests against a real Ceph RADOS Gateway (``testsupport.rgw``).
 
 - ``rgw`` (session): one one-node cluster for the whole run, in a temporary directory, closed
   (and the directory removed) at the end. Without Ceph's binaries (Debian's ``ceph-mon
@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.object.rgw import RadosGateway, install_hint, missing_binaries
+from testsupport.rgw import RadosGateway, install_hint, missing_binaries
 
 # Read at import, before tests/conftest.py's autouse fixture strips KVOFFLOAD_* variables
 # from each test's environment.
@@ -55,7 +55,7 @@ def ceph_installed() -> None:
 
 @pytest.fixture(scope="session")
 def rgw(ceph_installed: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RadosGateway]:
-    """The session's cluster, up and answering S3 (see tests/object/rgw.py)."""
+    """The session's cluster, up and answering S3 (see testsupport/rgw.py)."""
     _boto3()
     workdir: Path = tmp_path_factory.mktemp("rgw")
     gateway = RadosGateway(workdir).start()

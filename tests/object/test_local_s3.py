@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.e2e.server import TOKEN, ServerProcess
-from tests.object import rgw as rgw_module
+from testsupport import rgw as rgw_module
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "deploy" / "tools" / "local_s3.py"

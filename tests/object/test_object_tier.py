@@ -23,10 +23,10 @@ from app.core.object import OBJECT_MEDIUM, ObjectLink
 from app.core.service import Service
 from manager.spec import BlockRemoved
 from tests.object.fault_proxy import FaultProxy
-from tests.object.rgw import USER_ID, RadosGateway
 from tests.object.test_tier_contract import aws_keys, object_settings
 from tests.tiers.test_tier_contract import POOL_BLOCKS, Engine, N, demote, keys_of, until
 from testsupport.api_harness import make_settings, running
+from testsupport.rgw import USER_ID, RadosGateway
 
 pytestmark = pytest.mark.anyio
 

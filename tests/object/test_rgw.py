@@ -1,4 +1,4 @@
-"""The test cluster itself (tests/object/rgw.py): S3 semantics the object-store tier relies
+"""The test cluster itself (testsupport/rgw.py): S3 semantics the object-store tier relies
 on, as a real RADOS Gateway gives them, and the fault controls its tests will use."""
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from tests.object import rgw as rgw_module
 from tests.object.conftest import restore_gateway
-from tests.object.rgw import RadosGateway, RgwError
+from testsupport import rgw as rgw_module
+from testsupport.rgw import RadosGateway, RgwError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -278,11 +278,11 @@ def test_store_is_checked() -> None:
 @pytest.mark.slow
 @pytest.mark.usefixtures("ceph_installed")
 def test_cli_up_runs_until_sigterm(tmp_path: Path) -> None:
-    """``python -m tests.object.rgw up DIR``: one JSON line with the endpoint and keys, a
+    """``python -m testsupport.rgw up DIR``: one JSON line with the endpoint and keys, a
     working gateway, and a full teardown on SIGTERM."""
     workdir = tmp_path / "cli"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.object.rgw", "up", str(workdir)],
+        [sys.executable, "-m", "testsupport.rgw", "up", str(workdir)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -2,7 +2,7 @@
 
 The same tests as for the disk, the remote store and the memory tier, run on the service core
 with its ``object`` tier (the registered backend, nothing overridden) on a bucket of its own on
-the session's gateway (``tests/object/rgw.py``). Credentials come the way an operator gives
+the session's gateway (``testsupport/rgw.py``). Credentials come the way an operator gives
 them: AWS's environment variables. A fault is the gateway killed (SIGKILL) and started again. The
 bucket outlives the service, so the restart test applies.
 """
@@ -13,7 +13,6 @@ import pytest
 
 import tests.tiers.test_tier_contract as contract
 from app.core.tier import LowerTier
-from tests.object.rgw import RadosGateway
 from tests.tiers.test_tier_contract import (
     Backend,
     test_a_block_the_pool_lets_go_is_found_in_the_tier,
@@ -22,6 +21,7 @@ from tests.tiers.test_tier_contract import (
     test_a_restarted_service_finds_the_tier_s_blocks,
     test_one_onload_brings_the_blocks_up_from_the_tier,
 )
+from testsupport.rgw import RadosGateway
 
 pytestmark = pytest.mark.anyio
 

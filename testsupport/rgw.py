@@ -45,7 +45,7 @@ hangs on SIGTERM) and removes ``workdir``. Each daemon logs into ``workdir``; a 
 and a ``close()`` that finds a daemon died on its own, raise ``RgwError`` with the tails of
 the logs that matter.
 
-By hand: ``python -m tests.object.rgw up DIR`` prints the endpoint and keys as one JSON line
+By hand: ``python -m testsupport.rgw up DIR`` prints the endpoint and keys as one JSON line
 and runs until SIGINT or SIGTERM, then tears down (``DIR`` must be missing or empty).
 
 Binaries: Debian's ``ceph-mon``, ``ceph-osd``, ``radosgw`` and ``ceph-common`` (``apt-get
@@ -968,7 +968,7 @@ def main(argv: list[str] | None = None) -> int:
     """``up DIR``: start a cluster in DIR, print its endpoint and keys as one JSON line, run
     until SIGINT or SIGTERM (or until a daemon dies), then tear it down."""
     parser = argparse.ArgumentParser(
-        prog="python -m tests.object.rgw",
+        prog="python -m testsupport.rgw",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
