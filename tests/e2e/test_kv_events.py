@@ -31,12 +31,21 @@ BETA = "beta-events-token-00000000001"
 
 
 def tenants_dir(tmp_path: Path) -> Path:
-    """Tenants alpha (namespace a1) and beta (b1)."""
+    """Tenants alpha (namespace a1) and beta (b1), in ``tmp_path / "tenants"``."""
     directory = tmp_path / "tenants"
     directory.mkdir()
     tenant_file(directory, "alpha", f'tokens = ["{ALPHA}"]\nnamespaces = {{ a1 = 16 }}\n')
     tenant_file(directory, "beta", f'tokens = ["{BETA}"]\nnamespaces = {{ b1 = 16 }}\n')
     return directory
+
+
+def tenants_server(tmp_path: Path, *extra: str) -> tuple[ServerProcess, str, str]:
+    """(server, publisher endpoint, replay endpoint): a server, not started, with the tenants of
+    ``tenants_dir`` and its events on two ipc sockets in ``tmp_path``; ``extra``: more flags."""
+    pub, replay = f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"
+    flags = ("--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay)
+    srv = ServerProcess(tmp_path, "--tenants", str(tenants_dir(tmp_path)), *flags, *extra)
+    return srv, pub, replay
 
 
 def endpoints() -> tuple[str, str]:
@@ -138,19 +147,7 @@ def test_a_restarted_service_opens_a_new_stream_with_a_clear(tmp_path: Path):
 
 
 def test_with_tenants_a_tenant_socket_carries_that_tenant_only(tmp_path: Path):
-    tenants = tenants_dir(tmp_path)
-    pub, replay = f"ipc://{tmp_path}/alpha.events", f"ipc://{tmp_path}/alpha.replay"
-    srv = ServerProcess(
-        tmp_path,
-        "--tenants",
-        str(tenants),
-        "--kv-events-endpoint",
-        pub,
-        "--kv-events-replay-endpoint",
-        replay,
-        "--kv-events-tenant",
-        "alpha",
-    )
+    srv, pub, replay = tenants_server(tmp_path, "--kv-events-tenant", "alpha")
     with srv.serving(), RouterFeed(pub, replay) as feed:
         for token in (ALPHA, BETA):
             with KVOffloadClient(srv.url, token=token) as kv:
@@ -160,7 +157,7 @@ def test_with_tenants_a_tenant_socket_carries_that_tenant_only(tmp_path: Path):
         feed.wait_for(lambda f: kinds(f) == ["AllBlocksCleared", "BlockStored"])
         assert {topic for topic, _ in feed.events()} == {"a1"}
         # The socket files: the mode and group of the engine socket (--uds-mode: 0600).
-        assert stat.S_IMODE(os.stat(f"{tmp_path}/alpha.events").st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(pub.removeprefix("ipc://")).st_mode) == 0o600
 
 
 def test_with_tenants_tcp_and_an_unknown_tenant_are_refused_at_start(tmp_path: Path):
@@ -205,17 +202,7 @@ def test_a_namespace_a_reload_adds_opens_without_the_clear_that_would_wipe_the_n
     """alpha gets a second namespace by a tenants reload (SIGHUP, or the file's poll). A
     router such as Dynamo reads the node's namespaces as one instance, so an opening clear of
     a2 would forget a1's blocks: a2's stream opens with its first store instead."""
-    tenants = tenants_dir(tmp_path)
-    pub, replay = f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"
-    srv = ServerProcess(
-        tmp_path,
-        "--tenants",
-        str(tenants),
-        "--kv-events-endpoint",
-        pub,
-        "--kv-events-replay-endpoint",
-        replay,
-    )
+    srv, pub, replay = tenants_server(tmp_path)
     with srv.serving(), RouterFeed(pub, replay) as feed:
         with KVOffloadClient(srv.url, token=ALPHA, namespace="a1") as kv:
             kv.start_request("r")
@@ -223,7 +210,9 @@ def test_a_namespace_a_reload_adds_opens_without_the_clear_that_would_wipe_the_n
             kv.complete_store("r", out.keys_to_store)
         feed.wait_for(lambda f: ("a1", "BlockStored") in by_topic(f))
         tenant_file(
-            tenants, "alpha", f'tokens = ["{ALPHA}"]\nnamespaces = {{ a1 = 16, a2 = 16 }}\n'
+            tmp_path / "tenants",
+            "alpha",
+            f'tokens = ["{ALPHA}"]\nnamespaces = {{ a1 = 16, a2 = 16 }}\n',
         )
         assert srv.proc is not None
         srv.proc.send_signal(signal.SIGHUP)
