@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from kvoffload_client.client import KVOffloadAdminClient, KVOffloadClient
+from kvoffload_client.sglang.store import PageStore, StoreConfig
 
 from tests.e2e.server import TOKEN, ServerProcess
 from tests.sglang import pools as P
@@ -324,6 +325,22 @@ def test_an_unreachable_service_at_registration_is_not_an_error(tmp_path: Path) 
     assert be.batch_set_v1(keys, torch.arange(0, P.PAGE)) == [False]
     assert be.counters["faults_unreachable"] >= 1
     be.close()
+
+
+def test_a_store_or_a_load_checks_its_pages_and_counts_what_it_could_not_serve(
+    tmp_path: Path,
+) -> None:
+    store = PageStore(StoreConfig(url=f"unix://{tmp_path}/none.sock"), P.PAGE_BYTES)
+    for call in (store.store, store.load):
+        with pytest.raises(ValueError, match="2 keys for 1 pages"):
+            call([b"a", b"b"], [[]])
+        assert call([], []) == []
+    assert store.stats() == {}  # no keys: nothing asked of the service, nothing counted
+    store.disabled = "disabled by the test"
+    assert store.store([b"a", b"b"], [[], []]) == [False, False]
+    assert store.load([b"a"], [[]]) == [False]
+    assert store.stats() == {"skipped_disabled": 2, "store_skipped": 2, "load_missed": 1}
+    store.close()
 
 
 def test_importing_the_package_imports_no_sglang() -> None:

@@ -301,16 +301,26 @@ class PageStore:
         self.counters["lookup_found"] += found
         return found
 
-    def store(self, keys: Sequence[bytes], pages: Sequence[Sequence[Region]]) -> list[bool]:
-        """Store page ``pages[i]`` under ``keys[i]``; per key whether the service now holds it
-        (already held counts). All False on a fault or when the service has no room."""
+    def _begin(
+        self, keys: Sequence[bytes], pages: Sequence[Sequence[Region]], unserved: str
+    ) -> MappedPool | None:
+        """The opening of a store or a load: the mapped pool, or None when there is nothing to
+        move (no keys) or no pool to move it through (``unserved`` counted once a key).
+        ``ValueError`` when ``keys`` and ``pages`` differ in length."""
         if len(keys) != len(pages):
             raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
         if not keys:
-            return []
+            return None
         pool = self._ready()
         if pool is None:
-            self.counters["store_skipped"] += len(keys)
+            self.counters[unserved] += len(keys)
+        return pool
+
+    def store(self, keys: Sequence[bytes], pages: Sequence[Sequence[Region]]) -> list[bool]:
+        """Store page ``pages[i]`` under ``keys[i]``; per key whether the service now holds it
+        (already held counts). All False on a fault or when the service has no room."""
+        pool = self._begin(keys, pages, "store_skipped")
+        if pool is None:
             return [False] * len(keys)
         req = self._req_id()
         results = self._batch(Batch().start_request(req).prepare_store(req, keys))
@@ -352,13 +362,8 @@ class PageStore:
         """Copy the page of ``keys[i]`` into ``pages[i]``; per key whether it was loaded (all
         False on a fault, a key the service does not hold, or one still coming up after
         ``load_wait_s``)."""
-        if len(keys) != len(pages):
-            raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
-        if not keys:
-            return []
-        pool = self._ready()
+        pool = self._begin(keys, pages, "load_missed")
         if pool is None:
-            self.counters["load_missed"] += len(keys)
             return [False] * len(keys)
         req = self._req_id()
         slots = self._pin(req, keys)
