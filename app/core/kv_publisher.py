@@ -451,12 +451,13 @@ class KVEventPublisher:
         namespace this process served before (removed or moved, then added again) keeps its
         opening clear: routers may still hold its old blocks."""
         topic = self.topic(namespace)
-        drop_opening = [self._started and namespace not in self._namespaces]
+        drop_opening = self._started and namespace not in self._namespaces
         self._namespaces.add(namespace)
 
         def offer(events: Sequence[KVEvent]) -> None:
-            if drop_opening[0]:  # the first batch only
-                drop_opening[0] = False
+            nonlocal drop_opening
+            if drop_opening:  # the first batch only
+                drop_opening = False
                 if events and isinstance(events[0], AllBlocksCleared):
                     events = events[1:]
                     if not events:
