@@ -160,7 +160,6 @@ class PiecesResponse(Response):
         self.pieces = pieces
         self.status_code = status
         self.background = None
-        self.body = b""  # never sent as one: see __call__
         self.raw_headers = [
             (b"content-length", str(sum(map(len, pieces))).encode()),
             (b"content-type", JSON.encode()),
