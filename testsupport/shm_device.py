@@ -66,11 +66,7 @@ class ShmDevice:
     """
 
     def __init__(self, num_blocks: int, block_bytes: int, name: str | None = None) -> None:
-        if block_bytes % 2:
-            raise ValueError("block_bytes must be even (float16 elements)")
-        self.num_blocks = num_blocks
-        self.block_bytes = block_bytes
-        self.name = name or f"engine-{uuid.uuid4().hex[:8]}"
+        self._shape(num_blocks, block_bytes, name)
         self.path = os.path.join(SHM_DIR, f"kvoffload-test-{uuid.uuid4().hex}")
         create_shm_file(self.path, num_blocks * block_bytes)
         try:
@@ -79,6 +75,15 @@ class ShmDevice:
         except BaseException:
             os.unlink(self.path)
             raise
+
+    def _shape(self, num_blocks: int, block_bytes: int, name: str | None) -> None:
+        """Keep the cache's size and name (a random ``engine-*`` one by default);
+        ``ValueError`` for an odd ``block_bytes`` (the elements are float16)."""
+        if block_bytes % 2:
+            raise ValueError("block_bytes must be even (float16 elements)")
+        self.num_blocks = num_blocks
+        self.block_bytes = block_bytes
+        self.name = name or f"engine-{uuid.uuid4().hex[:8]}"
 
     def spec(self) -> dict[str, Any]:
         """The registration body for ``POST /v1/kv-caches``."""
@@ -121,11 +126,7 @@ class MemfdDevice(ShmDevice):
     goes in the registration's ``fds``, and ``spec()`` names it as descriptor 0."""
 
     def __init__(self, num_blocks: int, block_bytes: int, name: str | None = None) -> None:
-        if block_bytes % 2:
-            raise ValueError("block_bytes must be even (float16 elements)")
-        self.num_blocks = num_blocks
-        self.block_bytes = block_bytes
-        self.name = name or f"engine-{uuid.uuid4().hex[:8]}"
+        self._shape(num_blocks, block_bytes, name)
         self.path = ""
         self.fd = sealed_memfd(num_blocks * block_bytes, self.name)
         self._map = mmap.mmap(self.fd, num_blocks * block_bytes)
