@@ -17,13 +17,18 @@ of its own; ``--runs`` runs of ``--repeats`` requests per mode, a new prefix eac
 - ``kvoffload, same engine``: kvoffload as vLLM's secondary tier, the engine's prefix cache and
   vLLM's host tier emptied before each request;
 - ``kvoffload, 2nd engine``: another engine process loads what the first one stored (its own
-  caches emptied before each request).
+  caches emptied before each request);
+- ``direct, same engine`` and ``direct, 2nd engine``: the same two with kvoffload's pool as the
+  engines' only host tier (``kvoffload_client.vllm.direct``).
+
+Each pair works on a prefix of its own, which its first engine computed and stored.
 
 Part 2, a multi-turn replay: ``--conversations`` conversations of ``--turns`` turns, turns
 alternating between two engines. A turn is the conversation so far (its first message
 ``--first-tokens`` long), the previous answer (``--answer-tokens``, generated greedily after the
-turn's TTFT was taken) and a new message (``--message-tokens``). Once with two engines sharing a
-kvoffload, once with two engines without offloading (each with its own prefix cache). Reported:
+turn's TTFT was taken) and a new message (``--message-tokens``). With two engines sharing a
+kvoffload as their secondary tier, with two on kvoffload's pool alone, and with two engines
+without offloading (each with its own prefix cache). Reported:
 prompt tokens not computed (from the engine's prefix cache or kvoffload), those kvoffload served
 (its loads), and the TTFT distribution of the turns after the first.
 
@@ -53,7 +58,11 @@ from bench import harness  # noqa: E402
 from tests.e2e.server import TOKEN, ServerProcess  # noqa: E402
 from tests.engine import model  # noqa: E402
 from tests.engine.driver import BLOCK_SIZE  # noqa: E402
-from tests.engine.engines import EngineProcess, kv_transfer_config  # noqa: E402
+from tests.engine.engines import (  # noqa: E402
+    EngineProcess,
+    direct_transfer_config,
+    kv_transfer_config,
+)
 
 RESULTS = harness.RESULTS_DIR / "engine_e2e.json"
 BENCH = model.Dims(
@@ -68,6 +77,8 @@ MODES = (
     "vLLM CPU offload",
     "kvoffload, same engine",
     "kvoffload, 2nd engine",
+    "direct, same engine",
+    "direct, 2nd engine",
 )
 
 
@@ -158,6 +169,7 @@ def shared_prefix(
 ) -> dict[str, Any]:
     """Part 1: per prefix length, per mode, the TTFT of every request and per run."""
     vllm_only, k1, k2 = e["vllm-offload"], e["kvoffload-1"], e["kvoffload-2"]
+    d1, d2 = e["direct-1"], e["direct-2"]
     results: dict[str, Any] = {}
     for length in args.prefix_tokens:
         runs: dict[str, list[list[float]]] = {mode: [] for mode in MODES}
@@ -173,15 +185,15 @@ def shared_prefix(
             for tail in tails:
                 vllm_only.reset(connector=False)  # its host tier keeps the prefix
                 samples["vLLM CPU offload"].append(ttft(vllm_only, prefix + tail, length))
-            before = service.counters()["stores_completed"]
-            ttft(k1, prefix + prompts.new(TAIL_TOKENS), 0)  # computed, stored in kvoffload
-            service.wait_stored(before + length // BLOCK_SIZE)
-            for tail in tails:
-                k1.reset()
-                samples["kvoffload, same engine"].append(ttft(k1, prefix + tail, length))
-            for tail in tails:
-                k2.reset()
-                samples["kvoffload, 2nd engine"].append(ttft(k2, prefix + tail, length))
+            for spec, first, second in (("kvoffload", k1, k2), ("direct", d1, d2)):
+                prefix = prompts.new(length)
+                before = service.counters()["stores_completed"]
+                ttft(first, prefix + prompts.new(TAIL_TOKENS), 0)  # computed, stored
+                service.wait_stored(before + length // BLOCK_SIZE)
+                for engine, which in ((first, "same engine"), (second, "2nd engine")):
+                    for tail in tails:
+                        engine.reset()
+                        samples[f"{spec}, {which}"].append(ttft(engine, prefix + tail, length))
             for mode in MODES:
                 runs[mode].append(samples[mode])
         results[str(length)] = {
@@ -291,7 +303,14 @@ def main() -> None:
             tier = kv_transfer_config(service.url, primary_chunks, CHUNK_BYTES)
             vllm_only = kv_transfer_config(service.url, primary_chunks, CHUNK_BYTES)
             vllm_only["kv_connector_extra_config"]["secondary_tiers"] = []
-            specs = {"vllm-offload": vllm_only, "kvoffload-1": tier, "kvoffload-2": tier}
+            direct = direct_transfer_config(service.url)
+            specs = {
+                "vllm-offload": vllm_only,
+                "kvoffload-1": tier,
+                "kvoffload-2": tier,
+                "direct-1": direct,
+                "direct-2": direct,
+            }
             started = time.monotonic()
             with engines(work, model_dir, specs, args) as e:
                 print(f"engines up in {time.monotonic() - started:.0f} s", flush=True)
@@ -299,7 +318,8 @@ def main() -> None:
                 record["replay"] = {
                     "kvoffload": replay(
                         args, (e["kvoffload-1"], e["kvoffload-2"]), service, prompts
-                    )
+                    ),
+                    "direct": replay(args, (e["direct-1"], e["direct-2"]), service, prompts),
                 }
             with engines(work, model_dir, {"plain-1": None, "plain-2": None}, args) as e:
                 record["replay"]["no offload"] = replay(

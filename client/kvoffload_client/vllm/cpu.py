@@ -101,8 +101,8 @@ class Rows:
         device = str(tensor.device)
         if device != "cpu":
             raise ValueError(
-                f"{what} is on {device}: CPUTieringOffloadingSpec copies host memory only (on a "
-                "GPU engine use vLLM's TieringOffloadingSpec)"
+                f"{what} is on {device}: kvoffload's CPU engine specs copy host memory only "
+                "(on a GPU engine use vLLM's TieringOffloadingSpec with the KVOffloadTier)"
             )
         if tensor.dim() != 2 or tensor.element_size() != 1 or tensor.stride(1) != 1:
             raise ValueError(
@@ -142,13 +142,16 @@ class HostCopyWorker(OffloadingWorker):  # type: ignore[misc,unused-ignore]
     next ``get_finished``. Owns ``region`` once built (``shutdown`` releases it)."""
 
     def __init__(
-        self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, region: SharedOffloadRegion
+        self,
+        kv_caches: CanonicalKVCaches,
+        blocks_per_chunk: int,
+        region: SharedOffloadRegion | None,
     ) -> None:
+        """``region`` None: a subclass places the host side itself (``host_rows``)."""
         self._blocks_per_chunk = blocks_per_chunk
         # The engine's tensors stay referenced while their addresses are in use.
         self._tensors = [t.tensor for t in kv_caches.tensors]
         self._engine: list[Rows] = []
-        self._host: list[Rows] = []
         self._pages: list[int] = []
         for i, kv in enumerate(kv_caches.tensors):
             page = int(kv.page_size_bytes)
@@ -156,10 +159,13 @@ class HostCopyWorker(OffloadingWorker):  # type: ignore[misc,unused-ignore]
             if engine.size < page:
                 raise ValueError(f"KV cache tensor {i}: rows of {engine.size} bytes < page {page}")
             self._engine.append(engine)
-            self._host.append(
-                Rows.of(region.create_next_worker_view(page * blocks_per_chunk), "host tier")
-            )
             self._pages.append(page)
+        self._host: list[Rows] = []
+        if region is not None:
+            self._host = [
+                Rows.of(region.create_next_worker_view(page * blocks_per_chunk), "host tier")
+                for page in self._pages
+            ]
         # Per KV cache group: (tensor, bytes of a block to copy), each tensor once (layers that
         # share a tensor share its bytes), the largest unpadded page of the layers using it.
         self._group_copies: list[list[tuple[int, int]]] = []
@@ -168,8 +174,20 @@ class HostCopyWorker(OffloadingWorker):  # type: ignore[misc,unused-ignore]
             for ref in refs:
                 sizes[ref.tensor_idx] = max(sizes.get(ref.tensor_idx, 0), int(ref.page_size_bytes))
             self._group_copies.append(sorted(sizes.items()))
-        self._region: SharedOffloadRegion | None = region
+        self._region = region
+        self._open = True
         self._finished: list[TransferResult] = []
+
+    def host_rows(self, base: int, stride: int, count: int) -> list[Rows]:
+        """The host side laid out as vLLM's host region lays out one worker's part of a chunk
+        row (``SharedOffloadRegion``): from ``base``, one row every ``stride`` bytes, this
+        worker's tensors' pages one after the other, each ``blocks_per_chunk`` pages long."""
+        rows, offset = [], 0
+        for page in self._pages:
+            size = page * self._blocks_per_chunk
+            rows.append(Rows(base + offset, stride, count, size))
+            offset += size
+        return rows
 
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
@@ -196,19 +214,25 @@ class HostCopyWorker(OffloadingWorker):  # type: ignore[misc,unused-ignore]
 
     def shutdown(self) -> None:
         region, self._region = self._region, None
+        self._open = False
         self._tensors = []
+        self._host = []
         if region is not None:
             region.cleanup()
+
+    def host_for(self, host_spec: BlockIDsLoadStoreSpec) -> list[Rows]:
+        """The host side a transfer's chunks index (the region's views here)."""
+        return self._host
 
     def _transfer(
         self, job_id: int, engine_spec: LoadStoreSpec, host_spec: LoadStoreSpec, store: bool
     ) -> bool:
-        if self._region is None:
-            raise RuntimeError("HostCopyWorker: transfer submitted after shutdown")
+        if not self._open:
+            raise RuntimeError(f"{type(self).__name__}: transfer submitted after shutdown")
         assert isinstance(engine_spec, GPULoadStoreSpec)
         assert isinstance(host_spec, BlockIDsLoadStoreSpec)
         started = time.perf_counter()
-        moves = self.plan(engine_spec, host_spec.block_ids)
+        moves = self.plan(engine_spec, host_spec.block_ids, self.host_for(host_spec))
         total = 0
         move = ctypes.memmove
         for engine_addr, host_addr, nbytes in moves:
@@ -227,7 +251,7 @@ class HostCopyWorker(OffloadingWorker):  # type: ignore[misc,unused-ignore]
         return True
 
     def plan(
-        self, engine_spec: GPULoadStoreSpec, host_chunks: np.ndarray
+        self, engine_spec: GPULoadStoreSpec, host_chunks: np.ndarray, host: list[Rows] | None = None
     ) -> list[tuple[np.ndarray, np.ndarray, int]]:
         """``(engine addresses, host addresses, bytes)`` per (group, tensor) of a transfer.
 
@@ -235,8 +259,10 @@ class HostCopyWorker(OffloadingWorker):  # type: ignore[misc,unused-ignore]
         block is block ``block_indices[g]`` of the request, so in the host chunks it sits at
         sub-block ``block_indices[g] % blocks_per_chunk`` of the group's first chunk, and the
         group spans ``ceil((skip + size) / blocks_per_chunk)`` chunks. Every block and chunk of
-        the spec is used exactly once (``ValueError`` otherwise).
+        the spec is used exactly once (``ValueError`` otherwise). ``host``: the host side
+        (default: the region's).
         """
+        host = self._host if host is None else host
         per_chunk = self._blocks_per_chunk
         blocks = np.asarray(engine_spec.block_ids, dtype=np.int64)
         chunks = np.asarray(host_chunks, dtype=np.int64)
@@ -266,8 +292,8 @@ class HostCopyWorker(OffloadingWorker):  # type: ignore[misc,unused-ignore]
             for tensor, nbytes in self._group_copies[group]:
                 offsets = (positions % per_chunk) * self._pages[tensor]
                 engine = self._engine[tensor].addresses(group_blocks, 0, nbytes, "engine block")
-                host = self._host[tensor].addresses(rows, offsets, nbytes, "host chunk")
-                moves.append((engine, host, nbytes))
+                where = host[tensor].addresses(rows, offsets, nbytes, "host chunk")
+                moves.append((engine, where, nbytes))
             at_block += size
             at_chunk += spanned
         if at_block != len(blocks) or at_chunk != len(chunks):

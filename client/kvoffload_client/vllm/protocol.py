@@ -17,9 +17,8 @@ pins, are undone)."""
 from __future__ import annotations
 
 import collections
-import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +39,7 @@ from kvoffload_client.vllm.state import (
     in_lower_tier,
     in_parts,
     not_yet,
+    sendable_params,
 )
 
 
@@ -163,7 +163,12 @@ class BatchProtocol:
         def begin(req_id: str) -> None:
             if req_id not in self.started:
                 self.started.add(req_id)
-                batch.start_request(req_id, self._params(self.params.get(req_id)))
+                batch.start_request(
+                    req_id,
+                    sendable_params(
+                        self.params.get(req_id), self.shared.max_params, self.shared.counters
+                    ),
+                )
                 add("start", req_id)
 
         # Completions first: they release pins and make stores loadable.
@@ -243,20 +248,6 @@ class BatchProtocol:
             self.prefetched.clear()
         if batch.ops:
             self.send(batch, pending)
-
-    def _params(self, params: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
-        """``kv_transfer_params`` as sent, or None when they would make the service refuse the
-        whole batch (not JSON, or over its size limit)."""
-        if params is None:
-            return None
-        try:
-            size = len(json.dumps(params, separators=(",", ":")))
-        except (TypeError, ValueError):
-            size = -1
-        if 0 <= size <= self.shared.max_params:
-            return params
-        self.shared.counters.add(M_FAULTS, "transfer_params_dropped")
-        return None
 
     def on_result(self, res: OpResult, p: Pending, stale_pool: bool) -> None:
         shared = self.shared

@@ -5,14 +5,18 @@ jobs, a step's bundle of work, copies and the completions they owe; the tier's m
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
 from vllm.v1.kv_offload.base import (
     Locality,
     OffloadingCounterMetadata,
@@ -194,10 +198,11 @@ class Done:
 @dataclass
 class Counters:
     """Cumulative counts by (metric, label), added to by all three threads; ``get_stats``
-    reports them as deltas."""
+    reports them as deltas (``stats``)."""
 
     values: dict[tuple[str, str], int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    reported: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def add(self, metric: str, label: str = "", n: int = 1) -> None:
         with self.lock:
@@ -206,6 +211,35 @@ class Counters:
     def snapshot(self) -> dict[tuple[str, str], int]:
         with self.lock:
             return dict(self.values)
+
+    def stats(self, available: bool) -> OffloadingConnectorStats:
+        """vLLM's stats: what was counted since the last call, and ``M_AVAILABLE``."""
+        stats = OffloadingConnectorStats()
+        current = self.snapshot()
+        for (metric, label), value in current.items():
+            delta = value - self.reported.get((metric, label), 0)
+            if delta:
+                stats.increase_counter(metric, delta, (label,) if label else ())
+        self.reported = current
+        stats.set_gauge(M_AVAILABLE, 1.0 if available else 0.0)
+        return stats
+
+
+def sendable_params(
+    params: Mapping[str, Any] | None, max_bytes: int, counters: Counters
+) -> Mapping[str, Any] | None:
+    """``kv_transfer_params`` as sent, or None (counted) when the service would refuse them (not
+    JSON, or over its ``max_bytes``), and with them the whole call."""
+    if params is None:
+        return None
+    try:
+        size = len(json.dumps(params, separators=(",", ":")))
+    except (TypeError, ValueError):
+        size = -1
+    if 0 <= size <= max_bytes:
+        return params
+    counters.add(M_FAULTS, "transfer_params_dropped")
+    return None
 
 
 class Incident:

@@ -37,7 +37,6 @@ from kvoffload_client.vllm.copier import Copier
 from kvoffload_client.vllm.keys import namespace_digest
 from kvoffload_client.vllm.link import Link
 from kvoffload_client.vllm.state import (
-    M_AVAILABLE,
     M_FAULTS,
     M_LOADS_FAILED,
     M_STORES_DROPPED,
@@ -147,7 +146,6 @@ class KVOffloadTier(SecondaryTierManager):  # type: ignore[misc,unused-ignore]
         self._step = Step()
         self._jobs: dict[int, Job] = {}
         self._failed_now: list[JobResult] = []
-        self._reported: dict[tuple[str, str], int] = {}
 
         self._copier = Copier(shared)
         self._link = Link(shared, self._copier)
@@ -340,15 +338,7 @@ class KVOffloadTier(SecondaryTierManager):  # type: ignore[misc,unused-ignore]
         self._shared.primary = np.empty((0, self.block_size_bytes), dtype=np.uint8)
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        stats = OffloadingConnectorStats()
-        current = self.counters.snapshot()
-        for (metric, label), value in current.items():
-            delta = value - self._reported.get((metric, label), 0)
-            if delta:
-                stats.increase_counter(metric, delta, (label,) if label else ())
-        self._reported = current
-        stats.set_gauge(M_AVAILABLE, 0.0 if self._shared.incident.active else 1.0)
-        return stats
+        return self.counters.stats(available=not self._shared.incident.active)
 
 
 def vllm_version() -> str:
