@@ -16,7 +16,7 @@ import pytest
 from kvoffload_client.attach import MappedPool, map_pool
 from kvoffload_client.client import KVOffloadAdminClient, KVOffloadClient
 from kvoffload_client.vllm.direct import KVOffloadManager, KVOffloadSpec, PoolSlots, Settings
-from kvoffload_client.vllm.state import M_FAULTS, M_STORES_DROPPED
+from kvoffload_client.vllm.state import M_CALLS, M_FAULTS, M_STORES_DROPPED
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext
 
 from tests.e2e.server import TOKEN, ServerProcess
@@ -113,6 +113,28 @@ def test_a_hit_is_answered_only_once_pinned_and_loads_the_stored_bytes(
     finally:
         writer.shutdown()
         reader.shutdown()
+
+
+def test_a_step_with_more_ops_than_one_call_takes_goes_out_in_several(
+    srv: ServerProcess,
+) -> None:
+    keys = [keys_of(range(i * 10, i * 10 + 3)) for i in range(1, 4)]
+    pool = mapped(srv)
+    manager = spec(srv, max_ops_per_call=2).get_manager()
+    try:
+        for i, chain in enumerate(keys):
+            store(manager, pool, f"w-{i}", chain)
+        calls = manager.counters.snapshot()[M_CALLS, "batch"]
+        for i, chain in enumerate(keys):  # three requests' lookups in one step
+            assert [manager.lookup(k, ctx(f"r-{i}")) for k in chain] == [RETRY] * 3
+        manager.on_schedule_end(END)
+        # Starts and lookups (6 ops), then the pins (3): 3 + 2 calls of at most 2 ops.
+        assert manager.counters.snapshot()[M_CALLS, "batch"] - calls == 5
+        for i, chain in enumerate(keys):
+            assert [manager.lookup(k, ctx(f"r-{i}")) for k in chain] == [HIT] * 3
+            assert pins(srv, f"r-{i}") == 3
+    finally:
+        manager.shutdown()
 
 
 def test_a_miss_ends_the_run_and_a_key_not_ready_holds_the_hits_after_it(
@@ -258,6 +280,7 @@ def test_a_pool_of_another_block_size_refuses_the_engine_s_start(tmp_path: Path)
         ({"urll": "unix:///x"}, r"unknown key\(s\) \['urll'\]"),
         ({"timeout_s": 0}, "timeout_s must be a number > 0"),
         ({"prefetch_deadline_s": -1}, "prefetch_deadline_s must be a number >= 0"),
+        ({"max_ops_per_call": 0}, "max_ops_per_call must be an integer > 0"),
     ],
 )
 def test_bad_settings_are_refused_by_name(extra: dict[str, object], message: str) -> None:

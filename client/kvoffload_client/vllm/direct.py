@@ -47,7 +47,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,9 +77,9 @@ from kvoffload_client.attach import MappedPool, map_pool, parse_url
 from kvoffload_client.client import Batch, KVOffloadClient, OpResult
 from kvoffload_client.pool_socket import default_pool_socket
 from kvoffload_client.vllm.cpu import HostCopyWorker, Rows
+from kvoffload_client.vllm.direct_link import ServiceLink
 from kvoffload_client.vllm.keys import namespace_digest, service_key
 from kvoffload_client.vllm.state import (
-    M_CALLS,
     M_FAULTS,
     M_LOADS_FAILED,
     M_STORES_DROPPED,
@@ -125,6 +125,8 @@ class Settings:
     retry_interval_s: float = 0.5
     prefetch_deadline_s: float = PREFETCH_DEADLINE_S
     max_transfer_params_bytes: int = 16384
+    max_keys_per_op: int = 8192
+    max_ops_per_call: int = 1024
     lease_renew_s: float = 30.0
 
     #: vLLM's own keys of an offloading connector, read by vLLM, not by this spec.
@@ -148,6 +150,10 @@ class Settings:
             value = getattr(settings, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"KVOffloadSpec: {name} must be a number > 0, got {value!r}")
+        for name in ("max_keys_per_op", "max_ops_per_call", "max_transfer_params_bytes"):
+            value = getattr(settings, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"KVOffloadSpec: {name} must be an integer > 0, got {value!r}")
         deadline = settings.prefetch_deadline_s
         if not (isinstance(deadline, int | float) and math.isfinite(deadline) and deadline >= 0):
             raise ValueError(
@@ -305,31 +311,24 @@ class KVOffloadManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
     def __init__(self, spec: KVOffloadSpec) -> None:
         settings = spec.settings
         self._settings = settings
-        self._client, _ = settings.client()
         self._prefix = namespace_digest(settings.namespace, spec.config, spec.kv_bytes_per_chunk)
         self.counters = Counters()
         self._requests: dict[str, Request] = {}
-        self._started: set[str] = set()  # requests the service (of ``_pool_id``) knows
-        self._queue: list[tuple[str | None, dict[str, Any]]] = []  # (pool, op) for the next call
         self._lookups: dict[str, list[OffloadKey]] = {}  # the keys of the call in flight
-        self._pool_id: str | None = None
-        self._down_until = 0.0
-        self._backoff = settings.retry_interval_s
-        self._check_pool(spec.kv_bytes_per_chunk)
-
-    def _check_pool(self, stride: int) -> None:
-        """Refuse the engine's start on a pool whose block size is not the chunk row stride
-        (a service that does not answer now is a fault, not a refusal)."""
-        try:
-            layout = self._client.pool()
-        except Exception as exc:
-            self._fault("unreachable", exc)
-            return
-        self._pool_id = self._client.last_pool_id
-        if layout.block_bytes != stride:
-            self._client.close()
+        client, _ = settings.client()
+        self._link = ServiceLink(
+            client,
+            settings.max_ops_per_call,
+            settings.retry_interval_s,
+            self.counters,
+            self._forget_pins,
+        )
+        stride = spec.kv_bytes_per_chunk
+        block_bytes = self._link.block_bytes()  # None: not answering now (a fault, not a no)
+        if block_bytes is not None and block_bytes != stride:
+            self._link.client.close()
             raise ValueError(
-                f"kvoffload pool block size is {layout.block_bytes} bytes but vLLM's chunk row "
+                f"kvoffload pool block size is {block_bytes} bytes but vLLM's chunk row "
                 f"stride is {stride} bytes; start kvoffload with --block-bytes {stride} (or "
                 "change vLLM's block_size / blocks_per_chunk)"
             )
@@ -341,7 +340,8 @@ class KVOffloadManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
         req = self._request(req_context)
         verdict = req.verdicts.get(key)
         if verdict is None:
-            if time.monotonic() < self._down_until:
+            # Past one op's keys: beyond what one lookup asks (a prompt of millions of tokens).
+            if self._link.down() or len(req.verdicts) >= self._settings.max_keys_per_op:
                 return _MISS
             req.verdicts[key] = Verdict()
             req.asking.append(key)
@@ -371,10 +371,9 @@ class KVOffloadManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
             self._unpin(req_context.req_id, req, list(keys))
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        if keys and self._pool_id is not None:
-            self._ensure_started(req_context.req_id)
-            batch = Batch().touch(req_context.req_id, self._skeys(keys))
-            self._queue.append((self._pool_id, batch.ops[0]))
+        if keys and self._link.pool_id is not None:
+            self._start(req_context.req_id)
+            self._link.later(Batch().touch(req_context.req_id, self._skeys(keys)).ops[0])
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
@@ -383,12 +382,12 @@ class KVOffloadManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
         keys = list(keys)
         req_id = req_context.req_id
         self._request(req_context)
-        if time.monotonic() < self._down_until:
+        if self._link.down() or len(keys) > self._settings.max_keys_per_op:
             self.counters.add(M_STORES_DROPPED, "", len(keys))
             return None
         skeys = self._skeys(keys)
-        batch = Batch().prepare_store(req_id, skeys)
-        results = self._call([("store", req_id, batch.ops[0])])
+        self._start(req_id)
+        results = self._link.call(Batch().prepare_store(req_id, skeys).ops)
         res = None if results is None else results[-1]
         if res is None or not res.ok or res.result is None:
             if res is not None:
@@ -401,7 +400,7 @@ class KVOffloadManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
         slots = [int(s) for s in res.result["slots"]]
         return PrepareStoreOutput(
             keys_to_store=to_store,
-            store_spec=PoolSlots(slots, self._pool_id),
+            store_spec=PoolSlots(slots, self._link.pool_id),
             evicted_keys=[],
         )
 
@@ -409,8 +408,8 @@ class KVOffloadManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
         if keys:
-            batch = Batch().complete_store(req_context.req_id, self._skeys(keys), success)
-            self._queue.append((self._pool_id, batch.ops[0]))
+            op = Batch().complete_store(req_context.req_id, self._skeys(keys), success).ops[0]
+            self._link.later(op)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         self._request(req_context)
@@ -423,9 +422,7 @@ class KVOffloadManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
         req = self._requests.pop(req_id, None)
         if req is not None:
             self._unpin(req_id, req, [k for k, v in req.verdicts.items() if v.hit])
-        if req_id in self._started:
-            self._started.discard(req_id)
-            self._queue.append((self._pool_id, Batch().finish_request(req_id).ops[0]))
+        self._link.finish(req_id)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         return ()
@@ -436,10 +433,10 @@ class KVOffloadManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
         self._renew()
         asking = {r: q for r, q in self._requests.items() if q.asking or q.waiting}
         if not asking:
-            if self._queue:
-                self._call([])
+            if self._link.pending():
+                self._link.call([])
             return
-        ops: list[tuple[str, str, dict[str, Any]]] = []
+        ops: list[dict[str, Any]] = []
         for req_id, req in asking.items():
             keys = req.waiting + req.asking
             req.waiting, req.asking = [], []
@@ -447,12 +444,13 @@ class KVOffloadManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
             if not req.prefetched and self._settings.prefetch_deadline_s > 0:
                 deadline = self._settings.prefetch_deadline_s
                 req.prefetched = True
+            self._start(req_id)
             batch = Batch().lookup(req_id, self._skeys(keys), prefetch_deadline_s=deadline)
-            ops.append(("lookup", req_id, batch.ops[0]))
+            ops.append(batch.ops[0])
             self._lookups[req_id] = keys
-        results = self._call(ops)
+        results: Sequence[OpResult | None] = self._link.call(ops) or [None] * len(ops)
         hits: dict[str, list[OffloadKey]] = {}
-        for (_, req_id, _), res in zip(ops, results or [None] * len(ops), strict=True):
+        for req_id, res in zip(list(self._lookups), results, strict=True):
             self._read_lookup(req_id, res, hits)
         self._lookups.clear()
         if hits:
@@ -468,13 +466,12 @@ class KVOffloadManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
             if req.pool_id is None or now - req.renewed < self._settings.lease_renew_s:
                 continue
             pinned = [k for k, v in req.verdicts.items() if v.hit]
-            if pinned and req.pool_id == self._pool_id:
-                batch = Batch().touch(req_id, self._skeys(pinned))
-                self._queue.append((req.pool_id, batch.ops[0]))
+            if pinned and req.pool_id == self._link.pool_id:
+                self._link.later(Batch().touch(req_id, self._skeys(pinned)).ops[0])
                 req.renewed = now
 
     def has_pending_work(self) -> bool:
-        return bool(self._queue) or any(r.asking or r.waiting for r in self._requests.values())
+        return self._link.pending() or any(r.asking or r.waiting for r in self._requests.values())
 
     def reset_cache(self) -> None:
         """vLLM's prefix-cache reset: this engine's verdicts and pins are dropped (pins given
@@ -486,17 +483,12 @@ class KVOffloadManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
             req.waiting.clear()
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        return self.counters.stats(available=time.monotonic() >= self._down_until)
+        return self.counters.stats(available=not self._link.down())
 
     def shutdown(self) -> None:
-        """Finish every request this engine opened (one last call), close the connection."""
-        for req_id in sorted(self._started):
-            self._queue.append((self._pool_id, Batch().finish_request(req_id, abort=True).ops[0]))
-        self._started.clear()
+        """Abort every request this engine opened (one last call), close the connection."""
         self._requests.clear()
-        if self._queue and time.monotonic() >= self._down_until:
-            self._call([])
-        self._client.close()
+        self._link.close()
 
     # ------------------------------------------------------------------ internals
 
@@ -514,20 +506,16 @@ class KVOffloadManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
         prefix = self._prefix
         return [service_key(prefix, bytes(k)) for k in keys]
 
-    def _ensure_started(self, req_id: str) -> None:
-        if req_id not in self._started:
-            req = self._requests.get(req_id)
-            params = req.params if req is not None else None
-            self._queue.append((self._pool_id, Batch().start_request(req_id, params).ops[0]))
-            self._started.add(req_id)
+    def _start(self, req_id: str) -> None:
+        req = self._requests.get(req_id)
+        self._link.start(req_id, req.params if req is not None else None)
 
     def _unpin(self, req_id: str, req: Request, keys: list[OffloadKey]) -> None:
         pinned = [k for k in keys if (v := req.verdicts.get(k)) is not None and v.hit]
         for key in pinned:
             del req.verdicts[key]  # asked again if looked up again
-        if pinned and req.pool_id == self._pool_id:
-            batch = Batch().complete_load(req_id, self._skeys(pinned))
-            self._queue.append((req.pool_id, batch.ops[0]))
+        if pinned and req.pool_id == self._link.pool_id:
+            self._link.later(Batch().complete_load(req_id, self._skeys(pinned)).ops[0])
 
     def _read_lookup(
         self, req_id: str, res: OpResult | None, hits: dict[str, list[OffloadKey]]
@@ -565,18 +553,15 @@ class KVOffloadManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
     def _pin(self, hits: dict[str, list[OffloadKey]]) -> None:
         """Pin what the lookups hit, one ``prepare_load`` a request; a refusal (another
         engine's store evicted a key between the two calls) asks the keys again."""
-        ops = [
-            ("pin", req_id, Batch().prepare_load(req_id, self._skeys(keys)).ops[0])
-            for req_id, keys in hits.items()
-        ]
-        results = self._call(ops)
-        for (_, req_id, _), res in zip(ops, results or [None] * len(ops), strict=True):
+        ops = [Batch().prepare_load(r, self._skeys(keys)).ops[0] for r, keys in hits.items()]
+        results: Sequence[OpResult | None] = self._link.call(ops) or [None] * len(ops)
+        for req_id, res in zip(list(hits), results, strict=True):
             req = self._requests.get(req_id)
             keys = hits[req_id]
             if req is None:
                 continue
             if res is not None and res.ok and res.result is not None:
-                req.pool_id = self._pool_id
+                req.pool_id = self._link.pool_id
                 req.renewed = time.monotonic()
                 for key, slot in zip(keys, res.result["slots"], strict=True):
                     verdict = req.verdicts.setdefault(key, Verdict())
@@ -600,53 +585,12 @@ class KVOffloadManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
                     asked.hit = False
                     self.counters.add(M_LOADS_FAILED)
 
-    def _call(self, ops: list[tuple[str, str, dict[str, Any]]]) -> list[OpResult | None] | None:
-        """One ``POST /v1/batch``: the queued ops of the current pool, starts for requests the
-        service does not know, then ``ops``. The answers to ``ops`` in order; None on a fault
-        (counted, logged once, backed off) or when the service restarted (its new pool's
-        requests are started again at the next call)."""
-        for _, req_id, _ in ops:
-            self._ensure_started(req_id)
-        queued = [op for pool, op in self._queue if pool == self._pool_id or pool is None]
-        self._queue.clear()
-        batch = Batch()
-        batch.ops = queued + [op for _, _, op in ops]
-        self.counters.add(M_CALLS, "batch")
-        try:
-            results = self._client.batch(batch)
-        except Exception as exc:
-            self._fault("unreachable", exc)
-            return None
-        self._backoff = self._settings.retry_interval_s
-        if self._down_until:
-            self._down_until = 0.0
-            log.warning("kvoffload direct tier: the service answers again")
-        announced = self._client.last_pool_id
-        if announced != self._pool_id:
-            restarted = self._pool_id is not None
-            self._pool_id = announced
-            if restarted:
-                # Requests, pins and reservations of the old pool are gone with it: a request
-                # vLLM has not loaded yet asks again (a load already promised is copied from
-                # the old pool's bytes, which the worker keeps mapped for the step).
-                self._started.clear()
-                self.counters.add(M_FAULTS, "restarted")
-                for req in self._requests.values():
-                    req.prefetched = False
-                    for key in [k for k, v in req.verdicts.items() if v.hit]:
-                        del req.verdicts[key]
-                    req.pool_id = None
-                return None
-        for res, op in zip(results[: len(queued)], queued, strict=True):
-            if not res.ok and not (res.status == 404 and op["op"] == "finish_request"):
-                self.counters.add(M_FAULTS, f"{op['op']}_{res.status}")
-        return list(results[len(queued) :])
-
-    def _fault(self, reason: str, exc: BaseException) -> None:
-        self.counters.add(M_FAULTS, reason)
-        if not self._down_until:
-            log.warning(
-                "kvoffload direct tier: %s (%s); retrying in %.1f s", reason, exc, self._backoff
-            )
-        self._down_until = time.monotonic() + self._backoff
-        self._backoff = min(self._backoff * 2, 16 * self._settings.retry_interval_s)
+    def _forget_pins(self) -> None:
+        """The service restarted: the old pool's pins went with it. A request vLLM has not
+        loaded yet asks again (a load already promised is copied from the old pool's bytes,
+        which the worker keeps mapped for the step)."""
+        for req in self._requests.values():
+            req.prefetched = False
+            for key in [k for k, v in req.verdicts.items() if v.hit]:
+                del req.verdicts[key]
+            req.pool_id = None
