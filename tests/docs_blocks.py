@@ -30,6 +30,10 @@ HAND_WRITTEN = (
     "tiers.md",
     "security.md",
     "operations.md",
+    "deploy.md",
+    "kubernetes.md",
+    "metrics.md",
+    "alerts.md",
     "production.md",
     "benchmarks.md",
 )

@@ -31,9 +31,15 @@ DASHBOARD_PROVIDER = DEPLOY / "grafana" / "provisioning" / "dashboards" / "kvoff
 COMPOSE = DEPLOY / "docker-compose.yml"
 DOCKERFILE = DEPLOY / "Dockerfile"
 K8S = DEPLOY / "k8s"
-# The "Operations" page of the documentation site: how to deploy with these files, the metrics,
-# the dashboard, the alerts and their runbook (deploy/README.md only points at it).
-OPERATIONS_DOC = ROOT / "docs" / "operations.md"
+# The pages of the documentation site that tell how to use these files (deploy/README.md only
+# points at them; docs/operations.md lists them): deploying (the image, compose, vLLM beside
+# kvoffload), Kubernetes, each tier below the pool with its deployment, the metrics and the
+# dashboard, the alerts and their runbook.
+DEPLOY_DOC = ROOT / "docs" / "deploy.md"
+KUBERNETES_DOC = ROOT / "docs" / "kubernetes.md"
+TIERS_DOC = ROOT / "docs" / "tiers.md"
+METRICS_DOC = ROOT / "docs" / "metrics.md"
+ALERTS_DOC = ROOT / "docs" / "alerts.md"
 SYNC_TOOL = DEPLOY / "tools" / "sync_k8s.py"
 
 # Labels the scrapers attach to every series (Prometheus: job, instance; the compose scrape

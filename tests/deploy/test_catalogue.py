@@ -14,7 +14,7 @@ from tests.deploy.helpers import (
     DASHBOARD,
     DEPLOY,
     K8S,
-    OPERATIONS_DOC,
+    METRICS_DOC,
     ROOT,
     TARGET_LABELS,
     all_rules,
@@ -200,7 +200,7 @@ def test_object_tier_families_are_the_ones_it_exports() -> None:
 
 def test_renamed_tier_families_are_gone_from_deploy() -> None:
     """No rule, panel, Kubernetes copy or container test names a family by its old name; the
-    operations page names them only in its rename table, each beside its new name."""
+    metrics page names them only in its rename table, each beside its new name."""
     texts = [
         *DEPLOY.glob("prometheus/**/*.yml"),
         DASHBOARD,
@@ -215,12 +215,12 @@ def test_renamed_tier_families_are_gone_from_deploy() -> None:
     ]
     assert not found, "\n".join(found)
     rename_rows = {}
-    for line in OPERATIONS_DOC.read_text(encoding="utf-8").splitlines():
+    for line in METRICS_DOC.read_text(encoding="utf-8").splitlines():
         for m in old.finditer(line):
-            assert line.startswith("|"), f"docs/operations.md names {m.group(1)} outside a table"
+            assert line.startswith("|"), f"docs/metrics.md names {m.group(1)} outside a table"
             rename_rows[m.group(1)] = line
     for name, new in RENAMED_TIER_FAMILIES.items():
-        assert name in rename_rows, f"docs/operations.md's rename table lacks {name}"
+        assert name in rename_rows, f"docs/metrics.md's rename table lacks {name}"
         assert f"`{new}" in rename_rows[name], f"{name}: its row does not name {new}"
 
 
@@ -231,10 +231,10 @@ def test_keys_results_by_op_match_the_label_values() -> None:
     assert sorted(flat) == sorted(keys.label_values["result"])
 
 
-def test_the_operations_page_documents_every_metric() -> None:
-    text = OPERATIONS_DOC.read_text(encoding="utf-8")
+def test_the_metrics_page_documents_every_metric() -> None:
+    text = METRICS_DOC.read_text(encoding="utf-8")
     missing = [name for name in catalogue() if f"`{name}" not in text]
-    assert not missing, f"docs/operations.md does not list {missing}"
+    assert not missing, f"docs/metrics.md does not list {missing}"
 
 
 # --- the scanner ------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from tests.deploy.helpers import (
     DEPLOY,
     K8S,
     KUBECTL,
-    OPERATIONS_DOC,
+    TIERS_DOC,
     compose_default,
     kustomize_with,
     load_yaml,
@@ -136,7 +136,7 @@ def test_compose_override_mounts_the_disk_where_the_tier_looks(
     assert settings.disk_bytes == int(env["KVOFFLOAD_DISK_BYTES"])
 
 
-def test_the_operations_page_tells_how_to_turn_the_disk_tier_on() -> None:
-    page = OPERATIONS_DOC.read_text(encoding="utf-8")
+def test_the_tiers_page_tells_how_to_turn_the_disk_tier_on() -> None:
+    page = TIERS_DOC.read_text(encoding="utf-8")
     assert "components: [../../deploy/k8s/disk]" in page
     assert "-f deploy/docker-compose.disk.yml" in page

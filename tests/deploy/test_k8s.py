@@ -18,7 +18,7 @@ from tests.deploy.helpers import (
     DASHBOARD,
     K8S,
     KUBECTL,
-    OPERATIONS_DOC,
+    KUBERNETES_DOC,
     RULES,
     SYNC_TOOL,
     kustomize,
@@ -150,7 +150,7 @@ def test_admin_token_comes_from_the_secret(objects, daemonset, container) -> Non
     secret = objects[("Secret", secret_ref["secretName"])]
     assert item["key"] in secret["stringData"]
     assert "REPLACE-ME" in secret["stringData"][item["key"]], "keep an obvious placeholder"
-    page = OPERATIONS_DOC.read_text(encoding="utf-8")
+    page = KUBERNETES_DOC.read_text(encoding="utf-8")
     assert "create secret generic kvoffload-admin-token" in page
     assert _env(container)["KVOFFLOAD_ADMIN_HOST"] == "0.0.0.0"
 

@@ -2,7 +2,7 @@
 override (docker-compose.object.yml). Off by default: the base files have no object tier; with
 them, the settings load, credentials come only from AWS's standard sources (a Secret, a web
 identity, the shell's environment: never a value in a file), the MAC key is mounted where the
-setting points, the node's bookkeeping fits its memory, and docs/operations.md tells the operator
+setting points, the node's bookkeeping fits its memory, and docs/tiers.md tells the operator
 about lifecycle rules."""
 
 from __future__ import annotations
@@ -323,10 +323,10 @@ def test_no_credentials_are_written_in_deploy() -> None:
 
 
 def _object_tier_section() -> str:
-    return page_section("operations.md", "Object tier: an S3 bucket the nodes share")
+    return page_section("tiers.md", "Deploying the object tier")
 
 
-def test_the_operations_page_tells_how_to_turn_the_object_tier_on() -> None:
+def test_the_tiers_page_tells_how_to_turn_the_object_tier_on() -> None:
     section = _object_tier_section()
     assert "-f deploy/docker-compose.object.yml" in section
     assert "components: [../../deploy/k8s/object]" in section
@@ -336,7 +336,7 @@ def test_the_operations_page_tells_how_to_turn_the_object_tier_on() -> None:
         assert store in section, store
 
 
-def test_the_operations_page_gives_a_lifecycle_rule_for_the_prefix() -> None:
+def test_the_tiers_page_gives_a_lifecycle_rule_for_the_prefix() -> None:
     section = _object_tier_section()
     assert "aws s3api put-bucket-lifecycle-configuration" in section
     blocks = [json.loads(b) for b in re.findall(r"```json\n(.*?)```", section, re.DOTALL)]

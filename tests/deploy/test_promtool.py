@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tests.deploy.helpers import (
-    OPERATIONS_DOC,
+    ALERTS_DOC,
     PROMETHEUS_CONFIG,
     PROMTOOL_TESTS,
     RULES,
@@ -113,10 +113,10 @@ def test_every_recording_rule_is_unit_tested() -> None:
 
 
 def test_alerts_have_severity_annotations_and_a_runbook_line() -> None:
-    page = OPERATIONS_DOC.read_text(encoding="utf-8")
+    page = ALERTS_DOC.read_text(encoding="utf-8")
     for rule in alert_rules():
         name = rule["alert"]
         assert re.fullmatch(r"Kvoffload[A-Z][A-Za-z]+", name), name
         assert rule["labels"]["severity"] in SEVERITIES, name
         assert set(rule["annotations"]) >= {"summary", "description", "runbook"}, name
-        assert name in page, f"docs/operations.md has no runbook entry for {name}"
+        assert name in page, f"docs/alerts.md has no runbook entry for {name}"

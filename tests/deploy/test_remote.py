@@ -21,7 +21,7 @@ from tests.deploy.helpers import (
     DOCKERFILE,
     K8S,
     KUBECTL,
-    OPERATIONS_DOC,
+    TIERS_DOC,
     compose_default,
     dockerfile_instructions,
     kustomize_with,
@@ -413,8 +413,8 @@ def test_k8s_component_renders_with_the_base(tmp_path: Path) -> None:
         assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "kvoffload"
 
 
-def test_the_operations_page_tells_how_to_deploy_the_remote_tier() -> None:
-    page = OPERATIONS_DOC.read_text(encoding="utf-8")
+def test_the_tiers_page_tells_how_to_deploy_the_remote_tier() -> None:
+    page = TIERS_DOC.read_text(encoding="utf-8")
     assert "docker-compose.remote.yml" in page
     assert "components: [../../deploy/k8s/remote]" in page
 
@@ -483,6 +483,6 @@ def test_compose_ha_file_turns_the_remote_stack_into_ha_masters() -> None:
         env = ha[node]["environment"]
         assert env["KVOFFLOAD_MOONCAKE_MASTER"] == env["KVOFFLOAD_MOONCAKE_METADATA"]
         assert master_problem(env["KVOFFLOAD_MOONCAKE_MASTER"]) is None
-    page = OPERATIONS_DOC.read_text(encoding="utf-8")
+    page = TIERS_DOC.read_text(encoding="utf-8")
     assert "docker-compose.ha.yml" in page
     assert "../../deploy/k8s/remote-ha" in page

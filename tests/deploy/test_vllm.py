@@ -18,9 +18,9 @@ from app.settings import Settings
 from tests.deploy.helpers import (
     COMPOSE,
     DEPLOY,
+    DEPLOY_DOC,
     K8S,
     KUBECTL,
-    OPERATIONS_DOC,
     compose_default,
     context_sends,
     dockerfile_instructions,
@@ -401,8 +401,8 @@ def test_service_image_owns_the_socket_directory() -> None:
     assert [arg for word, arg in instructions if word == "USER"][-1] == "10001:10001"
 
 
-def test_the_operations_page_says_what_is_shared() -> None:
-    page = OPERATIONS_DOC.read_text(encoding="utf-8")
+def test_the_deploy_page_says_what_is_shared() -> None:
+    page = DEPLOY_DOC.read_text(encoding="utf-8")
     assert "/dev/shm/kvoffload" not in page, "no advice to share /dev/shm"
     assert "engine.sock.pool" in page
     assert "X-KVOffload-Pool" in page
