@@ -57,7 +57,7 @@ if str(ROOT) not in sys.path:
 from kvoffload_client.client import KVOffloadClient  # noqa: E402
 
 from bench import harness  # noqa: E402
-from tests.e2e.server import ServerProcess  # noqa: E402
+from testsupport.server import ServerProcess  # noqa: E402
 from testsupport.shm_device import ShmDevice  # noqa: E402
 from transfer.disk import disk_bytes_for  # noqa: E402
 

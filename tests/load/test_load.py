@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from bench.load_sim import LoadConfig, LoadReport, Target, run_load
-from tests.e2e.server import TOKEN, ServerProcess
+from testsupport.server import TOKEN, ServerProcess
 
 # Growth of the server's RSS between the end of warm-up (the first 30% of the run) and its peak
 # over the rest of the run and the quiescent end. Every buffer the service keeps is bounded
