@@ -26,8 +26,8 @@ from kvoffload_client.client import Batch, KVOffloadClient, KVOffloadError
 
 from app.http.limits import body_caps
 from app.settings import Settings
-from bench.harness import proc_status
 from tests.load import wire
+from testsupport.procfs import proc_status
 from testsupport.server import ServerProcess
 
 LIMIT = 64 * 1024

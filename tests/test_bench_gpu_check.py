@@ -21,7 +21,7 @@ from bench.gpu_check import Row
 from tests.transfer.fake_cuda import FakeRaw, install
 from transfer import HostPool, cuda_worker
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def rows(*statuses: str) -> list[Row]:
