@@ -1,2 +1,1 @@
-"""Benchmarks (each runnable as ``python bench/<name>.py`` from the repository root) and the
-load driver of the load and soak tests (``bench.load_sim``)."""
+"""Benchmarks, each runnable as ``python bench/<name>.py`` from the repository root."""

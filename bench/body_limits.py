@@ -46,6 +46,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import harness  # noqa: E402
+from testsupport import procfs  # noqa: E402
 
 RESULTS = harness.RESULTS_DIR / "body_limits.json"
 IDLE_S = 0.5
@@ -156,7 +157,7 @@ async def _one_round(src: Path, workdir: Path, scenario: Scenario, body: bytes) 
                 await poster.put("/v1/requests/r", json={})
             await poller.get("/livez")
             idle = await _poll_until(poller, asyncio.sleep(IDLE_S))
-            before = harness.proc_status(server.proc.pid)["VmHWM"]
+            before = procfs.proc_status(server.proc.pid)["VmHWM"]
             outcome: dict[str, Any] = {}
 
             async def post() -> None:
@@ -171,7 +172,7 @@ async def _one_round(src: Path, workdir: Path, scenario: Scenario, body: bytes) 
                 outcome["post_s"] = time.perf_counter() - start
 
             busy = await _poll_until(poller, post())
-            growth = harness.proc_status(server.proc.pid)["VmHWM"] - before
+            growth = procfs.proc_status(server.proc.pid)["VmHWM"] - before
         return {
             "answer": outcome["answer"],
             "post_s": outcome["post_s"],

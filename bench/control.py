@@ -86,6 +86,7 @@ if str(ROOT) not in sys.path:
 from bench import harness  # noqa: E402
 from manager import ReqContext, create_manager  # noqa: E402
 from manager.replay import parse_trace  # noqa: E402
+from testsupport import procfs  # noqa: E402
 from testsupport.polling import until_async  # noqa: E402
 
 if TYPE_CHECKING:
@@ -644,9 +645,9 @@ def part_c_http(rounds: int, seconds: float) -> dict[str, Any]:
             for r in range(rounds):
                 for conns in (1, 32):
                     for server in (off, on) if r % 2 == 0 else (on, off):
-                        cpu = harness.proc_cpu_seconds(server.proc.pid)
+                        cpu = procfs.proc_cpu_seconds(server.proc.pid)
                         res = hb.load_once(server.tcp(), request, conns, seconds, load_core)
-                        cpu = harness.proc_cpu_seconds(server.proc.pid) - cpu
+                        cpu = procfs.proc_cpu_seconds(server.proc.pid) - cpu
                         res["cpu_us_per_call"] = cpu * share / max(1, res["calls"]) * 1e6
                         runs.setdefault((server.name, "tcp", conns), []).append(res)
             table = {key: hb.median_of(value) for key, value in sorted(runs.items(), key=order)}

@@ -57,7 +57,8 @@ if str(ROOT) not in sys.path:
 from kvoffload_client.client import KVOffloadClient  # noqa: E402
 
 from bench import harness  # noqa: E402
-from tests.e2e.server import ServerProcess  # noqa: E402
+from testsupport import procfs  # noqa: E402
+from testsupport.server import ServerProcess  # noqa: E402
 from testsupport.shm_device import ShmDevice  # noqa: E402
 from transfer.disk import disk_bytes_for  # noqa: E402
 
@@ -294,9 +295,9 @@ def one_run(args: argparse.Namespace, call: int, base: Path, breakdown: bool) ->
                             for at in range(0, args.blocks, call):
                                 keys = engine.keys[at : at + call]
                                 engine.to_disk_only(keys)
-                                cpu0 = harness.proc_run_seconds(pid)
+                                cpu0 = procfs.proc_run_seconds(pid)
                                 t0, t1 = engine.onload(keys)
-                                cpu_s += harness.proc_run_seconds(pid) - cpu0
+                                cpu_s += procfs.proc_run_seconds(pid) - cpu0
                                 tier_s += t1 - t0
                                 if r:
                                     calls.append((t0, t1))

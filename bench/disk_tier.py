@@ -36,7 +36,7 @@ Part (a), bytes: for each block size, ``--mib`` MiB of blocks per timed call, me
 Part (b), inside vLLM (needs vLLM 0.33, ``.venv-vllm``): the trace's first ``--b-requests``
 requests alternating over two engines, each vLLM 0.33's own ``TieringOffloadingManager`` with a
 ``--b-primary-chunks`` CPU primary tier, driven as vLLM's scheduler drives it
-(``bench/vllm_tier.py``'s replay, ``tests/vllm/engine.py``), with as secondary tier: a real
+(``bench/vllm_tier.py``'s replay, ``testsupport/vllm_sim.py``), with as secondary tier: a real
 ``kvoffload serve`` of ``--b-pool-blocks`` 4 KiB blocks alone; the same with its disk tier
 (``--disk-dir`` under ``--dir``, ``--disk-bytes`` for ``--b-disk-blocks`` blocks, one row per
 ``--b-admit-after``, and one row with room for every distinct block, ``--b-big-disk-blocks``);
@@ -971,8 +971,8 @@ def part_b(
     from kvoffload_client.client import KVOffloadAdminClient
 
     from bench import vllm_tier
-    from tests.e2e.server import TOKEN, ServerProcess
-    from tests.vllm.engine import kv_transfer_config
+    from testsupport.server import TOKEN, ServerProcess
+    from testsupport.vllm_sim import kv_transfer_config
 
     requests = vllm_tier.load_trace(n_requests)
     block = 4 * KIB

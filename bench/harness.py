@@ -6,8 +6,7 @@
   carries (CPU count, platform, Python, plus what the caller adds).
 - ``free_port()``, ``stop_server(proc)``: a loopback port to start a server on, and the end of
   it (SIGTERM, then SIGKILL if it has not exited within the grace period).
-- ``proc_status(pid)``, ``proc_cpu_seconds(pid)``, ``proc_run_seconds(pid)``: a process's
-  memory figures and CPU time (clock ticks; nanoseconds), read from ``/proc`` (Linux only).
+- a process's memory figures and CPU time: ``testsupport.procfs`` (the tests read them too).
 - ``TRACE``, ``read_trace(path, limit)``: the shipped Mooncake trace and its requests as key
   lists (``manager.replay.parse_trace``).
 """
@@ -75,39 +74,6 @@ def stop_server(proc: subprocess.Popen[bytes], grace_s: float = 20.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def proc_status(pid: int) -> dict[str, int]:
-    """Memory lines of ``/proc/<pid>/status``, in KiB (VmRSS, VmHWM, RssAnon, RssShmem...)."""
-    out: dict[str, int] = {}
-    with open(f"/proc/{pid}/status", encoding="ascii") as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            if name.startswith(("Vm", "Rss")):
-                out[name] = int(rest.split()[0])
-    return out
-
-
-def proc_cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process ``pid`` (all its threads) so far (``/proc/<pid>/stat``)."""
-    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def proc_run_seconds(pid: int) -> float:
-    """CPU time of process ``pid``'s live threads so far, to the nanosecond (the scheduler's
-    own count, ``/proc/<pid>/task/*/schedstat``): for spans of milliseconds, where
-    ``proc_cpu_seconds``' clock ticks (10 ms) say nothing. Threads that have ended are not
-    counted."""
-    total = 0
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/schedstat", encoding="ascii") as f:
-                total += int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            continue  # the thread ended meanwhile
-    return total / 1e9
 
 
 def asgi_call(app: Any) -> Callable[[str, str, bytes], Awaitable[int]]:

@@ -70,6 +70,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import harness  # noqa: E402
+from testsupport import procfs  # noqa: E402
 
 RESULTS = harness.RESULTS_DIR / "http_bench.json"
 LOOKUP_PATH = "/v1/requests/bench/lookup"
@@ -510,11 +511,11 @@ def run_rounds(
     for _ in range(rounds):
         for name, server, transport, request, conns in scenarios:
             address = server.tcp() if transport == "tcp" else server.uds
-            cpu_before = harness.proc_cpu_seconds(server.proc.pid)
+            cpu_before = procfs.proc_cpu_seconds(server.proc.pid)
             result = load_once(address, request, conns, seconds, load_core)
             # CPU per call includes the warm-up calls the generator does not count;
             # scale by the counted share of the run (warm-up is a quarter, at most).
-            cpu = harness.proc_cpu_seconds(server.proc.pid) - cpu_before
+            cpu = procfs.proc_cpu_seconds(server.proc.pid) - cpu_before
             share = seconds / (seconds + min(0.3, seconds / 4))
             result["cpu_us_per_call"] = cpu * share / max(1, result["calls"]) * 1e6
             runs.setdefault((name, transport, conns), []).append(result)

@@ -62,12 +62,12 @@ import httpx  # noqa: E402
 
 from bench import harness  # noqa: E402
 from bench.control import next_turns, read_timed_trace  # noqa: E402
-from tests.e2e.server import TOKEN, ServerProcess, free_port  # noqa: E402
+from testsupport.server import TOKEN, ServerProcess, free_port  # noqa: E402
 
 RESULTS = harness.RESULTS_DIR / "router.json"
 TOKENS_PER_BLOCK = 512  # the trace's blocks
 KV_BYTES_PER_TOKEN = 128 * 1024  # Llama-3.1-8B, fp16: 32 layers x 8 KV heads x 128 x 2 x 2 B
-STAND_IN_TOKENS = 4  # tokens per block in the events (tests/router/indexer.py's block size)
+STAND_IN_TOKENS = 4  # tokens per block in the events (testsupport/router_indexer.py's block size)
 COST_TARGET = 0.97
 GIB = 1 << 30
 
@@ -225,7 +225,7 @@ def indexer_router(indexer: Any, count: int) -> Router:
 def part_a(
     workdir: Path, reqs: list[Request], counts: Sequence[int], pool: int
 ) -> list[dict[str, Any]]:
-    from tests.router.indexer import Indexer, dynamo_missing
+    from testsupport.router_indexer import Indexer, dynamo_missing
 
     missing = dynamo_missing()
     rows: list[dict[str, Any]] = []

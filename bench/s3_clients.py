@@ -66,6 +66,7 @@ if str(ROOT) not in sys.path:
 import obstore  # noqa: E402
 
 from bench import harness  # noqa: E402
+from testsupport import procfs  # noqa: E402
 from testsupport.rgw import RadosGateway  # noqa: E402
 
 KIB = 1024
@@ -335,7 +336,7 @@ class Cell:
 def server_cpu(gw: RadosGateway) -> float:
     """CPU seconds so far of the gateway and the OSD together."""
     pids = gw.pids()
-    return sum(harness.proc_cpu_seconds(pids[n]) for n in ("client.rgw.gw", "osd.0"))
+    return sum(procfs.proc_cpu_seconds(pids[n]) for n in ("client.rgw.gw", "osd.0"))
 
 
 def timed(gw: RadosGateway, fn: Callable[[], object]) -> Sample:

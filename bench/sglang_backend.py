@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.sglang import stubs  # noqa: E402
+from testsupport import sglang_stubs as stubs  # noqa: E402
 
 stubs.install()
 with warnings.catch_warnings():
@@ -43,8 +43,8 @@ with warnings.catch_warnings():
     from sglang.srt.mem_cache.hicache_storage import HiCacheFile
 
     from bench import harness
-    from tests.e2e.server import ServerProcess
-    from tests.sglang import pools as P
+    from testsupport import sglang_pools as P
+    from testsupport.server import ServerProcess
 
 RESULTS = harness.RESULTS_DIR / "sglang_backend.json"
 LAYERS, HEADS, HEAD_DIM = 4, 8, 128
@@ -183,7 +183,7 @@ def server_clear(server: ServerProcess) -> None:
     """Empty the pool between rounds, so that every round's sets find room without eviction."""
     from kvoffload_client.client import KVOffloadAdminClient
 
-    from tests.e2e.server import TOKEN
+    from testsupport.server import TOKEN
 
     with KVOffloadAdminClient(server.admin_url, token=TOKEN) as admin:
         admin.clear_cache()

@@ -2,7 +2,7 @@
 
 Requests of ``bench/data/mooncake_synthetic_trace.jsonl`` alternate between two engines, each
 vLLM 0.33's own ``TieringOffloadingManager`` (built by vLLM's spec factory, driven like vLLM's
-scheduler: ``tests/vllm/engine.py``) with a small CPU primary tier. Run 1 (the baseline, same
+scheduler: ``testsupport/vllm_sim.py``) with a small CPU primary tier. Run 1 (the baseline, same
 run): primary tier alone. Run 2: primary + the kvoffload tier against a real ``kvoffload serve``
 on a Unix socket, shared by both engines. Prints the prefix hit ratio of each, the scheduler-
 thread time the tier's methods add per step (p50 / p99, from ``perf_counter_ns`` around each
@@ -32,8 +32,8 @@ if str(ROOT) not in sys.path:
 from kvoffload_client.vllm import M_CALLS  # noqa: E402
 
 from bench import harness  # noqa: E402
-from tests.e2e.server import ServerProcess  # noqa: E402
-from tests.vllm.engine import SimEngine, keys_of, kv_transfer_config  # noqa: E402
+from testsupport.server import ServerProcess  # noqa: E402
+from testsupport.vllm_sim import SimEngine, keys_of, kv_transfer_config  # noqa: E402
 
 RESULTS = harness.RESULTS_DIR / "vllm_tier.json"
 

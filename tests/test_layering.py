@@ -1,6 +1,9 @@
 """The import graph of ``app/``, ``manager/``, ``transfer/`` and the engine side
 (``client/kvoffload_client``): no circle, no private name imported across modules, the app's rooms
-import only downward, and the engine side imports nothing of the server.
+import only downward, and the engine side imports nothing of the server. Outside the packages,
+``bench/`` and ``tests/`` share their helpers through ``testsupport/``: the benchmarks import
+nothing of the tests, test support imports neither, and only a test of a benchmark's own code
+(``tests/test_bench_*.py``) imports ``bench``.
 
 Every import statement counts, wherever it is (module level, inside a function, under
 ``TYPE_CHECKING``): a lazy import is still a dependency.
@@ -213,9 +216,10 @@ def test_the_architecture_page_names_every_module() -> None:
     # The page's room lists are where a newcomer looks first: a module it does not name is one
     # they will not find there. File names only (the page lists them per package).
     page = (ROOT / "docs" / "architecture.md").read_text()
+    shared = sorted((ROOT / "testsupport").rglob("*.py"))
     unnamed = sorted(
         str(path.relative_to(ROOT))
-        for path in MODULES.values()
+        for path in [*MODULES.values(), *shared]
         if path.name != "__init__.py"
         and f"`{path.name}`" not in page
         and f"`{path.parent.name}/{path.name}`" not in page
@@ -249,3 +253,49 @@ def test_the_core_speaks_no_http(name: str) -> None:
     for imported, _ in imports(name, MODULES[name]):
         assert imported.split(".")[0] not in HTTP_LIBRARIES, f"{name} imports {imported}"
         assert not imported.startswith("app.http"), f"{name} imports {imported}"
+
+
+# Outside the packages: what the benchmarks, the test support and the tests may not import.
+SHARED_SIDES = {"bench": ("tests",), "testsupport": ("bench", "tests"), "tests": ("bench",)}
+
+
+def side_imports(side: str, name: str, path: Path) -> list[str]:
+    """What module ``name`` (at ``path``) on ``side`` (``bench``, ``testsupport`` or ``tests``)
+    imports of a side it may not: a test imports ``bench`` only where it tests a benchmark's own
+    code, in a ``tests/test_bench_*.py`` file."""
+    banned = SHARED_SIDES[side]
+    if name.startswith("tests.test_bench_") and name.count(".") == 1:
+        banned = ()
+    return [i for i, _ in imports(name, path) if i.split(".")[0] in banned]
+
+
+@pytest.mark.parametrize("side", sorted(SHARED_SIDES))
+def test_bench_and_tests_share_only_testsupport(side: str) -> None:
+    found = {
+        str(path.relative_to(ROOT)): names
+        for path in sorted((ROOT / side).rglob("*.py"))
+        if (names := side_imports(side, module_name(path), path))
+    }
+    assert found == {}, f"move what both use into testsupport/: {found}"
+
+
+def test_the_side_check_finds_bench_and_tests_importing_each_other(tmp_path: Path) -> None:
+    planted = {
+        "bench.b": "from tests.e2e.server import ServerProcess\nimport testsupport.server\n",
+        "tests.test_x": "from bench.harness import TRACE\nimport tests.api\n",
+        "tests.test_bench_x": "from bench.harness import TRACE\n",
+        "tests.load.test_bench_y": "from bench import harness\n",
+        "testsupport.t": "import bench.control\nfrom tests.vllm import conftest\n",
+    }
+    found = {}
+    for name, text in planted.items():
+        path = tmp_path / f"{name}.py"
+        path.write_text(text)
+        found[name] = side_imports(name.split(".")[0], name, path)
+    assert found == {
+        "bench.b": ["tests.e2e.server"],
+        "tests.test_x": ["bench.harness"],
+        "tests.test_bench_x": [],
+        "tests.load.test_bench_y": ["bench"],
+        "testsupport.t": ["bench.control", "tests.vllm"],
+    }

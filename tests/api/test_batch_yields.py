@@ -19,8 +19,8 @@ import uvicorn
 import app.http.routes.engine as engine
 from app.http.errors import APIError
 from app.http.routes.engine import _BatchRunner
-from tests.e2e.server import free_port
 from testsupport.api_harness import Harness, hexkeys, make_settings, running
+from testsupport.server import free_port
 
 pytestmark = pytest.mark.anyio
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from tests.api.test_client_control import Live, live_service
-from tests.e2e.server import ROOT
 from testsupport.api_harness import TOKEN, make_settings, running
+from testsupport.server import ROOT
 
 NAMES = [
     ("ARC", "arc"),

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.server import ROOT
+from testsupport.server import ROOT
 
 LFU_BOUND = "lfu: history_factor must be a number in [0, 16], got "
 

@@ -16,8 +16,8 @@ from kvoffload_client.client import KVOffloadClient
 
 from app.core.service import DEFAULT_NAMESPACE
 from tests.api.test_client_control import Live, keys_of, live_service, stored
-from tests.e2e.server import ROOT
 from testsupport.api_harness import TOKEN
+from testsupport.server import ROOT
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from app.descriptors import RESERVE, RateLimitedLog, in_reserve, limit
-from tests.e2e.server import ROOT
+from testsupport.server import ROOT
 
 
 @pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs util-linux's prlimit")

@@ -16,7 +16,7 @@ import pytest
 import app.server as server
 from app.server import bind_unix, listen_unix
 from app.settings import ConfigError, Settings
-from tests.e2e.server import ROOT
+from testsupport.server import ROOT
 
 
 def plant_link(path: Path, target: Path) -> None:

@@ -1,4 +1,4 @@
-"""Fixtures of the end-to-end tests; the server process itself is ``tests.e2e.server``."""
+"""Fixtures of the end-to-end tests; the server process itself is ``testsupport.server``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.server import ServerProcess
+from testsupport.server import ServerProcess
 
 
 @pytest.fixture(scope="session")

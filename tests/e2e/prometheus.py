@@ -12,8 +12,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.e2e.server import free_port
 from testsupport.polling import until
+from testsupport.server import free_port
 
 PROMETHEUS = shutil.which("prometheus")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from app import package_version
-from tests.e2e.server import ROOT, TOKEN, ServerProcess
+from testsupport.server import ROOT, TOKEN, ServerProcess
 
 CLI = [sys.executable, "-m", "app.cli"]
 

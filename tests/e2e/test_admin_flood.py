@@ -26,8 +26,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.server import ROOT, TOKEN, ServerProcess
 from tests.e2e.test_slowloris import closed, closed_by_server, metrics
+from testsupport.server import ROOT, TOKEN, ServerProcess
 
 COUNT = 40  # per kind: 80 attack connections, past the admin listener's cap of 64
 CALLS = 30

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.server import ROOT, ServerProcess
+from testsupport.server import ROOT, ServerProcess
 
 
 def refused_line(run: subprocess.CompletedProcess[str]) -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from kvoffload_client.client import KVOffloadAdminClient, KVOffloadClient
 
-from tests.e2e.server import TOKEN, ServerProcess
+from testsupport.server import TOKEN, ServerProcess
 from testsupport.shm_device import ShmDevice
 from transfer.disk import disk_bytes_for
 

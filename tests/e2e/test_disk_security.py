@@ -19,9 +19,9 @@ import pytest
 import xxhash
 from kvoffload_client.client import KVOffloadAdminClient, KVOffloadClient, KVOffloadError
 
-from tests.e2e.server import TOKEN
 from tests.e2e.test_disk_restart import BLOCK, DEV, disk_server, disk_stats, offload_waves
 from tests.e2e.test_startup_refusals import assert_refused, serve
+from testsupport.server import TOKEN
 from testsupport.shm_device import ShmDevice
 from transfer.disk import disk_bytes_for
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from tests.docs_blocks import block, printed_after, run_block
-from tests.e2e.server import ServerProcess
+from testsupport.server import ServerProcess
 
 URL = "http://127.0.0.1:8000"
 

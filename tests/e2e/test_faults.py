@@ -35,9 +35,9 @@ import httpx
 import pytest
 from kvoffload_client.client import KVOffloadAdminClient, KVOffloadClient, KVOffloadError
 
-from tests.e2e.server import ROOT, TOKEN, ServerProcess
 from tests.load import wire
 from testsupport.polling import until
+from testsupport.server import ROOT, TOKEN, ServerProcess
 from testsupport.shm_device import ShmDevice
 
 BLOCK = 4096

@@ -26,9 +26,9 @@ from kvoffload_client.client import Batch, KVOffloadClient, KVOffloadError
 
 from app.http.limits import body_caps
 from app.settings import Settings
-from bench.harness import proc_status
-from tests.e2e.server import ServerProcess
 from tests.load import wire
+from testsupport.procfs import proc_status
+from testsupport.server import ServerProcess
 
 LIMIT = 64 * 1024
 TOTAL = 64 << 20  # what a misbehaving client tries to push

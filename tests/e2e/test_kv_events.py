@@ -17,9 +17,9 @@ from kvoffload_client import BlockTokens, KVOffloadClient
 
 from app.core.kv_publisher import hash64
 from tests.e2e.router import RouterFeed
-from tests.e2e.server import ROOT, TOKEN, ServerProcess, free_port
 from tests.e2e.test_tenants import granted, tenant_file
 from testsupport.polling import until
+from testsupport.server import ROOT, TOKEN, ServerProcess, free_port
 
 BLOCK = 4096
 KEYS = [bytes([i]) * 16 for i in range(1, 4)]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from kvoffload_client.client import KVOffloadAdminClient, KVOffloadClient, KVOffloadError
 
-from tests.e2e.server import ROOT, TOKEN, ServerProcess
+from testsupport.server import ROOT, TOKEN, ServerProcess
 from testsupport.shm_device import ShmDevice
 
 

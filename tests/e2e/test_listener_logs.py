@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from tests.e2e.server import ServerProcess
+from testsupport.server import ServerProcess
 
 
 def log_lines(server: ServerProcess) -> list[dict[str, Any]]:

@@ -19,9 +19,9 @@ import pytest
 from kvoffload_client.client import KVOffloadClient, KVOffloadError
 from kvoffload_client.pool_socket import default_pool_socket, receive_pool
 
-from tests.e2e.server import TOKEN, ServerProcess
 from tests.e2e.test_tenants import granted, tenant_file
 from testsupport.polling import until
+from testsupport.server import TOKEN, ServerProcess
 from transfer.disk import disk_bytes_for
 
 ALICE = "alice-e2e-token-00000000001"

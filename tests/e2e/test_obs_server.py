@@ -29,7 +29,7 @@ from tests.deploy.helpers import (
     tenant_labels,
 )
 from tests.deploy.promql import Analysis, analyse
-from tests.e2e.server import TOKEN, ServerProcess
+from testsupport.server import TOKEN, ServerProcess
 from testsupport.shm_device import ShmDevice
 
 BLOCK = 4096

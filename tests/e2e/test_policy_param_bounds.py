@@ -17,7 +17,7 @@ import pytest
 
 from manager import available_policies
 from manager.policies import policy_params_spec
-from tests.e2e.server import ROOT, TOKEN, ServerProcess
+from testsupport.server import ROOT, TOKEN, ServerProcess
 
 LFU_BOUND = "lfu: history_factor must be a number in [0, 16], got "
 JSON = {"content-type": "application/json"}

@@ -8,7 +8,7 @@ import time
 
 from kvoffload_client.client import KVOffloadAdminClient, KVOffloadClient
 
-from tests.e2e.server import TOKEN, ServerProcess
+from testsupport.server import TOKEN, ServerProcess
 from testsupport.shm_device import ShmDevice
 
 WORKERS = 4

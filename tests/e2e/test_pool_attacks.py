@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 from kvoffload_client.client import KVOffloadClient
 
-from tests.e2e.server import ROOT, ServerProcess
 from tests.e2e.test_tenants import tenant_file
+from testsupport.server import ROOT, ServerProcess
 from testsupport.shm_device import MemfdDevice
 from transfer.disk import disk_bytes_for
 

@@ -20,7 +20,7 @@ import pytest
 from kvoffload_client.client import KVOffloadClient
 from kvoffload_client.pool_socket import POOL_HEADER, PoolShareError, receive_pool
 
-from tests.e2e.server import ROOT, ServerProcess
+from testsupport.server import ROOT, ServerProcess
 from testsupport.shm_device import ShmDevice
 
 UNSHARE = ("unshare", "--pid", "--fork", "--mount-proc")

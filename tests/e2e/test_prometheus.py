@@ -20,8 +20,8 @@ import pytest
 
 from tests.app.exposition import OPENMETRICS, parse
 from tests.e2e.prometheus import PROMETHEUS, running_prometheus
-from tests.e2e.server import ServerProcess
 from testsupport.polling import until
+from testsupport.server import ServerProcess
 
 DEADLINE_S = 20.0
 

@@ -31,7 +31,7 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import Case, CheckFunction, GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from tests.e2e.server import TOKEN, ServerProcess
+from testsupport.server import TOKEN, ServerProcess
 
 pytestmark = pytest.mark.slow
 EXAMPLES = 20

@@ -17,8 +17,8 @@ import schemathesis
 from kvoffload_client.client import KVOffloadClient
 from schemathesis import GenerationMode
 
-from tests.e2e.server import ServerProcess
 from tests.e2e.test_schemathesis import MODES, run_operations, secret_values
+from testsupport.server import ServerProcess
 
 pytestmark = pytest.mark.slow
 ALPHA = "alpha-schemathesis-token-0001"

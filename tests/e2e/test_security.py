@@ -30,7 +30,7 @@ import httpx
 import pytest
 
 from app.telemetry.request_ids import safe_req_id
-from tests.e2e.server import ROOT, TOKEN, ServerProcess, free_port
+from testsupport.server import ROOT, TOKEN, ServerProcess, free_port
 
 SAFE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,120}")
 

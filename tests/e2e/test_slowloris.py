@@ -36,9 +36,9 @@ import pytest
 from kvoffload_client.client import KVOffloadClient
 
 from tests.app.exposition import OPENMETRICS, Exposition, parse
-from tests.e2e.server import ROOT, TOKEN, ServerProcess
 from tests.load.slowloris import Target
 from testsupport.polling import until
+from testsupport.server import ROOT, TOKEN, ServerProcess
 
 TENANT_TOKEN = "slowloris-e2e-token-000000001"
 COUNT = 40  # per transport and kind: 160 attack connections open at once

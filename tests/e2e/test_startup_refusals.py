@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests import docs_blocks
-from tests.e2e.server import ROOT
+from testsupport.server import ROOT
 
 
 def serve(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

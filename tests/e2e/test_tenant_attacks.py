@@ -25,8 +25,8 @@ import pytest
 from kvoffload_client.client import KVOffloadClient
 from kvoffload_client.pool_socket import default_pool_socket, register_kv_cache
 
-from tests.e2e.server import ROOT, ServerProcess
 from tests.e2e.test_tenants import tenant_file
+from testsupport.server import ROOT, ServerProcess
 from testsupport.shm_device import MemfdDevice
 
 ALICE = "alice-attack-token-00000000001"

@@ -17,8 +17,8 @@ import pytest
 from kvoffload_client.client import KVOffloadClient, KVOffloadError
 from kvoffload_client.pool_socket import PoolShareError, default_pool_socket, receive_pool
 
-from tests.e2e.server import TOKEN, ServerProcess
 from tests.e2e.test_admin_cli import admin, clean_env
+from testsupport.server import TOKEN, ServerProcess
 
 ALPHA = "alpha-e2e-token-000000000001"
 ALPHA_NEXT = "alpha-e2e-token-000000000002"

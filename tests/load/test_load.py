@@ -7,7 +7,7 @@ the run) and 2% injected transfer failures; the operator switches the eviction p
 second through every registered policy and clears the cache once. ``test_soak`` is the same run
 for ``KVOFFLOAD_SOAK_SECONDS`` with ``KVOFFLOAD_SOAK_ENGINES`` engines (default 64) in
 ``KVOFFLOAD_SOAK_PROCESSES`` processes (default 2); it is skipped unless the duration is set
-(see ``tests/load/README.md``). The driver is ``bench/load_sim.py``.
+(see ``tests/load/README.md``). The driver is ``testsupport/load_sim.py``.
 
 What a run must show: no server error (5xx; 507 ``no_space`` is the documented answer of a store
 that finds nothing evictable, counted apart); no refusal but the expected ones (409 for a hit
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.load_sim import LoadConfig, LoadReport, Target, run_load
-from tests.e2e.server import TOKEN, ServerProcess
+from testsupport.load_sim import LoadConfig, LoadReport, Target, run_load
+from testsupport.server import TOKEN, ServerProcess
 
 # Growth of the server's RSS between the end of warm-up (the first 30% of the run) and its peak
 # over the rest of the run and the quiescent end. Every buffer the service keeps is bounded

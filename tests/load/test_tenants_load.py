@@ -36,7 +36,7 @@ from typing import Any
 import pytest
 from kvoffload_client.client import KVOffloadAdminClient, KVOffloadClient, KVOffloadError
 
-from tests.e2e.server import TOKEN, ServerProcess
+from testsupport.server import TOKEN, ServerProcess
 
 TENANTS = ("alpha", "beta")
 NAMESPACE_BLOCKS = 48

@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.server import TOKEN, ServerProcess
 from testsupport import rgw as rgw_module
+from testsupport.server import TOKEN, ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "deploy" / "tools" / "local_s3.py"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from tests.router.indexer import dynamo_missing
+from testsupport.router_indexer import dynamo_missing
 
 _missing = dynamo_missing()
 if _missing is not None:

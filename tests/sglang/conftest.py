@@ -5,7 +5,7 @@ Without SGLang the directory is not collected, unless ``KVOFFLOAD_REQUIRE_SGLANG
 ``make test-sglang``), where a missing SGLang is an error, never a skip. SGLang and torch warn at
 import (their own deprecations, "Triton is not supported on current platform"); under
 ``filterwarnings = error`` that would fail whichever test imported them first, so they are
-imported here with the import-time stand-ins of ``tests/sglang/stubs.py``.
+imported here with the import-time stand-ins of ``testsupport/sglang_stubs.py``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ if importlib.util.find_spec("sglang") is None:
         )
     collect_ignore_glob = ["*"]
 else:
-    from tests.sglang import stubs
+    from testsupport import sglang_stubs as stubs
 
     stubs.install()
     with warnings.catch_warnings():

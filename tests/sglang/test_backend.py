@@ -21,9 +21,9 @@ import torch
 from kvoffload_client.client import KVOffloadAdminClient, KVOffloadClient
 from kvoffload_client.sglang.store import PageStore, StoreConfig
 
-from tests.e2e.server import TOKEN, ServerProcess
-from tests.sglang import pools as P
+from testsupport import sglang_pools as P
 from testsupport.polling import until
+from testsupport.server import TOKEN, ServerProcess
 
 POOL_BLOCKS = 16
 ROOT = Path(__file__).resolve().parents[2]

@@ -57,11 +57,11 @@ from sglang.test.kits.unified_radix_cache import mixins as kit_mixins
 from sglang.test.kits.unified_radix_cache.config import CacheConfig
 from sglang.test.kits.unified_radix_cache.storage import UnifiedRadixCacheStorageFixtures
 
-from tests.e2e.server import ROOT, TOKEN, ServerProcess
-from tests.sglang import pools as P
+from testsupport import sglang_pools as P
+from testsupport.server import ROOT, TOKEN, ServerProcess
 
 PAGES = 3
-# Same page as tests/sglang/pools.py: 16 tokens, 2 layers, 2 heads of 32, fp16: 8 KiB.
+# Same page as testsupport/sglang_pools.py: 16 tokens, 2 layers, 2 heads of 32, fp16: 8 KiB.
 CONFIG = CacheConfig(
     page_size=P.PAGE,
     components=(ComponentType.FULL,),
@@ -300,7 +300,7 @@ def test_a_second_process_gets_the_first_ones_pages_through_kvoffload(
     out = tmp_path.parent / f"{tmp_path.name}-consumed.pt"
     code = (
         "import sys, warnings\n"
-        "from tests.sglang import stubs\n"
+        "from testsupport import sglang_stubs as stubs\n"
         "stubs.install()\n"
         "with warnings.catch_warnings():\n"
         "    warnings.simplefilter('ignore')\n"

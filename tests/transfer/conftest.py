@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from tests.transfer.helpers import ShmCache, build_shm_cache
-from tests.transfer.kvref import unique_prefix
+from testsupport.kvref import unique_prefix
 from testsupport.shm_device import SHM_DIR
 from transfer import HostPool, KVCacheRegistry
 from transfer.disk import DiskStore

@@ -27,7 +27,7 @@ with warnings.catch_warnings():
     import torch
 
 from tests.transfer.helpers import write_shm_tensors
-from tests.transfer.kvref import device_block, host_block, mixed_layout
+from testsupport.kvref import device_block, host_block, mixed_layout
 from testsupport.shm_device import shm_spec
 
 

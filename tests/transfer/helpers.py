@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.transfer.kvref import MIXED_LAYOUT, block_bytes_of, mixed_layout
+from testsupport.kvref import MIXED_LAYOUT, block_bytes_of, mixed_layout
 from testsupport.shm_device import SHM_DIR, Layout, create_shm_file, shm_spec
 from transfer import HostPool, KVCacheRegistry, KVCacheSpec, RegisteredCache, create_worker
 from transfer.worker import TransferWorker

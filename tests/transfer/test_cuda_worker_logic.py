@@ -17,7 +17,7 @@ import torch
 
 from tests.transfer.fake_cuda import FakeRaw, World, install
 from tests.transfer.helpers import mixed_block_bytes
-from tests.transfer.kvref import host_block, mixed_layout
+from testsupport.kvref import host_block, mixed_layout
 from testsupport.polling import until
 from transfer import HostPool, KVCacheRegistry, TransferJob, WorkerClosedError, cuda_worker
 from transfer.cuda_copy import DirectCopier, StagedCopier

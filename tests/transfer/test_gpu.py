@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.transfer.helpers import mixed_block_bytes
-from tests.transfer.kvref import host_block
+from testsupport.kvref import host_block
 from transfer import HostPool, KVCacheRegistry, KVCacheSpec, TransferJob, create_worker
 from transfer.cuda_worker import CudaTransferWorker
 
@@ -67,7 +67,7 @@ def test_cuda_ipc_round_trip(make_pool) -> None:
     pool = make_pool(32, mixed_block_bytes(n))
     registry = KVCacheRegistry(pool)
     with subprocess.Popen(
-        [sys.executable, "-m", "tests.transfer.ipc_child"],
+        [sys.executable, "-m", "testsupport.ipc_child"],
         cwd=REPO,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,

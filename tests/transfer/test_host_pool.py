@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.transfer.kvref import unique_prefix
+from testsupport.kvref import unique_prefix
 from transfer import HostPool, PoolError
 from transfer import host_pool as host_pool_mod
 

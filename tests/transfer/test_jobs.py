@@ -9,7 +9,7 @@ import torch
 
 from manager import LookupResult, OffloadManager, ReqContext, create_manager
 from tests.transfer.helpers import ShmCache, mixed_block_bytes
-from tests.transfer.kvref import host_block
+from testsupport.kvref import host_block
 from transfer import (
     FaultSpec,
     InvalidJobError,

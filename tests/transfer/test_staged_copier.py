@@ -16,7 +16,7 @@ import torch
 
 from tests.transfer.fake_cuda import FakeRaw
 from tests.transfer.helpers import mixed_block_bytes
-from tests.transfer.kvref import device_block, host_block, mixed_layout
+from testsupport.kvref import device_block, host_block, mixed_layout
 from transfer import KVCacheRegistry
 from transfer.cuda_copy import DirectCopier, StagedCopier, find_cuda_memcpy
 from transfer.cudart import CudaCallError, find_raw_cuda

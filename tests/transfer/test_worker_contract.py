@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.transfer.helpers import BACKEND_PARAMS, ShmCache, build_worker, mixed_block_bytes
-from tests.transfer.kvref import device_block, host_block
+from testsupport.kvref import device_block, host_block
 from transfer import (
     InvalidJobError,
     KVCacheRegistry,

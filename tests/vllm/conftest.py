@@ -34,7 +34,7 @@ else:
 
     from kvoffload_client.client import KVOffloadAdminClient
 
-    from tests.e2e.server import TOKEN, ServerProcess
+    from testsupport.server import TOKEN, ServerProcess
 
     SERVE_FLAGS = ("--block-bytes", "4096", "--num-blocks", "256")
 

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from tests.vllm.conftest import leases, serve
-from tests.vllm.engine import SimEngine, keys_of, kv_transfer_config
+from testsupport.vllm_sim import SimEngine, keys_of, kv_transfer_config
 
 ROOT = Path(__file__).resolve().parents[2]
 REQ_ID = "cmpl-dead-7c1e-0"
@@ -24,7 +24,7 @@ HUNG_ENGINE = """
 import sys, time
 sys.path.insert(0, sys.argv[2])
 from kvoffload_client.vllm.copier import Copier
-from tests.vllm.engine import SimEngine, keys_of, kv_transfer_config
+from testsupport.vllm_sim import SimEngine, keys_of, kv_transfer_config
 Copier._copy = lambda self, task: time.sleep(3600)  # hangs mid-copy
 engine = SimEngine("t-dead-hung", kv_transfer_config(sys.argv[1], cpu_chunks=16))
 engine.run_request(sys.argv[3], keys_of(range(500, 506)), max_steps=100000)

@@ -19,9 +19,9 @@ from kvoffload_client.vllm.direct import KVOffloadManager, KVOffloadSpec, PoolSl
 from kvoffload_client.vllm.state import M_CALLS, M_FAULTS, M_STORES_DROPPED
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext
 
-from tests.e2e.server import TOKEN, ServerProcess
 from tests.vllm.conftest import leases, serve, tracked
-from tests.vllm.engine import chunk_bytes, keys_of, offloading_config
+from testsupport.server import TOKEN, ServerProcess
+from testsupport.vllm_sim import chunk_bytes, keys_of, offloading_config
 
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())

@@ -6,7 +6,7 @@ The venv is made here: ``python -m venv`` without pip, vLLM and its dependencies
 ``.pth`` line naming this test environment's site-packages (a directory named by a ``.pth``
 line is added to ``sys.path`` as it is: its own ``.pth`` files, the editable installs of this
 checkout among them, are not run), the engine distribution built and installed into the venv
-by pip from ``client/``. The engine is ``tests/vllm/engine.py`` copied next to the script (it
+by pip from ``client/``. The engine is ``testsupport/vllm_sim.py`` copied next to the script (it
 imports vLLM and ``kvoffload_client.vllm`` only); the script runs from a temporary directory,
 so the checkout is not on its path.
 """

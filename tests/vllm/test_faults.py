@@ -17,10 +17,10 @@ from kvoffload_client.client import KVOffloadClient
 from kvoffload_client.vllm import M_FAULTS
 from vllm.v1.kv_offload.base import OffloadKey
 
-from tests.e2e.server import ServerProcess
 from tests.vllm.conftest import leases, serve, tracked
-from tests.vllm.engine import RequestOutcome, SimEngine, chunk_bytes, keys_of, kv_transfer_config
 from tests.vllm.proxy import FaultProxy
+from testsupport.server import ServerProcess
+from testsupport.vllm_sim import RequestOutcome, SimEngine, chunk_bytes, keys_of, kv_transfer_config
 
 # httpcore (the HTTP library under httpx) does not close the socket of a Unix-socket connect
 # that fails (httpcore/_backends/sync.py, connect_unix_socket): with the service down, each

@@ -20,9 +20,9 @@ from kvoffload_client.client import KVOffloadClient
 from kvoffload_client.vllm import M_CALLS, KVOffloadTier, map_pool, namespace_digest, service_key
 from vllm.v1.kv_offload.base import ReqContext
 
-from tests.e2e.server import ServerProcess
 from tests.vllm.conftest import leases, serve, tracked
-from tests.vllm.engine import (
+from testsupport.server import ServerProcess
+from testsupport.vllm_sim import (
     BYTES_PER_BLOCK,
     TWO_GROUPS,
     SimEngine,

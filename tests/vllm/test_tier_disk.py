@@ -19,10 +19,10 @@ import pytest
 from kvoffload_client.client import KVOffloadAdminClient
 from vllm.v1.kv_offload.base import ReqContext
 
-from tests.e2e.server import TOKEN, ServerProcess
 from tests.vllm.conftest import leases, serve
-from tests.vllm.engine import SimEngine, chunk_bytes, keys_of, kv_transfer_config
 from tests.vllm.test_tier_remote import answered, faults, store_through_tier
+from testsupport.server import TOKEN, ServerProcess
+from testsupport.vllm_sim import SimEngine, chunk_bytes, keys_of, kv_transfer_config
 
 POOL_BLOCKS = 8
 

@@ -34,10 +34,10 @@ from kvoffload_client.vllm.state import Probe, Shared, Step
 from kvoffload_client.vllm.tier import check_prefetch_deadline
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 
-from tests.e2e.server import TOKEN, ServerProcess
 from tests.vllm.conftest import leases, serve
-from tests.vllm.engine import SimEngine, chunk_bytes, keys_of, kv_transfer_config
 from tests.vllm.test_tier_remote import answered, faults, hex_keys, ops, remote_engine
+from testsupport.server import TOKEN, ServerProcess
+from testsupport.vllm_sim import SimEngine, chunk_bytes, keys_of, kv_transfer_config
 
 PREFIX = b"\xaa" * 8
 

@@ -22,10 +22,16 @@ from kvoffload_client.client import KVOffloadAdminClient
 from kvoffload_client.vllm import M_FAULTS, namespace_digest, service_key
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 
-from tests.e2e.server import TOKEN, ServerProcess
 from tests.vllm.conftest import leases, serve
-from tests.vllm.engine import BYTES_PER_BLOCK, SimEngine, chunk_bytes, keys_of, kv_transfer_config
 from tests.vllm.proxy import RemoteProxy
+from testsupport.server import TOKEN, ServerProcess
+from testsupport.vllm_sim import (
+    BYTES_PER_BLOCK,
+    SimEngine,
+    chunk_bytes,
+    keys_of,
+    kv_transfer_config,
+)
 
 Batches = list[tuple[list[dict[str, Any]], list[dict[str, Any]]]]
 

@@ -31,11 +31,11 @@ from kvoffload_client.client import NAMESPACE_HEADER
 from kvoffload_client.pool_socket import SharedPool, receive_pool
 
 from app.pool_share import PoolShareServer
-from tests.e2e.server import ServerProcess
 from tests.vllm.conftest import serve
-from tests.vllm.engine import SimEngine, keys_of, kv_transfer_config
 from tests.vllm.proxy import FaultProxy
 from tests.vllm.test_faults import FAST, Traffic, faults
+from testsupport.server import ServerProcess
+from testsupport.vllm_sim import SimEngine, keys_of, kv_transfer_config
 
 TOKEN = "engine-token-of-team-a-0001"
 NEW_TOKEN = "engine-token-of-team-a-0002"

@@ -1,5 +1,9 @@
 """SGLang's own pools, storage config and cache controller, built as its scheduler builds them
-(small: 2 layers, 2 heads of 32, fp16, 16-token pages: 8 KiB a page in every layout)."""
+(small: 2 layers, 2 heads of 32, fp16, 16-token pages: 8 KiB a page in every layout).
+
+Shared by ``tests/sglang`` and ``bench/sglang_backend.py``. Imports SGLang and torch at module
+level: import it only in the SGLang venv (``.venv-sglang``), after ``sglang_stubs.install()``.
+"""
 
 from __future__ import annotations
 

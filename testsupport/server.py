@@ -3,7 +3,7 @@
 ``ServerProcess.start`` launches it with a small CPU pool and waits for ``/readyz``;
 ``stop`` sends SIGTERM and returns the exit status. The session fixture ``server``
 (``tests/e2e/conftest.py``) is shared by the e2e tests; tests that need their own process
-(shutdown) start one.
+(shutdown) start one. The benchmarks that measure a real server start theirs with it too.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import TypeVar
 import httpx
 
 TOKEN = "e2e-admin-token"
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
 
 

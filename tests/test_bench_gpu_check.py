@@ -21,7 +21,7 @@ from bench.gpu_check import Row
 from tests.transfer.fake_cuda import FakeRaw, install
 from transfer import HostPool, cuda_worker
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def rows(*statuses: str) -> list[Row]:
@@ -320,11 +320,11 @@ def test_the_device_check_needs_nothing_the_device_image_lacks() -> None:
         "            raise ImportError(f'{name} is not on the device')\n"
         "sys.meta_path.insert(0, Block())\n"
         "import ast, pathlib\n"
-        "import bench.gpu_check, bench.gpu_engine_child, tests.transfer.ipc_child\n"
+        "import bench.gpu_check, bench.gpu_engine_child, testsupport.ipc_child\n"
         "import transfer.cuda_worker, transfer.cudart\n"
         # Imports inside functions (the sections import lazily) are read, not run.
         "for f in ('bench/gpu_check.py', 'bench/gpu_engine_child.py',\n"
-        "          'tests/transfer/ipc_child.py'):\n"
+        "          'testsupport/ipc_child.py'):\n"
         "    for node in ast.walk(ast.parse(pathlib.Path(f).read_text())):\n"
         "        names = [a.name for a in node.names] if isinstance(node, ast.Import) else (\n"
         "            [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])\n"

@@ -1,6 +1,7 @@
 """Reference geometry for the tests: what a host block must hold, computed the slow, obvious way.
 
-Shared by the test process and the engine subprocess (``tests.transfer.engine_proc``).
+Shared by the test process, the engine subprocess (``tests.transfer.engine_proc``) and
+``bench/gpu_check.py``. Imports torch: import it only where torch is installed.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """One vLLM CPU engine in its own process, driven by the tests over a pipe.
 
-``python -m tests.engine.driver MODEL_DIR ANSWER_FD [KV_TRANSFER_CONFIG_JSON [ENGINE_JSON]]``
-builds a ``vllm.LLM`` of the model made by ``tests/engine/model.py`` with prefix caching and,
-unless it is ``null``, the kv-transfer config (``ENGINE_JSON``: more ``LLM`` arguments, or ones
-to replace); then reads one JSON command a line on stdin and writes one JSON answer a line to
-file descriptor ``ANSWER_FD`` (stdout and stderr are vLLM's log):
+``python -m testsupport.engine.driver MODEL_DIR ANSWER_FD [KV_TRANSFER_CONFIG [ENGINE_JSON]]``
+builds a ``vllm.LLM`` of the model made by ``testsupport/engine/model.py`` with prefix caching
+and, unless it is ``null``, the kv-transfer config (JSON; ``ENGINE_JSON``: more ``LLM``
+arguments, or ones to replace); then reads one JSON command a line on stdin and writes one JSON
+answer a line to file descriptor ``ANSWER_FD`` (stdout and stderr are vLLM's log):
 
 - ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": N}``: greedy, with the
   chosen token's logprob; answers ``{"outputs": [{"tokens", "logprobs", "cached"}, ...],
@@ -17,6 +17,8 @@ file descriptor ``ANSWER_FD`` (stdout and stderr are vLLM's log):
 
 The first answer is ``{"ready": true}`` once the engine is built; an engine that fails to start
 exits non-zero with the reason in its log.
+
+Imports vLLM inside its functions; it runs only in the engine venv (``.venv-engine``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
-"""Engine processes for the tests (``tests/engine/driver.py``) and their kv-transfer configs.
+"""Engine processes for the tests (``testsupport/engine/driver.py``) and their kv-transfer configs.
 
 ``EngineProcess`` starts one engine in a session of its own (the driver, and vLLM's engine core
 process under it), talks to it over a pipe, and stops it: ``quit``, then the whole session is
 killed if it lingers; vLLM's shared host-tier file of the engine is removed either way.
+
+Shared by ``tests/engine`` and ``bench/engine_e2e.py``; the driver it starts needs vLLM.
 """
 
 from __future__ import annotations
@@ -101,13 +103,13 @@ class EngineProcess:
         engine: dict[str, Any] | None = None,
         env: dict[str, str] | None = None,
     ) -> None:
-        """``engine``: more ``LLM`` arguments (``tests/engine/driver.py``); ``env``: variables
+        """``engine``: more ``LLM`` arguments (``testsupport/engine/driver.py``); ``env``: variables
         over ``ENGINE_ENV``."""
         self.name = name
         self.engine_id = f"kvoffload-test-{name}-{uuid.uuid4().hex[:8]}"
         config = None if kv_config is None else {**kv_config, "engine_id": self.engine_id}
         self.log_path = workdir / f"engine-{name}.log"
-        self.argv = [sys.executable, "-m", "tests.engine.driver", str(model), "ANSWER_FD"]
+        self.argv = [sys.executable, "-m", "testsupport.engine.driver", str(model), "ANSWER_FD"]
         self.argv += [json.dumps(config), json.dumps(engine or {})]
         self.env = {**ENGINE_ENV, **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None

@@ -7,7 +7,8 @@ body with ``cuda_ipc`` handles); then ``{"op": "digest", "blocks": [...]}`` answ
 a write of the byte ``V`` over every tensor, records an interprocess event after them and
 answers at once ``{"event": "<hex of its IPC handle>"}`` (the writes still running: what an
 engine's forward pass looks like to the service); ``{"op": "exit"}`` ends it. Run as
-``python -m tests.transfer.ipc_child`` on a CUDA machine.
+``python -m testsupport.ipc_child`` on a CUDA machine (``tests/transfer/test_gpu.py``,
+``bench/gpu_check.py``). Imports torch: import it only where torch is installed.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 
 import torch
 
-from tests.transfer.kvref import MIXED_LAYOUT, device_block, shapes
+from testsupport.kvref import MIXED_LAYOUT, device_block, shapes
 from transfer import export_cuda_ipc_handle
 
 N = 24
@@ -50,15 +51,16 @@ def main() -> None:
         if cmd["op"] == "exit":
             break
         if cmd["op"] == "write_after":
-            stream = torch.cuda.Stream()
+            stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
             with torch.cuda.stream(stream):
-                torch.cuda._sleep(int(cmd["cycles"]))
+                torch.cuda._sleep(int(cmd["cycles"]))  # type: ignore[no-untyped-call]
                 for flat in flats:
                     flat.fill_(int(cmd["value"]))
-            event = torch.cuda.Event(interprocess=True)
+            event = torch.cuda.Event(interprocess=True)  # type: ignore[no-untyped-call]
             event.record(stream)
             kept.append((stream, event))
-            print(json.dumps({"event": bytes(event.ipc_handle()).hex()}), flush=True)
+            handle = bytes(event.ipc_handle())  # type: ignore[no-untyped-call]
+            print(json.dumps({"event": handle.hex()}), flush=True)
             continue
         torch.cuda.synchronize()
         digests = []

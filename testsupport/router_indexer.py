@@ -1,5 +1,9 @@
 """Dynamo's standalone KV indexer as a subprocess on this host, and its HTTP API: ``register``
-a kvoffload publisher as an instance, ``query`` which instances hold a prompt's prefix."""
+a kvoffload publisher as an instance, ``query`` which instances hold a prompt's prefix.
+
+Shared by ``tests/router`` and ``bench/router.py``. The indexer runs from the Python that
+``KVOFFLOAD_DYNAMO_PYTHON`` names (``.venv-dynamo``); this module itself imports no Dynamo.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +15,8 @@ from typing import Any
 
 import httpx
 
-from tests.e2e.server import ROOT, ServerProcess, free_port
 from testsupport.polling import until
+from testsupport.server import ROOT, ServerProcess, free_port
 
 MODEL = "kv-model"
 BLOCK_TOKENS = 4

@@ -51,7 +51,7 @@ from typing import Any
 import httpx
 from kvoffload_client.client import AsyncKVOffloadClient, Batch, Job, KVOffloadError
 
-from bench.harness import proc_cpu_seconds, proc_status
+from testsupport.procfs import proc_cpu_seconds, proc_status
 from testsupport.shm_device import ShmDevice
 
 # Refusals an engine meets in normal operation: a hit evicted (or cleared) between its lookup and

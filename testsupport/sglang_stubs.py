@@ -8,6 +8,8 @@ annotations) or by code these tests never call. ``install()`` puts a finder firs
 inert class: calling it with a function returns the function (a decorator), with anything else
 a decorator; subscripting it returns it. A test that reached real triton code would fail at
 that call, never compute something else.
+
+Shared by ``tests/sglang`` and ``bench/sglang_backend.py``; imports only the standard library.
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ Shared by ``tests/vllm`` and ``bench/vllm_tier.py``. ``step_tier_ns`` is the tim
 the secondary tiers' methods (kvoffload's, or vLLM's own such as ``fs``) on the calling
 (scheduler) thread in each step, ``step_calls`` the kvoffload tiers' batch calls made so far at
 the end of each step.
+
+Imports vLLM at module level: only the vLLM suites and benchmarks (``tests/vllm``,
+``bench/vllm_tier.py``, ``bench/disk_tier.py``'s vLLM arm), in a venv with vLLM, import it.
 """
 
 from __future__ import annotations
@@ -158,7 +161,7 @@ class SimEngine:
         config: dict[str, Any],
         model: str = "sim/llama-tiny",
         groups: tuple[OffloadingGroupConfig, ...] = ONE_GROUP,
-    ):
+    ) -> None:
         extra = config["kv_connector_extra_config"]
         self.model = model
         self.spec = OffloadingSpecFactory.create_spec(
