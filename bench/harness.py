@@ -17,13 +17,13 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
 from manager.replay import parse_trace
+from testsupport.ports import free_port as free_port  # the benchmarks' loopback ports
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 TRACE = Path(__file__).resolve().parent / "data" / "mooncake_synthetic_trace.jsonl"
@@ -54,14 +54,6 @@ def write_results(path: Path, record: Mapping[str, Any], *, quiet: bool = False)
     path.write_text(json.dumps(record, indent=2, default=str) + "\n")
     if not quiet:
         print(f"wrote {path}")
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def stop_server(proc: subprocess.Popen[bytes], grace_s: float = 20.0) -> None:

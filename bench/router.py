@@ -62,7 +62,8 @@ import httpx  # noqa: E402
 
 from bench import harness  # noqa: E402
 from bench.control import next_turns, read_timed_trace  # noqa: E402
-from testsupport.server import TOKEN, ServerProcess, free_port  # noqa: E402
+from testsupport.ports import free_port  # noqa: E402
+from testsupport.server import TOKEN, ServerProcess  # noqa: E402
 
 RESULTS = harness.RESULTS_DIR / "router.json"
 TOKENS_PER_BLOCK = 512  # the trace's blocks

@@ -80,6 +80,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Literal
 
+from testsupport.ports import free_port
+
 #: Debian packages that hold the binaries this module runs.
 DEBIAN_PACKAGES = ("ceph-mon", "ceph-osd", "radosgw", "ceph-common")
 #: Each binary and the Debian package it comes from.
@@ -144,14 +146,6 @@ def find_binaries() -> dict[str, str]:
         assert path is not None
         found[name] = path
     return found
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def cephx_key() -> str:

@@ -16,7 +16,8 @@ from typing import Any
 import httpx
 
 from testsupport.polling import until
-from testsupport.server import ROOT, ServerProcess, free_port
+from testsupport.ports import free_port
+from testsupport.server import ROOT, ServerProcess
 
 MODEL = "kv-model"
 BLOCK_TOKENS = 4

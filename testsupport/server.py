@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,17 +20,11 @@ from typing import TypeVar
 
 import httpx
 
+from testsupport.ports import free_port
+
 TOKEN = "e2e-admin-token"
 ROOT = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class ServerProcess:

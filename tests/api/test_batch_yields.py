@@ -20,7 +20,7 @@ import app.http.routes.engine as engine
 from app.http.errors import APIError
 from app.http.routes.engine import _BatchRunner
 from testsupport.api_harness import Harness, hexkeys, make_settings, running
-from testsupport.server import free_port
+from testsupport.ports import free_port
 
 pytestmark = pytest.mark.anyio
 

@@ -34,7 +34,7 @@ from kvoffload_client.client import (
 
 from testsupport.api_harness import BLOCK, Harness, make_settings, running
 from testsupport.polling import until
-from testsupport.server import free_port
+from testsupport.ports import free_port
 from transfer.disk import disk_bytes_for
 
 NO_KEPT = {"pinned": 0, "retained": 0, "pending": 0, "not_in_pool": 0, "refused": 0}  # demote

@@ -31,7 +31,7 @@ from kvoffload_client.client import (
     read_token_file,
 )
 
-from testsupport.server import free_port
+from testsupport.ports import free_port
 
 TOKEN = "team-a-token-0123456789"
 KEY = [b"\x01" * 8]

@@ -24,7 +24,8 @@ from app.core.kv_publisher import (
 )
 from app.settings import ConfigError, Settings, load_settings
 from manager import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from testsupport.server import ROOT, free_port
+from testsupport.ports import free_port
+from testsupport.server import ROOT
 
 K = [bytes([i]) * 32 for i in range(1, 7)]
 RECV_MS = 5000

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from testsupport.polling import until
-from testsupport.server import free_port
+from testsupport.ports import free_port
 
 PROMETHEUS = shutil.which("prometheus")
 

@@ -19,7 +19,8 @@ from app.core.kv_publisher import hash64
 from tests.e2e.router import RouterFeed
 from tests.e2e.test_tenants import granted, tenant_file
 from testsupport.polling import until
-from testsupport.server import ROOT, TOKEN, ServerProcess, free_port
+from testsupport.ports import free_port
+from testsupport.server import ROOT, TOKEN, ServerProcess
 
 BLOCK = 4096
 KEYS = [bytes([i]) * 16 for i in range(1, 4)]

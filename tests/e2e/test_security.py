@@ -30,7 +30,8 @@ import httpx
 import pytest
 
 from app.telemetry.request_ids import safe_req_id
-from testsupport.server import ROOT, TOKEN, ServerProcess, free_port
+from testsupport.ports import free_port
+from testsupport.server import ROOT, TOKEN, ServerProcess
 
 SAFE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,120}")
 

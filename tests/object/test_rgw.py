@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from tests.object.conftest import restore_gateway
+from testsupport import ports
 from testsupport import rgw as rgw_module
 from testsupport.rgw import RadosGateway, RgwError
 
@@ -258,7 +259,7 @@ def test_start_moves_to_another_port_when_its_pick_is_taken(
 ) -> None:
     """A free port picked for the gateway and taken before it binds (a race with another
     process) costs a retry on another port, not a failed start."""
-    real_free_port = rgw_module.free_port
+    real_free_port = ports.free_port
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from kvoffload_client import BlockTokens, KVOffloadAdminClient, KVOffloadClient
 
+from testsupport.ports import free_port
 from testsupport.router_indexer import BLOCK_TOKENS, Indexer
-from testsupport.server import TOKEN, ServerProcess, free_port
+from testsupport.server import TOKEN, ServerProcess
 
 PREFIX = list(range(1000, 1016))  # 4 blocks of 4 tokens
 OTHER = list(range(2000, 2016))
