@@ -98,7 +98,7 @@ def test_the_engine_distribution_alone_loads_the_tier_and_moves_bytes(tmp_path: 
     python = make_venv(tmp_path / "venv")
     work = tmp_path / "engine"
     work.mkdir()
-    shutil.copy(ROOT / "tests" / "vllm" / "engine.py", work / "sim_engine.py")
+    shutil.copy(ROOT / "testsupport" / "vllm_sim.py", work / "sim_engine.py")
     (work / "run.py").write_text(SCRIPT)
 
     # None of the server in this venv, whatever the directory.
