@@ -179,7 +179,7 @@ def test_a_host_whose_master_is_down_at_start_connects_when_it_comes(cluster) ->
     assert b.get(ks, range(3)) == data
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_ha_masters_a_killed_leader_loses_no_block_and_the_standby_takes_over(ha_cluster) -> None:
     """etcd, a leader and a standby master (``--enable_ha --enable_oplog``), three nodes that
     name the masters by their etcd. SIGKILL of the leader: the standby leads, blocks written
@@ -202,7 +202,12 @@ def test_ha_masters_a_killed_leader_loses_no_block_and_the_standby_takes_over(ha
     # Every block written before the kill, read back on another node with its bytes.
     got: dict[bytes, bytes] = {}
     all_read = reads_back(b, ks, data, got)
-    until("every block written before the kill read back", all_read, 90, every_s=0.5)
+    # B reads once its own client has found the new leader, after running out its calls to the
+    # dead one: 10-70 s seen alone, over 90 s once in a clean-clone CI run (2026-12-07).
+    try:
+        until("every block written before the kill read back", all_read, 180, every_s=0.5)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {len(got)}/{len(ks)} read back") from None
     read_back = time.monotonic() - killed
     lost = len(ks) - len(got)
     print(

@@ -217,6 +217,7 @@ def test_after_a_restart_stores_land_in_the_new_pool(srv: ServerProcess) -> None
         assert manager.prepare_store(keys[2:], ctx("r-6")) is None
         assert manager.counters.snapshot()[M_FAULTS, "restarted"] == 1
         manager.complete_store(before.keys_to_store, ctx("r-6"))  # dropped, not sent
+        assert not manager.has_pending_work()
         store(manager, pool, "r-7", keys)
         assert look(manager, "r-8", keys) == [HIT] * len(keys)
         loaded = manager.prepare_load(keys, ctx("r-8"))

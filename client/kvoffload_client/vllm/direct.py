@@ -300,6 +300,7 @@ class Request:
     asking: list[OffloadKey] = field(default_factory=list)  # not sent yet
     waiting: list[OffloadKey] = field(default_factory=list)  # asked again at the next call
     pool_id: str | None = None  # where its pins are
+    stores_pool: str | None = None  # where its last reservation was made
     renewed: float = 0.0  # when the service last heard of its pins
     prefetched: bool = False
 
@@ -395,6 +396,7 @@ class KVOffloadManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
                 self.counters.add(M_FAULTS, reason)
             self.counters.add(M_STORES_DROPPED, "", len(keys))
             return None
+        self._requests[req_id].stores_pool = self._link.pool_id
         key_of = dict(zip(skeys, keys, strict=True))
         to_store = [key_of[bytes.fromhex(k)] for k in res.result["keys_to_store"]]
         slots = [int(s) for s in res.result["slots"]]
@@ -407,6 +409,11 @@ class KVOffloadManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
+        """Sent with the next call; dropped when the reservation was made in a pool the service
+        has since replaced (restarted: the reservation went with it)."""
+        req = self._requests.get(req_context.req_id)
+        if req is not None and req.stores_pool not in (None, self._link.pool_id):
+            return
         if keys:
             op = Batch().complete_store(req_context.req_id, self._skeys(keys), success).ops[0]
             self._link.later(op)
