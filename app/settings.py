@@ -1038,8 +1038,8 @@ class Settings(AdminAuth):
         gt=0,
         le=1 << 26,
         description="blocks per namespace whose token ids and parent (given on store calls) "
-        "are kept for their events, least recently stored forgotten first (about 250 bytes "
-        "and 4 bytes a token each)",
+        "are kept for their events: at least the newest this many, up to twice as many held "
+        "(about 200 bytes and 4 bytes a token each)",
     )
 
     # Fault injection (rehearse failures): any non-zero value wraps the worker.

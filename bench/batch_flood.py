@@ -37,7 +37,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import harness  # noqa: E402
-from bench.tenant_hardening import baseline_tree, split_cores  # noqa: E402
+from bench.harness import split_cores  # noqa: E402
+from bench.tenant_hardening import baseline_tree  # noqa: E402
 
 KEYS_PER_OP = 8192
 TARGET_P99_MS = 5.0

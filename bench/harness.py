@@ -18,7 +18,8 @@ import os
 import platform
 import signal
 import subprocess
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,22 @@ from testsupport.ports import free_port as free_port  # the benchmarks' loopback
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 TRACE = Path(__file__).resolve().parent / "data" / "mooncake_synthetic_trace.jsonl"
+
+
+def split_cores() -> tuple[set[int], set[int]]:
+    """(the servers' cores, the client's): the last core for the servers, the others for the
+    client; all of them for both on one core."""
+    cores = sorted(os.sched_getaffinity(0))
+    return ({cores[-1]}, set(cores[:-1])) if len(cores) > 1 else (set(cores), set(cores))
+
+
+@contextmanager
+def affinity_restored(cores: set[int]) -> Iterator[None]:
+    """Run the block, then put this process back on ``cores``."""
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, cores)
 
 
 def read_trace(path: Path = TRACE, limit: int = 0) -> list[list[bytes]]:

@@ -85,13 +85,6 @@ def cpu_ns(pid: int) -> int:
     return total
 
 
-def split_cores() -> tuple[set[int], set[int]]:
-    """(the servers' cores, the client's): the last core for the servers, the others for the
-    client; all of them for both on one core."""
-    cores = sorted(os.sched_getaffinity(0))
-    return ({cores[-1]}, set(cores[:-1])) if len(cores) > 1 else (set(cores), set(cores))
-
-
 @contextmanager
 def serving(tree: Path, work: Path, name: str, cores: set[int]) -> Iterator[tuple[str, int]]:
     """``kvoffload serve`` from ``tree`` with one tenant, on ``cores``; its base URL and
@@ -239,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     got: dict[str, Rounds] = {
         shape: {n: {"calls_s": [], "cpu_us": []} for n in sides_named} for shape in SHAPES
     }
-    servers, client = split_cores()
+    servers, client = harness.split_cores()
     os.sched_setaffinity(0, client)
     try:
         with baseline_tree(args.baseline) as old_tree:

@@ -47,15 +47,17 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import itertools
 import os
 import socket
 import struct
 import threading
 import time
 from array import array
-from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, NamedTuple, cast
 
@@ -124,33 +126,51 @@ class BlockInfo:
     parent: BlockKey | None
 
 
-# One key's entry: its tokens packed 4 bytes each (empty: not given), the block size (0: not
-# given), its parent key. A plain tuple and an array: a store call notes each key it stores,
-# and a dataclass per key cost more than the rest of the call's bookkeeping.
-_Entry = tuple["array[int]", int, BlockKey | None]
-_NO_TOKENS = array("I")
+# One key's entry: its tokens as unsigned 32-bit words in native order (empty: not given), the
+# block size (0: not given), its parent key. A plain tuple, made in C (``zip`` over slices of
+# one packed buffer): a store call notes each key it stores, and a Python step per key cost as
+# much as the rest of the call's bookkeeping.
+_Entry = tuple[bytes, int, BlockKey | None]
+
+
+def _pick(picked: itemgetter[Any], items: list[Any]) -> list[Any]:
+    """The ``items`` an ``itemgetter`` of positions picks, as a list (it gives one item bare)."""
+    got = picked(items)
+    return list(got) if isinstance(got, tuple) else [got]
+
+
+def _words(packed: bytes) -> list[int]:
+    """The token ids an entry's packed bytes hold."""
+    return memoryview(packed).cast("I").tolist()
 
 
 class BlockMetadata:
-    """One namespace's engine-given metadata by key: the ``capacity`` keys most recently
-    noted, the least recently noted forgotten first (its events then carry the hash alone).
-    Memory: about 250 bytes and 4 bytes a token per key."""
+    """One namespace's engine-given metadata by key: at least the ``capacity`` keys most
+    recently noted; older ones are forgotten a generation at a time (their events then carry
+    the hash alone).
+
+    Two generations of at most ``capacity`` keys each: a call's keys go into the young one,
+    which becomes the old one (the old one dropped whole) when they would not fit. So a note
+    costs a dict update, with no per-key eviction, and memory holds at most ``2 * capacity``
+    keys: about 200 bytes and 4 bytes a token each."""
 
     def __init__(self, capacity: int) -> None:
         if capacity <= 0:
             raise ValueError(f"metadata capacity must be positive, got {capacity}")
         self.capacity = capacity
-        self._infos: OrderedDict[BlockKey, _Entry] = OrderedDict()
+        self._young: dict[BlockKey, _Entry] = {}
+        self._old: dict[BlockKey, _Entry] = {}
 
     def __len__(self) -> int:
-        return len(self._infos)
+        """The distinct keys held."""
+        return len(self._young.keys() | self._old.keys())
 
     def get(self, key: BlockKey) -> BlockInfo | None:
         """The engine's word on ``key``, if kept."""
-        entry = self._infos.get(key)
+        entry = self._young.get(key) or self._old.get(key)
         if entry is None:
             return None
-        return BlockInfo(tuple(entry[0]), entry[1], entry[2])
+        return BlockInfo(tuple(_words(entry[0])), entry[1], entry[2])
 
     def note(
         self,
@@ -164,44 +184,54 @@ class BlockMetadata:
         follows ``parent``: block ``i`` holds ``token_ids[i*block_size:(i+1)*block_size]``.
         ``stored``: the keys the call stores, when not all of them (the rest are resident and
         were noted when they were stored; an engine offers a whole prompt at every step, and
-        noting its hits again would cost every call). The caller has checked that
-        ``token_ids`` has ``block_size`` tokens per key (each below 2**32)."""
-        if stored is not None and len(stored) < len(keys):
-            if not stored:
-                return
-            index = dict(zip(keys, range(len(keys)), strict=True))
-            positions: Sequence[int] = [index[k] for k in stored]
-            noted: Sequence[BlockKey] = stored
-        else:
-            positions, noted = range(len(keys)), keys
+        noting its hits again would cost every call). A key noted again takes its new word.
+        The caller has checked that ``token_ids`` has ``block_size`` tokens per key (each
+        below 2**32)."""
+        size = block_size or 0
+        raw = array("I", token_ids).tobytes() if token_ids and size else b""
+        step = size * 4
+        # Every list below is made in C (slices, ``map``, ``itemgetter``): no Python step per
+        # key. The keys stored are most often the offer's tail (its head was resident).
+        first, count = 0, len(keys)
+        noted: Sequence[BlockKey] = keys
+        picked: itemgetter[Any] | None = None
+        if stored is not None and len(stored) < count:
+            first, noted = count - len(stored), stored
+            if list(keys[first:]) != list(stored):
+                index = dict(zip(keys, range(count), strict=True))
+                picked = itemgetter(*map(index.__getitem__, stored))
+                first = 0
         if not noted:
             return
-        size = block_size or 0
-        if token_ids and size:
-            packed = array("I", token_ids)
-            values = [
-                (packed[i * size : (i + 1) * size], size, keys[i - 1] if i else parent)
-                for i in positions
-            ]
-        else:
-            values = [(_NO_TOKENS, 0, keys[i - 1] if i else parent) for i in positions]
-        infos = self._infos
-        if not infos.keys().isdisjoint(noted):
-            # Noted again: to the young end (an update alone would leave them where they were).
-            pop = infos.pop
-            for key in noted:
-                pop(key, None)
-        infos.update(zip(noted, values, strict=True))
-        for _ in range(len(infos) - self.capacity):
-            infos.popitem(last=False)
+        parents: list[BlockKey | None] = [keys[first - 1] if first else parent]
+        parents += keys[first : count - 1]
+        tokens: Any = itertools.repeat(b"")
+        if raw:
+            bounds = range(first * step, len(raw) + 1, step)
+            tokens = map(raw.__getitem__, map(slice, bounds, bounds[1:]))
+        if picked is not None:
+            tokens = _pick(picked, list(tokens)) if raw else tokens
+            parents = _pick(picked, parents)
+        values = zip(tokens, itertools.repeat(size), parents)
+        entries: Iterator[tuple[BlockKey, _Entry]] = zip(noted, values, strict=True)
+        cap = self.capacity
+        if len(noted) > cap:  # only the newest ``cap`` of one call
+            entries = itertools.islice(entries, len(noted) - cap, None)
+        young = self._young
+        if len(young) + min(len(noted), cap) > cap:
+            self._old, self._young = young, {}
+            young = self._young
+        young.update(entries)
 
     def entries(self, keys: Sequence[BlockKey]) -> list[_Entry | None]:
         """Each key's entry (None: no word on it), or an empty list when there is none at
         all (the common case of engines that pass no metadata, answered without a loop)."""
-        infos = self._infos
-        if not infos or infos.keys().isdisjoint(keys):
+        young, old = self._young, self._old
+        if young.keys().isdisjoint(keys) and old.keys().isdisjoint(keys):
             return []
-        return [infos.get(k) for k in keys]
+        if not old:
+            return list(map(young.get, keys))
+        return [young.get(k) or old.get(k) for k in keys]
 
 
 def wire_events(events: Sequence[KVEvent], meta: BlockMetadata | None) -> list[WireEvent]:
@@ -269,12 +299,10 @@ def _stored(event: BlockStored, meta: BlockMetadata | None) -> list[WireEvent]:
 
 def _run(keys: Sequence[BlockKey], entries: list[_Entry], medium: str) -> WireEvent:
     """One ``BlockStored`` for ``keys``, a chain every one of whose keys has its entry."""
-    tokens = array("I")
-    for entry in entries:
-        tokens.extend(entry[0])
+    tokens = _words(b"".join([entry[0] for entry in entries]))
     first = entries[0]
     parent = None if first[2] is None else hash64(first[2])
-    return ("BlockStored", _hashes(keys), parent, tokens.tolist(), first[1], None, medium, None)
+    return ("BlockStored", _hashes(keys), parent, tokens, first[1], None, medium, None)
 
 
 def as_map(event: WireEvent) -> dict[str, Any]:

@@ -119,17 +119,43 @@ def test_only_the_keys_a_call_stores_are_noted_with_parents_from_the_whole_chain
     assert len(meta) == 2
 
 
-def test_metadata_keeps_the_newest_keys():
+def test_stored_keys_that_are_not_the_offers_tail_get_their_own_tokens_and_parents():
+    meta = BlockMetadata(8)
+    meta.note(K[:4], [1, 1, 2, 2, 3, 3, 4, 4], 2, K[5], stored=[K[3], K[0]])
+    assert meta.get(K[0]) == BlockInfo((1, 1), 2, K[5])
+    assert meta.get(K[3]) == BlockInfo((4, 4), 2, K[2])
+    assert meta.get(K[1]) is None
+    meta.note(K[:3], None, None, None, stored=[K[1]])  # one key picked, no tokens
+    assert meta.get(K[1]) == BlockInfo((), 0, K[0])
+
+
+def test_metadata_keeps_at_least_the_newest_capacity_keys_and_at_most_twice_that():
     meta = BlockMetadata(2)
-    meta.note(K[:3], None, None, K[5])
+    meta.note(K[:3], None, None, K[5])  # one call over the capacity: its newest two
     assert len(meta) == 2
     assert meta.get(K[0]) is None
     info = meta.get(K[2])
     assert info is not None
     assert info.parent == K[1]
     assert info.token_ids == ()
+    for i in range(3, 8):  # one key a call: the young generation fills, then turns old
+        meta.note([K[i % len(K)]], [i, i], 2, None)
+        newest = [K[j % len(K)] for j in (i - 1, i)]
+        assert all(meta.get(k) is not None for k in newest)
+        assert len(meta) <= 4
+    assert meta.get(K[3]) is None  # forgotten with its generation
     with pytest.raises(ValueError, match="positive"):
         BlockMetadata(0)
+
+
+def test_a_key_noted_again_in_a_later_generation_takes_its_new_word():
+    meta = BlockMetadata(2)
+    meta.note(K[:1], [1, 1], 2, None)
+    meta.note(K[1:3], [2, 2, 3, 3], 2, K[0])  # K0's generation turns old
+    meta.note(K[:1], [9, 9], 2, K[4])  # K0 again, in the young one
+    assert meta.get(K[0]) == BlockInfo((9, 9), 2, K[4])
+    (event,) = wire_events([BlockStored(1, K[:1])], meta)
+    assert event[2:5] == (hash64(K[4]), [9, 9], 2)
 
 
 def settings(tmp_path: Path, **kw: Any) -> Settings:
