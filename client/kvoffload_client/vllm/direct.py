@@ -45,13 +45,11 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
@@ -73,9 +71,8 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-from kvoffload_client.attach import MappedPool, map_pool, parse_url
+from kvoffload_client.attach import MappedPool, map_pool
 from kvoffload_client.client import Batch, KVOffloadClient, OpResult
-from kvoffload_client.pool_socket import default_pool_socket
 from kvoffload_client.vllm.cpu import HostCopyWorker, Rows
 from kvoffload_client.vllm.direct_link import ServiceLink
 from kvoffload_client.vllm.keys import namespace_digest, service_key
@@ -86,10 +83,11 @@ from kvoffload_client.vllm.state import (
     METRIC_DEFINITIONS,
     PENDING_WAIT_S,
     PREFETCH_DEADLINE_S,
-    TOKEN_FILE_ENV,
     Counters,
+    block_size_refusal,
     not_yet,
     sendable_params,
+    service_client,
 )
 
 __all__ = ["KVOffloadManager", "KVOffloadSpec", "PoolCopyWorker", "PoolSlots"]
@@ -163,18 +161,14 @@ class Settings:
 
     def client(self) -> tuple[KVOffloadClient, str | None]:
         """A client of the service and the pool socket's path."""
-        base_url, uds = parse_url(self.url)
-        pool_socket = self.pool_socket
-        if pool_socket is None and uds is not None:
-            pool_socket = default_pool_socket(uds)
-        client = KVOffloadClient(
-            base_url,
-            uds=uds,
-            timeout=httpx.Timeout(self.timeout_s, connect=self.connect_timeout_s),
-            token_file=self.token_file or os.environ.get(TOKEN_FILE_ENV) or None,
-            namespace=self.service_namespace,
+        return service_client(
+            self.url,
+            pool_socket=self.pool_socket,
+            token_file=self.token_file,
+            service_namespace=self.service_namespace,
+            timeout_s=self.timeout_s,
+            connect_timeout_s=self.connect_timeout_s,
         )
-        return client, pool_socket
 
 
 class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
@@ -233,7 +227,7 @@ class PoolCopyWorker(HostCopyWorker):
         self._current: str | None = None
         self._map()  # at start: a wrong block size refuses the engine
 
-    def _map(self) -> str:
+    def _map(self) -> None:
         pool = map_pool(
             self._client,
             self._pool_socket,
@@ -242,15 +236,10 @@ class PoolCopyWorker(HostCopyWorker):
             namespace=self._settings.service_namespace,
         )
         if pool.block_bytes != self._stride:
-            raise ValueError(
-                f"kvoffload pool block size is {pool.block_bytes} bytes but vLLM's chunk row "
-                f"stride is {self._stride} bytes; start kvoffload with --block-bytes "
-                f"{self._stride} (or change vLLM's block_size / blocks_per_chunk)"
-            )
+            raise ValueError(block_size_refusal(pool.block_bytes, self._stride))
         base = int(pool.blocks.ctypes.data) + self._offset
         self._pools[pool.pool_id] = (pool, self.host_rows(base, self._stride, pool.num_blocks))
         self._current = pool.pool_id
-        return pool.pool_id
 
     def host_for(self, host_spec: BlockIDsLoadStoreSpec) -> list[Rows]:
         pool_id = getattr(host_spec, "pool_id", None)
@@ -304,6 +293,10 @@ class Request:
     renewed: float = 0.0  # when the service last heard of its pins
     prefetched: bool = False
 
+    def pinned(self) -> list[OffloadKey]:
+        """The keys the service has pinned for the request (its HIT verdicts), in order."""
+        return [k for k, v in self.verdicts.items() if v.hit]
+
 
 class KVOffloadManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
     """vLLM's ``OffloadingManager`` over a kvoffload service (module docstring). Called from
@@ -328,11 +321,7 @@ class KVOffloadManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
         block_bytes = self._link.block_bytes()  # None: not answering now (a fault, not a no)
         if block_bytes is not None and block_bytes != stride:
             self._link.client.close()
-            raise ValueError(
-                f"kvoffload pool block size is {block_bytes} bytes but vLLM's chunk row "
-                f"stride is {stride} bytes; start kvoffload with --block-bytes {stride} (or "
-                "change vLLM's block_size / blocks_per_chunk)"
-            )
+            raise ValueError(block_size_refusal(block_bytes, stride))
 
     # ------------------------------------------------------------------ vLLM's interface
 
@@ -428,7 +417,7 @@ class KVOffloadManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
         req_id = req_context.req_id
         req = self._requests.pop(req_id, None)
         if req is not None:
-            self._unpin(req_id, req, [k for k, v in req.verdicts.items() if v.hit])
+            self._unpin(req_id, req, req.pinned())
         self._link.finish(req_id)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -472,7 +461,7 @@ class KVOffloadManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
         for req_id, req in self._requests.items():
             if req.pool_id is None or now - req.renewed < self._settings.lease_renew_s:
                 continue
-            pinned = [k for k, v in req.verdicts.items() if v.hit]
+            pinned = req.pinned()
             if pinned and req.pool_id == self._link.pool_id:
                 self._link.later(Batch().touch(req_id, self._skeys(pinned)).ops[0])
                 req.renewed = now
@@ -484,7 +473,7 @@ class KVOffloadManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
         """vLLM's prefix-cache reset: this engine's verdicts and pins are dropped (pins given
         back); the service's cache is shared with other engines and is not cleared."""
         for req_id, req in self._requests.items():
-            self._unpin(req_id, req, [k for k, v in req.verdicts.items() if v.hit])
+            self._unpin(req_id, req, req.pinned())
             req.verdicts.clear()
             req.asking.clear()
             req.waiting.clear()
@@ -598,6 +587,6 @@ class KVOffloadManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
         which the worker keeps mapped for the step)."""
         for req in self._requests.values():
             req.prefetched = False
-            for key in [k for k, v in req.verdicts.items() if v.hit]:
+            for key in req.pinned():
                 del req.verdicts[key]
             req.pool_id = None

@@ -35,6 +35,7 @@ from kvoffload_client.vllm.state import (
     ProbeRef,
     Shared,
     Step,
+    block_size_refusal,
 )
 
 log = logging.getLogger("kvoffload.vllm_tier")
@@ -111,11 +112,7 @@ class Link(BatchProtocol):
             shared.counters.add(M_CALLS, "pool")
         stride = shared.block_size_bytes
         if pool.block_bytes != stride:
-            message = (
-                f"kvoffload pool block size is {pool.block_bytes} bytes but vLLM's chunk row "
-                f"stride is {stride} bytes; start kvoffload with --block-bytes {stride} (or "
-                "change vLLM's block_size / blocks_per_chunk)"
-            )
+            message = block_size_refusal(pool.block_bytes, stride)
             if refuse_mismatch:
                 raise ValueError(message)
             shared.disabled = message

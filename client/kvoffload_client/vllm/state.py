@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -32,7 +33,10 @@ if TYPE_CHECKING:
 
     from kvoffload_client.client import KVOffloadClient
 
-from kvoffload_client.attach import MappedPool
+import httpx
+
+from kvoffload_client.attach import MappedPool, parse_url
+from kvoffload_client.pool_socket import default_pool_socket
 
 log = logging.getLogger("kvoffload.vllm_tier")
 
@@ -49,6 +53,44 @@ M_PREFETCHES = "vllm:kv_offload_kvoffload_prefetches"
 #: The pool's own lookup answers. Any other answer names the tier below the pool that holds
 #: the key (``disk``, ``remote``, or whatever tier the service runs): a prepare-load promotes it.
 POOL_STATES = frozenset(("hit", "pending", "miss"))
+
+
+def service_client(
+    url: str,
+    *,
+    pool_socket: str | None,
+    token_file: str | None,
+    service_namespace: str | None,
+    timeout_s: float,
+    connect_timeout_s: float,
+) -> tuple[KVOffloadClient, str | None]:
+    """A client of the service at ``url`` (``unix:///path`` or ``http(s)://``) and the pool
+    socket's path: ``pool_socket``, else the engine socket's neighbour for a ``unix://`` URL,
+    else None. The token file is ``token_file``, else ``$KVOFFLOAD_TOKEN_FILE``; the client
+    reads it, and again after a 401 that a rotated token cures."""
+    from kvoffload_client.client import KVOffloadClient
+
+    base_url, uds = parse_url(url)
+    if pool_socket is None and uds is not None:
+        pool_socket = default_pool_socket(uds)
+    client = KVOffloadClient(
+        base_url,
+        uds=uds,
+        timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+        token_file=token_file or os.environ.get(TOKEN_FILE_ENV) or None,
+        namespace=service_namespace,
+    )
+    return client, pool_socket
+
+
+def block_size_refusal(block_bytes: int, stride: int) -> str:
+    """Why a pool of ``block_bytes`` a block cannot hold vLLM's chunk rows of ``stride`` bytes,
+    and the fix; the engine is refused with it (docs/vllm.md quotes it)."""
+    return (
+        f"kvoffload pool block size is {block_bytes} bytes but vLLM's chunk row stride is "
+        f"{stride} bytes; start kvoffload with --block-bytes {stride} (or change vLLM's "
+        "block_size / blocks_per_chunk)"
+    )
 
 
 def in_lower_tier(state: str | None) -> bool:

@@ -5,13 +5,11 @@ jobs' ends and the stats reported through vLLM (see the package docstring for th
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import httpx
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
@@ -29,9 +27,6 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from kvoffload_client.attach import parse_url
-from kvoffload_client.client import KVOffloadClient
-from kvoffload_client.pool_socket import default_pool_socket
 from kvoffload_client.vllm.compat import ConfigInfoMapping, warn_if_unsupported
 from kvoffload_client.vllm.copier import Copier
 from kvoffload_client.vllm.keys import namespace_digest
@@ -42,12 +37,12 @@ from kvoffload_client.vllm.state import (
     M_STORES_DROPPED,
     METRIC_DEFINITIONS,
     PREFETCH_DEADLINE_S,
-    TOKEN_FILE_ENV,
     Job,
     Probe,
     Shared,
     Step,
     Transfer,
+    service_client,
 )
 
 if TYPE_CHECKING:
@@ -110,17 +105,13 @@ class KVOffloadTier(SecondaryTierManager):  # type: ignore[misc,unused-ignore]
         self._namespace = namespace or offloading_spec.config.model.name
         self._url = url
         self._job_deadline_s = job_deadline_s
-        base_url, uds = parse_url(url)
-        if pool_socket is None and uds is not None:
-            pool_socket = default_pool_socket(uds)
-        token_file = token_file or os.environ.get(TOKEN_FILE_ENV) or None
-        # The client reads the token file, and again after a 401 that a rotated token cures.
-        client = KVOffloadClient(
-            base_url,
-            uds=uds,
-            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+        client, pool_socket = service_client(
+            url,
+            pool_socket=pool_socket,
             token_file=token_file,
-            namespace=service_namespace,
+            service_namespace=service_namespace,
+            timeout_s=timeout_s,
+            connect_timeout_s=connect_timeout_s,
         )
         self._shared = shared = Shared(
             client=client,
