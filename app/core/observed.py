@@ -17,8 +17,10 @@ that refusal is the tenant's ``blocks`` quota (``QuotaExceededError``), and a ne
 load past its ``requests`` or ``pins`` quota is refused before the manager sees it. The tiers
 below the pool (``tiers``, ``app.core.lower_tiers``, empty until the service opens them) are
 told of every key looked up, loaded or stored (their admission), of every block that becomes
-ready (write-behind), of loads that pinned; a load of keys the pool lacks, whichever way it came
-(``prepare-load`` or an ``onload`` job), sends for them down the chain in order.
+ready (write-behind), of loads that pinned. ``prepare_load`` only pins (or raises);
+``load_or_bring_up``, which both an engine's ``prepare-load`` and an ``onload`` job call, pins
+what is ready or else sends for the keys the pool lacks down the chain, in order, and says what
+is coming (``Bringing``).
 
 Adding a request-scoped manager op: one method here (call, observe), one observer method.
 """
@@ -26,8 +28,8 @@ Adding a request-scoped manager op: one method here (call, observe), one observe
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 from structlog.contextvars import bind_contextvars
 
@@ -48,6 +50,22 @@ from manager import (
 )
 
 T = TypeVar("T")
+
+
+class Bringing(NamedTuple):
+    """A load that pinned nothing because not every key was ready: the keys the pool lacks
+    (``missing``) and those being stored or promoted (``pending``); ``promotions``: what
+    brings them (this request's promotions on every tier, and anyone's covering ``pending``);
+    ``unreachable``: the missing keys no tier below has taken to bring up."""
+
+    missing: list[BlockKey]
+    pending: list[BlockKey]
+    promotions: list[asyncio.Task[None]]
+    unreachable: list[BlockKey]
+
+    def refusal(self) -> KeyNotReadyError:
+        """The error an engine's ``prepare-load`` answers with (409)."""
+        return KeyNotReadyError(self.missing, self.pending)
 
 
 class ObservedManager:
@@ -106,17 +124,37 @@ class ObservedManager:
         if self.quota is not None:
             self._call("prepare_load", ctx.req_id, self.quota.check_pins, self.manager, keys)
         self.tiers.asked(keys, ctx.req_id)
-        try:
-            slots = self._call("prepare_load", ctx.req_id, self.manager.prepare_load, keys, ctx)
-        except KeyNotReadyError as exc:
-            if exc.missing:
-                self.promote(exc.missing, ctx.req_id, keys)  # pending, then hit
-            raise
+        slots = self._call("prepare_load", ctx.req_id, self.manager.prepare_load, keys, ctx)
         self.tiers.loaded(ctx.req_id, keys)
         for listener in self.load_listeners:
             listener(keys)
         self.observer.prepare_load(ctx.req_id, len(slots))
         return slots
+
+    def load_or_bring_up(self, keys: Sequence[BlockKey], ctx: ReqContext) -> list[int] | Bringing:
+        """``prepare_load`` when every key is ready: their slots. Otherwise nothing is pinned:
+        the keys the pool lacks are sent for down the chain (``promote``, never evicting the
+        load's other keys; a lookup then answers pending, then hit), and what is coming is
+        returned. Other refusals raise as ``prepare_load``'s do."""
+        try:
+            return self.prepare_load(keys, ctx)
+        except KeyNotReadyError as exc:  # the manager's answer for "not every key is ready"
+            missing, pending = exc.missing, exc.pending
+        if missing:
+            self.promote(missing, ctx.req_id, keys)
+        slot_of = self.manager.slot_of
+        return Bringing(
+            missing,
+            pending,
+            self.promotions_for(ctx.req_id, pending),
+            [k for k in missing if slot_of(k) is None],
+        )
+
+    def ready_among(self, keys: Iterable[BlockKey]) -> list[BlockKey]:
+        """The ``keys`` ready in the pool now, in order (a read: nothing observed, pinned or
+        counted)."""
+        is_ready = self.manager.is_ready
+        return [k for k in keys if is_ready(k)]
 
     def _check_fits(self, keys: Sequence[BlockKey]) -> None:
         """``PoolTooSmallError`` for a load of more distinct keys than the pool has slots."""

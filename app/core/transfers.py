@@ -44,10 +44,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.core.errors import DeviceBlockError, ServiceUnavailableError, UnknownJobError
-from app.core.observed import ObservedManager
+from app.core.observed import Bringing, ObservedManager
 from app.settings import Settings, config_error, setting_names
 from app.telemetry.logging import get_logger
-from manager import BlockKey, KeyNotReadyError, ManagerError, PrepareStoreOutput, ReqContext
+from manager import BlockKey, ManagerError, PrepareStoreOutput, ReqContext
 from transfer import (
     FaultSpec,
     HostPool,
@@ -350,15 +350,12 @@ class Transfers:
         """Load ready keys into device blocks (module docstring)."""
         self._cache(cache_id, device_blocks, wait_event)
         ctx = ReqContext(req_id)
-        try:
-            slots = self.manager.prepare_load(keys, ctx)
-        except KeyNotReadyError as exc:
-            # prepare_load started the promotions it could, and others (a prefetch) may be
-            # bringing the pending keys up already; a key nobody brings in is a 409.
-            coming = self.manager.promotions_for(req_id, exc.pending)
-            pool = self.manager.manager
-            if not coming or any(pool.slot_of(k) is None for k in exc.missing):
-                raise
+        outcome = self.manager.load_or_bring_up(keys, ctx)
+        if isinstance(outcome, Bringing):
+            # A key nobody brings in (no tier below holds it, no promotion or store covers
+            # it) is a 409; otherwise the load waits for what is coming.
+            if not outcome.promotions or outcome.unreachable:
+                raise outcome.refusal()
             record = self.tracker.defer(ctx, cache_id, keys)
             load = DeferredLoad(
                 record,
@@ -373,11 +370,12 @@ class Transfers:
             # The pool's hits are pinned and copied now, before anything can evict them.
             if load.launch_ready(last=False):
                 task = asyncio.get_running_loop().create_task(
-                    load.run(coming), name="kvoffload-onload-after-promotion"
+                    load.run(outcome.promotions), name="kvoffload-onload-after-promotion"
                 )
                 self._deferred.add(task)
                 task.add_done_callback(self._deferred.discard)
             return OnloadStarted(record, [])
+        slots = outcome
         if not slots:
             return OnloadStarted(None, slots)
         # A refused job is unpinned by the tracker and re-raised.
@@ -510,8 +508,7 @@ class DeferredLoad:
         record, tracker = self.record, self.tracker
         if tracker.failed(record):
             return False
-        pool = self.manager.manager
-        ready = [k for k in self.todo if pool.is_ready(k)]
+        ready = self.manager.ready_among(self.todo)
         if last and len(ready) < len(self.todo):
             missing = len(self.todo) - len(ready)
             tracker.fail(record, f"not loadable after promotion: {missing} key(s) missing")

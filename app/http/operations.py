@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.core.control import PREFETCH_COUNTS, Hinted, Prefetch
+from app.core.observed import Bringing
 from app.core.service import Service
 from app.http import schemas as s
 from app.http.errors import APIError, too_many
@@ -175,7 +176,9 @@ def _lookup_json(results: Sequence[LookupResult | str], hit_prefix: int) -> str:
 
 def _run_prepare_load(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str]:
     _limit_keys(service, body.keys)
-    slots = service.manager.prepare_load(body.keys, ReqContext(req_id))
+    slots = service.manager.load_or_bring_up(body.keys, ReqContext(req_id))
+    if isinstance(slots, Bringing):  # the keys the pool lacks are on their way: pending
+        raise slots.refusal()
     return 200, f'{{"slots":{json.dumps(slots)}}}'
 
 
