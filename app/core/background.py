@@ -19,13 +19,12 @@ import contextlib
 from collections.abc import Callable
 
 from app.core.control import Control
-from app.core.observed import ObservedManager
 from app.core.transfers import Transfers
 from app.settings import Settings
 from app.telemetry.logging import get_logger
 from app.telemetry.observer import Observer, RequestCounts
 from app.telemetry.request_ids import safe_req_id
-from manager import ReleasedLeases
+from manager import OffloadManager, ReleasedLeases
 
 log = get_logger("service")
 
@@ -86,7 +85,7 @@ class LeaseSweeper:
     def __init__(
         self,
         settings: Settings,
-        manager: ObservedManager,
+        manager: OffloadManager,
         transfers: Callable[[], Transfers | None],
         drain_events: Callable[[], None],
         check_fatal: Callable[[], None],
@@ -114,7 +113,7 @@ class LeaseSweeper:
                 self._check_fatal()
                 counts = self._request_counts
                 if counts is not None and len(counts) > counts.limit // 2:
-                    counts.prune(r.req_id for r in self.manager.manager.requests())
+                    counts.prune(r.req_id for r in self.manager.requests())
             except Exception:
                 log.exception("lease sweep failed; retrying")
 
@@ -127,7 +126,7 @@ class LeaseSweeper:
         for the request idle TTL."""
         s = self.settings
         transfers = self._transfers()
-        released = self.manager.manager.expire_requests(
+        released = self.manager.expire_requests(
             s.lease_ttl_s,
             s.effective_request_idle_ttl_s,
             writing=set() if transfers is None else transfers.writing(),

@@ -112,6 +112,9 @@ class Service:
             raise ValueError(
                 f"manager has {manager.num_blocks} blocks but settings say {settings.num_blocks}"
             )
+        #: The pool's bookkeeping itself, for reads and the service's own upkeep (events,
+        #: snapshots, lease expiry); engine-facing calls go through ``manager`` (observed).
+        self.pool_manager = manager
         self.events = EventBuffer(settings.event_buffer_size)
         # KV events for routers (app.core.kv_publisher), set by whoever runs the publisher:
         # the sink hears every event drained into ``events``; ``block_meta`` keeps what
@@ -168,7 +171,7 @@ class Service:
         self.pump = CompletionPump(lambda: self._transfers, self.observer, self.drain_events)
         self.sweeper = LeaseSweeper(
             settings,
-            self.manager,
+            manager,
             lambda: self._transfers,
             self.drain_events,
             self._check_fatal,
@@ -229,7 +232,7 @@ class Service:
             )
             self._transfers = transfers
             try:
-                await self.tiers.open(transfers.pool, self.manager.manager, self.observer)
+                await self.tiers.open(transfers.pool, self.pool_manager, self.observer)
             except BaseException:
                 for record in await transfers.close():
                     self.observer.transfer_done(record)
@@ -337,7 +340,7 @@ class Service:
 
     def drain_events(self) -> None:
         """Move the manager's new KV events into the buffer routers read."""
-        events = self.manager.manager.take_events()
+        events = self.pool_manager.take_events()
         if events:
             self.events.extend(events)
             if self.on_events is not None:
@@ -362,7 +365,7 @@ class Service:
 
     def snapshot(self) -> ServiceSnapshot:
         """Everything the state collector exports, read now (at scrape time, on the loop)."""
-        manager = self.manager.manager
+        manager = self.pool_manager
         inflight = {"store": 0, "load": 0}
         oldest = 0.0
         transfers = self._transfers
@@ -415,7 +418,7 @@ def _started_fields(service: Service, transfers: Transfers) -> dict[str, object]
         "num_blocks": s.num_blocks,
         "block_bytes": s.block_bytes,
         "pinned": transfers.pool.pinned,
-        "policy": service.manager.manager.policy.name,
+        "policy": service.pool_manager.policy.name,
         "backend": _backend_name(transfers),
         "faults": s.faults_enabled,
         "metrics": service.metrics is not None,

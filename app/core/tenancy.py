@@ -165,7 +165,7 @@ class Tenancy:
         return s.model_copy(update=update)
 
     def _managers(self) -> list[OffloadManager]:
-        return [space.service.manager.manager for space in self.spaces.values()]
+        return [space.service.pool_manager for space in self.spaces.values()]
 
     def _make_space(self, tenant: str, ns: NamespaceConfig) -> Space:
         settings = self._settings_of(ns)
@@ -180,7 +180,7 @@ class Tenancy:
         service.on_fatal = self._on_fatal
         if self._attach_events is not None:
             self._attach_events(tenant, service)
-        quota.members.append(service.manager.manager)
+        quota.members.append(service.pool_manager)
         return Space(tenant, ns.name, service)
 
     def set_on_fatal(self, callback: Callable[[str], None] | None) -> None:
@@ -474,8 +474,8 @@ class Tenancy:
             quota = self.quotas.get(space.tenant or "")
             if quota is not None:
                 with contextlib.suppress(ValueError):
-                    quota.members.remove(service.manager.manager)
-            stats = service.manager.manager.stats()
+                    quota.members.remove(service.pool_manager)
+            stats = service.pool_manager.stats()
             fields["pool_blocks"] = stats.ready + stats.pending
             for name, state in service.tiers.states().items():
                 if "blocks" in state:

@@ -278,7 +278,7 @@ def retentions_json(service: Service) -> dict[str, Any]:
     control = service.control
     return {
         "retentions": [retention_json(r) for r in control.retentions()],
-        "retained_blocks": service.manager.manager.num_retained,
+        "retained_blocks": service.pool_manager.num_retained,
         "max_retained_blocks": control.max_retained,
     }
 

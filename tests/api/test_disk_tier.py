@@ -134,7 +134,7 @@ async def invariants(h: Harness) -> None:
     """The pool and the disk index at rest: nothing pinned, pending or held by a promotion.
     Waits first for the tier's own work to settle: a promotion's room-making may have demoted
     pool blocks whose writes are still running when the engine's job ends."""
-    manager = h.service.manager.manager
+    manager = h.service.pool_manager
     d = link(h)
 
     async def settled() -> bool:
@@ -205,7 +205,7 @@ async def test_evicted_blocks_demote_and_onload_in_one_call_with_identical_bytes
         assert (await h.client.delete("/v1/requests/w")).status_code == 200
 
         async def settled() -> bool:
-            return h.service.manager.manager.num_pinned == 0
+            return h.service.pool_manager.num_pinned == 0
 
         await until_async("settled", settled)
         s = await stats(h)
@@ -622,7 +622,7 @@ async def test_a_block_evicted_twice_before_it_is_written_leaks_no_staging_buffe
             return bool(d.index.index.stats().pending == 8)
 
         await until_async("in_flight", in_flight)
-        pool = h.service.manager.manager
+        pool = h.service.pool_manager
         k = bytes.fromhex(keys[-1])
         slot = pool.slot_of(k)
         assert slot is not None
@@ -805,7 +805,7 @@ async def test_a_read_past_its_timeout_is_a_miss_and_keeps_its_slots_until_it_en
         await h.start("r")
         r = await h.post("/v1/requests/r/prepare-load", {"keys": [k]})
         assert r.status_code == 409
-        pool = h.service.manager.manager
+        pool = h.service.pool_manager
 
         async def timed_out() -> bool:
             return bool((await stats(h))["state"] == "degraded")
@@ -857,7 +857,7 @@ async def test_an_abort_during_a_disk_read_keeps_the_slots_until_it_ends(tmp_pat
         assert (await h.post("/v1/requests/r/prepare-load", {"keys": two})).status_code == 409
         r = await h.client.delete("/v1/requests/r", params={"abort": "true"})
         assert r.status_code == 200
-        pool = h.service.manager.manager
+        pool = h.service.pool_manager
         assert pool.stats().pending == 2  # still reserved while the read writes there
         gate.set()
 
@@ -997,7 +997,7 @@ async def test_mixed_concurrent_stores_onloads_and_loads_never_serve_wrong_bytes
         await asyncio.gather(*(engine(i) for i in range(4)))
 
         async def at_rest() -> bool:
-            m = h.service.manager.manager
+            m = h.service.pool_manager
             return (
                 d.promotions.in_flight == 0
                 and not d._queue
@@ -1016,7 +1016,7 @@ async def test_mixed_concurrent_stores_onloads_and_loads_never_serve_wrong_bytes
         # Whether the random mix asked for a block while only the disk had it depends on the
         # timing of the four engines (one run in many asks none): one more onload does, so
         # a promotion is always checked, bytes included.
-        m = h.service.manager.manager
+        m = h.service.pool_manager
         disk_only = [k for k in universe if m.slot_of(bytes.fromhex(k)) is None]
         disk_only = [k for k in disk_only if d.index.found([bytes.fromhex(k)])[0]]
         assert disk_only, s

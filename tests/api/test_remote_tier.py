@@ -205,7 +205,7 @@ async def test_a_prefix_stored_on_one_node_loads_with_identical_bytes_on_another
         for key, slot in zip(keys, r.json()["slots"], strict=True):
             assert pool_bytes(b, slot) == data[key]
         # Pinned once, by the request's own load: the promotion's hold let go of them.
-        manager = b.service.manager.manager
+        manager = b.service.pool_manager
         assert all(manager.ref_count(bytes.fromhex(k)) == 1 for k in keys)
         await b.post("/v1/requests/r/complete-load", {"keys": keys})
         assert (await b.client.delete("/v1/requests/r")).status_code == 200
@@ -239,7 +239,7 @@ async def test_a_degraded_tier_means_misses_readiness_with_details_and_no_writes
         r = await b.post("/v1/requests/r/lookup", {"keys": keys})
         assert r.json()["results"] == ["miss", "miss"]
         assert (await b.post("/v1/requests/r/prepare-load", {"keys": keys})).status_code == 409
-        assert b.service.manager.manager.stats().pending == 0  # nothing was started
+        assert b.service.pool_manager.stats().pending == 0  # nothing was started
         ready = (await b.client.get("/readyz")).json()
         assert ready["status"] == "ready"
         assert "degraded" in ready["details"]["remote_tier"]
@@ -297,7 +297,7 @@ async def test_an_abort_during_a_slow_get_keeps_the_slots_until_it_ends() -> Non
         assert b.service.transfers().writing() == writing
         r = await b.client.delete("/v1/requests/r", params={"abort": "true"})
         assert r.status_code == 200
-        manager = b.service.manager.manager
+        manager = b.service.pool_manager
         assert manager.stats().free == b.settings.num_blocks - 2  # still reserved
         await b.start("x")
 
@@ -355,7 +355,7 @@ async def test_an_onload_of_remote_keys_promotes_them_then_loads_identical_bytes
         assert job["state"] == "done", job
         assert [dev.read(3), dev.read(4)] == [data[k] for k in keys]
         # The job's load unpinned them, and the promotion's hold went with its pin.
-        assert b.service.manager.manager.num_pinned == 0
+        assert b.service.pool_manager.num_pinned == 0
 
 
 # ---------------------------------------------------------------------- removals reported

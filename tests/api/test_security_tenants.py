@@ -61,7 +61,7 @@ async def test_two_credential_headers_are_refused_whatever_their_values(
         assert ALPHA not in r.text
         assert BETA not in r.text
         for space in t.tenancy.spaces.values():
-            assert space.service.manager.manager.num_requests == 0
+            assert space.service.pool_manager.num_requests == 0
 
 
 async def test_two_admin_authorization_headers_are_refused(tmp_path: Path) -> None:
@@ -106,7 +106,7 @@ async def test_max_pins_counts_distinct_blocks_pinned_by_any_request(tmp_path: P
         assert r.status_code == 200, r.text
         r = await t.call(ALPHA, "POST", load.format("r1"), {"keys": [keys[0], keys[0]]}, "a1")
         assert r.status_code == 200, r.text
-        a1 = t.tenancy.spaces["a1"].service.manager.manager
+        a1 = t.tenancy.spaces["a1"].service.pool_manager
         assert a1.num_pinned == 3
         assert t.tenancy.quotas["alpha"].pins() == 3
         # A fourth distinct block is one too many, and pins nothing.

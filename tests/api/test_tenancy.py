@@ -171,7 +171,7 @@ async def test_every_engine_route_refuses_a_caller_without_a_good_token(
             assert ALPHA not in r.text
         # Nothing was created by any of those calls.
         for space in t.tenancy.spaces.values():
-            assert space.service.manager.manager.num_requests == 0
+            assert space.service.pool_manager.num_requests == 0
 
 
 async def test_health_and_metrics_need_no_token(tmp_path: Path) -> None:
@@ -226,8 +226,8 @@ async def test_the_same_hashes_in_two_tenants_are_two_blocks_and_nothing_crosses
         assert r.json()["ignored"] == keys
         # beta storing the same hashes gets blocks of its own.
         await t.store(BETA, None, "rb2", keys)
-        a1 = t.tenancy.spaces["a1"].service.manager.manager
-        b1 = t.tenancy.spaces["b1"].service.manager.manager
+        a1 = t.tenancy.spaces["a1"].service.pool_manager
+        b1 = t.tenancy.spaces["b1"].service.pool_manager
         assert a1.stats().ready == 3
         assert b1.stats().ready == 3
         # Clearing beta's namespace (an operator, on beta's behalf) leaves alpha's alone.
@@ -282,7 +282,7 @@ async def test_pin_quota_is_429_and_pins_nothing(tmp_path: Path) -> None:
         r = await t.call(ALPHA, "POST", "/v1/requests/r/prepare-load", {"keys": keys}, "a1")
         assert r.status_code == 429, r.text
         assert r.json()["error"]["quota"] == "pins"
-        a1 = t.tenancy.spaces["a1"].service.manager.manager
+        a1 = t.tenancy.spaces["a1"].service.pool_manager
         assert a1.num_pinned == 0
         r = await t.call(ALPHA, "POST", "/v1/requests/r/prepare-load", {"keys": keys[:3]}, "a1")
         assert r.status_code == 200
@@ -334,7 +334,7 @@ async def test_a_token_file_replaced_while_serving_takes_effect_without_restart(
         r = await t.call(ALPHA_NEXT, "GET", "/v1/events", namespace="a1")
         assert r.status_code == 200
         # The request started under the old token lives on in its namespace.
-        assert t.tenancy.spaces["a1"].service.manager.manager.num_requests == 1
+        assert t.tenancy.spaces["a1"].service.pool_manager.num_requests == 1
         # A namespace added by the reload serves at once.
         r = await t.call(BETA, "PUT", "/v1/requests/x", {}, "b2")
         assert r.status_code == 201

@@ -133,7 +133,7 @@ async def test_an_object_that_is_not_what_it_claims_is_never_loaded(
         assert state == "failed"
         assert link.health().counters["checksum_failures"] == 2
         for k in keys[:2]:
-            assert service.manager.manager.slot_of(k) is None
+            assert service.pool_manager.slot_of(k) is None
         state, got = await engine.onload(keys[2:])
         assert state == "done"
         assert got == [data[k] for k in keys[2:]]

@@ -220,7 +220,7 @@ async def demote(service: Service, engine: Engine, name: str) -> dict[bytes, byt
     first = keys_of(*range(N))
     data = await engine.offload(first, seed=1000)
     await engine.offload(keys_of(*range(100, 100 + POOL_BLOCKS)), seed=2000)
-    pool = service.manager.manager
+    pool = service.pool_manager
     assert all(pool.slot_of(k) is None for k in first)  # all evicted from the pool
 
     async def named() -> bool:
@@ -248,7 +248,7 @@ async def test_one_onload_brings_the_blocks_up_from_the_tier(backend: Backend) -
         assert state == "done"
         assert got == [data[k] for k in keys]
         # Promoted into the pool: hits now.
-        pool = service.manager.manager
+        pool = service.pool_manager
         assert all(pool.slot_of(k) is not None for k in keys)
 
 
@@ -304,7 +304,7 @@ async def test_a_burst_of_stores_three_times_the_pool_reaches_the_tier(backend: 
         data: dict[bytes, bytes] = {}
         for i in range(3 * POOL_BLOCKS // N):
             data |= await engine.offload(keys_of(*range(200 + i * N, 200 + (i + 1) * N)), 3000 + i)
-        pool = service.manager.manager
+        pool = service.pool_manager
         gone = [k for k in data if pool.slot_of(k) is None]
         assert len(gone) >= 2 * POOL_BLOCKS
 
