@@ -58,12 +58,11 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 
 from app.core.errors import PermissionDeniedError
-from app.core.lower_tiers import chain_order
 from app.core.quota import TenantQuota
 from app.core.service import DEFAULT_NAMESPACE, Service
-from app.core.storage import NotDropped, parse_identity, storage_identity
+from app.core.storage import storage_identity
 from app.core.tenants import Credentials, NamespaceConfig, TenantsConfigError, TenantTable
-from app.core.tier import TierBackend, backends
+from app.core.tier_storage import TierStorage
 from app.core.transfers import check_machine
 from app.settings import Settings
 from app.telemetry.calls import CallInfo
@@ -106,6 +105,7 @@ class Tenancy:
         registry: CollectorRegistry | None = None,
     ) -> None:
         self.settings = settings
+        self.storage = TierStorage(settings)
         self.credentials = credentials
         self.spaces: dict[str, Space] = {}
         self.quotas: dict[str, TenantQuota] = {}
@@ -292,7 +292,8 @@ class Tenancy:
         async with self._reload_lock:
             if self._users == 0:
                 # Before any tier opens: what the sweep drops is opened by no store.
-                await asyncio.to_thread(self._sweep_storage)
+                serving = {space.service.storage for space in self.spaces.values()}
+                await asyncio.to_thread(self.storage.sweep, serving, tenants=self.single is None)
                 started: list[Service] = []
                 try:
                     for service in self.services():
@@ -488,76 +489,5 @@ class Tenancy:
                     # Its disk store may still be open: the directory's lock then keeps it
                     # (refused and logged below); the reload goes on with the others.
                     log.exception("namespace did not stop cleanly", extra={"fields": fields})
-        for tier, backend in self._tier_backends():
-            try:
-                dropped = await asyncio.to_thread(backend.drop, self.settings, identity)
-            except (NotDropped, OSError) as exc:
-                log.error(
-                    "namespace's blocks on a tier not deleted; they stay there, out of every "
-                    "other identity's reach",
-                    extra={"fields": {**fields, "tier": tier, "error": str(exc)}},
-                )
-            else:
-                if dropped is not None:
-                    fields[f"{tier}_files_deleted"] = dropped.files
-                    fields[f"{tier}_bytes_deleted"] = dropped.bytes
+        await self.storage.drop(identity, fields)
         log.warning("namespace removed; its blocks are dropped", extra={"fields": fields})
-
-    def _tier_backends(self) -> list[tuple[str, TierBackend]]:
-        """The tiers the settings put below every namespace's pool, by name."""
-        known = backends()
-        return [(name, known[name]) for name in chain_order(self.settings, known)]
-
-    def _sweep_storage(self) -> None:
-        """At start (blocking; before any tier opens): delete, on every tier, the blocks of
-        the storage identities of namespaces not served, as the module docstring says, and log
-        one line per tier naming what was deleted and what was kept (and why)."""
-        serving = {space.service.storage for space in self.spaces.values()}
-        for tier, backend in self._tier_backends():
-            self._sweep_tier(tier, backend, serving)
-
-    def _sweep_tier(self, tier: str, backend: TierBackend, serving: set[str]) -> None:
-        try:
-            names = [n for n in backend.identities(self.settings) if n not in serving]
-        except OSError as exc:  # the tier's own open reports an unusable medium
-            log.warning(
-                "tier storage not swept", extra={"fields": {"tier": tier, "error": str(exc)}}
-            )
-            return
-        deleted: list[str] = []
-        files = size = 0
-        kept: dict[str, str] = {}
-        for name in names:
-            parsed = parse_identity(name)
-            if parsed is None:
-                continue  # not the service's
-            namespace, owner = parsed
-            if self.single is not None:
-                kept[name] = "a service without tenants does not know the tenants' namespaces"
-                continue
-            if owner is None and namespace == DEFAULT_NAMESPACE:
-                kept[name] = "the storage of a service without tenants"
-                continue
-            try:
-                # A bare name is an identity by chance as easily as by the layout before
-                # identities: deleted only where the tier's own store is.
-                dropped = backend.drop(self.settings, name, only_store=owner is None)
-            except (NotDropped, OSError) as exc:
-                kept[name] = str(exc)
-                continue
-            if dropped is not None:
-                deleted.append(name)
-                files += dropped.files
-                size += dropped.bytes
-        if not deleted and not kept:
-            return
-        fields = {"tier": tier, "deleted": deleted, "files": files, "bytes": size, "kept": kept}
-        if deleted:
-            log.warning(
-                "blocks of namespaces no longer served deleted from a tier",
-                extra={"fields": fields},
-            )
-        else:
-            log.info(
-                "blocks of namespaces not served here kept on a tier", extra={"fields": fields}
-            )
