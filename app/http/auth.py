@@ -19,7 +19,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.core.errors import AuthenticationError, PermissionDeniedError
 from app.core.service import DEFAULT_NAMESPACE
-from app.core.tenancy import Space, Tenancy
+from app.core.tenancy import Tenancy
+from app.core.tenancy_reloads import Space
 from app.http.errors import APIError, error_for
 from app.http.middleware import call_info, refuse
 

@@ -15,7 +15,8 @@ from typing import Annotated
 from fastapi import Depends, Query, Request
 
 from app.core.service import Service
-from app.core.tenancy import Space, Tenancy
+from app.core.tenancy import Tenancy
+from app.core.tenancy_reloads import Space
 from app.http.auth import SPACE_KEY
 from app.http.errors import APIError
 

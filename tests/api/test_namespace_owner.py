@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from app.core import tenancy as tenancy_module
+from app.core import tenancy_reloads as tenancy_module
 from app.core.disk import open_disk
 from app.core.tenancy import Tenancy
 from app.settings import Settings

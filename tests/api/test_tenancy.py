@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.core import tenancy as tenancy_module
+from app.core import tenancy_reloads as tenancy_module
 from app.core.tenancy import Tenancy
 from app.core.tenants import Credentials
 from app.http.apps import create_admin_app, create_app
