@@ -23,12 +23,15 @@ what is ready or else sends for the keys the pool lacks down the chain, in order
 is coming (``Bringing``).
 
 Adding a request-scoped manager op: one method here (call, observe), one observer method.
+
+``observed`` and ``observed_await`` are the one way a raise becomes an op's ``error`` in the
+core: ``ObservedManager`` and cache control (``app.core.control``) both count through them.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from structlog.contextvars import bind_contextvars
@@ -50,6 +53,25 @@ from manager import (
 )
 
 T = TypeVar("T")
+
+
+def observed(observer: Observer, op: str, req_id: str, call: Callable[..., T], *args: Any) -> T:
+    """``call(*args)``; a raise is counted as ``op``'s error of ``req_id`` (``Observer.failed``)
+    and re-raised unchanged. Success is the caller's to count (each op says it its own way)."""
+    try:
+        return call(*args)
+    except Exception:
+        observer.failed(op, req_id)
+        raise
+
+
+async def observed_await(observer: Observer, op: str, req_id: str, call: Awaitable[T]) -> T:
+    """``await call``; a raise is counted as ``observed`` counts it, and re-raised unchanged."""
+    try:
+        return await call
+    except Exception:
+        observer.failed(op, req_id)
+        raise
 
 
 class Bringing(NamedTuple):
@@ -86,12 +108,8 @@ class ObservedManager:
         self.load_listeners: list[Callable[[Sequence[BlockKey]], None]] = []
 
     def _call(self, op: str, req_id: str, call: Callable[..., T], *args: Any) -> T:
-        """``call(*args)``; a raise is counted as ``op``'s error and re-raised."""
-        try:
-            return call(*args)
-        except Exception:
-            self.observer.failed(op, req_id)
-            raise
+        """``call(*args)``; a raise is counted as ``op``'s error and re-raised (``observed``)."""
+        return observed(self.observer, op, req_id, call, *args)
 
     def start_request(self, req_id: str, kv_transfer_params: Mapping[str, Any] | None) -> bool:
         """Start or renew a request; True if it is new."""

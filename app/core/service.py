@@ -5,7 +5,7 @@ Both listeners (engine API and admin API) share one ``Service``, a composition o
 - ``manager``: the ``ObservedManager`` (``app.core.observed``), through which every
   request-scoped manager call goes, observed once. Every call runs on the event loop with no
   ``await`` between the calls that make up one operation, so operations are atomic w.r.t. each
-  other. The bare ``OffloadManager`` is ``manager.manager``.
+  other. The bare ``OffloadManager`` is ``pool_manager``, for reads and the service's upkeep.
 - ``transfers()``: the running data path (``app.core.transfers``: host pool, KV caches, worker,
   jobs; ``offload``, ``onload``, ``wait``), or ``ServiceUnavailableError`` when not running.
 - ``admin``: the operator's operations (``app.core.admin``: policy, stats, leases, clear, log

@@ -540,7 +540,7 @@ async def test_prefetch_brings_disk_keys_up_holds_them_and_a_load_uses_them(
         await unpin(h, "other", cold[:4])
 
         async def unheld() -> bool:
-            return h.service.manager.manager.num_pinned == 0
+            return h.service.pool_manager.num_pinned == 0
 
         # No hold left behind: the prefetch's nor its promotions'.
         await until_async("nothing pinned", unheld)

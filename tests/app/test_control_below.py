@@ -94,4 +94,4 @@ def test_the_list_of_keys_below_stays_bounded_without_a_scrape() -> None:
 
     asyncio.run(run())
     assert manager.num_retained == 0
-    assert len(control._below) <= 2 * 16
+    assert len(control.retaining._below) <= 2 * 16

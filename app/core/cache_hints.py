@@ -1,0 +1,87 @@
+"""Cache control's hints that move blocks now (``app.core.control``'s **demote** and **drop**).
+
+Both leave pinned, retained and pending blocks where they are (``OffloadManager.sort_for_hint``
+sorts the named keys); ``demote`` also keeps in the pool what no tier below holds or takes, so a
+block is never reported moved while held nowhere. Each call is counted for its request id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.metrics_core import Metric
+
+from app.core.control_shared import ControlShared
+from app.core.errors import NoLowerTierError
+from app.core.observed import observed
+from app.telemetry.metrics import PREFIX
+from manager import BlockKey
+
+
+@dataclass(slots=True)
+class Hinted:
+    """What ``demote`` or ``drop`` did: the keys it moved, and why the others stayed
+    (``pinned``, ``retained``, ``pending``, ``not_in_pool``; for ``demote`` also ``refused``:
+    no tier below holds or takes it), counted."""
+
+    done: list[BlockKey]
+    kept: dict[str, int]
+
+
+class CacheHints:
+    """The demote and drop hints of one namespace; see the module docstring."""
+
+    def __init__(self, shared: ControlShared) -> None:
+        self.shared = shared
+
+    def demote(self, keys: Sequence[BlockKey], req_id: str) -> Hinted:
+        """Evict the movable ``keys`` that a tier below holds or takes (``LowerTier.takes``:
+        the disk takes them whatever its admission says) now, into the tiers below; the
+        others stay in the pool, ``refused``. ``NoLowerTierError`` without a tier below."""
+        out = observed(self.shared.observer, "demote", req_id, self._demote, keys)
+        self.shared.observer.op("demote", req_id)
+        return out
+
+    def _demote(self, keys: Sequence[BlockKey]) -> Hinted:
+        shared = self.shared
+        if not shared.tiers:
+            raise NoLowerTierError()
+        movable, kept = shared.manager.sort_for_hint(keys)
+        # Only what a tier below holds or takes leaves the pool: a block no tier takes would
+        # be lost, so it stays (``refused``), and ``moved`` never names a block held nowhere.
+        taken = [False] * len(movable)
+        for tier in shared.tiers.tiers:
+            taken = [a or b for a, b in zip(taken, tier.takes(movable), strict=True)]
+        kept["refused"] = taken.count(False)
+        movable = [k for k, t in zip(movable, taken, strict=True) if t]
+        done = shared.manager.demote(movable) if movable else []
+        shared.counts["demoted"] += len(done)
+        if done:
+            shared.on_event()
+        return Hinted(done, kept)
+
+    def drop(self, keys: Sequence[BlockKey], req_id: str) -> Hinted:
+        """Remove the movable ``keys`` from the pool now."""
+        out = observed(self.shared.observer, "drop", req_id, self._drop, keys)
+        self.shared.observer.op("drop", req_id)
+        return out
+
+    def _drop(self, keys: Sequence[BlockKey]) -> Hinted:
+        shared = self.shared
+        movable, kept = shared.manager.sort_for_hint(keys)
+        done = shared.manager.drop(movable) if movable else []
+        shared.counts["dropped"] += len(done)
+        if done:
+            shared.on_event()
+        return Hinted(done, kept)
+
+    def metric_families(self) -> Iterator[Metric]:
+        """The hint family, read at scrape time."""
+        hints = CounterMetricFamily(
+            f"{PREFIX}_cache_hint_blocks", "Blocks moved by cache hints.", labels=["hint"]
+        )
+        hints.add_metric(["demote"], self.shared.counts["demoted"])
+        hints.add_metric(["drop"], self.shared.counts["dropped"])
+        yield hints
