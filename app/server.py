@@ -70,7 +70,7 @@ from app.telemetry.calls import host_port
 from app.telemetry.logging import bind_listener, get_logger
 from app.telemetry.metrics import register_connections, register_kv_events
 from transfer import HostPool
-from transfer.disk import DiskError, open_checked_dir
+from transfer.disk_files import DiskError, open_checked_dir
 
 log = get_logger("server")
 
@@ -111,13 +111,14 @@ def bind_unix(path: Path, mode: int = 0o600, gid: int | None = None) -> socket.s
     """A Unix stream socket at ``path`` with file ``mode`` (and group ``gid``); a stale socket
     file left by a dead process is replaced.
 
-    The socket's directory is checked as ``--disk-dir`` is (``transfer.disk.open_checked_dir``:
-    ``DiskError`` when someone but root and the service's user could write it or a level above
-    it), since whoever can write it could swap the socket for their own. A path that exists and
-    is not a socket (a symbolic link included) is never removed. The mode and group are set
-    through a descriptor of the name opened without following a symbolic link, never through
-    the path (``_set_mode``). Nobody can connect before the socket listens, so its mode and group
-    are in place before anyone can. ``SocketGroupError`` when ``gid`` cannot be given.
+    The socket's directory is checked as ``--disk-dir`` is
+    (``transfer.disk_files.open_checked_dir``: ``DiskError`` when someone but root and the service's
+    user could write it or a level above it), since whoever can write it could swap the socket for
+    their own. A path that exists and is not a socket (a symbolic link included) is never removed.
+    The mode and group are set through a descriptor of the name opened without following a symbolic
+    link, never through the path (``_set_mode``). Nobody can connect before the socket listens, so
+    its mode and group are in place before anyone can. ``SocketGroupError`` when ``gid`` cannot be
+    given.
     """
     directory = open_checked_dir(os.path.dirname(os.path.abspath(path)), harm=SOCKET_DIR_HARM)
     name = os.path.basename(path)

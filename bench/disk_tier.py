@@ -89,7 +89,8 @@ from app.core.disk import DiskLink
 from app.settings import Settings
 from bench.harness import RESULTS_DIR, machine, read_trace, write_results
 from testsupport.polling import until_async
-from transfer.disk import DiskStore, block_mac, disk_bytes_for, slots_for
+from transfer.disk import DiskStore, disk_bytes_for, slots_for
+from transfer.disk_index import block_mac
 from transfer.host_pool import HostPool
 
 KIB = 1024

@@ -24,8 +24,8 @@ It is the ``disk`` tier of the lower-tier contract (``app.core.tier``), register
   block that fails (torn, corrupt, forged, unreadable) is dropped from the disk (counted) and is
   a miss; its bytes are never loadable.
 - **Start** (``open_disk``): the store refuses a directory others could have planted files in
-  (``transfer.disk``: a ``DiskError`` naming the path and the fix, which the service turns into
-  a refusal to start, or at a tenants reload into a namespace that does not start). Index
+  (``transfer.disk_files``: a ``DiskError`` naming the path and the fix, which the service turns
+  into a refusal to start, or at a tenants reload into a namespace that does not start). Index
   entries that fail their MAC at open (forged, torn, another key's) are dropped and counted
   with the blocks that fail on a read (``corrupt_dropped``, the store's ``checksum_failures``);
   the blocks of an index of an older format (unkeyed checksums) are dropped too, never loaded,
@@ -61,7 +61,8 @@ from app.telemetry.logging import get_logger
 from app.telemetry.metrics import PREFIX, TierReport
 from manager import DISK_MEDIUM, BlockKey, DiskIndex, DiskOp, OffloadManager
 from transfer import HostPool
-from transfer.disk import DiskError, DiskSpaceError, DiskStore, disk_bytes_for, slots_for
+from transfer.disk import DiskStore, disk_bytes_for, slots_for
+from transfer.disk_files import DiskError, DiskSpaceError
 from transfer.health import TierHealth
 
 log = get_logger("disk")
@@ -746,8 +747,8 @@ def open_disk(settings: Settings, pool: HostPool, namespace: str) -> tuple[DiskS
     """The disk tier ``settings`` name on ``pool``, in ``<disk_dir>/<namespace>``
     (``namespace``: that directory's name, bound into its blocks' MACs); blocking: call it off
     the loop. ``DiskError`` when the directory cannot be used or is refused (someone else's,
-    writable by others, a link or a hard link planted in it: ``transfer.disk``). Blocks dropped
-    at open (an older format's, entries failing their MAC) are logged here, once."""
+    writable by others, a link or a hard link planted in it: ``transfer.disk_files``). Blocks
+    dropped at open (an older format's, entries failing their MAC) are logged here, once."""
     s = settings
     assert s.disk_dir is not None
     slots = slots_for(s.disk_bytes, s.block_bytes)

@@ -1186,10 +1186,10 @@ async def test_buffers_without_huge_pages_are_warned_of_at_start_with_the_fix(
 ) -> None:
     """Without them each block read or written is split into more device requests. The fix
     named depends on why: huge pages off, or on and none to give."""
-    import transfer.disk as store_module
+    import transfer.disk_buffers as buffers_module
 
-    real = store_module._buffer
-    monkeypatch.setattr(store_module, "_buffer", lambda nbytes: (real(nbytes)[0], False))
+    real = buffers_module._buffer
+    monkeypatch.setattr(buffers_module, "_buffer", lambda nbytes: (real(nbytes)[0], False))
     monkeypatch.setattr(disk_module, "_thp_mode", lambda: mode)
     async with disk_node(tmp_path / "d") as h:
         assert (await stats(h))["huge_pages"] is False

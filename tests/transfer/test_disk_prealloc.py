@@ -18,16 +18,13 @@ import numpy as np
 import pytest
 
 import transfer.disk as disk_module
+import transfer.disk_buffers as buffers_module
+import transfer.disk_index as disk_index
+import transfer.disk_reads as reads_module
 from transfer import HostPool
-from transfer.disk import (
-    ENTRY_BYTES,
-    HEADER_BYTES,
-    DiskError,
-    DiskSpaceError,
-    DiskStore,
-    disk_bytes_for,
-    slots_for,
-)
+from transfer.disk import DiskStore, disk_bytes_for, slots_for
+from transfer.disk_files import DiskError, DiskSpaceError
+from transfer.disk_index import ENTRY_BYTES, HEADER_BYTES
 
 BLOCK = 8192
 MIB = 1 << 20
@@ -170,7 +167,7 @@ def test_the_index_is_read_in_chunks_and_every_entry_is_found(
 ) -> None:
     """Chunks of 3 entries (the real ones are 4 MiB): entries on both sides of every boundary
     are adopted, a forged one in a later chunk is dropped and cleared."""
-    monkeypatch.setattr(disk_module, "_INDEX_CHUNK", 3 * ENTRY_BYTES)
+    monkeypatch.setattr(disk_index, "_INDEX_CHUNK", 3 * ENTRY_BYTES)
     store = opened(stores, tmp_path / "d", pool, 16)
     wanted = [2, 3, 5, 6, 9, 15]
     for s in wanted:
@@ -248,13 +245,14 @@ def test_macs_are_computed_off_the_io_threads(
     """An I/O thread never hashes: it hands a read's checks to a MAC thread and issues its next
     request; a write's MACs are computed while its bytes are written."""
     threads: list[str] = []
-    real = disk_module.block_mac
+    real = disk_index.block_mac
 
     def block_mac(*args: bytes | memoryview) -> bytes:
         threads.append(threading.current_thread().name)
         return real(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(disk_module, "block_mac", block_mac)
+    monkeypatch.setattr(disk_module, "block_mac", block_mac)  # the writes'
+    monkeypatch.setattr(reads_module, "block_mac", block_mac)  # the reads'
     store = opened(stores, tmp_path / "d", pool, 16)
     for i in range(4):
         fill(pool, i)
@@ -277,7 +275,7 @@ def test_a_mac_check_that_raises_fails_its_blocks_and_lets_the_slots_go(
     def broken(*_: object) -> bytes:
         raise RuntimeError("bug")
 
-    monkeypatch.setattr(disk_module, "block_mac", broken)
+    monkeypatch.setattr(reads_module, "block_mac", broken)
     future = store.submit_reads([(i, f"k{i}".encode(), 8 + i) for i in range(3)])
     assert future.result(timeout=30) == [False] * 3
     assert store.held_slots() == frozenset()
@@ -322,7 +320,7 @@ def mapping_line(address: int) -> str:
 def test_the_store_s_buffers_are_private_memory() -> None:
     """Private, not shared: shared anonymous memory is shmem, which this kernel (and most,
     by default) never backs with huge pages."""
-    buf, _ = disk_module._buffer(4 * MIB)
+    buf, _ = buffers_module._buffer(4 * MIB)
     rows = np.frombuffer(buf, dtype=np.uint8)
     try:
         assert mapping_line(rows.ctypes.data).split()[1] == "rw-p"
@@ -350,7 +348,7 @@ def test_without_smaps_the_store_says_it_does_not_know(
     pool: HostPool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(disk_module, "_anon_huge_bytes", lambda address: None)
+    monkeypatch.setattr(buffers_module, "_anon_huge_bytes", lambda address: None)
     store = opened(stores, tmp_path / "d", pool, 16)
     assert store.huge_pages is None
 
@@ -382,7 +380,7 @@ def test_buffers_made_one_after_the_other_each_say_what_they_got() -> None:
     read buffers are made: each buffer's answer is its own, not its neighbour's."""
     if thp_mode() not in ("always", "madvise"):
         pytest.skip("no transparent huge pages here")
-    made = [disk_module._buffer(8 * MIB) for _ in range(3)]
+    made = [buffers_module._buffer(8 * MIB) for _ in range(3)]
     try:
         assert [huge for _, huge in made] == [True, True, True]
     finally:
@@ -391,19 +389,19 @@ def test_buffers_made_one_after_the_other_each_say_what_they_got() -> None:
 
 
 def test_a_buffer_too_small_for_a_huge_page_says_nothing() -> None:
-    buf, huge = disk_module._buffer(disk_module.HUGE_PAGE // 2)
+    buf, huge = buffers_module._buffer(buffers_module.HUGE_PAGE // 2)
     buf.close()
     assert huge is None
 
 
 def test_huge_bytes_are_found_for_any_address_inside_a_mapping() -> None:
     """A merged mapping starts below the buffer asked about: the lookup is by containment."""
-    buf, _ = disk_module._buffer(8 * MIB)
+    buf, _ = buffers_module._buffer(8 * MIB)
     rows = np.frombuffer(buf, dtype=np.uint8)
     try:
-        inside = disk_module._anon_huge_bytes(rows.ctypes.data + 4 * MIB)
+        inside = buffers_module._anon_huge_bytes(rows.ctypes.data + 4 * MIB)
         assert inside is not None
-        assert inside == disk_module._anon_huge_bytes(rows.ctypes.data)
+        assert inside == buffers_module._anon_huge_bytes(rows.ctypes.data)
     finally:
         del rows
         buf.close()

@@ -25,7 +25,8 @@ import pytest
 import xxhash
 
 from transfer import HostPool
-from transfer.disk import DiskError, DiskStore
+from transfer.disk import DiskStore
+from transfer.disk_files import DiskError
 
 BLOCK = 8192
 NOBODY = 65534

@@ -16,17 +16,11 @@ from pathlib import Path
 
 import pytest
 
-import transfer.disk as disk_module
+import transfer.disk_reads as reads_module
 from transfer import HostPool
-from transfer.disk import (
-    ENTRY_BYTES,
-    HEADER_BYTES,
-    PAGE,
-    DiskError,
-    DiskStore,
-    block_mac,
-    slots_for,
-)
+from transfer.disk import DiskStore, slots_for
+from transfer.disk_files import DiskError
+from transfer.disk_index import ENTRY_BYTES, HEADER_BYTES, PAGE, block_mac
 
 BLOCK = 8192
 
@@ -337,7 +331,7 @@ def test_reads_are_runs_of_read_run_bytes_and_overlap_their_checks(
     """A read takes ``READ_RUN_BYTES`` of contiguous slots at most, and the I/O thread reads the
     next run while the MAC threads check the last one, two read buffers a thread: with the
     checks held, one I/O thread has read two runs (and waits for a buffer), never a third."""
-    monkeypatch.setattr(disk_module, "READ_RUN_BYTES", 2 * BLOCK)
+    monkeypatch.setattr(reads_module, "READ_RUN_BYTES", 2 * BLOCK)
     store = open_store(io_threads=1)
     data = {i: fill(pool, i, i) for i in range(6)}
     for i in range(6):
@@ -350,14 +344,14 @@ def test_reads_are_runs_of_read_run_bytes_and_overlap_their_checks(
         return int(real_read(fd, bufs, off))
 
     gate = threading.Event()
-    real_mac = disk_module.block_mac
+    real_mac = block_mac
 
     def held_mac(mac_key: bytes, key: bytes, data: object) -> bytes:
         gate.wait(10)
         return real_mac(mac_key, key, data)  # type: ignore[arg-type]
 
     store.preadv = counted
-    monkeypatch.setattr(disk_module, "block_mac", held_mac)
+    monkeypatch.setattr(reads_module, "block_mac", held_mac)
     future = store.submit_reads([(i, f"k{i}".encode(), 8 + i) for i in range(6)])
     deadline = time.monotonic() + 10
     while len(reads) < 2 and time.monotonic() < deadline:
