@@ -42,14 +42,12 @@ changes nothing. Each verb's call is counted for its request id (``Observer.op``
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from prometheus_client.metrics_core import Metric
 
 from app.core.cache_hints import CacheHints, Hinted
 from app.core.control_shared import HIT, MISS, PENDING, REFUSED, ControlShared
-from app.core.lower_tiers import TierChain
 from app.core.prefetches import (
     FINISHED_PREFETCHES_KEPT,
     PREFETCH_COUNTS,
@@ -58,9 +56,7 @@ from app.core.prefetches import (
     Prefetches,
 )
 from app.core.retentions import RETRY_KEYS, Retained, Retentions
-from app.settings import Settings
-from app.telemetry.observer import Observer
-from manager import BlockKey, OffloadManager, RetentionInfo
+from manager import BlockKey, RetentionInfo
 
 __all__ = [
     "FINISHED_PREFETCHES_KEPT",
@@ -82,31 +78,15 @@ class Control:
     """Cache control of one namespace's service; see the module docstring. Each verb is its
     room's; this class composes them and answers what spans them (``state``, the metrics)."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        manager: OffloadManager,
-        tiers: TierChain,
-        *,
-        namespace: str,
-        observer: Observer,
-        on_event: Callable[[], None],
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.shared = ControlShared(
-            settings,
-            manager,
-            tiers,
-            namespace=namespace,
-            observer=observer,
-            on_event=on_event,
-            clock=clock,
-        )
-        self.settings = settings
-        self.observer = observer
-        self.manager = manager
-        self.tiers = tiers
-        self.namespace = namespace
+    def __init__(self, shared: ControlShared) -> None:
+        """Cache control over ``shared`` (the namespace's settings, manager, tiers, observer,
+        event drain and clock, which every room reads)."""
+        self.shared = shared
+        self.settings = shared.settings
+        self.observer = shared.observer
+        self.manager = shared.manager
+        self.tiers = shared.tiers
+        self.namespace = shared.namespace
         self.counts = self.shared.counts
         self.retaining = Retentions(self.shared)
         self.prefetching = Prefetches(self.shared)

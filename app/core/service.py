@@ -44,6 +44,7 @@ from prometheus_client import CollectorRegistry
 from app.core.admin import Admin
 from app.core.background import CompletionPump, LeaseSweeper
 from app.core.control import Control
+from app.core.control_shared import ControlShared
 from app.core.errors import ServiceUnavailableError
 from app.core.events import EventBuffer
 from app.core.kv_publisher import BlockMetadata, EventSink
@@ -159,13 +160,15 @@ class Service:
         )
         self.manager = ObservedManager(manager, self.observer, self.tiers, quota)
         self.control = Control(
-            settings,
-            manager,
-            self.tiers,
-            namespace=namespace,
-            observer=self.observer,
-            on_event=self.drain_events,
-            clock=clock,
+            ControlShared(
+                settings,
+                manager,
+                self.tiers,
+                namespace=namespace,
+                observer=self.observer,
+                on_event=self.drain_events,
+                clock=clock,
+            )
         )
         self.manager.load_listeners.append(self.control.loaded)
         self.pump = CompletionPump(lambda: self._transfers, self.observer, self.drain_events)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from app.core.control import RETRY_KEYS, Control
+from app.core.control_shared import ControlShared
 from app.core.lower_tiers import TierChain
 from app.settings import Settings
 from app.telemetry.observer import Observer
@@ -41,12 +42,14 @@ def control_of(max_retained: int) -> tuple[Control, OffloadManager, NoRoomTier]:
     settings = Settings(num_blocks=8, max_retained_blocks=max_retained)
     tier = NoRoomTier()
     control = Control(
-        settings,
-        manager,
-        cast(TierChain, tier),
-        namespace="default",
-        observer=Observer(None),
-        on_event=lambda: None,
+        ControlShared(
+            settings,
+            manager,
+            cast(TierChain, tier),
+            namespace="default",
+            observer=Observer(None),
+            on_event=lambda: None,
+        )
     )
     return control, manager, tier
 

@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from app.core.control import Control
+from app.core.control_shared import ControlShared
 from app.core.errors import NoLowerTierError
 from app.core.lower_tiers import TierChain
 from app.settings import Settings
@@ -30,7 +31,9 @@ def test_each_verb_is_counted_once_for_its_request_and_its_errors_as_errors() ->
     tiers = TierChain(settings, "default", on_event=lambda: None)
     observer = Recording()
     control = Control(
-        settings, manager, tiers, namespace="default", observer=observer, on_event=lambda: None
+        ControlShared(
+            settings, manager, tiers, namespace="default", observer=observer, on_event=lambda: None
+        )
     )
     keys = [bytes([i]) * 8 for i in range(3)]
     ctx = ReqContext("w")

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.exposition import generate_latest
 
 from app.core.control import Control
+from app.core.control_shared import ControlShared
 from app.core.disk import disk_families
 from app.core.lower_tiers import TierChain
 from app.core.object import object_families
@@ -100,7 +101,9 @@ def _control(m: OffloadManager) -> Control:
     settings = Settings(num_blocks=m.num_blocks)
     tiers = TierChain(settings, "default", on_event=lambda: None)
     return Control(
-        settings, m, tiers, namespace="default", observer=Observer(None), on_event=lambda: None
+        ControlShared(
+            settings, m, tiers, namespace="default", observer=Observer(None), on_event=lambda: None
+        )
     )
 
 
