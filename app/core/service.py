@@ -69,6 +69,45 @@ State = Literal["new", "running", "stopping", "stopped"]
 _REQUEST_COUNTS_SLACK = 4
 
 
+def _pool_manager(
+    settings: Settings, manager: OffloadManager | None, clock: Clock
+) -> OffloadManager:
+    """``manager``, checked against ``settings``' pool size, or a new one from them."""
+    if manager is None:
+        return create_manager(
+            settings.num_blocks,
+            settings.policy,
+            settings.store_threshold,
+            policy_params=settings.policy_params,
+            clock=clock,
+            max_events=settings.event_buffer_size,
+        )
+    if manager.num_blocks != settings.num_blocks:
+        raise ValueError(
+            f"manager has {manager.num_blocks} blocks but settings say {settings.num_blocks}"
+        )
+    return manager
+
+
+def _shadow_runner(settings: Settings, manager: OffloadManager) -> ShadowRunner | None:
+    """With shadow evaluation on, its runner, fed every finished request's chain."""
+    if not settings.shadow_enabled:
+        return None
+    shadow = ShadowRunner(
+        manager.policy,
+        capacity=settings.num_blocks,
+        policies=settings.shadow_policies,
+        sample_rate=settings.shadow_sample_rate,
+        store_threshold=settings.store_threshold,
+        window=settings.shadow_window,
+        max_queue=settings.shadow_max_queue,
+        cpu_budget=settings.shadow_cpu_budget,
+        interval_s=settings.shadow_drain_interval_s,
+    )
+    manager.add_chain_listener(shadow.observe)
+    return shadow
+
+
 class Service:
     """The shared state of both listeners; see the module docstring."""
 
@@ -100,23 +139,19 @@ class Service:
         self.namespace = namespace
         self.storage = namespace if storage is None else storage
         self.quota = quota
-        if manager is None:
-            manager = create_manager(
-                settings.num_blocks,
-                settings.policy,
-                settings.store_threshold,
-                policy_params=settings.policy_params,
-                clock=clock,
-                max_events=settings.event_buffer_size,
-            )
-        elif manager.num_blocks != settings.num_blocks:
-            raise ValueError(
-                f"manager has {manager.num_blocks} blocks but settings say {settings.num_blocks}"
-            )
         #: The pool's bookkeeping itself, for reads and the service's own upkeep (events,
         #: snapshots, lease expiry); engine-facing calls go through ``manager`` (observed).
-        self.pool_manager = manager
-        self.events = EventBuffer(settings.event_buffer_size)
+        self.pool_manager = _pool_manager(settings, manager, clock)
+        self._init_state()
+        self.tiers = TierChain(
+            settings, self.storage, on_event=self.drain_events, overrides=tier_backends
+        )
+        self._init_telemetry(registry)
+        self._init_rooms(clock)
+
+    def _init_state(self) -> None:
+        """The service's own state: its event buffer, publisher hooks, identity, lifecycle."""
+        self.events = EventBuffer(self.settings.event_buffer_size)
         # KV events for routers (app.core.kv_publisher), set by whoever runs the publisher:
         # the sink hears every event drained into ``events``; ``block_meta`` keeps what
         # engines said of their blocks (token ids, parents) for those events.
@@ -133,10 +168,11 @@ class Service:
         self._transfers: Transfers | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._lock = asyncio.Lock()
-        self.tiers = TierChain(
-            settings, self.storage, on_event=self.drain_events, overrides=tier_backends
-        )
 
+    def _init_telemetry(self, registry: CollectorRegistry | None) -> None:
+        """The metrics (in ``registry``, a new one by default; none with metrics off), the
+        live-request counts and the observer every room reports to."""
+        settings = self.settings
         self.registry: CollectorRegistry | None = None
         self.metrics: Metrics | None = None
         if settings.metrics_enabled:
@@ -158,18 +194,22 @@ class Service:
             hit_window=settings.metrics_hit_window,
             request_counts=self.request_counts,
         )
-        self.manager = ObservedManager(manager, self.observer, self.tiers, quota)
-        self.control = Control(
-            ControlShared(
-                settings,
-                manager,
-                self.tiers,
-                namespace=namespace,
-                observer=self.observer,
-                on_event=self.drain_events,
-                clock=clock,
-            )
+
+    def _init_rooms(self, clock: Clock) -> None:
+        """The rooms over the pool: the observed manager, cache control, the background
+        tasks, shadow evaluation and the admin operations."""
+        settings, manager = self.settings, self.pool_manager
+        self.manager = ObservedManager(manager, self.observer, self.tiers, self.quota)
+        shared = ControlShared(
+            settings,
+            manager,
+            self.tiers,
+            namespace=self.namespace,
+            observer=self.observer,
+            on_event=self.drain_events,
+            clock=clock,
         )
+        self.control = Control(shared)
         self.manager.load_listeners.append(self.control.loaded)
         self.pump = CompletionPump(lambda: self._transfers, self.observer, self.drain_events)
         self.sweeper = LeaseSweeper(
@@ -181,27 +221,14 @@ class Service:
             self.request_counts,
             self.control,
         )
-        self.shadow: ShadowRunner | None = None
-        if settings.shadow_enabled:
-            self.shadow = ShadowRunner(
-                manager.policy,
-                capacity=settings.num_blocks,
-                policies=settings.shadow_policies,
-                sample_rate=settings.shadow_sample_rate,
-                store_threshold=settings.store_threshold,
-                window=settings.shadow_window,
-                max_queue=settings.shadow_max_queue,
-                cpu_budget=settings.shadow_cpu_budget,
-                interval_s=settings.shadow_drain_interval_s,
-            )
-            manager.add_chain_listener(self.shadow.observe)
+        self.shadow = _shadow_runner(settings, manager)
         self.admin = Admin(
             manager,
             self.observer,
             self.shadow,
             transfers=self.running_transfers,
             drain_events=self.drain_events,
-            namespace=namespace,
+            namespace=self.namespace,
         )
 
     # ------------------------------------------------------------------ lifecycle
