@@ -26,7 +26,8 @@ Primitives (all batch-native, all carrying a ``ReqContext``):
   out of eviction until their TTL passes; such a *kept* block leaves the policy's order and
   returns to it when the last retention naming it ends. ``demote(keys)``: evict chosen blocks
   now, through the eviction listeners (a lower tier takes them).
-- ``take_events()``: KV events since the last call, drained once, in order.
+- ``take_events()``: KV events since the last call, drained once, in order; ``set_event_sink``
+  names a callback told of each event as it joins (its reader drains them there).
 - ``switch_policy(name, params)``: rebuild a new policy from the resident blocks, coldest first;
   block state is untouched and no block is lost. ``reset()``: drop every ready block that is
   neither pinned nor retained.

@@ -1,11 +1,14 @@
 """The offload manager's KV events and listeners.
 
 Events are numbered in one stream (``take_events`` drains it, ``record_event`` adds other media's
-events to it); chain listeners hear each request's chain when its record is dropped, eviction
-listeners hear the blocks evicted to make room. See ``manager.core`` for the contract.
+events to it, the event sink hears of each one as it joins); chain listeners hear each request's
+chain when its record is dropped, eviction listeners hear the blocks evicted to make room. See
+``manager.core`` for the contract.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from manager.errors import InvalidArgumentError
 from manager.slots import ChainListener, EvictionListener, PoolState
@@ -25,6 +28,9 @@ class EventsRoom(PoolState):
         if len(self._events) == self._events.maxlen:
             self._events_dropped += 1
         self._events.append(event)
+        sink = self._event_sink
+        if sink is not None:
+            sink()
 
     def _emit_removed(self, keys: list[BlockKey]) -> None:
         if keys:
@@ -49,6 +55,13 @@ class EventsRoom(PoolState):
             self._emit(BlockRemoved(self._next_seq(), keys, medium))
         else:
             raise InvalidArgumentError(f"event kind must be stored or removed, got {kind!r}")
+
+    def set_event_sink(self, sink: Callable[[], None] | None) -> None:
+        """Call ``sink()`` after each event joins the stream, whichever call made it, so that
+        its reader (``take_events``) hears of it at once and nobody has to remember to look.
+        ``sink`` may call ``take_events`` and nothing else of the manager (it runs inside the
+        call that emitted). None: no sink."""
+        self._event_sink = sink
 
     def add_chain_listener(self, listener: ChainListener) -> None:
         """Call ``listener(chain)`` with every request's chain (head to tail) when its record

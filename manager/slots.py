@@ -150,6 +150,7 @@ class PoolState:
 
         self._enable_events = enable_events
         self._events: deque[KVEvent] = deque(maxlen=max_events)
+        self._event_sink: Callable[[], None] | None = None
         self._event_seq = 0
 
         self._lookup_hit = 0

@@ -38,18 +38,15 @@ class Admin:
         shadow: ShadowRunner | None,
         *,
         transfers: Callable[[], Transfers | None],
-        drain_events: Callable[[], None],
         namespace: str,
     ) -> None:
         """``transfers``: the running data path, None when the service is not running;
-        ``drain_events``: moves the manager's new KV events to the routers' buffer;
         ``namespace``: the service's, named in its audit lines."""
         self.namespace = namespace
         self._manager = manager
         self._observer = observer
         self._shadow = shadow
         self._transfers = transfers
-        self._drain_events = drain_events
 
     def policy(self) -> tuple[PolicyInfo, list[str]]:
         """The active policy and the names of every policy."""
@@ -118,7 +115,6 @@ class Admin:
             pins_released=released.pins_released,
             stores_dropped=released.stores_dropped,
         )
-        self._drain_events()
         return released
 
     def clear_cache(self, actor: str) -> ResetCounts:
@@ -133,7 +129,6 @@ class Admin:
             kept_pending=counts.kept_pending,
             kept_retained=counts.kept_retained,
         )
-        self._drain_events()
         return counts
 
     def log_level(self) -> str:

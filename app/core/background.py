@@ -2,8 +2,8 @@
 
 - ``CompletionPump``: completes transfer jobs in the manager as they end. The worker thread
   wakes it (``wake``: thread-safe, ``call_soon_threadsafe``) when a job ends; a poll every
-  ``PUMP_POLL_S`` is the safety net (a wake-up lost in a race costs at most that long) and keeps
-  the KV-event buffer fed. Each round reports the ended jobs to the observer.
+  ``PUMP_POLL_S`` is the safety net (a wake-up lost in a race costs at most that long). Each
+  round reports the ended jobs to the observer.
 - ``LeaseSweeper``: every ``lease_check_interval_s``, releases the leases of requests gone
   silent (``expire``, so a crashed engine cannot leak the pool), ends expired retentions
   (``Control.expire``), forgets KV caches whose lease lapsed, lets the service check for a
@@ -39,11 +39,9 @@ class CompletionPump:
         self,
         transfers: Callable[[], Transfers | None],
         observer: Observer,
-        drain_events: Callable[[], None],
     ) -> None:
         self._transfers = transfers
         self._observer = observer
-        self._drain_events = drain_events
         self._wakeup = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -67,7 +65,6 @@ class CompletionPump:
             self._wakeup.clear()
             try:
                 self.report_finished()
-                self._drain_events()
             except Exception:
                 log.exception("completion pump failed; retrying")
 
@@ -87,7 +84,6 @@ class LeaseSweeper:
         settings: Settings,
         manager: OffloadManager,
         transfers: Callable[[], Transfers | None],
-        drain_events: Callable[[], None],
         check_fatal: Callable[[], None],
         request_counts: RequestCounts | None,
         control: Control | None = None,
@@ -96,7 +92,6 @@ class LeaseSweeper:
         self._control = control
         self.manager = manager
         self._transfers = transfers
-        self._drain_events = drain_events
         self._check_fatal = check_fatal
         self._request_counts = request_counts
 
@@ -148,6 +143,4 @@ class LeaseSweeper:
                 message = "aborted stores not reported within the writer deadline; slots freed"
                 fields["abort_writer_deadline_s"] = s.abort_writer_deadline_s
             log.warning(message, extra={"fields": fields})
-        if released:
-            self._drain_events()
         return released

@@ -58,8 +58,6 @@ class CacheHints:
         movable = [k for k, t in zip(movable, taken, strict=True) if t]
         done = shared.manager.demote(movable) if movable else []
         shared.counts["demoted"] += len(done)
-        if done:
-            shared.on_event()
         return Hinted(done, kept)
 
     def drop(self, keys: Sequence[BlockKey], req_id: str) -> Hinted:
@@ -73,8 +71,6 @@ class CacheHints:
         movable, kept = shared.manager.sort_for_hint(keys)
         done = shared.manager.drop(movable) if movable else []
         shared.counts["dropped"] += len(done)
-        if done:
-            shared.on_event()
         return Hinted(done, kept)
 
     def metric_families(self) -> Iterator[Metric]:

@@ -37,7 +37,6 @@ class ControlShared:
         *,
         namespace: str,
         observer: Observer,
-        on_event: Callable[[], None],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
@@ -45,8 +44,6 @@ class ControlShared:
         self.manager = manager
         self.tiers = tiers
         self.namespace = namespace
-        #: Drains the service's events (a promotion or a hint changed the pool).
-        self.on_event = on_event
         #: The clock deadlines are read against.
         self.clock = clock
         #: Every room's counts (``/admin/v1/stats``' ``counts``, and the metrics' sources).

@@ -91,7 +91,6 @@ class DiskLink(LowerTier):
         read_blocks: int = 32,
         timeout_s: float = 10.0,
         hold_s: float = 60.0,
-        on_event: Callable[[], None] = lambda: None,
         on_io: OnIO | None = None,
         name: str = "disk",
     ) -> None:
@@ -104,9 +103,8 @@ class DiskLink(LowerTier):
         self.batch_blocks = batch_blocks
         self.read_blocks = read_blocks
         self.timeout_s = timeout_s
-        self._on_event = on_event
         self._on_io = on_io
-        self.promotions = Promotions(manager, hold_s=hold_s, on_event=on_event, tier=name)
+        self.promotions = Promotions(manager, hold_s=hold_s, tier=name)
         self._queue: collections.deque[tuple[BlockKey, int]] = collections.deque()
         self._wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -454,12 +452,10 @@ class DiskLink(LowerTier):
         self._count_dropped("write_failed", len(items) - len(done))
         if done:
             self.manager.record_event("stored", done, DISK_MEDIUM)
-            self._on_event()
 
     def _removed(self, keys: list[BlockKey], why: str) -> None:
         self.counts[why] += len(keys)
         self.manager.record_event("removed", keys, DISK_MEDIUM)
-        self._on_event()
 
     async def _probe_loop(self) -> None:
         while True:
@@ -638,7 +634,6 @@ class DiskBackend(TierBackend):
             read_blocks=per_batch,
             timeout_s=s.disk_timeout_s,
             hold_s=s.lease_ttl_s,
-            on_event=ctx.on_event,
             on_io=lambda op, sec, n, req: ctx.observer.tier_io(ctx.name, op, sec, n, req),
             name=ctx.name,
         )

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import difflib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client.metrics_core import Metric
@@ -91,14 +91,12 @@ class TierChain:
         settings: Settings,
         storage: str,
         *,
-        on_event: Callable[[], None],
         overrides: Mapping[str, TierBackend] | None = None,
     ) -> None:
         """``storage``: the namespace's storage identity. ``overrides``: backends to use
         instead of the registered ones of the same name (tests)."""
         self.settings = settings
         self.storage = storage
-        self._on_event = on_event
         known = {**backends(), **(overrides or {})}
         self.names = chain_order(settings, known)
         self._backends = [known[name] for name in self.names]
@@ -122,9 +120,7 @@ class TierChain:
         failure, those opened are closed again and the error raised."""
         try:
             for name, backend in zip(self.names, self._backends, strict=True):
-                ctx = TierContext(
-                    name, self.settings, pool, manager, self.storage, observer, self._on_event
-                )
+                ctx = TierContext(name, self.settings, pool, manager, self.storage, observer)
                 tier = await asyncio.to_thread(backend.open, ctx)
                 tier.start()
                 self.tiers.append(tier)

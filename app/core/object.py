@@ -298,7 +298,6 @@ class ObjectBackend(TierBackend):
             # (the doomed until their delete lands) and never pushes out a key still kept.
             tracked_blocks=2 * capacity + s.object_batch_blocks,
             removal_confirm_s=s.object_removal_confirm_s,
-            on_event=ctx.on_event,
             on_call=lambda op, sec, n, req: ctx.observer.tier_io(ctx.name, op, sec, n, req),
             name=ctx.name,
             capacity_blocks=capacity,

@@ -176,7 +176,7 @@ class Prefetches:
                 self._take(p, key)
         p.counts[HIT] = len(p.held)
         if below:
-            tasks = self.shared.promote(below, hits, lambda: self._landed(p))
+            self.shared.promote(below, hits, lambda: self._landed(p))
             for key in below:
                 if manager.slot_of(key) is not None and not manager.is_ready(key):
                     p.promoting.add(key)
@@ -186,8 +186,6 @@ class Prefetches:
             self._prefetch_keys += len(p.promoting)
             for key in p.promoting:
                 self._coming.setdefault(key, set()).add(p.prefetch_id)
-            if tasks:
-                self.shared.on_event()
         if not p.promoting:
             p.settled.set()
         results = [by_key[k] for k in keys]

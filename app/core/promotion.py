@@ -40,13 +40,10 @@ Read = Callable[[list[BlockKey], list[int], str], Awaitable[list[bool]]]
 class Promotions:
     """Promotions in flight and the holds they keep; see the module docstring."""
 
-    def __init__(
-        self, manager: OffloadManager, *, hold_s: float, on_event: Callable[[], None], tier: str
-    ) -> None:
+    def __init__(self, manager: OffloadManager, *, hold_s: float, tier: str) -> None:
         self.manager = manager
         self.hold_s = hold_s
         self.tier = tier
-        self._on_event = on_event
         self._held_for: dict[str, set[BlockKey]] = {}
         self._running: dict[str, set[asyncio.Task[None]]] = {}  # by the engine's request
         self._internal: dict[str, str] = {}  # internal request -> the engine's, in flight
@@ -80,8 +77,6 @@ class Promotions:
         if out is None or not out.keys_to_store:
             manager.on_request_finished(ctx)
             return None
-        if out.evicted_keys:
-            self._on_event()
         self.counts["promoted_keys"] += len(out.keys_to_store)
         reading = read(out.keys_to_store, out.slots, req_id)
         task = asyncio.get_running_loop().create_task(
@@ -160,7 +155,6 @@ class Promotions:
                     asyncio.get_running_loop().call_later(self.hold_s, self.let_go, req_id, held)
         except ManagerError:  # the request was forgotten meanwhile: its stores went with it
             self.counts["promoted_abandoned"] += len(good) + len(bad) - settled
-        self._on_event()
 
     def loaded(self, req_id: str, keys: Sequence[BlockKey]) -> None:
         """Request ``req_id`` pinned ``keys`` with its own load: promoted blocks among them

@@ -251,7 +251,6 @@ class RemoteLink(LowerTier):
         sweep_s: float = 10.0,
         tracked_blocks: int = 262144,
         removal_confirm_s: float = 120.0,
-        on_event: Callable[[], None] = lambda: None,
         on_call: Callable[[str, float, int, str | None], None] | None = None,
         name: str = "remote",
         pool: HostPool | None = None,
@@ -261,20 +260,18 @@ class RemoteLink(LowerTier):
         ``sweep_s``: every tracked key is asked about at least this often (0: no sweep; lookups
         still report the removals they see). ``tracked_blocks``: how many stored keys are
         tracked for removal. ``removal_confirm_s``: how long a key must keep being answered
-        "not held" before it is reported removed. ``on_event``: called after the manager got
-        a remote KV event (drain it). ``on_call(op, seconds, keys, req_id)``: each remote
-        call's latency. ``name``: the name the chain knows it by. ``pool``: the pool the
+        "not held" before it is reported removed. ``on_call(op, seconds, keys, req_id)``: each
+        remote call's latency. ``name``: the name the chain knows it by. ``pool``: the pool the
         manager's slots index, which queued blocks evicted before their put are copied out of,
         up to ``staging_bytes`` at a time (no pool or 0: such blocks are lost, counted
         ``gone_before_put``)."""
         self.name = name
-        self.promotions = Promotions(manager, hold_s=hold_s, on_event=on_event, tier=name)
+        self.promotions = Promotions(manager, hold_s=hold_s, tier=name)
         self.tier = tier
         self.manager = manager
         self.lookup_timeout_s = lookup_timeout_s
         self.queue_blocks = queue_blocks
         self.batch_blocks = batch_blocks
-        self._on_event = on_event
         self._on_call = on_call
         self._queue: collections.deque[BlockKey] = collections.deque()
         self._queued: set[BlockKey] = set()
@@ -563,7 +560,6 @@ class RemoteLink(LowerTier):
         if stored:
             manager.record_event("stored", stored, self.medium)
             self._track(stored)
-            self._on_event()
 
     def _unstage(self, key: BlockKey) -> bytes | None:
         """The staged copy of ``key``, let go of (None: none)."""
@@ -593,7 +589,6 @@ class RemoteLink(LowerTier):
     def _removed(self, keys: list[BlockKey]) -> None:
         self.counts["removed"] += len(keys)
         self.manager.record_event("removed", keys, self.medium)
-        self._on_event()
 
     async def sweep(self) -> int:
         """One tick of the sweep: ask the store about the slice of tracked keys due now
@@ -706,7 +701,6 @@ class RemoteBackend(TierBackend):
             sweep_s=s.remote_sweep_s,
             tracked_blocks=s.remote_tracked_blocks,
             removal_confirm_s=s.remote_removal_confirm_s,
-            on_event=ctx.on_event,
             on_call=lambda op, sec, n, req: ctx.observer.tier_io(ctx.name, op, sec, n, req),
             name=ctx.name,
             pool=ctx.pool,

@@ -99,7 +99,6 @@ class Retentions:
             hits = [k for k, s in zip(keys, results, strict=True) if s == HIT]
             tasks = self.shared.promote(below, hits, None)
             promoting = sum(1 for k in below if manager.slot_of(k) is not None) if tasks else 0
-            self.shared.on_event()
         self.shared.counts["retentions_created" if created else "retentions_renewed"] += 1
         return Retained(info, created, results, promoting)
 
@@ -199,9 +198,7 @@ class Retentions:
         manager = self.manager
         again = [k for k in tried if manager.slot_of(k) is None]
         if again:
-            tasks = self.shared.promote(again, [], None)
-            if tasks:
-                self.shared.on_event()
+            self.shared.promote(again, [], None)
 
     def retained_by_tier(self) -> dict[str, int]:
         """Retained blocks by where they are: ``pool`` (ready there), ``pending`` (a store or

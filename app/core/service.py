@@ -143,9 +143,10 @@ class Service:
         #: snapshots, lease expiry); engine-facing calls go through ``manager`` (observed).
         self.pool_manager = _pool_manager(settings, manager, clock)
         self._init_state()
-        self.tiers = TierChain(
-            settings, self.storage, on_event=self.drain_events, overrides=tier_backends
-        )
+        # Every event the manager emits, whichever call made it, reaches the routers' buffer
+        # and the publisher at once: nothing else has to remember to drain them.
+        self.pool_manager.set_event_sink(self.drain_events)
+        self.tiers = TierChain(settings, self.storage, overrides=tier_backends)
         self._init_telemetry(registry)
         self._init_rooms(clock)
 
@@ -206,17 +207,15 @@ class Service:
             self.tiers,
             namespace=self.namespace,
             observer=self.observer,
-            on_event=self.drain_events,
             clock=clock,
         )
         self.control = Control(shared)
         self.manager.load_listeners.append(self.control.loaded)
-        self.pump = CompletionPump(lambda: self._transfers, self.observer, self.drain_events)
+        self.pump = CompletionPump(lambda: self._transfers, self.observer)
         self.sweeper = LeaseSweeper(
             settings,
             manager,
             lambda: self._transfers,
-            self.drain_events,
             self._check_fatal,
             self.request_counts,
             self.control,
@@ -227,7 +226,6 @@ class Service:
             self.observer,
             self.shadow,
             transfers=self.running_transfers,
-            drain_events=self.drain_events,
             namespace=self.namespace,
         )
 
@@ -300,7 +298,6 @@ class Service:
             await self.tiers.close()
             for record in await self._transfers.close():
                 self.observer.transfer_done(record)
-            self.drain_events()
             self.state = "stopped"
             log.info("service stopped", extra={"fields": {"namespace": self.namespace}})
 

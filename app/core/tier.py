@@ -42,7 +42,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,8 +68,9 @@ class TierContext:
     """What a backend's ``open`` gets: the name the chain opens it under (its lookup state,
     stats key and metric label), the settings, the running pool and its manager, the
     namespace's storage identity (``app.core.storage``: every tier keeps its blocks under it, so
-    a namespace given to another tenant finds none of the old owner's), the observer, and
-    ``on_event``, to call after the tier recorded KV events in the manager."""
+    a namespace given to another tenant finds none of the old owner's), and the observer. KV
+    events a tier records in the manager (``record_event``) reach the routers through the
+    manager's event sink: there is nothing to call after them."""
 
     name: str
     settings: Settings
@@ -77,7 +78,6 @@ class TierContext:
     manager: OffloadManager
     storage: str
     observer: Observer
-    on_event: Callable[[], None]
 
 
 def dropped_by_reason(counts: Mapping[str, int]) -> dict[str, int]:

@@ -48,7 +48,6 @@ def control_of(max_retained: int) -> tuple[Control, OffloadManager, NoRoomTier]:
             cast(TierChain, tier),
             namespace="default",
             observer=Observer(None),
-            on_event=lambda: None,
         )
     )
     return control, manager, tier

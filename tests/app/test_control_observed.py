@@ -28,12 +28,10 @@ class Recording(Observer):
 def test_each_verb_is_counted_once_for_its_request_and_its_errors_as_errors() -> None:
     manager = create_manager(num_blocks=8)
     settings = Settings(num_blocks=8)
-    tiers = TierChain(settings, "default", on_event=lambda: None)
+    tiers = TierChain(settings, "default")
     observer = Recording()
     control = Control(
-        ControlShared(
-            settings, manager, tiers, namespace="default", observer=observer, on_event=lambda: None
-        )
+        ControlShared(settings, manager, tiers, namespace="default", observer=observer)
     )
     keys = [bytes([i]) * 8 for i in range(3)]
     ctx = ReqContext("w")

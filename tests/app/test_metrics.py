@@ -99,12 +99,8 @@ OBJECT_REPORT = TierReport(
 def _control(m: OffloadManager) -> Control:
     """Cache control over ``m`` with no tier below (its families as a scrape reads them)."""
     settings = Settings(num_blocks=m.num_blocks)
-    tiers = TierChain(settings, "default", on_event=lambda: None)
-    return Control(
-        ControlShared(
-            settings, m, tiers, namespace="default", observer=Observer(None), on_event=lambda: None
-        )
-    )
+    tiers = TierChain(settings, "default")
+    return Control(ControlShared(settings, m, tiers, namespace="default", observer=Observer(None)))
 
 
 def snapshot_of(

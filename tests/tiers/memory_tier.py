@@ -50,9 +50,7 @@ class MemoryTier(LowerTier):
         self.ctx = ctx
         self.capacity = capacity
         self.blocks = STORES.setdefault(ctx.storage, collections.OrderedDict())
-        self.promotions = Promotions(
-            ctx.manager, hold_s=ctx.settings.lease_ttl_s, on_event=ctx.on_event, tier=ctx.name
-        )
+        self.promotions = Promotions(ctx.manager, hold_s=ctx.settings.lease_ttl_s, tier=ctx.name)
         self._down = False
         self._since = time.time()
         self.counts: collections.Counter[str] = collections.Counter()
@@ -124,7 +122,6 @@ class MemoryTier(LowerTier):
 
     def _stored_event(self, keys: list[BlockKey]) -> None:
         self.ctx.manager.record_event("stored", keys, MEDIUM)
-        self.ctx.on_event()
 
     async def found(self, keys: Sequence[BlockKey], req_id: str | None) -> list[bool]:
         if self.down:

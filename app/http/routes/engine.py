@@ -402,7 +402,6 @@ async def events(
     limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
 ) -> Response:
     service = service_of(request)
-    service.drain_events()
     page = service.events.page(after, limit)
     return json_response(
         json.dumps(
