@@ -59,8 +59,9 @@ class EventsRoom(PoolState):
     def set_event_sink(self, sink: Callable[[], None] | None) -> None:
         """Call ``sink()`` after each event joins the stream, whichever call made it, so that
         its reader (``take_events``) hears of it at once and nobody has to remember to look.
-        ``sink`` may call ``take_events`` and nothing else of the manager (it runs inside the
-        call that emitted). None: no sink."""
+        ``sink`` may call ``take_events`` and nothing else of the manager, and must not raise:
+        it runs inside the call that emitted, which a raise would leave half done. None: no
+        sink."""
         self._event_sink = sink
 
     def add_chain_listener(self, listener: ChainListener) -> None:

@@ -79,8 +79,8 @@ class Control:
     room's; this class composes them and answers what spans them (``state``, the metrics)."""
 
     def __init__(self, shared: ControlShared) -> None:
-        """Cache control over ``shared`` (the namespace's settings, manager, tiers, observer,
-        event drain and clock, which every room reads)."""
+        """Cache control over ``shared`` (the namespace's settings, manager, tiers, observer
+        and clock, which every room reads)."""
         self.shared = shared
         self.settings = shared.settings
         self.observer = shared.observer

@@ -19,8 +19,9 @@ Contract:
   metadata), encoding, sending and replay run on the publisher's own thread, so an engine call
   pays for none of them; a slow or absent subscriber costs only its own messages (ZMQ's
   high-water mark drops them). The thread reads ``BlockMetadata`` while the loop writes it:
-  each read is one C-level dict operation under the GIL, and a batch converted late reads the
-  newest word on its keys.
+  each dict operation is atomic under the GIL and the generations are taken once per read, so
+  a generation turning old meanwhile only makes a key read as forgotten (its event carries the
+  hash alone), and a batch converted late reads the newest word on its keys.
 - **Media routers index.** ``ROUTER_MEDIA``: the pool is ``CPU``, the disk tier ``DISK``, the
   remote tier ``REMOTE``, the object tier ``STORAGE`` (the pull feed's ``OBJECT``, a name no
   router indexes).
@@ -212,7 +213,7 @@ class BlockMetadata:
         if picked is not None:
             tokens = _pick(picked, list(tokens)) if raw else tokens
             parents = _pick(picked, parents)
-        values = zip(tokens, itertools.repeat(size), parents)
+        values = zip(tokens, itertools.repeat(size if raw else 0), parents)
         entries: Iterator[tuple[BlockKey, _Entry]] = zip(noted, values, strict=True)
         cap = self.capacity
         if len(noted) > cap:  # only the newest ``cap`` of one call
@@ -477,17 +478,20 @@ class KVEventPublisher:
         holds anything of it from this process, and a router that indexes the node as one
         instance (Dynamo) would forget every other namespace's blocks at that clear. A
         namespace this process served before (removed or moved, then added again) keeps its
-        opening clear: routers may still hold its old blocks."""
+        opening clear: routers may still hold its old blocks. The opening clear is the one
+        numbered 0 (``Service.start``'s), wherever it comes: events drained before the start
+        cannot let it through."""
         topic = self.topic(namespace)
         drop_opening = self._started and namespace not in self._namespaces
         self._namespaces.add(namespace)
 
         def offer(events: Sequence[KVEvent]) -> None:
             nonlocal drop_opening
-            if drop_opening:  # the first batch only
-                drop_opening = False
-                if events and isinstance(events[0], AllBlocksCleared):
-                    events = events[1:]
+            if drop_opening:
+                kept = [e for e in events if not (isinstance(e, AllBlocksCleared) and e.seq == 0)]
+                if len(kept) < len(events):
+                    drop_opening = False
+                    events = kept
                     if not events:
                         return
             self._put(_Batch(topic, time.time(), events, meta))
@@ -544,13 +548,15 @@ class KVEventPublisher:
         """The batches queued so far, in order, consecutive batches of one topic merged into one
         (the first one's time stamp)."""
         pending, merged = self._pending, list[_Batch]()
+        # A batch comes from every event the manager emits: a window holds many, merged into
+        # one list per run of one topic (extended in place, not copied at each batch).
         while pending:
             batch = pending.popleft()
             last = merged[-1] if merged else None
             if last is not None and last.topic == batch.topic and last.meta is batch.meta:
-                merged[-1] = last._replace(events=[*last.events, *batch.events])
+                cast("list[KVEvent]", last.events).extend(batch.events)
             else:
-                merged.append(batch)
+                merged.append(batch._replace(events=list(batch.events)))
         return merged
 
     def _send(self, pack: Any, topic: bytes, ts: float, events: list[WireEvent]) -> None:

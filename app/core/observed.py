@@ -25,7 +25,8 @@ is coming (``Bringing``).
 Adding a request-scoped manager op: one method here (call, observe), one observer method.
 
 ``observed`` and ``observed_await`` are the one way a raise becomes an op's ``error`` in the
-core: ``ObservedManager`` and cache control (``app.core.control``) both count through them.
+core: ``ObservedManager`` and cache control's rooms (``retentions``, ``prefetches``,
+``cache_hints``) count through them.
 """
 
 from __future__ import annotations

@@ -371,7 +371,12 @@ class Service:
         if events:
             self.events.extend(events)
             if self.on_events is not None:
-                self.on_events(events)
+                # This runs inside the manager call that emitted them (its event sink): a
+                # publisher that raised must not leave that call half done.
+                try:
+                    self.on_events(events)
+                except Exception:
+                    log.exception("KV events not handed to the publisher")
 
     def note_blocks(
         self,

@@ -127,6 +127,8 @@ def test_stored_keys_that_are_not_the_offers_tail_get_their_own_tokens_and_paren
     assert meta.get(K[1]) is None
     meta.note(K[:3], None, None, None, stored=[K[1]])  # one key picked, no tokens
     assert meta.get(K[1]) == BlockInfo((), 0, K[0])
+    meta.note(K[4:5], None, 16, None)  # a block size without tokens says nothing of them
+    assert meta.get(K[4]) == BlockInfo((), 0, None)
 
 
 def test_metadata_keeps_at_least_the_newest_capacity_keys_and_at_most_twice_that():
@@ -338,6 +340,9 @@ def test_a_namespace_a_reload_adds_opens_without_a_clear_one_served_before_with_
         added([BlockStored(1, K[:1])])
         added([AllBlocksCleared(2)])  # a later clear (an operator's) goes out
         again([AllBlocksCleared(0)])
+        late = pub.sink("c1", None)  # added too, its stores drained before its start's clear
+        late([BlockStored(1, K[:1])])
+        late([AllBlocksCleared(0)])
         pub.sink("end", None)([BlockStored(3, K[:1])])
         seen: dict[bytes, list[str]] = {}
         while True:
@@ -350,6 +355,7 @@ def test_a_namespace_a_reload_adds_opens_without_a_clear_one_served_before_with_
         assert seen == {
             b"a1": ["AllBlocksCleared", "AllBlocksCleared"],
             b"b1": ["BlockStored", "AllBlocksCleared"],
+            b"c1": ["BlockStored"],
         }
     finally:
         pub.close()
@@ -519,3 +525,23 @@ def test_a_namespace_of_another_tenant_gets_no_sink(tmp_path):
     assert theirs.on_events is None
     assert theirs.block_meta is None
     pub.close()
+
+
+def test_a_publisher_that_raises_leaves_the_manager_call_whole(caplog):
+    from app.core.service import Service
+    from manager import ReqContext
+
+    service = Service(Settings(num_blocks=4, metrics_enabled=False))
+
+    def broken(events: Any) -> None:
+        raise RuntimeError("publisher bug")
+
+    service.on_events = broken
+    m, ctx = service.pool_manager, ReqContext("r")
+    m.on_new_request(ctx)
+    m.prepare_store(K[:2], ctx)
+    m.complete_store(K[:2], ctx)
+    assert all(m.is_ready(k) for k in K[:2])
+    assert m.stats().ready == 2
+    assert [type(e) for e in service.events.page(0, 10).events] == [BlockStored]
+    assert "KV events not handed to the publisher" in caplog.text

@@ -83,6 +83,20 @@ def test_events_about_another_medium_join_the_numbered_stream() -> None:
         m.record_event("moved", [b"a"], REMOTE_MEDIUM)
 
 
+def test_the_event_sink_hears_of_each_event_as_it_joins_and_may_take_it() -> None:
+    m = create_manager(2)
+    taken: list[list[type]] = []
+    m.set_event_sink(lambda: taken.append([type(e) for e in m.take_events()]))
+    stored(m, "w", [b"a", b"b"])
+    stored(m, "v", [b"c"])  # evicts one: removed, then stored, each heard on its own
+    assert taken == [[BlockStored], [BlockRemoved], [BlockStored]]
+    assert m.take_events() == []
+    m.set_event_sink(None)
+    m.record_event("stored", [b"c"], REMOTE_MEDIUM)
+    assert len(taken) == 3
+    assert [type(e) for e in m.take_events()] == [BlockStored]
+
+
 def test_new_pins_counts_distinct_blocks_nobody_pins_yet() -> None:
     m = create_manager(4)
     stored(m, "w", [b"a", b"b", b"c"])
