@@ -586,8 +586,8 @@ async def test_promotion_while_the_disk_evicts_under_store_pressure(tmp_path: Pa
         await until_async("no_room", no_room)
         gate.set()
 
-        async def hit() -> bool:
-            return await lookup(h, "r", [k]) == ["hit"]
+        async def hit() -> bool:  # both reads up: K's and the others' (their own promotion)
+            return await lookup(h, "r", [k, *rest]) == ["hit"] * (1 + len(rest))
 
         await until_async("hit", hit)
         for req, ks in (("r", [k]), ("r2", rest)):
