@@ -70,6 +70,23 @@ class LoadsRoom(RequestsRoom):
         self._lookup_miss += n - hits - pending
         return LookupOutput(results, prefix)
 
+    def peek(self, keys: Sequence[BlockKey]) -> list[LookupResult]:
+        """Each key's state, as ``lookup`` finds it, for no request and counted nowhere (a
+        read, for cache control); per key in C unless a key's store is in flight."""
+        try:
+            resident = list(map(self._slot.__contains__, keys))
+        except TypeError:
+            raise bad_key(keys) from None
+        if not all(resident):
+            check_keys(keys)
+        in_flight = self._pending
+        if not in_flight or in_flight.isdisjoint(keys):
+            return list(map(_READY_OR_MISS.__getitem__, resident))
+        return [
+            (PENDING if k in in_flight else HIT) if r else MISS
+            for k, r in zip(keys, resident, strict=True)
+        ]
+
     def prepare_load(self, keys: Sequence[BlockKey], ctx: ReqContext) -> list[int]:
         """Pin every key (ref count +1 per occurrence) and return their slots, in order.
 

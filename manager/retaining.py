@@ -29,8 +29,11 @@ class RetainingRoom(EventsRoom):
         added = self._retentions.add(name, keys, ttl_s, self._clock())
         if added.created:
             self._retentions_started += 1
-        slot_of, in_flight = self._slot, self._pending
-        ready = [k for k in added.newly_retained if k in slot_of and k not in in_flight]
+        newly = added.newly_retained
+        ready_set = self._slot.keys() & newly
+        ready_set -= self._pending
+        # Their order, without a test per key when all are ready (the common case).
+        ready = newly if len(ready_set) == len(newly) else [k for k in newly if k in ready_set]
         if ready:
             self._policy.remove(ready)
             self._kept.update(ready)

@@ -29,6 +29,7 @@ Contract:
 
 from __future__ import annotations
 
+import itertools
 import math
 from array import array
 from collections.abc import Iterable, Sequence
@@ -113,8 +114,7 @@ class RetentionTable:
     def new_keys(self, name: str, keys: Iterable[BlockKey]) -> int:
         """How many distinct keys of ``keys`` no retention names yet, and ``name`` would
         add (what ``add`` would add to ``len(ids)``); changes nothing."""
-        ids = self.ids
-        return sum(1 for k in dict.fromkeys(keys) if k not in ids)
+        return len(dict.fromkeys(keys).keys() - self.ids.keys())
 
     def new_references(self, name: str, keys: Iterable[BlockKey]) -> int:
         """How many distinct keys of ``keys`` retention ``name`` does not name yet (what
@@ -146,20 +146,43 @@ class RetentionTable:
             added = [k for k in distinct if ids.get(k) not in mine]
         fresh: list[BlockKey] = []
         named = rec.ids
-        for key in added:
-            i = ids.get(key)
-            if i is None:
-                i = self._new_id(key)
-                fresh.append(key)
-            else:
-                refs[i] += 1
-            named.append(i)
+        if ids.keys().isdisjoint(added):
+            # Every key new to the table (the common case): ids handed out in bulk.
+            fresh = added
+            named.extend(self._new_ids(added))
+        else:
+            for key in added:
+                i = ids.get(key)
+                if i is None:
+                    i = self._new_id(key)
+                    fresh.append(key)
+                else:
+                    refs[i] += 1
+                named.append(i)
         self.references += len(added)
         if len(ids) > self._peak:
             self._peak = len(ids)
         rec.ttl_s = ttl
         rec.expires_at = now + ttl
         return Added(name, created, added, fresh)
+
+    def _new_ids(self, keys: list[BlockKey]) -> list[int]:
+        """``_new_id`` of each key, in order (the same ids), without a call per key."""
+        free = self._free_ids
+        reused = free[: -len(keys) - 1 : -1]  # taken off the end, as ``pop`` takes them
+        if reused:
+            del free[-len(reused) :]
+        key_of, refs = self._key_of, self._refs
+        for i, key in zip(reused, keys, strict=False):
+            key_of[i] = key
+            refs[i] = 1
+        start = len(key_of)
+        rest = keys[len(reused) :]
+        key_of.extend(rest)
+        refs.extend(itertools.repeat(1, len(rest)))
+        out = reused + list(range(start, start + len(rest)))
+        self.ids.update(zip(keys, out, strict=True))
+        return out
 
     def _new_id(self, key: BlockKey) -> int:
         if self._free_ids:
@@ -227,8 +250,8 @@ class RetentionTable:
 
     def keys_of(self, name: str) -> list[BlockKey]:
         """The keys retention ``name`` names, head to tail."""
-        key_of = self._key_of
-        return [k for i in self._get(name).ids if (k := key_of[i]) is not None]
+        # A live retention's ids are never free: each names its key (mapped in C).
+        return list(map(self._key_of.__getitem__, self._get(name).ids))  # type: ignore[arg-type]
 
     def info(
         self, name: str, now: float, in_pool: int, *, added: int = 0, created: bool = False

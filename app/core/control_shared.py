@@ -19,10 +19,11 @@ from collections.abc import Callable, Sequence
 from app.core.lower_tiers import TierChain
 from app.settings import Settings
 from app.telemetry.observer import Observer
-from manager import BlockKey, InvalidArgumentError, OffloadManager
+from manager import BlockKey, InvalidArgumentError, LookupResult, OffloadManager
 from manager.retention import check_ttl
 
 HIT, PENDING, MISS, REFUSED = "hit", "pending", "miss", "refused"
+_NAMES = {LookupResult.HIT: HIT, LookupResult.PENDING: PENDING, LookupResult.MISS: None}
 
 
 class ControlShared:
@@ -54,15 +55,8 @@ class ControlShared:
     async def states(self, keys: Sequence[BlockKey], req_id: str) -> list[str | None]:
         """Per key: ``hit`` (ready in the pool), ``pending`` (a store or promotion in
         flight), the name of the first tier below that holds it, or None (nowhere)."""
-        manager = self.manager
-        out: list[str | None] = []
-        below: list[int] = []
-        for i, key in enumerate(keys):
-            if manager.slot_of(key) is None:
-                out.append(None)
-                below.append(i)
-            else:
-                out.append(HIT if manager.is_ready(key) else PENDING)
+        out: list[str | None] = list(map(_NAMES.__getitem__, self.manager.peek(keys)))
+        below = [i for i, s in enumerate(out) if s is None] if None in out else []
         if below and self.tiers:
             found = await self.tiers.found([keys[i] for i in below], req_id)
             for i, tier in zip(below, found, strict=True):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
@@ -81,19 +82,21 @@ class Retentions:
             raise InvalidArgumentError("keys: at least one key to retain")
         states = await self.shared.states(keys, req_id)
         # From here on, no await: the checks and the change are one step.
-        unknown = [k for k, s in zip(keys, states, strict=True) if s is None]
-        if unknown:
+        if None in states:
+            unknown = [k for k, s in zip(keys, states, strict=True) if s is None]
             raise UnknownKeysError(unknown[:8], len(unknown))
         self._check_bounds(keys, name)
         info = manager.retain(keys, ttl, name)
         created = info.created
-        results = [s for s in states if s is not None]
-        below = [k for k, s in zip(keys, results, strict=True) if s not in (HIT, PENDING)]
-        if len(self._below) + len(below) > 2 * self.max_retained:
-            self._prune_below()
-        for key, where in zip(keys, results, strict=True):
-            if where not in (HIT, PENDING):
-                self._below[key] = where
+        results = cast(list[str], states)
+        below: list[BlockKey] = []
+        if states.count(HIT) + states.count(PENDING) < len(states):  # some below the pool
+            below = [k for k, s in zip(keys, results, strict=True) if s not in (HIT, PENDING)]
+            if len(self._below) + len(below) > 2 * self.max_retained:
+                self._prune_below()
+            for key, where in zip(keys, results, strict=True):
+                if where not in (HIT, PENDING):
+                    self._below[key] = where
         promoting = 0
         if below:
             hits = [k for k, s in zip(keys, results, strict=True) if s == HIT]

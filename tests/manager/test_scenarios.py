@@ -1109,3 +1109,19 @@ def test_expiry_keeps_the_slots_of_a_request_whose_copy_is_still_writing() -> No
     pool.m.complete_store([key(0)], ctx, success=True)  # the copy reports: slot freed
     stats = pool.m.stats()
     assert (stats.free, stats.pending, stats.live_requests) == (2, 0, 0)
+
+
+def test_peek_answers_what_lookup_answers_and_counts_nothing() -> None:
+    m = create_manager(8)
+    ctx = ReqContext("r")
+    m.on_new_request(ctx)
+    m.prepare_store(keys(0, 4), ctx)
+    m.complete_store(keys(0, 2), ctx)
+    probe = [key(3), key(0), key(9), key(1), key(2)]
+    before = m.stats()
+    assert m.peek(probe) == [PENDING, HIT, MISS, HIT, PENDING]
+    assert m.peek(keys(0, 2)) == [HIT, HIT]  # no store in flight among them: mapped in C
+    assert m.stats() == before
+    assert m.peek(probe) == m.lookup(probe, ctx).results
+    with pytest.raises(InvalidArgumentError):
+        m.peek([b""])
