@@ -28,6 +28,10 @@ Primitives (all batch-native, all carrying a ``ReqContext``):
   now, through the eviction listeners (a lower tier takes them).
 - ``take_events()``: KV events since the last call, drained once, in order; ``set_event_sink``
   names a callback told of each event as it joins (its reader drains them there).
+- ``touch_steps``, ``complete_store_steps``, ``prepare_store_steps``, ``drop_steps``: the
+  same verbs in steps of a bounded number of keys, for a caller that gives way between them
+  (``manager.steps``); ``suspend(rest)`` / ``resume()``: between two steps, any other entry first
+  runs the rest (``manager.suspend``), so that to everyone else such a call is one.
 - ``switch_policy(name, params)``: rebuild a new policy from the resident blocks, coldest first;
   block state is untouched and no block is lost. ``reset()``: drop every ready block that is
   neither pinned nor retained.
@@ -49,7 +53,8 @@ store offer being served; retained ready blocks are not in the policy at all. In
 ``free + pending + ready == num_blocks``, where *pending* also counts the reserved slots of
 dropped in-flight stores.
 
-Not thread-safe: the service calls it from one event loop, each call runs to completion.
+Not thread-safe: the service calls it from one event loop, each call runs to completion (a
+call in steps, to completion before anyone else's).
 """
 
 from __future__ import annotations
@@ -67,11 +72,13 @@ from manager.slots import DEFAULT_MAX_EVENTS as DEFAULT_MAX_EVENTS
 from manager.slots import ChainListener as ChainListener
 from manager.slots import Clock as Clock
 from manager.slots import EvictionListener as EvictionListener
+from manager.steps import StepsRoom
 from manager.stores import StoresRoom
+from manager.suspend import SuspendRoom
 from manager.switch import SwitchRoom
 
 
-class OffloadManager(RetainingRoom, StoresRoom, LoadsRoom, SwitchRoom):
+class OffloadManager(RetainingRoom, StepsRoom, StoresRoom, LoadsRoom, SwitchRoom, SuspendRoom):
     """Bookkeeping of the host pool; see the module docstring for the contract.
 
     Assembled from rooms, each a class over the state in ``manager.slots`` (``PoolState``: the
@@ -79,7 +86,9 @@ class OffloadManager(RetainingRoom, StoresRoom, LoadsRoom, SwitchRoom):
     ``manager.events`` (KV events, listeners), ``manager.requests`` (requests and leases),
     ``manager.switch`` (policy switch, ``reset``, ``drop``, ``stats``), ``manager.loads``
     (``lookup``, ``prepare_load``, ``complete_load``, ``touch``), ``manager.stores``
-    (``prepare_store``, ``complete_store``) and ``manager.retaining`` (retentions, ``demote``).
+    (``prepare_store``, ``complete_store``), ``manager.retaining`` (retentions, ``demote``),
+    ``manager.steps`` (the large write verbs in steps) and ``manager.suspend`` (a caller's
+    steps kept whole to everyone else).
     A room's bases are the rooms whose methods it calls. No room overrides another's method,
     so the order of the bases decides nothing.
     """

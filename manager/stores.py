@@ -38,6 +38,19 @@ class StoresRoom(RequestsRoom, EventsRoom):
         # changes nothing, making room either succeeds whole or changes nothing, and only then
         # are the offers counted and the slots reserved, which cannot fail.
         new_keys, protected, chain, reused = self._sort_offer(keys)
+        made = self._room_for(new_keys, protected)
+        if made is None:
+            return None
+        admitted, skipped, victims = made
+        slots = self._reserve(req, admitted, chain)
+        return self._prepared(admitted, slots, victims, skipped, reused)
+
+    def _room_for(
+        self, new_keys: list[BlockKey], protected: set[BlockKey]
+    ) -> tuple[list[BlockKey], list[BlockKey], list[BlockKey]] | None:
+        """Admit the offer's ``new_keys`` (the reuse filter) and make room for them:
+        ``(admitted, skipped, victims)``, or ``None`` (counted as refused) and nothing changed
+        when no room can be made."""
         admitted = new_keys
         skipped: list[BlockKey] = []
         if self._reuse is not None and new_keys:
@@ -48,7 +61,17 @@ class StoresRoom(RequestsRoom, EventsRoom):
             return None
         if self._reuse is not None and new_keys:
             self._reuse.record(new_keys)
-        slots = self._reserve(req, admitted, chain)
+        return admitted, skipped, victims
+
+    def _prepared(
+        self,
+        admitted: list[BlockKey],
+        slots: list[int],
+        victims: list[BlockKey],
+        skipped: list[BlockKey],
+        reused: int,
+    ) -> PrepareStoreOutput:
+        """A store offer's counts, and its answer."""
         self._stores_prepared += len(slots)
         self._stores_reused += reused
         self._stores_skipped += len(skipped)
@@ -148,22 +171,32 @@ class StoresRoom(RequestsRoom, EventsRoom):
         There must be at least ``len(admitted)`` free slots. The offer's ``chain`` joins the
         request's chain (the order its blocks are reordered in when the request ends).
         """
+        slots = self._take_slots(req, admitted)
+        self._join_chain(req, chain)
+        return slots
+
+    def _take_slots(self, req: RequestRecord, admitted: list[BlockKey]) -> list[int]:
+        """A free slot for each admitted key, as a store pending for ``req``; the slots."""
         count = len(admitted)
-        slots: list[int] = []
-        if count:
-            # Slots come off the top of the free stack as one reversed slice (top first), not
-            # one pop per key.
-            free = self._free
-            slots = free[: -count - 1 : -1]
-            del free[-count:]
-            self._slot.update(zip(admitted, slots, strict=True))
-            self._pending.update(admitted)
-            req.pending.update(admitted)
+        if not count:
+            return []
+        # Slots come off the top of the free stack as one reversed slice (top first), not one
+        # pop per key.
+        free = self._free
+        slots = free[: -count - 1 : -1]
+        del free[-count:]
+        self._slot.update(zip(admitted, slots, strict=True))
+        self._pending.update(admitted)
+        req.pending.update(admitted)
+        return slots
+
+    @staticmethod
+    def _join_chain(req: RequestRecord, chain: dict[BlockKey, None]) -> None:
+        """The call's ``chain`` (a fresh dict nobody else holds) joins the request's."""
         if req.keys:
             req.keys.update(chain)
         else:
-            req.keys = chain  # a fresh dict nobody else holds: adopted instead of copied
-        return slots
+            req.keys = chain  # adopted instead of copied
 
     def complete_store(
         self, keys: Sequence[BlockKey], ctx: ReqContext, success: bool = True

@@ -98,7 +98,8 @@ class SwitchRoom(EventsRoom):
         rest -= retained
         pinned = rest & self._refs.keys()
         rest -= pinned
-        movable = [k for k in chain if k in rest]
+        # Every named key movable (the common hint): their order without a per-key test.
+        movable = list(chain) if len(rest) == len(chain) else [k for k in chain if k in rest]
         kept = {
             "pinned": len(pinned),
             "retained": len(retained),

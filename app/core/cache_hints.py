@@ -7,7 +7,7 @@ block is never reported moved while held nowhere. Each call is counted for its r
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily
@@ -15,7 +15,7 @@ from prometheus_client.metrics_core import Metric
 
 from app.core.control_shared import ControlShared
 from app.core.errors import NoLowerTierError
-from app.core.observed import observed
+from app.core.observed import STEP_KEYS, observed, observed_steps
 from app.telemetry.metrics import PREFIX
 from manager import BlockKey
 
@@ -65,6 +65,15 @@ class CacheHints:
         out = observed(self.shared.observer, "drop", req_id, self._drop, keys)
         self.shared.observer.op("drop", req_id)
         return out
+
+    def drop_steps(self, keys: Sequence[BlockKey], req_id: str) -> Generator[None, None, Hinted]:
+        """``drop`` in steps of ``STEP_KEYS`` (``manager.steps``)."""
+        shared = self.shared
+        steps = shared.manager.drop_steps(keys, STEP_KEYS)
+        done, kept = yield from observed_steps(shared.observer, "drop", req_id, steps)
+        shared.counts["dropped"] += len(done)
+        shared.observer.op("drop", req_id)
+        return Hinted(done, kept)
 
     def _drop(self, keys: Sequence[BlockKey]) -> Hinted:
         shared = self.shared

@@ -42,7 +42,7 @@ changes nothing. Each verb's call is counted for its request id (``Observer.op``
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 
 from prometheus_client.metrics_core import Metric
 
@@ -186,6 +186,10 @@ class Control:
     def drop(self, keys: Sequence[BlockKey], req_id: str) -> Hinted:
         """``CacheHints.drop``: remove the movable ``keys`` from the pool now."""
         return self.hints.drop(keys, req_id)
+
+    def drop_steps(self, keys: Sequence[BlockKey], req_id: str) -> Generator[None, None, Hinted]:
+        """``CacheHints.drop_steps``: ``drop`` in steps."""
+        return self.hints.drop_steps(keys, req_id)
 
     # ------------------------------------------------------------------ lifecycle, telemetry
 

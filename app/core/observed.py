@@ -32,7 +32,7 @@ core: ``ObservedManager`` and cache control's rooms (``retentions``, ``prefetche
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from structlog.contextvars import bind_contextvars
@@ -55,12 +55,27 @@ from manager import (
 
 T = TypeVar("T")
 
+#: Keys a step of a large call handles (``*_steps``): about a quarter of a millisecond of the
+#: served process's loop (each of its C-level passes over the keys, a part at a time).
+STEP_KEYS = 512
+
 
 def observed(observer: Observer, op: str, req_id: str, call: Callable[..., T], *args: Any) -> T:
     """``call(*args)``; a raise is counted as ``op``'s error of ``req_id`` (``Observer.failed``)
     and re-raised unchanged. Success is the caller's to count (each op says it its own way)."""
     try:
         return call(*args)
+    except Exception:
+        observer.failed(op, req_id)
+        raise
+
+
+def observed_steps(
+    observer: Observer, op: str, req_id: str, steps: Generator[None, None, T]
+) -> Generator[None, None, T]:
+    """``steps`` run; a raise is counted as ``observed`` counts it, and re-raised unchanged."""
+    try:
+        return (yield from steps)
     except Exception:
         observer.failed(op, req_id)
         raise
@@ -205,6 +220,12 @@ class ObservedManager:
         self._call("touch", ctx.req_id, self.manager.touch, keys, ctx)
         self.observer.op("touch", ctx.req_id)
 
+    def touch_steps(self, keys: Sequence[BlockKey], ctx: ReqContext) -> Generator[None, None, None]:
+        """``touch`` in steps of ``STEP_KEYS`` (``manager.steps``)."""
+        steps = self.manager.touch_steps(keys, ctx, STEP_KEYS)
+        yield from observed_steps(self.observer, "touch", ctx.req_id, steps)
+        self.observer.op("touch", ctx.req_id)
+
     def complete_load(
         self, keys: Sequence[BlockKey], ctx: ReqContext, *, by_engine: bool = False
     ) -> None:
@@ -217,6 +238,19 @@ class ObservedManager:
     def prepare_store(self, keys: Sequence[BlockKey], ctx: ReqContext) -> PrepareStoreOutput:
         """Reserve slots for the new keys; ``NoSpaceError`` when no room can be made."""
         out = self._call("prepare_store", ctx.req_id, self.manager.prepare_store, keys, ctx)
+        return self._prepared(keys, ctx, out)
+
+    def prepare_store_steps(
+        self, keys: Sequence[BlockKey], ctx: ReqContext
+    ) -> Generator[None, None, PrepareStoreOutput]:
+        """``prepare_store`` in steps of ``STEP_KEYS`` (``manager.steps``)."""
+        steps = self.manager.prepare_store_steps(keys, ctx, STEP_KEYS)
+        out = yield from observed_steps(self.observer, "prepare_store", ctx.req_id, steps)
+        return self._prepared(keys, ctx, out)
+
+    def _prepared(
+        self, keys: Sequence[BlockKey], ctx: ReqContext, out: PrepareStoreOutput | None
+    ) -> PrepareStoreOutput:
         self.tiers.asked(keys, ctx.req_id)
         self.observer.prepare_store(ctx.req_id, len(keys), out)
         if out is None:
@@ -249,6 +283,17 @@ class ObservedManager:
             bind_contextvars(req_id=safe_req_id(ctx.req_id))
         complete = self.manager.complete_store
         out = self._call("complete_store", ctx.req_id, complete, keys, ctx, success)
+        return self._completed(ctx, out)
+
+    def complete_store_steps(
+        self, keys: Sequence[BlockKey], ctx: ReqContext, success: bool
+    ) -> Generator[None, None, CompleteStoreOutput]:
+        """An engine's ``complete_store`` in steps of ``STEP_KEYS`` (``manager.steps``)."""
+        steps = self.manager.complete_store_steps(keys, ctx, success, STEP_KEYS)
+        out = yield from observed_steps(self.observer, "complete_store", ctx.req_id, steps)
+        return self._completed(ctx, out)
+
+    def _completed(self, ctx: ReqContext, out: CompleteStoreOutput) -> CompleteStoreOutput:
         self.observer.complete_store(ctx.req_id, out)
         if out.completed:
             self.tiers.stored(out.completed)

@@ -12,21 +12,23 @@ Answers are encoded here, by hand for the hot ones (``lookup``), with ``json.dum
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from app.core.control import PREFETCH_COUNTS, Hinted, Prefetch
-from app.core.observed import Bringing
+from app.core.observed import STEP_KEYS, Bringing
 from app.core.service import Service
 from app.http import schemas as s
 from app.http.errors import APIError, too_many
 from app.http.limits import transfer_params_error
+from app.http.steps import Slices
 from manager import BlockKey, LookupResult, ReqContext, RetentionInfo
 from transfer import JobRecord
 
 Run = Callable[[Service, str, Any], tuple[int, str]]
 RunAsync = Callable[[Service, str, Any], Awaitable[tuple[int, str]]]
+RunSteps = Callable[[Service, str, Any], Generator[None, None, tuple[int, str]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +49,20 @@ class Operation:
     other_ok: tuple[tuple[int, str], ...] = ()
     # Run in place of ``run`` when the service has tiers below the pool (it awaits them).
     run_tiers: RunAsync | None = None
+    # ``run`` in steps (``app.http.steps``), for a call of more than ``STEP_KEYS`` keys.
+    run_steps: RunSteps | None = None
+
+    def steps(self, body: Any) -> bool:
+        """Whether a call with ``body`` runs in steps (``in_steps``)."""
+        return self.run_steps is not None and len(body.keys) > STEP_KEYS
+
+    async def in_steps(
+        self, service: Service, req_id: str, body: Any, slices: Slices
+    ) -> tuple[int, str]:
+        """``run_steps``, giving way between its steps, the namespace's manager suspended
+        meanwhile (``app.http.steps``)."""
+        assert self.run_steps is not None
+        return await slices.run(self.run_steps(service, req_id, body), service.pool_manager)
 
     def sync_run(self, tiers: bool) -> Run | None:
         """``run`` when the op runs in one synchronous step on a service with (``tiers``) or
@@ -67,7 +83,18 @@ class Operation:
 def hex_list(keys: Sequence[BlockKey]) -> str:
     """JSON array of lowercase hex keys."""
     # Hex digits need no escaping: joined, not ``json.dumps`` (0.6x the time for 8,192 keys).
-    return '["' + '","'.join([k.hex() for k in keys]) + '"]' if keys else "[]"
+    return '["' + '","'.join(map(bytes.hex, keys)) + '"]' if keys else "[]"
+
+
+def hex_list_steps(keys: Sequence[BlockKey]) -> Generator[None, None, str]:
+    """``hex_list`` in steps of ``STEP_KEYS`` keys."""
+    if len(keys) <= STEP_KEYS:
+        return hex_list(keys)
+    parts = []
+    for i in range(0, len(keys), STEP_KEYS):
+        yield
+        parts.append('","'.join(map(bytes.hex, keys[i : i + STEP_KEYS])))
+    return '["' + '","'.join(parts) + '"]'
 
 
 def job_json(job: JobRecord) -> dict[str, Any]:
@@ -188,6 +215,14 @@ def _run_touch(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, st
     return 200, "{}"
 
 
+def _steps_touch(
+    service: Service, req_id: str, body: s.KeysBody
+) -> Generator[None, None, tuple[int, str]]:
+    _limit_keys(service, body.keys)
+    yield from service.manager.touch_steps(body.keys, ReqContext(req_id))
+    return 200, "{}"
+
+
 def _run_complete_load(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str]:
     _limit_keys(service, body.keys)
     service.manager.complete_load(body.keys, ReqContext(req_id), by_engine=True)
@@ -211,6 +246,23 @@ def _run_prepare_store(service: Service, req_id: str, body: s.PrepareStoreBody) 
     )
 
 
+def _steps_prepare_store(
+    service: Service, req_id: str, body: s.PrepareStoreBody
+) -> Generator[None, None, tuple[int, str]]:
+    _limit_keys(service, body.keys)
+    out = yield from service.manager.prepare_store_steps(body.keys, ReqContext(req_id))
+    _note_blocks(service, body.keys, body, out.keys_to_store)
+    stored = yield from hex_list_steps(out.keys_to_store)
+    yield
+    slots = json.dumps(out.slots)
+    evicted = yield from hex_list_steps(out.evicted_keys)
+    skipped = yield from hex_list_steps(out.skipped_keys)
+    return 200, (
+        f'{{"keys_to_store":{stored},"slots":{slots},"evicted_keys":{evicted},'
+        f'"skipped_keys":{skipped}}}'
+    )
+
+
 def _run_complete_store(
     service: Service, req_id: str, body: s.CompleteStoreBody
 ) -> tuple[int, str]:
@@ -222,6 +274,18 @@ def _run_complete_store(
         f'{{"completed":{hex_list(out.completed)},"dropped":{hex_list(out.dropped)},'
         f'"ignored":{hex_list(out.ignored)}}}'
     )
+
+
+def _steps_complete_store(
+    service: Service, req_id: str, body: s.CompleteStoreBody
+) -> Generator[None, None, tuple[int, str]]:
+    _limit_keys(service, body.keys)
+    ctx = ReqContext(req_id)
+    out = yield from service.manager.complete_store_steps(body.keys, ctx, body.success)
+    completed = yield from hex_list_steps(out.completed)
+    dropped = yield from hex_list_steps(out.dropped)
+    ignored = yield from hex_list_steps(out.ignored)
+    return 200, f'{{"completed":{completed},"dropped":{dropped},"ignored":{ignored}}}'
 
 
 def _event(wait_event: s.WaitEvent | None) -> bytes | None:
@@ -340,6 +404,15 @@ def _run_drop(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str
     return 200, _hint_json(service.control.drop(body.keys, req_id))
 
 
+def _steps_drop(
+    service: Service, req_id: str, body: s.KeysBody
+) -> Generator[None, None, tuple[int, str]]:
+    _limit_keys(service, body.keys)
+    done = yield from service.control.drop_steps(body.keys, req_id)
+    moved = yield from hex_list_steps(done.done)
+    return 200, f'{{"moved":{moved},"kept":{json.dumps(done.kept)}}}'
+
+
 _KEYS_ERRORS = (404, 413)
 OPERATIONS: tuple[Operation, ...] = (
     # The hot op first: routes are matched in order.
@@ -400,6 +473,7 @@ OPERATIONS: tuple[Operation, ...] = (
         _KEYS_ERRORS,
         "Mark keys recently used (policy order); unknown keys are ignored",
         _run_touch,
+        run_steps=_steps_touch,
     ),
     Operation(
         "complete_load",
@@ -422,6 +496,7 @@ OPERATIONS: tuple[Operation, ...] = (
         (*_KEYS_ERRORS, 507),
         "Reserve host slots for the keys not yet stored, evicting if needed (all or nothing)",
         _run_prepare_store,
+        run_steps=_steps_prepare_store,
     ),
     Operation(
         "complete_store",
@@ -433,6 +508,7 @@ OPERATIONS: tuple[Operation, ...] = (
         _KEYS_ERRORS,
         "Finish stores: ready on success, dropped on failure; repeats are no-ops",
         _run_complete_store,
+        run_steps=_steps_complete_store,
     ),
     Operation(
         "offload",
@@ -506,6 +582,7 @@ OPERATIONS: tuple[Operation, ...] = (
         _KEYS_ERRORS,
         "Remove these blocks from the pool now (not pinned, retained or pending ones)",
         _run_drop,
+        run_steps=_steps_drop,
     ),
 )
 

@@ -22,6 +22,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StringConstraints,
+    ValidationInfo,
     WithJsonSchema,
     model_validator,
 )
@@ -59,6 +60,20 @@ BlockIndex = Annotated[int, Field(ge=0, le=2**31 - 1)]
 Keys = Annotated[
     list[HexKey], Field(description="block hashes, head of the sequence first", fail_fast=True)
 ]
+
+
+LIST_LENGTHS = "list_lengths"
+"""Validation context key: the lengths of the lists a body was validated without
+(``app.http.steps`` validates long lists apart, in steps)."""
+
+
+def list_length(body: BaseModel, info: ValidationInfo, name: str) -> int:
+    """The length of ``body``'s list ``name``: the one in the validation context when the list
+    was left out to be validated apart, else its own (0 when absent)."""
+    lengths = info.context.get(LIST_LENGTHS) if isinstance(info.context, dict) else None
+    if lengths and name in lengths:
+        return int(lengths[name])
+    return len(getattr(body, name, None) or ())
 
 
 class Body(BaseModel):
@@ -166,11 +181,11 @@ class TransferBody(Body):
     wait_event: WaitEvent | None = None
 
     @model_validator(mode="after")
-    def _same_length(self) -> TransferBody:
-        if len(self.keys) != len(self.device_blocks):
+    def _same_length(self, info: ValidationInfo) -> TransferBody:
+        keys, blocks = list_length(self, info, "keys"), list_length(self, info, "device_blocks")
+        if keys != blocks:
             raise ValueError(
-                f"keys ({len(self.keys)}) and device_blocks ({len(self.device_blocks)}) "
-                "must have the same length"
+                f"keys ({keys}) and device_blocks ({blocks}) must have the same length"
             )
         return self
 
@@ -191,16 +206,17 @@ class StoreMeta(Body):
     parent_block_hash: HexKey | None = None
 
     @model_validator(mode="after")
-    def _tokens_fit(self) -> StoreMeta:
-        tokens, size = self.token_ids, self.block_size
-        if (tokens is None) != (size is None):
+    def _tokens_fit(self, info: ValidationInfo) -> StoreMeta:
+        size = self.block_size
+        if (self.token_ids is None) != (size is None):
             raise ValueError("token_ids and block_size must be given together")
-        keys = getattr(self, "keys", [])
-        if tokens is not None and size is not None and len(tokens) != size * len(keys):
-            raise ValueError(
-                f"token_ids ({len(tokens)}) must hold block_size ({size}) tokens for each of "
-                f"the {len(keys)} keys"
-            )
+        if size is not None:
+            tokens, keys = list_length(self, info, "token_ids"), list_length(self, info, "keys")
+            if tokens != size * keys:
+                raise ValueError(
+                    f"token_ids ({tokens}) must hold block_size ({size}) tokens for each of "
+                    f"the {keys} keys"
+                )
         return self
 
 

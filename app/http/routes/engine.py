@@ -8,18 +8,15 @@ the framework's own floor, while ``app.http.openapi`` documents the same models.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
-import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Generator
 from typing import Annotated, Any
 
 from fastapi import Path, Query, Request
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
-from pydantic import TypeAdapter, ValidationError
 
 from app.core.events import event_json
 from app.core.handles import check_registration
@@ -31,7 +28,6 @@ from app.http.errors import (
     error_for,
     responses,
     too_many,
-    validation_error,
 )
 from app.http.limits import batch_exceeds_ops, transfer_params_error
 from app.http.middleware import call_info
@@ -46,6 +42,7 @@ from app.http.operations import (
     retentions_json,
 )
 from app.http.routes.raw import RawRoute, body_parser, check_path_param, read_body
+from app.http.steps import OpParser, Slices, long_lists, value_at
 from app.settings import Settings
 from app.telemetry.logging import get_logger
 from transfer import RegisteredCache
@@ -63,6 +60,7 @@ def json_response(text: str | bytes, status: int = 200) -> Response:
 
 def _op_endpoint(op: Operation) -> Endpoint:
     parse = body_parser(op.body)
+    in_steps = OpParser(op.body).body_steps
     name = op.name
 
     async def endpoint(request: Request, req_id: ReqIdPath) -> Response:
@@ -72,8 +70,15 @@ def _op_endpoint(op: Operation) -> Endpoint:
             info.req_id = req_id
         check_path_param("req_id", req_id)
         service = service_of(request)
-        body = parse(await read_body(request))
-        status, text = await op.call(service, req_id, body)
+        raw = await read_body(request)
+        if len(raw) <= SPLIT_ABOVE_BYTES:
+            body = parse(raw)
+        else:
+            body = await Slices().run(in_steps(raw))
+        if op.steps(body):
+            status, text = await op.in_steps(service, req_id, body, Slices())
+        else:
+            status, text = await op.call(service, req_id, body)
         return json_response(text, status)
 
     return endpoint
@@ -125,23 +130,12 @@ def _add_op_route(app: KVOffloadAPI, op: Operation) -> None:
     )
 
 
-#: A batch body larger than this is validated op by op, yielding to the loop between them
+#: A batch body larger than this is validated op by op, giving way to the loop between them
 #: (a 6 MB body validated whole holds the loop for tens of ms); a smaller one in one step.
 SPLIT_ABOVE_BYTES = 256 << 10
-#: A batch gives way to the loop between steps once it has held it this long (other tenants'
-#: calls run in between); a batch that ends sooner never yields, so small batches cost nothing
-#: more.
-YIELD_AFTER_S = 0.001
-#: Loop turns a batch gives way for: a small call that arrived meanwhile takes a few turns
-#: (read, route, answer, each a callback of its own); with one turn per slice it would wait one
-#: slice per turn. A turn with nothing else to run costs microseconds.
-GIVE_WAY_TURNS = 8
-
-
-async def give_way() -> None:
-    """Let the loop turn ``GIVE_WAY_TURNS`` times before the caller goes on."""
-    for _ in range(GIVE_WAY_TURNS):
-        await asyncio.sleep(0)
+#: The largest batch body whose refusal may cost its whole validation in one step: a larger one
+#: that is not one object holding only ``ops`` is refused as it is read, without it.
+WHOLE_AT_MOST_BYTES = 256 << 10
 
 
 #: A batch's answer is handed to the server in messages of about this size, giving way between
@@ -171,7 +165,7 @@ class PiecesResponse(Response):
         )
         group: list[bytes] = []
         size = 0
-        held = time.perf_counter()
+        slices = Slices()
         for piece in self.pieces:
             group.append(piece)
             size += len(piece)
@@ -180,33 +174,27 @@ class PiecesResponse(Response):
                     {"type": "http.response.body", "body": b"".join(group), "more_body": True}
                 )
                 group, size = [], 0
-                if time.perf_counter() - held > YIELD_AFTER_S:
-                    await give_way()
-                    held = time.perf_counter()
+                await slices.pause()
         await send({"type": "http.response.body", "body": b"".join(group), "more_body": False})
 
 
-_OPS_START = re.compile(r'\s*\{\s*"ops"\s*:\s*\[')
-_SPACE = re.compile(r"\s*")
+_OPS_START = re.compile(rb'\s*\{\s*"ops"\s*:\s*\[')
+_SPACE = re.compile(rb"\s*")
 
 
 class _BatchRunner:
     """``POST /v1/batch``: validate every op first (all or nothing), then run each on its own.
 
-    No large batch holds the event loop for long: a body above ``SPLIT_ABOVE_BYTES`` is
-    validated one op at a time (finding an op's end, then checking it: two steps), and ops run
-    giving way to the loop (``give_way``: several turns, so that a call that arrived meanwhile
-    ends before the batch goes on) whenever the call has held it ``YIELD_AFTER_S``. Each op
-    itself stays one step: the manager's all-or-nothing verbs are never split, and the largest
-    (``prepare_store`` of 8,192 keys) holds the loop about 3 ms. A batch's ops already
-    interleave with other calls wherever one awaits (tiers below the pool), so giving way
-    between ops promises nothing less."""
+    No large batch holds the event loop for long (``app.http.steps``): a body above
+    ``SPLIT_ABOVE_BYTES`` is read one op at a time (finding an op's end, then checking it, an
+    op's long lists in steps of their own), and ops run giving way to the loop between them
+    (``Slices``). A batch's ops already interleave with other calls wherever one awaits (tiers
+    below the pool), so giving way between ops promises nothing less."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.parse = body_parser(s.BatchBody)
-        self.validate_op = TypeAdapter(s.BatchOp).validate_json
-        self._decoder = json.JSONDecoder()
+        self.op = OpParser(s.BatchOp, tag="op")
 
     def validated(self, raw: bytes) -> list[Any]:
         """The ops, if the whole batch is valid; else the one error for the call.
@@ -222,57 +210,59 @@ class _BatchRunner:
         return self._checked(list(self.parse(raw).ops))
 
     async def validated_yielding(self, raw: bytes) -> list[Any]:
-        """``validated``, for a large body one op at a time with a yield to the loop between
-        them: the same ops and the same refusals (an op's error named ``ops.N``). A body whose
-        envelope is not the plain ``{"ops": [...]}`` is validated whole."""
-        settings = self.settings
+        """``validated``, for a large body in steps, giving way to the loop between them: the
+        same ops, and a body with one error is refused with the same error."""
         if len(raw) <= SPLIT_ABOVE_BYTES:
             return self.validated(raw)
+        return self._checked(await Slices().run(self._walk(raw)))
+
+    def _odd(self, raw: bytes) -> list[Any]:
+        """A body that is not ``{"ops": [...]}`` alone: refused as its whole validation refuses
+        it when that is cheap enough, else refused as it is."""
+        if len(raw) <= WHOLE_AT_MOST_BYTES:
+            return self.validated(raw)
+        raise APIError(
+            422,
+            "invalid_field",
+            f'body: a batch of more than {WHOLE_AT_MOST_BYTES} bytes must be {{"ops": [...]}} '
+            "alone",
+        )
+
+    def _walk(self, raw: bytes) -> Generator[None, None, list[Any]]:
+        """The ops of ``raw``, each found (the C decoder) and checked in steps of its own."""
+        max_ops = self.settings.max_batch_ops
         # No ``batch_exceeds_ops`` scan here (two counts of a 6 MB body hold the loop 8 ms):
-        # the walk below refuses at op ``max_batch_ops + 1`` itself, and validates no more.
-        try:
-            text = raw.decode()
-        except UnicodeDecodeError:
-            return self.validated(raw)
-        start = _OPS_START.match(text)
+        # the walk refuses at op ``max_batch_ops + 1`` itself, and validates no more.
+        start = _OPS_START.match(raw)
         if start is None:
-            return self.validated(raw)
+            return self._odd(raw)
         ops: list[Any] = []
         pos = start.end()
-        held = time.perf_counter()
         while True:
-            pos = _SPACE.match(text, pos).end()  # type: ignore[union-attr]
-            if text.startswith("]", pos) and not ops:
-                return self.validated(raw)  # no ops: the whole body's own refusal
-            try:
-                _, end = self._decoder.raw_decode(text, pos)
-            except json.JSONDecodeError:
-                raise validation_error([{"type": "json_invalid"}]) from None
-            if time.perf_counter() - held > YIELD_AFTER_S:  # finding an op's end is a step
-                await give_way()
-                held = time.perf_counter()
-            try:
-                ops.append(self.validate_op(text[pos:end]))
-            except ValidationError as exc:  # named as the whole body's validation names it
-                errors = exc.errors(include_url=False, include_input=False)
-                for e in errors:
-                    e["loc"] = ("ops", len(ops), *e["loc"])
-                raise validation_error(errors) from None
-            if len(ops) > settings.max_batch_ops:
-                raise too_many("ops", None, settings.max_batch_ops)
-            pos = _SPACE.match(text, end).end()  # type: ignore[union-attr]
-            sep = text[pos : pos + 1]
+            pos = _SPACE.match(raw, pos).end()  # type: ignore[union-attr]
+            if raw.startswith(b"]", pos) and not ops:
+                return self._odd(raw)  # no ops: the whole body's own refusal
+            value, text, end = yield from value_at(raw, pos)
+            yield
+            where = ("ops", len(ops))
+            lists = long_lists(value)
+            if lists:
+                ops.append((yield from self.op.steps(value, lists, where)))
+            else:
+                ops.append(self.op.whole(text, where))
+            if len(ops) > max_ops:
+                raise too_many("ops", None, max_ops)
+            pos = _SPACE.match(raw, end).end()  # type: ignore[union-attr]
+            sep = raw[pos : pos + 1]
             pos += 1
-            if sep == "]":
+            if sep == b"]":
                 break
-            if sep != ",":
-                return self.validated(raw)
-            if time.perf_counter() - held > YIELD_AFTER_S:
-                await give_way()
-                held = time.perf_counter()
-        if text[pos:].strip() != "}":
-            return self.validated(raw)
-        return self._checked(ops)
+            if sep != b",":
+                return self._odd(raw)
+            yield
+        if raw[pos:].strip() != b"}":
+            return self._odd(raw)
+        return ops
 
     def _checked(self, ops: list[Any]) -> list[Any]:
         """The ops, if none breaks a count limit (413 naming ``ops.N``)."""
@@ -305,16 +295,17 @@ class _BatchRunner:
         errors: Counter[tuple[int, str]] = Counter()
         traced = False
         tiers = bool(service.tiers)
-        held = time.perf_counter()
+        slices = Slices()
         for i, op in enumerate(ops):
             sep = "," if i else ""
-            if time.perf_counter() - held > YIELD_AFTER_S:  # let other calls run in between
-                await give_way()
-                held = time.perf_counter()
+            if i:
+                await slices.pause()  # let other calls run in between
             try:
                 operation = BY_NAME[op.op]
                 run = operation.sync_run(tiers)
-                if run is not None:  # most ops: no coroutine per op
+                if operation.steps(op):  # thousands of keys: in steps
+                    status, text = await operation.in_steps(service, op.req_id, op, slices)
+                elif run is not None:  # most ops: no coroutine per op
                     status, text = run(service, op.req_id, op)
                 else:
                     status, text = await operation.call(service, op.req_id, op)

@@ -1,0 +1,259 @@
+"""Large engine calls in steps: no call holds the event loop for long (issue #42, finding 10).
+
+Every tenant's calls share one event loop, so a call that holds it for tens of milliseconds
+delays every other tenant's calls by as much. A call gives way (``Slices.pause``: several loop
+turns, so that a small call that arrived meanwhile ends before it goes on) once it has held the
+loop ``YIELD_AFTER_S`` since it last gave way. A call that ends sooner never gives way, so small
+calls cost nothing more.
+
+**Reading in steps** (``value_at``). A large body is never decoded whole: each value (a
+batch's op) is decoded from a window of the body that starts at it.
+
+**Validation in steps** (``OpParser``). A body's long lists (``keys``, ``token_ids``,
+``device_blocks``: more than ``STEP_ITEMS`` items; 8,192 keys cost about 4 ms validated
+whole) are validated ``STEP_ITEMS`` items at a time with the same element types (hex keys
+decoded in pydantic-core), the rest of the body with those lists left out and their lengths in
+the validation context (``schemas.list_length``: the checks that compare lengths see the
+real ones). The body is the one a whole validation gives, and a body with one error is refused
+with the same error; of a body with several, the rest's are named before the lists'.
+
+**Running in steps** (``Slices.run`` with the namespace's manager). An op of more than
+``STEP_KEYS`` keys with a ``run_steps`` (``app.http.operations``) runs as a generator over the
+manager's ``*_steps`` verbs; while it gives way the manager is suspended (``manager.suspend``),
+so any other call that reaches it first finishes the op: to every other caller it is one call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import json
+import time
+from collections.abc import Callable, Generator
+from typing import Any, TypeVar
+
+from pydantic import ConfigDict, TypeAdapter, ValidationError
+
+from app.http import schemas as s
+from app.http.errors import validation_error
+from manager.suspend import SuspendRoom
+
+T = TypeVar("T")
+
+#: A call gives way to the loop between steps once it has held it this long (other tenants'
+#: calls run in between); a call that ends sooner never gives way.
+YIELD_AFTER_S = 0.001
+#: Loop turns a call gives way for: a small call that arrived meanwhile takes a few turns
+#: (read, route, answer, each a callback of its own); with one turn per slice it would wait one
+#: slice per turn. A turn with nothing else to run costs microseconds.
+GIVE_WAY_TURNS = 8
+#: Items of a long list validated in one step (about 0.2 ms for hex keys).
+STEP_ITEMS = 512
+
+
+async def give_way() -> None:
+    """Let the loop turn ``GIVE_WAY_TURNS`` times before the caller goes on."""
+    for _ in range(GIVE_WAY_TURNS):
+        await asyncio.sleep(0)
+
+
+class Slices:
+    """One call's hold on the loop: ``await pause()`` between steps gives way once the call
+    has held the loop ``YIELD_AFTER_S`` since it started or last gave way."""
+
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        self.held = time.perf_counter()
+
+    async def pause(self) -> None:
+        """Give way if this call has held the loop long enough; else return at once."""
+        if time.perf_counter() - self.held > YIELD_AFTER_S:
+            await give_way()
+            self.held = time.perf_counter()
+
+    async def run(self, steps: Generator[None, None, T], manager: SuspendRoom | None = None) -> T:
+        """Drive ``steps`` to its end, pausing between them; what it returns (or raises).
+
+        With ``manager`` (the steps change it), the manager is suspended while the call gives
+        way: any other entry into it first runs the rest of ``steps`` (``manager.suspend``),
+        so that nobody sees it between two steps. A call cancelled while it gives way runs
+        its rest before it ends: a call is never left half done."""
+        while True:
+            try:
+                next(steps)
+            except StopIteration as end:
+                return end.value  # type: ignore[no-any-return]
+            if time.perf_counter() - self.held <= YIELD_AFTER_S:
+                continue
+            if manager is None:
+                await give_way()
+            else:
+                settled = _Settled(steps)
+                manager.suspend(settled)
+                try:
+                    await give_way()
+                except BaseException:  # cancelled: the rest now, its outcome lost with the call
+                    if manager.resume():
+                        with contextlib.suppress(Exception):
+                            _drain(steps)
+                    raise
+                if not manager.resume():  # someone entered meanwhile and ran the rest
+                    return settled.outcome()  # type: ignore[no-any-return]
+            self.held = time.perf_counter()
+
+
+def _drain(steps: Generator[None, None, T]) -> T:
+    """Run ``steps`` to its end at once; what it returns."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            return end.value  # type: ignore[no-any-return]
+
+
+class _Settled:
+    """The rest of a suspended call, run by whoever enters the manager next: its outcome
+    kept for the call (the one who runs it is not its caller), in the call's own context
+    (its request id in the logs)."""
+
+    def __init__(self, steps: Generator[None, Any, Any]) -> None:
+        self.steps = steps
+        self.context = contextvars.copy_context()
+        self.value: Any = None
+        self.error: Exception | None = None
+
+    def __call__(self) -> None:
+        try:
+            self.value = self.context.run(_drain, self.steps)
+        except Exception as exc:  # the call's own outcome: raised again by the call
+            self.error = exc
+
+    def outcome(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+_WIRE = ConfigDict(strict=True, val_json_bytes="hex")
+#: The body fields that may be long lists, each with the validator of a piece of it (the
+#: element type the models declare, with the bodies' wire config).
+_PIECES: dict[str, Callable[[str], list[Any]]] = {
+    "keys": TypeAdapter(list[s.HexKey], config=_WIRE).validate_json,
+    "token_ids": TypeAdapter(list[s.TokenId], config=_WIRE).validate_json,
+    "device_blocks": TypeAdapter(list[s.BlockIndex], config=_WIRE).validate_json,
+}
+
+
+# Like pydantic's parser, it takes NaN and Infinity (the fields refuse them).
+_DECODER = json.JSONDecoder()
+
+
+#: The first window of a body decoded to find one value in it (doubled until the value fits).
+WINDOW_BYTES = 1 << 20
+
+
+def value_at(raw: bytes, pos: int) -> Generator[None, None, tuple[Any, str, int]]:
+    """The JSON value that starts at byte ``pos`` of ``raw``: (the value, its text, the byte
+    after it). Found by decoding a window of the body from ``pos``, doubled until it holds the
+    value, never the whole body at once: decoding a body of 6.7 MB into fresh memory held the
+    served process's loop about 5 ms. ``validation_error`` (400) when it is not JSON."""
+    size = WINDOW_BYTES
+    while True:
+        stop = min(len(raw), pos + size)
+        while stop < len(raw) and raw[stop] & 0xC0 == 0x80:  # not inside a character
+            stop -= 1
+        try:
+            text = raw[pos:stop].decode()
+            value, end = _DECODER.raw_decode(text)
+        except UnicodeDecodeError:
+            raise validation_error([{"type": "json_invalid"}]) from None
+        except json.JSONDecodeError:
+            if stop >= len(raw):
+                raise validation_error([{"type": "json_invalid"}]) from None
+            size *= 2  # the value goes on past the window
+            yield
+            continue
+        # A str index is a byte offset when the text is ASCII (O(1) to tell).
+        used = end if text.isascii() else len(text[:end].encode())
+        return value, text[:end], pos + used
+
+
+def long_lists(value: Any) -> list[str]:
+    """The fields of a decoded body ``value`` that are lists longer than ``STEP_ITEMS``."""
+    if type(value) is not dict:
+        return []
+    return [n for n in _PIECES if type(value.get(n)) is list and len(value[n]) > STEP_ITEMS]
+
+
+class OpParser:
+    """Validate a body (a model or a union of them) whole, or in steps; see the module."""
+
+    def __init__(self, model: Any, tag: str | None = None) -> None:
+        self.validate_json = TypeAdapter(model).validate_json
+        # A union of bodies told apart by the field ``tag``: its errors are named under the
+        # member's tag, as pydantic names them.
+        self.tag = tag
+
+    def whole(self, raw: str | bytes, loc: tuple[str | int, ...] = ()) -> Any:
+        """The body ``raw`` validated in one step; errors are named under ``loc``."""
+        try:
+            return self.validate_json(raw)
+        except ValidationError as exc:
+            raise _named(exc, loc, 0) from None
+
+    def body_steps(self, raw: bytes) -> Generator[None, None, Any]:
+        """The body ``raw`` (a whole request body) validated in steps when it has long lists,
+        else whole."""
+        start = len(raw) - len(raw.lstrip())
+        value, _, end = yield from value_at(raw, start)
+        if raw[end:].strip():
+            raise validation_error([{"type": "json_invalid"}])
+        lists = long_lists(value)
+        if not lists:
+            return self.whole(raw)
+        yield
+        return (yield from self.steps(value, lists))
+
+    def steps(
+        self, value: dict[str, Any], lists: list[str], loc: tuple[str | int, ...] = ()
+    ) -> Generator[None, None, Any]:
+        """Validate the decoded body ``value`` whose ``lists`` are long (``long_lists``): the
+        rest first, then each list ``STEP_ITEMS`` items a step; the body."""
+        rest = dict(value)
+        lengths = {}
+        for name in lists:
+            lengths[name] = len(value[name])
+            rest[name] = []
+        try:
+            body = self.validate_json(json.dumps(rest), context={s.LIST_LENGTHS: lengths})
+        except ValidationError as exc:
+            raise _named(exc, loc, 0) from None
+        if self.tag is not None:
+            loc = (*loc, value[self.tag])  # valid: the rest was
+        done: dict[str, list[Any]] = {}
+        for name in lists:
+            items = value[name]
+            piece = _PIECES[name]
+            out: list[Any] = []
+            for start in range(0, len(items), STEP_ITEMS):
+                yield
+                try:
+                    out += piece(json.dumps(items[start : start + STEP_ITEMS]))
+                except ValidationError as exc:
+                    raise _named(exc, (*loc, name), start) from None
+            done[name] = out
+        return body.model_copy(update=done)
+
+
+def _named(exc: ValidationError, loc: tuple[str | int, ...], offset: int) -> Exception:
+    """``exc``'s refusal, its errors' places under ``loc`` (a list piece's indexes moved on by
+    ``offset``, the piece's place in its list)."""
+    errors = exc.errors(include_url=False, include_input=False)
+    for e in errors:
+        where = e["loc"]
+        if offset and where and isinstance(where[0], int):
+            where = (where[0] + offset, *where[1:])
+        e["loc"] = (*loc, *where)
+    return validation_error(errors)
