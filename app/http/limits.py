@@ -273,7 +273,7 @@ _WS = re.compile(r"[ \t\n\r]*")
 _DECODER = json.JSONDecoder()
 
 
-def batch_exceeds_ops(raw: bytes, limit: int) -> bool:
+def batch_exceeds_ops(raw: bytes | bytearray, limit: int) -> bool:
     """True when the batch body ``raw`` holds more than ``limit`` ops, found without parsing
     the ops past the first ``limit + 1``; False when it does not, and when the count cannot
     tell (the parser then decides, and the count is checked again on the parsed ops).

@@ -29,6 +29,8 @@ import asyncio
 import contextlib
 import contextvars
 import json
+import json.scanner
+import re
 import time
 from collections.abc import Callable, Generator
 from typing import Any, TypeVar
@@ -148,17 +150,39 @@ _PIECES: dict[str, Callable[[str], list[Any]]] = {
 
 # Like pydantic's parser, it takes NaN and Infinity (the fields refuse them).
 _DECODER = json.JSONDecoder()
-
+_SCAN = json.scanner.make_scanner(_DECODER)  # type: ignore[arg-type]
+_WS = re.compile(r"[ \t\n\r]*")
+# One element of a long list as plain text: a string without escapes, commas or control
+# characters (a hex key), or an integer (a token id, a device block), with its whitespace.
+_ITEM = r'[ \t\n\r]*(?:"[^"\\,\x00-\x1f]*"|-?(?:0|[1-9][0-9]*))[ \t\n\r]*'
+_LAST = re.compile(_ITEM + r"\]")
+_RUNS: dict[int, re.Pattern[str]] = {}
 
 #: The first window of a body decoded to find one value in it (doubled until the value fits).
 WINDOW_BYTES = 1 << 20
 
 
-def value_at(raw: bytes, pos: int) -> Generator[None, None, tuple[Any, str, int]]:
+class ListText:
+    """A long list member left as its JSON text, in pieces of at most ``STEP_ITEMS``
+    elements: (a piece's text, its element count). Each piece is validated from its text."""
+
+    __slots__ = ("pieces",)
+
+    def __init__(self, pieces: list[tuple[str, int]]) -> None:
+        self.pieces = pieces
+
+    def __len__(self) -> int:
+        return sum(n for _, n in self.pieces)
+
+
+def value_at(raw: bytes | bytearray, pos: int) -> Generator[None, None, tuple[Any, str, int]]:
     """The JSON value that starts at byte ``pos`` of ``raw``: (the value, its text, the byte
     after it). Found by decoding a window of the body from ``pos``, doubled until it holds the
-    value, never the whole body at once: decoding a body of 6.7 MB into fresh memory held the
-    served process's loop about 5 ms. ``validation_error`` (400) when it is not JSON."""
+    value, never the whole body at once (decoding a body of 6.7 MB into fresh memory held the
+    served process's loop about 5 ms). In an object, a member that may be a long list
+    (``keys``, ``token_ids``, ``device_blocks``) of plain elements is left as its text
+    (``ListText``), a piece a step: the C decoder makes no Python object per element, and no
+    step reads the whole list. ``validation_error`` (400) when it is not JSON."""
     size = WINDOW_BYTES
     while True:
         stop = min(len(raw), pos + size)
@@ -166,7 +190,10 @@ def value_at(raw: bytes, pos: int) -> Generator[None, None, tuple[Any, str, int]
             stop -= 1
         try:
             text = raw[pos:stop].decode()
-            value, end = _DECODER.raw_decode(text)
+            if text.startswith("{"):
+                value, end = yield from _scan_object(text, 0)
+            else:
+                value, end = _DECODER.raw_decode(text)
         except UnicodeDecodeError:
             raise validation_error([{"type": "json_invalid"}]) from None
         except json.JSONDecodeError:
@@ -180,11 +207,80 @@ def value_at(raw: bytes, pos: int) -> Generator[None, None, tuple[Any, str, int]
         return value, text[:end], pos + used
 
 
+def _scan(text: str, pos: int) -> tuple[Any, int]:
+    """The C decoder's value at ``pos`` and the index after it."""
+    try:
+        return _SCAN(text, pos)
+    except StopIteration as gone:  # no value there (inside a generator: not to escape as such)
+        raise json.JSONDecodeError("Expecting value", text, gone.value) from None
+
+
+def _scan_object(text: str, pos: int) -> Generator[None, None, tuple[dict[str, Any], int]]:
+    """The object at ``pos`` (its ``{``), member by member, as ``json`` reads it (of a name
+    given twice, the last), its possibly long lists as ``ListText``; the index after it."""
+    obj: dict[str, Any] = {}
+    pos = _WS.match(text, pos + 1).end()  # type: ignore[union-attr]
+    if text.startswith("}", pos):
+        return obj, pos + 1
+    while True:
+        if not text.startswith('"', pos):
+            raise json.JSONDecodeError("Expecting property name", text, pos)
+        name, pos = _scan(text, pos)
+        pos = _WS.match(text, pos).end()  # type: ignore[union-attr]
+        if not text.startswith(":", pos):
+            raise json.JSONDecodeError("Expecting ':'", text, pos)
+        pos = _WS.match(text, pos + 1).end()  # type: ignore[union-attr]
+        listed = None
+        if name in _PIECES and text.startswith("[", pos):
+            listed = yield from _scan_list(text, pos)
+        if listed is None:
+            obj[name], pos = _scan(text, pos)
+        else:
+            obj[name], pos = listed
+        pos = _WS.match(text, pos).end()  # type: ignore[union-attr]
+        sep = text[pos : pos + 1]
+        if sep == "}":
+            return obj, pos + 1
+        if sep != ",":
+            raise json.JSONDecodeError("Expecting ',' delimiter", text, pos)
+        pos = _WS.match(text, pos + 1).end()  # type: ignore[union-attr]
+
+
+def _scan_list(text: str, pos: int) -> Generator[None, None, tuple[ListText, int] | None]:
+    """The list at ``pos`` (its ``[``) as ``ListText`` and the index after it, a piece a
+    step; None when an element is not plain (the caller decodes the list whole)."""
+    run = _RUNS.get(STEP_ITEMS)
+    if run is None:
+        run = _RUNS[STEP_ITEMS] = re.compile(f"(?:{_ITEM},){{0,{STEP_ITEMS}}}")
+    start = pos + 1
+    after = _WS.match(text, start).end()  # type: ignore[union-attr]
+    if text.startswith("]", after):
+        return ListText([]), after + 1
+    pieces: list[tuple[str, int]] = []
+    while True:
+        end = run.match(text, start).end()  # type: ignore[union-attr]
+        count = text.count(",", start, end)  # one a plain element
+        if count == STEP_ITEMS:
+            pieces.append((text[start : end - 1], count))
+            start = end
+            yield
+            continue
+        last = _LAST.match(text, end)
+        if last is None:
+            return None
+        pieces.append((text[start : last.end() - 1], count + 1))
+        return ListText(pieces), last.end()
+
+
 def long_lists(value: Any) -> list[str]:
-    """The fields of a decoded body ``value`` that are lists longer than ``STEP_ITEMS``."""
+    """The fields of a decoded body ``value`` to validate in steps: none unless some list is
+    longer than ``STEP_ITEMS``; then those, and every list left as text."""
     if type(value) is not dict:
         return []
-    return [n for n in _PIECES if type(value.get(n)) is list and len(value[n]) > STEP_ITEMS]
+    lists = [n for n in _PIECES if isinstance(value.get(n), list | ListText)]
+    if not any(len(value[n]) > STEP_ITEMS for n in lists):
+        return []
+    return [n for n in lists if len(value[n]) > STEP_ITEMS or type(value[n]) is ListText]
 
 
 class OpParser:
@@ -196,14 +292,14 @@ class OpParser:
         # member's tag, as pydantic names them.
         self.tag = tag
 
-    def whole(self, raw: str | bytes, loc: tuple[str | int, ...] = ()) -> Any:
+    def whole(self, raw: str | bytes | bytearray, loc: tuple[str | int, ...] = ()) -> Any:
         """The body ``raw`` validated in one step; errors are named under ``loc``."""
         try:
             return self.validate_json(raw)
         except ValidationError as exc:
             raise _named(exc, loc, 0) from None
 
-    def body_steps(self, raw: bytes) -> Generator[None, None, Any]:
+    def body_steps(self, raw: bytes | bytearray) -> Generator[None, None, Any]:
         """The body ``raw`` (a whole request body) validated in steps when it has long lists,
         else whole."""
         start = len(raw) - len(raw.lstrip())
@@ -235,14 +331,20 @@ class OpParser:
         done: dict[str, list[Any]] = {}
         for name in lists:
             items = value[name]
+            if type(items) is ListText:  # each piece validated from its own text
+                pieces = [f"[{text}]" for text, _ in items.pieces]
+            else:
+                pieces = [
+                    json.dumps(items[i : i + STEP_ITEMS]) for i in range(0, len(items), STEP_ITEMS)
+                ]
             piece = _PIECES[name]
             out: list[Any] = []
-            for start in range(0, len(items), STEP_ITEMS):
+            for text in pieces:
                 yield
                 try:
-                    out += piece(json.dumps(items[start : start + STEP_ITEMS]))
+                    out += piece(text)
                 except ValidationError as exc:
-                    raise _named(exc, (*loc, name), start) from None
+                    raise _named(exc, (*loc, name), len(out)) from None
             done[name] = out
         return body.model_copy(update=done)
 

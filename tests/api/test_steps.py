@@ -233,3 +233,21 @@ async def test_a_batch_is_read_op_by_op_through_windows_of_any_size(
     with pytest.raises(APIError) as err:  # cut short inside the last op: not JSON
         await runner.validated_yielding(raw[:-5])
     assert err.value.status == 400
+
+
+def test_a_long_list_of_plain_elements_is_kept_as_its_text_in_pieces() -> None:
+    """Hex keys and integers are left as their JSON text, a piece of ``STEP_ITEMS`` elements
+    a step (no Python object per element until each piece is validated); a list with any other
+    element is decoded whole by the C decoder, as ``json`` does."""
+    keys = [f"{i:04x}" for i in range(10)]
+    raw = json.dumps({"op": "touch", "req_id": "r", "keys": keys, "token_ids": [1, 2]}).encode()
+    count, (value, text, end) = drive(steps.value_at(raw, 0))
+    assert (text, end) == (raw.decode(), len(raw))
+    assert isinstance(value["keys"], steps.ListText)
+    assert [n for _, n in value["keys"].pieces] == [3, 3, 3, 1]
+    assert json.loads("[" + ",".join(p for p, _ in value["keys"].pieces) + "]") == keys
+    assert count >= 3  # a step a piece
+    odd = json.dumps({"op": "touch", "keys": [*keys[:5], None]}).encode()
+    odd = odd.replace(b"null", b'null, "0\\u0030"')  # an escape: not plain either
+    _, (value, _, _) = drive(steps.value_at(odd, 0))
+    assert value["keys"] == [*keys[:5], None, "00"]

@@ -196,7 +196,7 @@ class _BatchRunner:
         self.parse = body_parser(s.BatchBody)
         self.op = OpParser(s.BatchOp, tag="op")
 
-    def validated(self, raw: bytes) -> list[Any]:
+    def validated(self, raw: bytes | bytearray) -> list[Any]:
         """The ops, if the whole batch is valid; else the one error for the call.
 
         Schema errors (422, naming ``ops.N``) and limits (413: too many ops, too many keys in
@@ -209,14 +209,14 @@ class _BatchRunner:
             raise too_many("ops", None, settings.max_batch_ops)
         return self._checked(list(self.parse(raw).ops))
 
-    async def validated_yielding(self, raw: bytes) -> list[Any]:
+    async def validated_yielding(self, raw: bytes | bytearray) -> list[Any]:
         """``validated``, for a large body in steps, giving way to the loop between them: the
         same ops, and a body with one error is refused with the same error."""
         if len(raw) <= SPLIT_ABOVE_BYTES:
             return self.validated(raw)
         return self._checked(await Slices().run(self._walk(raw)))
 
-    def _odd(self, raw: bytes) -> list[Any]:
+    def _odd(self, raw: bytes | bytearray) -> list[Any]:
         """A body that is not ``{"ops": [...]}`` alone: refused as its whole validation refuses
         it when that is cheap enough, else refused as it is."""
         if len(raw) <= WHOLE_AT_MOST_BYTES:
@@ -228,7 +228,7 @@ class _BatchRunner:
             "alone",
         )
 
-    def _walk(self, raw: bytes) -> Generator[None, None, list[Any]]:
+    def _walk(self, raw: bytes | bytearray) -> Generator[None, None, list[Any]]:
         """The ops of ``raw``, each found (the C decoder) and checked in steps of its own."""
         max_ops = self.settings.max_batch_ops
         # No ``batch_exceeds_ops`` scan here (two counts of a 6 MB body hold the loop 8 ms):

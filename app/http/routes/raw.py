@@ -48,32 +48,34 @@ def check_path_param(name: str, value: str) -> str:
     return value
 
 
-async def read_body(request: Request) -> bytes:
-    """The whole request body (usually one ASGI message, joined otherwise)."""
+async def read_body(request: Request) -> bytes | bytearray:
+    """The whole request body: one ASGI message's, or a ``bytearray`` the messages were added
+    to as they came (no copy of a large body at its end: joining 6.7 MB of messages held the
+    served process's loop up to 5 ms)."""
     message = await request.receive()
     if message["type"] != "http.request":
         raise ClientDisconnect()
     body: bytes = message.get("body", b"")
     if not message.get("more_body", False):
         return body
-    chunks = [body]
+    whole = bytearray(body)
     while True:
         message = await request.receive()
         if message["type"] != "http.request":
             raise ClientDisconnect()
-        chunks.append(message.get("body", b""))
+        whole += message.get("body", b"")
         if not message.get("more_body", False):
-            return b"".join(chunks)
+            return whole
 
 
-def body_parser(model: type[BaseModel]) -> Callable[[bytes], Any]:
+def body_parser(model: type[BaseModel]) -> Callable[[bytes | bytearray], Any]:
     """``parse(raw) -> model instance``; an empty body counts as ``{}``.
 
     Raises ``APIError`` 400 for bytes that are not JSON, 422 naming the first invalid field.
     """
     validate = TypeAdapter(model).validate_json
 
-    def parse(raw: bytes) -> Any:
+    def parse(raw: bytes | bytearray) -> Any:
         try:
             return validate(raw or b"{}")
         except ValidationError as exc:
