@@ -93,6 +93,8 @@ class OffloadManager(RetainingRoom, StepsRoom, StoresRoom, LoadsRoom, SwitchRoom
     so the order of the bases decides nothing.
     """
 
+    _unsettled = frozenset({"record_event", "take_events"})
+
 
 def create_manager(
     num_blocks: int,

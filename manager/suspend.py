@@ -10,7 +10,11 @@ every other caller, the call is one.
 
 The check costs nothing while nothing is suspended: a suspended manager's class is swapped for
 a subclass whose public methods and properties settle first, and swapped back when settled or
-resumed. Plain attributes (``num_blocks``, ``store_threshold``) are constants and do not settle.
+resumed. Plain attributes (``num_blocks``, ``store_threshold``) are constants and do not settle,
+nor do the methods a class names in ``_unsettled``: the event stream's (a lower tier's event
+appended, the events taken by their reader) read and change no block's state, and are called
+by the tiers' background work often enough (a disk write's end) to settle every suspended call
+at once.
 ``rest`` must not raise (the one who settles it is not its caller): it keeps its outcome for
 its caller.
 """
@@ -31,6 +35,8 @@ class SuspendRoom:
     """``suspend`` / ``resume`` / ``settle``; see the module docstring."""
 
     _rest: Rest | None = None
+    #: Public methods that do not settle first (see the module docstring).
+    _unsettled: frozenset[str] = frozenset()
 
     def suspend(self, rest: Rest) -> None:
         """Until ``resume``, any other entry first calls ``rest`` (once). A call already
@@ -52,6 +58,11 @@ class SuspendRoom:
         self._end_suspension()
         return True
 
+    @property
+    def suspended(self) -> bool:
+        """Whether a call is suspended between two of its steps (asking does not settle it)."""
+        return self._rest is not None
+
     def settle(self) -> None:
         """Run the suspended rest now, if any."""
         rest = self._rest
@@ -67,8 +78,9 @@ class SuspendRoom:
 def _settling_class(base: type) -> type:
     """``base`` with every public method and property settling first."""
     members: dict[str, Any] = {"__slots__": ()} if hasattr(base, "__slots__") else {}
+    unsettled = {"suspend", "resume", "settle", "suspended", *getattr(base, "_unsettled", ())}
     for name in dir(base):
-        if name.startswith("_") or name in ("suspend", "resume", "settle"):
+        if name.startswith("_") or name in unsettled:
             continue
         member = inspect.getattr_static(base, name)
         if isinstance(member, property) and member.fget is not None:

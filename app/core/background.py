@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 
 from app.core.control import Control
@@ -76,6 +77,20 @@ class CompletionPump:
                 self._observer.transfer_done(record)
 
 
+#: How often housekeeping looks again whether a large call is still between its steps.
+UNSUSPENDED_POLL_S = 0.001
+
+
+async def unsuspended(manager: OffloadManager, patience_s: float) -> None:
+    """Wait until no call is suspended between its steps in ``manager``, for at most
+    ``patience_s``. Housekeeping that enters the manager meanwhile would settle that call, its
+    rest run whole (``manager.suspend``), holding the loop as if it had never been cut into
+    steps; a sweep that comes a moment later loses nothing."""
+    deadline = time.monotonic() + patience_s
+    while manager.suspended and time.monotonic() < deadline:
+        await asyncio.sleep(UNSUSPENDED_POLL_S)
+
+
 class LeaseSweeper:
     """See the module docstring. ``check_fatal()``: the service's look at its backend."""
 
@@ -96,8 +111,10 @@ class LeaseSweeper:
         self._request_counts = request_counts
 
     async def run(self) -> None:
+        interval = self.settings.lease_check_interval_s
         while True:
-            await asyncio.sleep(self.settings.lease_check_interval_s)
+            await asyncio.sleep(interval)
+            await unsuspended(self.manager, interval)
             try:
                 self.expire()
                 if self._control is not None:

@@ -19,6 +19,10 @@ from app.core.observed import STEP_KEYS, observed, observed_steps
 from app.telemetry.metrics import PREFIX
 from manager import BlockKey
 
+#: Bounds of a step of ``demote_steps`` (``CacheHints.demote_step_keys``).
+DEMOTE_STEP_KEYS = 64
+DEMOTE_STEP_BYTES = 1 << 20
+
 
 @dataclass(slots=True)
 class Hinted:
@@ -43,6 +47,41 @@ class CacheHints:
         out = observed(self.shared.observer, "demote", req_id, self._demote, keys)
         self.shared.observer.op("demote", req_id)
         return out
+
+    def demote_steps(self, keys: Sequence[BlockKey], req_id: str) -> Generator[None, None, Hinted]:
+        """``demote`` in steps: the distinct keys a part a step, each part sorted, offered to
+        the tiers below and demoted as ``demote`` does it (so each part is one
+        ``BlockRemoved`` event). A part is ``demote_step_keys`` keys: a tier below copies
+        each demoted block out of the pool within the step."""
+        out = yield from observed_steps(
+            self.shared.observer, "demote", req_id, self._demote_steps(keys)
+        )
+        self.shared.observer.op("demote", req_id)
+        return out
+
+    def demote_step_keys(self) -> int:
+        """Keys a step of ``demote_steps``: about 1 MiB of blocks, at most 64 (a block's
+        staging and index work is some 20 µs on top of its copy), at least one."""
+        return max(1, min(DEMOTE_STEP_KEYS, DEMOTE_STEP_BYTES // self.shared.settings.block_bytes))
+
+    def _demote_steps(self, keys: Sequence[BlockKey]) -> Generator[None, None, Hinted]:
+        if not self.shared.tiers:
+            raise NoLowerTierError()
+        chain: dict[BlockKey, None] = {}
+        for at in range(0, len(keys), STEP_KEYS):
+            yield
+            chain.update(dict.fromkeys(keys[at : at + STEP_KEYS]))
+        order = list(chain)
+        step = self.demote_step_keys()
+        done: list[BlockKey] = []
+        kept: dict[str, int] = {}
+        for at in range(0, len(order), step):
+            yield
+            part = self._demote(order[at : at + step])
+            done += part.done
+            for why, n in part.kept.items():
+                kept[why] = kept.get(why, 0) + n
+        return Hinted(done, kept)
 
     def _demote(self, keys: Sequence[BlockKey]) -> Hinted:
         shared = self.shared

@@ -187,6 +187,10 @@ class Control:
         """``CacheHints.drop``: remove the movable ``keys`` from the pool now."""
         return self.hints.drop(keys, req_id)
 
+    def demote_steps(self, keys: Sequence[BlockKey], req_id: str) -> Generator[None, None, Hinted]:
+        """``CacheHints.demote_steps``: ``demote`` in steps."""
+        return self.hints.demote_steps(keys, req_id)
+
     def drop_steps(self, keys: Sequence[BlockKey], req_id: str) -> Generator[None, None, Hinted]:
         """``CacheHints.drop_steps``: ``drop`` in steps."""
         return self.hints.drop_steps(keys, req_id)

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from app.core.cache_hints import DEMOTE_STEP_KEYS
 from app.core.control import PREFETCH_COUNTS, Hinted, Prefetch
 from app.core.observed import STEP_KEYS, Bringing
 from app.core.service import Service
@@ -49,12 +50,15 @@ class Operation:
     other_ok: tuple[tuple[int, str], ...] = ()
     # Run in place of ``run`` when the service has tiers below the pool (it awaits them).
     run_tiers: RunAsync | None = None
-    # ``run`` in steps (``app.http.steps``), for a call of more than ``STEP_KEYS`` keys.
+    # ``run`` in steps (``app.http.steps``), for a call of more than ``steps_above`` keys
+    # (None: ``STEP_KEYS``).
     run_steps: RunSteps | None = None
+    steps_above: int | None = None
 
     def steps(self, body: Any) -> bool:
         """Whether a call with ``body`` runs in steps (``in_steps``)."""
-        return self.run_steps is not None and len(body.keys) > STEP_KEYS
+        above = STEP_KEYS if self.steps_above is None else self.steps_above
+        return self.run_steps is not None and len(body.keys) > above
 
     async def in_steps(
         self, service: Service, req_id: str, body: Any, slices: Slices
@@ -404,11 +408,22 @@ def _run_drop(service: Service, req_id: str, body: s.KeysBody) -> tuple[int, str
     return 200, _hint_json(service.control.drop(body.keys, req_id))
 
 
+def _steps_demote(
+    service: Service, req_id: str, body: s.KeysBody
+) -> Generator[None, None, tuple[int, str]]:
+    _limit_keys(service, body.keys)
+    return (yield from _hint_json_steps(service.control.demote_steps(body.keys, req_id)))
+
+
 def _steps_drop(
     service: Service, req_id: str, body: s.KeysBody
 ) -> Generator[None, None, tuple[int, str]]:
     _limit_keys(service, body.keys)
-    done = yield from service.control.drop_steps(body.keys, req_id)
+    return (yield from _hint_json_steps(service.control.drop_steps(body.keys, req_id)))
+
+
+def _hint_json_steps(hint: Generator[None, None, Hinted]) -> Generator[None, None, tuple[int, str]]:
+    done = yield from hint
     moved = yield from hex_list_steps(done.done)
     return 200, f'{{"moved":{moved},"kept":{json.dumps(done.kept)}}}'
 
@@ -571,6 +586,8 @@ OPERATIONS: tuple[Operation, ...] = (
         (*_KEYS_ERRORS, 409),
         "Evict these blocks now into the tiers below (not pinned, retained or pending ones)",
         _run_demote,
+        run_steps=_steps_demote,
+        steps_above=DEMOTE_STEP_KEYS,
     ),
     Operation(
         "drop",

@@ -11,15 +11,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+import app.core.cache_hints as cache_hints
+import app.http.operations as operations
+import app.http.steps as steps
+from app.core.cache_hints import DEMOTE_STEP_KEYS
 from app.core.disk import DiskLink
 from app.telemetry.logging import AUDIT_LOGGER, fields_of
+from manager import OffloadManager
 from tests.api.test_disk_tier import gated, pool_bytes, store
 from tests.app.exposition import OPENMETRICS, parse
 from testsupport.api_harness import BLOCK, TOKEN, Harness, hexkeys, make_settings, running
@@ -728,7 +733,33 @@ async def test_a_retained_key_on_disk_with_no_room_to_come_up_stays_retained_the
 # --------------------------------------------------------------------------- demote and drop
 
 
-async def test_demote_moves_blocks_to_disk_with_their_bytes(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def demote_in_steps(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every demote in steps of 2 keys, the loop given way between any two steps."""
+    op = operations.BY_NAME["demote"]
+    object.__setattr__(op, "steps_above", 1)  # a frozen dataclass: restored below
+    monkeypatch.setattr(cache_hints, "DEMOTE_STEP_KEYS", 2)
+    monkeypatch.setattr(steps, "YIELD_AFTER_S", 0.0)
+    try:
+        yield
+    finally:
+        object.__setattr__(op, "steps_above", DEMOTE_STEP_KEYS)
+
+
+@pytest.fixture(params=["whole", "in steps"])
+def demote_steps(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each demote test twice: as one call, and in steps (``CacheHints.demote_steps``): the
+    same answers and the same blocks moved."""
+    if request.param == "whole":
+        yield
+        return
+    with demote_in_steps(monkeypatch):
+        yield
+
+
+async def test_demote_moves_blocks_to_disk_with_their_bytes(
+    tmp_path: Path, demote_steps: None
+) -> None:
     async with disk_node(tmp_path) as h:
         keys = hexkeys(*range(1, 9))
         data = await store(h, "w", keys)
@@ -756,7 +787,40 @@ async def test_demote_moves_blocks_to_disk_with_their_bytes(tmp_path: Path) -> N
         assert [pool_bytes(h, s) for s in slots] == [data[k] for k in keys[:3]]
 
 
-async def test_demote_and_drop_keep_pinned_retained_and_pending_blocks(tmp_path: Path) -> None:
+async def test_a_demote_in_steps_is_one_call_to_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A demote of 12 keys in steps of 2, the loop given way between them: a lookup that
+    enters the namespace's manager while the demote is suspended finds every key gone from
+    the pool (the rest settled first), none still a hit."""
+    with demote_in_steps(monkeypatch):
+        async with disk_node(tmp_path) as h:
+            keys = hexkeys(*range(1, 13))
+            await store(h, "w", keys)
+            await h.start("look")
+            manager = h.service.pool_manager
+            seen: list[list[str]] = []
+
+            async def other_calls() -> None:
+                for _ in range(200):
+                    await asyncio.sleep(0)
+                    if type(manager) is not OffloadManager:  # between two steps
+                        r = await h.post("/v1/requests/look/lookup", {"keys": keys})
+                        seen.append(r.json()["results"])
+                        return
+
+            looker = asyncio.create_task(other_calls())
+            r = await h.post("/v1/requests/hint/demote", {"keys": keys})
+            await looker
+            assert r.status_code == 200, r.text
+            assert r.json()["moved"] == keys
+            assert len(seen) == 1
+            assert "hit" not in seen[0], seen
+
+
+async def test_demote_and_drop_keep_pinned_retained_and_pending_blocks(
+    tmp_path: Path, demote_steps: None
+) -> None:
     async with disk_node(tmp_path) as h:
         keys = hexkeys(*range(1, 9))
         await store(h, "w", keys)
@@ -766,7 +830,8 @@ async def test_demote_and_drop_keep_pinned_retained_and_pending_blocks(tmp_path:
         await pin(h, "p", keys[2:4])
         named = [*keys[:6], *hexkeys(50, 999)]
         kept = {"pinned": 2, "retained": 2, "pending": 1, "not_in_pool": 1}
-        r = await h.post("/v1/requests/hint/demote", {"keys": named[:5] + named[6:]})
+        named_twice = [*named[:5], *named[6:], keys[4], named[7]]  # counted once each
+        r = await h.post("/v1/requests/hint/demote", {"keys": named_twice})
         assert r.status_code == 200, r.text
         assert r.json() == {"moved": [keys[4]], "kept": {**kept, "refused": 0}}
         r = await h.post("/v1/requests/hint/drop", {"keys": named})
@@ -803,7 +868,9 @@ async def test_demote_admits_what_the_disk_admission_would_refuse(tmp_path: Path
         assert [pool_bytes(h, s) for s in slots] == [data[k] for k in keys]
 
 
-async def test_demote_keeps_in_the_pool_what_no_tier_below_takes(tmp_path: Path) -> None:
+async def test_demote_keeps_in_the_pool_what_no_tier_below_takes(
+    tmp_path: Path, demote_steps: None
+) -> None:
     async with disk_node(tmp_path) as h:
         keys = hexkeys(1, 2, 3)
         await store(h, "w", keys)
@@ -819,7 +886,7 @@ async def test_demote_keeps_in_the_pool_what_no_tier_below_takes(tmp_path: Path)
         assert await lookup(h, keys) == ["hit"] * 3
 
 
-async def test_demote_without_a_lower_tier_is_409(h: Harness) -> None:
+async def test_demote_without_a_lower_tier_is_409(h: Harness, demote_steps: None) -> None:
     await store(h, "w", hexkeys(1))
     r = await h.post("/v1/requests/hint/demote", {"keys": hexkeys(1)})
     assert error(r) == (409, "no_lower_tier"), r.text

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import app.core.background as background
 import app.core.observed as observed
 import app.http.operations as operations
 import app.http.routes.engine as engine
@@ -21,7 +22,7 @@ from app.http import schemas as s
 from app.http.errors import APIError
 from app.http.routes.engine import _BatchRunner
 from app.http.routes.raw import body_parser
-from manager import OffloadManager
+from manager import OffloadManager, create_manager
 from testsupport.api_harness import hexkeys, make_settings
 
 pytestmark = pytest.mark.anyio
@@ -251,3 +252,29 @@ def test_a_long_list_of_plain_elements_is_kept_as_its_text_in_pieces() -> None:
     odd = odd.replace(b"null", b'null, "0\\u0030"')  # an escape: not plain either
     _, (value, _, _) = drive(steps.value_at(odd, 0))
     assert value["keys"] == [*keys[:5], None, "00"]
+
+
+async def test_housekeeping_waits_for_a_suspended_call_instead_of_settling_it() -> None:
+    """The lease sweep waits (``unsuspended``) while a large call is between its steps: the
+    call's caller resumes it, and its rest is never run whole by the sweep."""
+    manager = create_manager(4)
+    ran: list[str] = []
+    manager.suspend(lambda: ran.append("rest"))
+
+    async def resume_soon() -> None:
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert manager.resume()
+
+    task = asyncio.create_task(resume_soon())
+    await background.unsuspended(manager, 60.0)
+    await task
+    assert ran == []
+    assert not manager.suspended
+
+
+async def test_housekeeping_waits_no_longer_than_its_patience() -> None:
+    manager = create_manager(4)
+    manager.suspend(lambda: None)
+    await background.unsuspended(manager, 0.01)
+    assert manager.suspended  # the sweep goes on and settles it
