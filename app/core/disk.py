@@ -53,6 +53,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from app.core.asks import QueuedAsks
 from app.core.promotion import Promotions
 from app.core.storage import Dropped, drop_disk_dir, leftover_dirs
 from app.core.tier import LowerTier, TierBackend, TierContext, dropped_by_reason, register
@@ -108,6 +109,7 @@ class DiskLink(LowerTier):
         self._queue: collections.deque[tuple[BlockKey, int]] = collections.deque()
         self._wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self.asks = QueuedAsks(index.asked)
         self.counts: collections.Counter[str] = collections.Counter()
         self._writing: set[asyncio.Task[None]] = set()  # batches being written
         self._forced: set[BlockKey] = set()  # an explicit demote's keys (``takes``)
@@ -136,6 +138,7 @@ class DiskLink(LowerTier):
         self._tasks = [
             loop.create_task(self._write_loop(), name="kvoffload-disk-writer"),
             loop.create_task(self._probe_loop(), name="kvoffload-disk-probe"),
+            loop.create_task(self.asks.run(), name="kvoffload-disk-asks"),
         ]
 
     async def close(self) -> None:
@@ -237,8 +240,9 @@ class DiskLink(LowerTier):
     # ------------------------------------------------------------------ admission and lookups
 
     def asked(self, keys: Sequence[BlockKey], req_id: str) -> None:
-        """An engine asked for ``keys`` (lookup, load or store): count it for admission."""
-        self.index.asked(keys, req_id)
+        """An engine asked for ``keys`` (lookup, load or store): count it for admission (a
+        large ask in steps on the loop, ``app.core.asks``)."""
+        self.asks.add(keys, req_id)
 
     async def found(self, keys: Sequence[BlockKey], req_id: str | None = None) -> list[bool]:
         """Per key, whether the disk holds it, loadable (in memory: never reads the disk)."""
@@ -278,6 +282,7 @@ class DiskLink(LowerTier):
         only staged; the writer reserves their disk slots after the promotion, so that no
         block the same load reads next is evicted for them."""
         forced, self._forced = self._forced, set()
+        self.asks.settle()  # admission reads every ask made before this eviction
         if forced:  # an explicit demote (``takes``): admission aside
             disk_slot = self.index.index.slot_of
             taken = [k for k in victims if k in forced and disk_slot(k) is None]

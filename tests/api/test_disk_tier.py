@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+import app.core.asks as asks
 import app.core.disk as disk_module
 from app.core.disk import DiskLink
 from app.core.service import Service
@@ -747,10 +748,15 @@ async def test_an_onload_copies_each_chunk_while_the_next_is_still_read(
 # --------------------------------------------------------------------------- admission, lock
 
 
-async def test_only_blocks_asked_for_often_enough_go_to_disk(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ask_step", [asks.ASK_STEP, 1])
+async def test_only_blocks_asked_for_often_enough_go_to_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ask_step: int
+) -> None:
     """``disk_admit_after=2``: asks count once per request. Of the blocks the pool evicts,
     exactly those another request also looked up are demoted; the ones only their writer asked
-    for (its store and its own lookup: one request) are refused."""
+    for (its store and its own lookup: one request) are refused. The same when every ask is
+    queued and counted a key a step (``app.core.asks``): the eviction settles them first."""
+    monkeypatch.setattr(asks, "ASK_STEP", ask_step)
     async with disk_node(tmp_path, disk_admit_after=2) as h:
         keys = hexkeys(*range(1, 33))
         await store(h, "w", keys)
