@@ -6,14 +6,17 @@ another, and times each. *bob* (another process, bodies encoded beforehand) send
 batches the limits allow, back to back: ``--ops`` ops of ``max_keys_per_call`` (8,192) keys of
 32 bytes each, cycling prepare_store, complete_store, touch and drop of the same keys (about
 6 MB a body, under the 8 MiB cap); with ``--flood demote``, prepare_store, complete_store and
-demote, the service given a disk tier (bob's blocks go down to it and are stored again).
+demote, the service given a disk tier (bob's blocks go down to it and are stored again); with
+``--flood retain``, prepare_store, complete_store and retain, each op's keys a retention of its
+own that lives ``RETAIN_TTL_S`` (made again once expired; past the namespace's bound of retained
+blocks, half its pool, the rest are refused after the same counting).
 alice's p50 and p99 are taken idle (bob silent) and during the flood, on this tree (*after*)
 and on a ``git worktree`` of ``--baseline`` (*before*), the same run, the same machine. Bob's
 client runs at the lowest priority on the client core it shares with alice's. Ratio: p99
 during the flood over p99 idle. Target (after): p99 during the flood <= 5 ms.
 
 Run: ``.venv/bin/python bench/batch_flood.py`` (``--quick``: fewer calls). Prints the table and
-writes ``bench/results/batch_flood.json``.
+writes ``bench/results/batch_flood.json`` (``batch_flood_<flood>.json`` for the other floods).
 """
 
 from __future__ import annotations
@@ -52,7 +55,9 @@ DISK_BYTES = 256 << 20
 FLOODS = {
     "stores": ("prepare_store", "complete_store", "touch", "drop"),
     "demote": ("prepare_store", "complete_store", "demote"),
+    "retain": ("prepare_store", "complete_store", "retain"),
 }
+RETAIN_TTL_S = 1.0
 
 
 def headers(who: tuple[str, str]) -> dict[str, str]:
@@ -110,10 +115,20 @@ def bob_bodies(ops: int, flood: str = "stores") -> list[bytes]:
     keys = [[f"{(j << 20) + i:064x}" for i in range(KEYS_PER_OP)] for j in range(ops)]
     out = []
     for op in FLOODS[flood]:
-        extra: dict[str, Any] = {"success": True} if op == "complete_store" else {}
-        batch = [{"op": op, "req_id": "r", "keys": k, **extra} for k in keys]
+        batch = [
+            {"op": op, "req_id": "r", "keys": k, **op_fields(op, j)} for j, k in enumerate(keys)
+        ]
         out.append(json.dumps({"ops": batch}).encode())
     return out
+
+
+def op_fields(op: str, j: int) -> dict[str, Any]:
+    """The fields besides ``keys`` of bob's ``op`` number ``j`` in a batch."""
+    if op == "complete_store":
+        return {"success": True}
+    if op == "retain":  # a retention per op, made again once it expires
+        return {"ttl_s": RETAIN_TTL_S, "name": f"flood-{j}"}
+    return {}
 
 
 def flood(url: str, bodies: list[bytes], stop: Any, sent: Any) -> None:
@@ -239,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         rows=rows,
         target_p99_ms=TARGET_P99_MS,
     )
-    harness.write_results(args.out / "batch_flood.json", record)
+    name = "batch_flood.json" if args.flood == "stores" else f"batch_flood_{args.flood}.json"
+    harness.write_results(args.out / name, record)
     return 0
 
 

@@ -7,9 +7,10 @@ eviction listeners. See ``manager.core`` for the contract.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Generator, Sequence
 
 from manager.events import EventsRoom
+from manager.parts import parts, whole
 from manager.slots import check_keys
 from manager.spec import BlockKey, RetentionInfo
 
@@ -25,19 +26,42 @@ class RetainingRoom(EventsRoom):
         kept from the moment it becomes ready. Retaining makes no room: when the pool is full
         of pinned and retained blocks, ``prepare_store`` refuses as it does for pins.
         ``InvalidArgumentError`` for a bad key, name or TTL; nothing changes then."""
-        check_keys(keys)
-        added = self._retentions.add(name, keys, ttl_s, self._clock())
+        return whole(self.retain_steps(keys, ttl_s, name, max(1, len(keys))))
+
+    def retain_steps(
+        self,
+        keys: Sequence[BlockKey],
+        ttl_s: float,
+        name: str,
+        step: int,
+        check: Callable[[int, int], None] | None = None,
+    ) -> Generator[None, None, RetentionInfo]:
+        """``retain`` in steps of about ``step`` keys (``manager.steps``). Before the first
+        change, ``check(new_retained, new_references)`` is called with what the call would
+        add to ``num_retained`` and to ``retention_references`` (a caller's bounds): whatever
+        it raises, nothing changed."""
+        for part in parts(keys, step):
+            yield
+            check_keys(part)
+        table = self._retentions
+        added = yield from table.add_steps(name, keys, ttl_s, self._clock(), step, check)
         if added.created:
             self._retentions_started += 1
-        newly = added.newly_retained
-        ready_set = self._slot.keys() & newly
-        ready_set -= self._pending
-        # Their order, without a test per key when all are ready (the common case).
-        ready = newly if len(ready_set) == len(newly) else [k for k in newly if k in ready_set]
-        if ready:
-            self._policy.remove(ready)
-            self._kept.update(ready)
-        return self._retention_info(name, added=len(added.added), created=added.created)
+        slot_of, in_flight, kept = self._slot, self._pending, self._kept
+        for part in parts(added.newly_retained, step):
+            yield
+            ready_set = slot_of.keys() & part
+            ready_set -= in_flight
+            # Their order, without a test per key when all are ready (the common case).
+            ready = part if len(ready_set) == len(part) else [k for k in part if k in ready_set]
+            if ready:
+                self._policy.remove(ready)
+                kept.update(ready)
+        return (
+            yield from self._retention_info_steps(
+                name, step, added=len(added.added), created=added.created
+            )
+        )
 
     def renew_retention(self, name: str, ttl_s: float) -> RetentionInfo:
         """Restart retention ``name``'s TTL (``UnknownRetentionError`` if there is none)."""
@@ -122,10 +146,18 @@ class RetainingRoom(EventsRoom):
         """Whether retention ``name`` is live."""
         return name in self._retentions
 
-    def _retention_info(self, name: str, *, added: int = 0, created: bool = False) -> RetentionInfo:
+    def _retention_info(self, name: str) -> RetentionInfo:
+        return whole(self._retention_info_steps(name, 1 << 30))
+
+    def _retention_info_steps(
+        self, name: str, step: int, *, added: int = 0, created: bool = False
+    ) -> Generator[None, None, RetentionInfo]:
         kept = self._kept
-        keys = self._retentions.keys_of(name) if kept else ()
-        in_pool = sum(map(kept.__contains__, keys))
+        in_pool = 0
+        if kept:
+            for part in self._retentions.key_parts(name, step):
+                in_pool += sum(map(kept.__contains__, part))
+                yield
         return self._retentions.info(name, self._clock(), in_pool, added=added, created=created)
 
     def _end_retention(self, name: str) -> None:

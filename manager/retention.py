@@ -32,10 +32,11 @@ from __future__ import annotations
 import itertools
 import math
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from manager.errors import InvalidArgumentError, UnknownRetentionError
+from manager.parts import distinct_steps, parts, whole
 from manager.spec import BlockKey, RetentionInfo
 
 #: The longest retention name (a session id, a request id).
@@ -130,28 +131,55 @@ class RetentionTable:
     def add(self, name: str, keys: Sequence[BlockKey], ttl_s: float, now: float) -> Added:
         """Create or extend retention ``name`` (keys already checked by the caller) and
         restart its TTL; see the module docstring."""
+        return whole(self.add_steps(name, keys, ttl_s, now, max(1, len(keys))))
+
+    def add_steps(
+        self,
+        name: str,
+        keys: Sequence[BlockKey],
+        ttl_s: float,
+        now: float,
+        step: int,
+        check: Callable[[int, int], None] | None = None,
+    ) -> Generator[None, None, Added]:
+        """``add``, about ``step`` keys' work a step (the caller keeps the table unseen
+        between two steps). Before the first change, the name and the TTL are checked and
+        ``check(new, references)`` is called with what the call would add to ``len(ids)``
+        and to ``references``: whatever it raises, nothing changed."""
         _check_name(name)
         ttl = check_ttl(ttl_s)
         rec = self._by_name.get(name)
+        ids, refs = self.ids, self._refs
+        mine: set[int] = set()  # the ids the retention names already
+        if rec is not None:
+            for named_part in parts(rec.ids, step):
+                yield
+                mine.update(named_part)
+        distinct = yield from distinct_steps(keys, step)
+        added: list[BlockKey] = []  # the keys the retention does not name yet
+        new = 0
+        for part in parts(list(distinct), step):
+            yield
+            if mine:
+                part = [k for k in part if ids.get(k) not in mine]
+            added += part
+            new += len(part) - len(ids.keys() & part)
+        if check is not None:
+            check(new, len(added))
         created = rec is None
         if rec is None:
             rec = self._by_name[name] = _Retention(name, now)
             self._peak_names = max(self._peak_names, len(self._by_name))
-        ids, refs = self.ids, self._refs
-        distinct = list(dict.fromkeys(keys))
-        if created:
-            added = distinct
-        else:
-            mine = set(rec.ids)
-            added = [k for k in distinct if ids.get(k) not in mine]
-        fresh: list[BlockKey] = []
         named = rec.ids
-        if ids.keys().isdisjoint(added):
-            # Every key new to the table (the common case): ids handed out in bulk.
-            fresh = added
-            named.extend(self._new_ids(added))
-        else:
-            for key in added:
+        fresh: list[BlockKey] = []
+        for part in parts(added, step):
+            yield
+            if ids.keys().isdisjoint(part):
+                # Every key new to the table (the common case): ids handed out in bulk.
+                fresh += part
+                named.extend(self._new_ids(part))
+                continue
+            for key in part:
                 i = ids.get(key)
                 if i is None:
                     i = self._new_id(key)
@@ -166,7 +194,7 @@ class RetentionTable:
         rec.expires_at = now + ttl
         return Added(name, created, added, fresh)
 
-    def _new_ids(self, keys: list[BlockKey]) -> list[int]:
+    def _new_ids(self, keys: Sequence[BlockKey]) -> list[int]:
         """``_new_id`` of each key, in order (the same ids), without a call per key."""
         free = self._free_ids
         reused = free[: -len(keys) - 1 : -1]  # taken off the end, as ``pop`` takes them
@@ -252,6 +280,13 @@ class RetentionTable:
         """The keys retention ``name`` names, head to tail."""
         # A live retention's ids are never free: each names its key (mapped in C).
         return list(map(self._key_of.__getitem__, self._get(name).ids))  # type: ignore[arg-type]
+
+    def key_parts(self, name: str, step: int) -> Iterator[list[BlockKey]]:
+        """``keys_of(name)`` a part of ``step`` keys at a time, each part made as it is
+        asked for."""
+        key_of = self._key_of
+        for part in parts(self._get(name).ids, step):
+            yield list(map(key_of.__getitem__, part))  # type: ignore[arg-type]
 
     def info(
         self, name: str, now: float, in_pool: int, *, added: int = 0, created: bool = False

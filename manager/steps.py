@@ -22,14 +22,11 @@ from __future__ import annotations
 from collections.abc import Generator, Sequence
 
 from manager.loads import LoadsRoom
+from manager.parts import distinct_steps, parts
 from manager.slots import RequestRecord, bad_key, check_keys
 from manager.spec import BlockKey, BlockStored, CompleteStoreOutput, PrepareStoreOutput, ReqContext
 from manager.stores import StoresRoom
 from manager.switch import SwitchRoom
-
-
-def _parts(keys: Sequence[BlockKey], step: int) -> list[Sequence[BlockKey]]:
-    return [keys[i : i + step] for i in range(0, len(keys), step)]
 
 
 class StepsRoom(StoresRoom, LoadsRoom, SwitchRoom):
@@ -44,11 +41,11 @@ class StepsRoom(StoresRoom, LoadsRoom, SwitchRoom):
         req = self._live(ctx)
         chain = yield from _chain_steps(keys, step)
         resident = self._slot.__contains__
-        for part in _parts(keys, step):
+        for part in parts(keys, step):
             yield  # 512 look-ups in a slot table of 100,000s of keys: about 1 ms, out of cache
             if not all(map(resident, part)):
                 check_keys(part)  # a resident key was checked when offered
-        for part in reversed(_parts(keys, step)):
+        for part in reversed(parts(keys, step)):
             yield
             self._policy.touch(part)
         yield from self._join_chain_steps(req, chain, step)
@@ -65,27 +62,27 @@ class StepsRoom(StoresRoom, LoadsRoom, SwitchRoom):
         req = self._any(ctx)
         pending = req.pending
         unique = yield from _chain_steps(keys, step)
-        for part in _parts(keys, step):
+        for part in parts(keys, step):
             yield
             if not pending.issuperset(part):
                 return self.complete_store(keys, ctx, success)
         if len(unique) != len(keys):
             return self.complete_store(keys, ctx, success)
         mine = list(keys)
-        for part in _parts(mine, step):
+        for part in parts(mine, step):
             yield
             pending.difference_update(part)
             self._pending.difference_update(part)
         if success:
             self._stores_completed += len(mine)
-            for part in reversed(_parts(mine, step)):
+            for part in reversed(parts(mine, step)):
                 yield
                 self._admit(list(part))
             self._emit(BlockStored(self._next_seq(), mine))
             req.orderings += 1
         else:
             freed: list[int] = []
-            for part in _parts(mine, step):
+            for part in parts(mine, step):
                 yield
                 freed += map(self._slot.pop, part)
             self._push_free(freed)  # once: the free stack in ``complete_store``'s order
@@ -108,7 +105,7 @@ class StepsRoom(StoresRoom, LoadsRoom, SwitchRoom):
             return None
         admitted, skipped, victims = made
         slots: list[int] = []
-        for part in _parts(admitted, step):
+        for part in parts(admitted, step):
             yield
             slots += self._take_slots(req, list(part))
         yield from self._join_chain_steps(req, chain, step)
@@ -123,7 +120,7 @@ class StepsRoom(StoresRoom, LoadsRoom, SwitchRoom):
         new: dict[BlockKey, None] = {}
         protected: set[BlockKey] = set()
         reused = 0
-        for part in _parts(keys, step):
+        for part in parts(keys, step):
             yield
             try:
                 resident = list(map(contains, part))
@@ -151,7 +148,7 @@ class StepsRoom(StoresRoom, LoadsRoom, SwitchRoom):
             req.keys = chain  # adopted, as ``_join_chain`` adopts it
             return
         order = list(chain)
-        for part in _parts(order, step):
+        for part in parts(order, step):
             yield
             req.keys.update(dict.fromkeys(part))
 
@@ -166,7 +163,7 @@ class StepsRoom(StoresRoom, LoadsRoom, SwitchRoom):
         chain = yield from _chain_steps(keys, step)
         movable = []
         kept = {"pinned": 0, "retained": 0, "pending": 0, "not_in_pool": 0}
-        for part in _parts(list(chain), step):
+        for part in parts(list(chain), step):
             yield
             moves, stays = self.sort_for_hint(part)
             movable += moves
@@ -174,7 +171,7 @@ class StepsRoom(StoresRoom, LoadsRoom, SwitchRoom):
                 kept[why] += n
         slot_of = self._slot
         freed: list[int] = []
-        for part in _parts(movable, step):
+        for part in parts(movable, step):
             yield
             freed += map(slot_of.pop, part)
             self._policy.remove(part)
@@ -187,11 +184,7 @@ def _chain_steps(
     keys: Sequence[BlockKey], step: int
 ) -> Generator[None, None, dict[BlockKey, None]]:
     """``dict.fromkeys(keys)``, a part a step; ``InvalidArgumentError`` for an unhashable."""
-    chain: dict[BlockKey, None] = {}
-    for part in _parts(keys, step):
-        yield
-        try:
-            chain.update(dict.fromkeys(part))
-        except TypeError:
-            raise bad_key(keys) from None
-    return chain
+    try:
+        return (yield from distinct_steps(keys, step))
+    except TypeError:
+        raise bad_key(keys) from None

@@ -18,6 +18,7 @@ from app.core.errors import NoLowerTierError
 from app.core.observed import STEP_KEYS, observed, observed_steps
 from app.telemetry.metrics import PREFIX
 from manager import BlockKey
+from manager.parts import distinct_steps, parts
 
 #: Bounds of a step of ``demote_steps`` (``CacheHints.demote_step_keys``).
 DEMOTE_STEP_KEYS = 64
@@ -61,25 +62,20 @@ class CacheHints:
 
     def demote_step_keys(self) -> int:
         """Keys a step of ``demote_steps``: about 1 MiB of blocks, at most 64 (a block's
-        staging and index work is some 20 µs on top of its copy), at least one."""
+        staging and index work is some 26 µs on top of its copy), at least one."""
         return max(1, min(DEMOTE_STEP_KEYS, DEMOTE_STEP_BYTES // self.shared.settings.block_bytes))
 
     def _demote_steps(self, keys: Sequence[BlockKey]) -> Generator[None, None, Hinted]:
         if not self.shared.tiers:
             raise NoLowerTierError()
-        chain: dict[BlockKey, None] = {}
-        for at in range(0, len(keys), STEP_KEYS):
-            yield
-            chain.update(dict.fromkeys(keys[at : at + STEP_KEYS]))
-        order = list(chain)
-        step = self.demote_step_keys()
+        chain = yield from distinct_steps(keys, STEP_KEYS)
         done: list[BlockKey] = []
         kept: dict[str, int] = {}
-        for at in range(0, len(order), step):
+        for part in parts(list(chain), self.demote_step_keys()):
             yield
-            part = self._demote(order[at : at + step])
-            done += part.done
-            for why, n in part.kept.items():
+            hinted = self._demote(part)
+            done += hinted.done
+            for why, n in hinted.kept.items():
                 kept[why] = kept.get(why, 0) + n
         return Hinted(done, kept)
 

@@ -48,6 +48,7 @@ from prometheus_client.metrics_core import Metric
 
 from app.core.cache_hints import CacheHints, Hinted
 from app.core.control_shared import HIT, MISS, PENDING, REFUSED, ControlShared
+from app.core.observed import StepRunner, all_at_once
 from app.core.prefetches import (
     FINISHED_PREFETCHES_KEPT,
     PREFETCH_COUNTS,
@@ -113,10 +114,16 @@ class Control:
     # ------------------------------------------------------------------ retain
 
     async def retain(
-        self, keys: Sequence[BlockKey], ttl_s: float, name: str, req_id: str
+        self,
+        keys: Sequence[BlockKey],
+        ttl_s: float,
+        name: str,
+        req_id: str,
+        run: StepRunner = all_at_once,
     ) -> Retained:
-        """``Retentions.retain``: retain ``keys`` for ``ttl_s`` as retention ``name``."""
-        return await self.retaining.retain(keys, ttl_s, name, req_id)
+        """``Retentions.retain``: retain ``keys`` for ``ttl_s`` as retention ``name``, ``run``
+        driving its steps."""
+        return await self.retaining.retain(keys, ttl_s, name, req_id, run)
 
     def renew(self, name: str, ttl_s: float) -> RetentionInfo:
         """Restart retention ``name``'s TTL."""

@@ -14,12 +14,14 @@ import asyncio
 import collections
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 from app.core.lower_tiers import TierChain
+from app.core.observed import STEP_KEYS, StepRunner, all_at_once
 from app.settings import Settings
 from app.telemetry.observer import Observer
 from manager import BlockKey, InvalidArgumentError, LookupResult, OffloadManager
+from manager.parts import parts
 from manager.retention import check_ttl
 
 HIT, PENDING, MISS, REFUSED = "hit", "pending", "miss", "refused"
@@ -52,15 +54,26 @@ class ControlShared:
         self._promotion_ids = itertools.count(1)
         self._settling: set[asyncio.Task[None]] = set()
 
-    async def states(self, keys: Sequence[BlockKey], req_id: str) -> list[str | None]:
+    async def states(
+        self, keys: Sequence[BlockKey], req_id: str, run: StepRunner = all_at_once
+    ) -> list[str | None]:
         """Per key: ``hit`` (ready in the pool), ``pending`` (a store or promotion in
-        flight), the name of the first tier below that holds it, or None (nowhere)."""
-        out: list[str | None] = list(map(_NAMES.__getitem__, self.manager.peek(keys)))
+        flight), the name of the first tier below that holds it, or None (nowhere). The pool
+        is asked ``STEP_KEYS`` keys a step (``run`` drives them)."""
+        out = await run(self._peek_steps(keys))
         below = [i for i, s in enumerate(out) if s is None] if None in out else []
         if below and self.tiers:
             found = await self.tiers.found([keys[i] for i in below], req_id)
             for i, tier in zip(below, found, strict=True):
                 out[i] = tier
+        return out
+
+    def _peek_steps(self, keys: Sequence[BlockKey]) -> Generator[None, None, list[str | None]]:
+        out: list[str | None] = []
+        peek = self.manager.peek
+        for part in parts(keys, STEP_KEYS):
+            yield
+            out += map(_NAMES.__getitem__, peek(part))
         return out
 
     def promote(

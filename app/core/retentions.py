@@ -2,8 +2,10 @@
 pool against eviction until a TTL ends, the keys below the pool promoted and kept as they land.
 
 ``Retentions`` checks the namespace's bounds (retained blocks, live retentions, keys named by
-retentions, the TTL) in one step after the one question to the tiers below, so a refusal changes
-nothing; the manager keeps the retained blocks (``OffloadManager.retain``). It remembers the
+retentions, the TTL) after the one question to the tiers below, in the same manager call as the
+change, so a refusal changes nothing; the manager keeps the retained blocks
+(``OffloadManager.retain_steps``). A large retain runs ``STEP_KEYS`` keys a step, its caller
+giving way between steps (the manager suspended: to everyone else it is one call). It remembers the
 retained keys that were below the pool, and where, for the ``kvoffload_retained_blocks{tier}``
 gauge and for the sweep's retries (``expire``).
 """
@@ -11,7 +13,7 @@ gauge and for the sweep's retries (``expire``).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -20,7 +22,7 @@ from prometheus_client.metrics_core import Metric
 
 from app.core.control_shared import HIT, PENDING, ControlShared, bounded
 from app.core.errors import QuotaExceededError, UnknownKeysError
-from app.core.observed import observed_await
+from app.core.observed import STEP_KEYS, StepRunner, all_at_once, observed_await
 from app.telemetry.logging import get_logger
 from app.telemetry.metrics import PREFIX
 from manager import BlockKey, InvalidArgumentError, RetentionInfo
@@ -62,55 +64,72 @@ class Retentions:
         return bounded("ttl_s", ttl_s, settings.retain_max_ttl_s, "retain_max_ttl_s")
 
     async def retain(
-        self, keys: Sequence[BlockKey], ttl_s: float, name: str, req_id: str
+        self,
+        keys: Sequence[BlockKey],
+        ttl_s: float,
+        name: str,
+        req_id: str,
+        run: StepRunner = all_at_once,
     ) -> Retained:
         """Retain ``keys`` for ``ttl_s`` as retention ``name``, counted as ``req_id``'s
-        ``retain`` (its error when it raises); see the module docstring."""
+        ``retain`` (its error when it raises); see the module docstring. The work is done
+        ``STEP_KEYS`` keys a step, ``run`` driving the steps."""
         shared = self.shared
         out = await observed_await(
-            shared.observer, "retain", req_id, self._retain(keys, ttl_s, name, req_id)
+            shared.observer, "retain", req_id, self._retain(keys, ttl_s, name, req_id, run)
         )
         shared.observer.op("retain", req_id)
         return out
 
     async def _retain(
-        self, keys: Sequence[BlockKey], ttl_s: float, name: str, req_id: str
+        self, keys: Sequence[BlockKey], ttl_s: float, name: str, req_id: str, run: StepRunner
     ) -> Retained:
         ttl = self._check_ttl(ttl_s)
-        manager = self.manager
         if not keys:
             raise InvalidArgumentError("keys: at least one key to retain")
-        states = await self.shared.states(keys, req_id)
-        # From here on, no await: the checks and the change are one step.
+        states = await self.shared.states(keys, req_id, run)
         if None in states:
             unknown = [k for k, s in zip(keys, states, strict=True) if s is None]
             raise UnknownKeysError(unknown[:8], len(unknown))
-        self._check_bounds(keys, name)
-        info = manager.retain(keys, ttl, name)
-        created = info.created
-        results = cast(list[str], states)
+        # From here on, no await but ``run``'s: the checks and the change are one call.
+        return await run(self._retain_steps(keys, cast(list[str], states), ttl, name))
+
+    def _retain_steps(
+        self, keys: Sequence[BlockKey], results: list[str], ttl: float, name: str
+    ) -> Generator[None, None, Retained]:
+        manager = self.manager
+
+        def check(new: int, more: int) -> None:
+            self._check_bounds(name, new, more)
+
+        info = yield from manager.retain_steps(keys, ttl, name, STEP_KEYS, check)
         below: list[BlockKey] = []
-        if states.count(HIT) + states.count(PENDING) < len(states):  # some below the pool
-            below = [k for k, s in zip(keys, results, strict=True) if s not in (HIT, PENDING)]
-            if len(self._below) + len(below) > 2 * self.max_retained:
+        hits: list[BlockKey] = []
+        if results.count(HIT) + results.count(PENDING) < len(results):  # some below the pool
+            for at in range(0, len(keys), STEP_KEYS):
+                yield
+                part = zip(keys[at : at + STEP_KEYS], results[at : at + STEP_KEYS], strict=True)
+                for key, where in part:
+                    if where == HIT:
+                        hits.append(key)
+                    elif where != PENDING:
+                        below.append(key)
+                        self._below[key] = where
+            if len(self._below) > 2 * self.max_retained:
                 self._prune_below()
-            for key, where in zip(keys, results, strict=True):
-                if where not in (HIT, PENDING):
-                    self._below[key] = where
         promoting = 0
         if below:
-            hits = [k for k, s in zip(keys, results, strict=True) if s == HIT]
             tasks = self.shared.promote(below, hits, None)
             promoting = sum(1 for k in below if manager.slot_of(k) is not None) if tasks else 0
-        self.shared.counts["retentions_created" if created else "retentions_renewed"] += 1
-        return Retained(info, created, results, promoting)
+        self.shared.counts["retentions_created" if info.created else "retentions_renewed"] += 1
+        return Retained(info, info.created, results, promoting)
 
-    def _check_bounds(self, keys: Sequence[BlockKey], name: str) -> None:
-        """``QuotaExceededError`` (the namespace's) when retaining ``keys`` as ``name`` would
-        pass the bound of retained blocks, of live retentions or of keys named by them."""
+    def _check_bounds(self, name: str, new: int, more: int) -> None:
+        """``QuotaExceededError`` (the namespace's) when retaining as ``name`` ``new`` keys no
+        retention names yet and ``more`` keys it does not name yet would pass the bound of
+        retained blocks, of live retentions or of keys named by them."""
         manager, settings, namespace = self.manager, self.shared.settings, self.shared.namespace
         retained = manager.num_retained
-        new = manager.new_retained(name, keys)
         if new and retained + new > self.max_retained:
             raise QuotaExceededError(
                 namespace,
@@ -129,7 +148,6 @@ class Retentions:
                 scope="namespace",
             )
         refs = manager.retention_references
-        more = manager.new_references(name, keys)
         if more and refs + more > settings.max_retention_keys:
             raise QuotaExceededError(
                 namespace,

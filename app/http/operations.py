@@ -14,11 +14,11 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from app.core.cache_hints import DEMOTE_STEP_KEYS
 from app.core.control import PREFETCH_COUNTS, Hinted, Prefetch
-from app.core.observed import STEP_KEYS, Bringing
+from app.core.observed import STEP_KEYS, Bringing, StepRunner, all_at_once
 from app.core.service import Service
 from app.http import schemas as s
 from app.http.errors import APIError, too_many
@@ -30,6 +30,8 @@ from transfer import JobRecord
 Run = Callable[[Service, str, Any], tuple[int, str]]
 RunAsync = Callable[[Service, str, Any], Awaitable[tuple[int, str]]]
 RunSteps = Callable[[Service, str, Any], Generator[None, None, tuple[int, str]]]
+T = TypeVar("T")
+RunSliced = Callable[[Service, str, Any, Slices], Awaitable[tuple[int, str]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,17 +56,23 @@ class Operation:
     # (None: ``STEP_KEYS``).
     run_steps: RunSteps | None = None
     steps_above: int | None = None
+    # ``run_tiers`` in steps, for an op that awaits the tiers between its steps: it drives its
+    # steps with ``slices`` itself.
+    run_sliced: RunSliced | None = None
 
     def steps(self, body: Any) -> bool:
         """Whether a call with ``body`` runs in steps (``in_steps``)."""
         above = STEP_KEYS if self.steps_above is None else self.steps_above
-        return self.run_steps is not None and len(body.keys) > above
+        in_steps = self.run_steps is not None or self.run_sliced is not None
+        return in_steps and len(body.keys) > above
 
     async def in_steps(
         self, service: Service, req_id: str, body: Any, slices: Slices
     ) -> tuple[int, str]:
-        """``run_steps``, giving way between its steps, the namespace's manager suspended
-        meanwhile (``app.http.steps``)."""
+        """``run_steps`` (or ``run_sliced``), giving way between its steps, the namespace's
+        manager suspended meanwhile (``app.http.steps``)."""
+        if self.run_sliced is not None:
+            return await self.run_sliced(service, req_id, body, slices)
         assert self.run_steps is not None
         return await slices.run(self.run_steps(service, req_id, body), service.pool_manager)
 
@@ -366,7 +374,9 @@ def prefetch_json(p: Prefetch, now: float, results: list[str] | None = None) -> 
     return out
 
 
-async def _run_retain(service: Service, req_id: str, body: s.RetainBody) -> tuple[int, str]:
+async def _run_retain(
+    service: Service, req_id: str, body: s.RetainBody, run: StepRunner = all_at_once
+) -> tuple[int, str]:
     _limit_keys(service, body.keys)
     name = req_id if body.name is None else body.name
     if not s.RETENTION_NAME.match(name):
@@ -377,15 +387,37 @@ async def _run_retain(service: Service, req_id: str, body: s.RetainBody) -> tupl
             f"accepted: {s.RETENTION_NAME_ACCEPTED}"
             + ("; this request id needs an explicit name" if body.name is None else ""),
         )
-    done = await service.control.retain(body.keys, body.ttl_s, name, req_id)
-    answer = {
-        **retention_json(done.info),
-        "created": done.created,
-        "added": done.info.added,
-        "results": done.results,
-        "promoting": done.promoting,
-    }
-    return (201 if done.created else 200), json.dumps(answer)
+    done = await service.control.retain(body.keys, body.ttl_s, name, req_id, run)
+    head = json.dumps(
+        {
+            **retention_json(done.info),
+            "created": done.created,
+            "added": done.info.added,
+            "promoting": done.promoting,
+        }
+    )
+    results = await run(_results_json_steps(done.results))
+    return (201 if done.created else 200), f'{head[:-1]},"results":{results}}}'
+
+
+def _results_json_steps(results: list[str]) -> Generator[None, None, str]:
+    """The JSON array of per-key states (plain names: no escaping), ``STEP_KEYS`` a step."""
+    pieces = []
+    for at in range(0, len(results), STEP_KEYS):
+        yield
+        pieces.append('","'.join(results[at : at + STEP_KEYS]))
+    return '["' + '","'.join(pieces) + '"]' if pieces else "[]"
+
+
+async def _sliced_retain(
+    service: Service, req_id: str, body: s.RetainBody, slices: Slices
+) -> tuple[int, str]:
+    manager = service.pool_manager
+
+    def run(steps: Generator[None, None, T]) -> Awaitable[T]:
+        return slices.run(steps, manager)
+
+    return await _run_retain(service, req_id, body, run)
 
 
 async def _run_prefetch(service: Service, req_id: str, body: s.PrefetchBody) -> tuple[int, str]:
@@ -562,6 +594,7 @@ OPERATIONS: tuple[Operation, ...] = (
         None,
         ((200, "The retention existed: the keys it lacked were added and its TTL restarted"),),
         run_tiers=_run_retain,
+        run_sliced=_sliced_retain,
     ),
     Operation(
         "prefetch",

@@ -39,6 +39,7 @@ from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from app.http import schemas as s
 from app.http.errors import validation_error
+from manager.parts import whole
 from manager.suspend import SuspendRoom
 
 T = TypeVar("T")
@@ -99,20 +100,11 @@ class Slices:
                 except BaseException:  # cancelled: the rest now, its outcome lost with the call
                     if manager.resume():
                         with contextlib.suppress(Exception):
-                            _drain(steps)
+                            whole(steps)
                     raise
                 if not manager.resume():  # someone entered meanwhile and ran the rest
                     return settled.outcome()  # type: ignore[no-any-return]
             self.held = time.perf_counter()
-
-
-def _drain(steps: Generator[None, None, T]) -> T:
-    """Run ``steps`` to its end at once; what it returns."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as end:
-            return end.value  # type: ignore[no-any-return]
 
 
 class _Settled:
@@ -128,7 +120,7 @@ class _Settled:
 
     def __call__(self) -> None:
         try:
-            self.value = self.context.run(_drain, self.steps)
+            self.value = self.context.run(whole, self.steps)
         except Exception as exc:  # the call's own outcome: raised again by the call
             self.error = exc
 

@@ -19,9 +19,10 @@ import httpx
 import pytest
 
 import app.core.cache_hints as cache_hints
+import app.core.control_shared as control_shared
+import app.core.retentions as retentions_module
 import app.http.operations as operations
 import app.http.steps as steps
-from app.core.cache_hints import DEMOTE_STEP_KEYS
 from app.core.disk import DiskLink
 from app.telemetry.logging import AUDIT_LOGGER, fields_of
 from manager import OffloadManager
@@ -153,8 +154,75 @@ def event_keys(evs: list[dict[str, Any]], kind: str, medium: str) -> set[str]:
 # --------------------------------------------------------------------------- retain
 
 
+@contextlib.contextmanager
+def in_steps_of_two(
+    monkeypatch: pytest.MonkeyPatch, op_name: str, step_keys: list[tuple[Any, str]]
+) -> Iterator[None]:
+    """Every ``op_name`` call in steps of 2 keys (each module's step size in ``step_keys``
+    set to 2), the loop given way between any two steps."""
+    op = operations.BY_NAME[op_name]
+    above = op.steps_above
+    object.__setattr__(op, "steps_above", 1)  # a frozen dataclass: restored below
+    for module, name in step_keys:
+        monkeypatch.setattr(module, name, 2)
+    monkeypatch.setattr(steps, "YIELD_AFTER_S", 0.0)
+    try:
+        yield
+    finally:
+        object.__setattr__(op, "steps_above", above)
+
+
+def retain_in_steps(monkeypatch: pytest.MonkeyPatch) -> contextlib.AbstractContextManager[None]:
+    """Every retain in steps of 2 keys."""
+    keys = [(retentions_module, "STEP_KEYS"), (control_shared, "STEP_KEYS")]
+    return in_steps_of_two(monkeypatch, "retain", keys)
+
+
+@pytest.fixture(params=["whole", "in steps"])
+def retain_steps(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each retain test twice: as one call, and in steps (``Retentions.retain``'s): the
+    same answers, retentions and bounds."""
+    if request.param == "whole":
+        yield
+        return
+    with retain_in_steps(monkeypatch):
+        yield
+
+
+async def test_a_retain_in_steps_is_one_call_to_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A retain of 12 keys in steps of 2, the loop given way between them: a call that enters
+    the namespace's manager while the retain is suspended finds no retention yet (the keys
+    were being looked at) or the whole one, every key retained, never a part."""
+    with retain_in_steps(monkeypatch):
+        async with running(make_settings()) as h:
+            keys = hexkeys(*range(1, 13))
+            await store(h, "w", keys)
+            manager = h.service.pool_manager
+            seen: list[tuple[int, int] | None] = []
+
+            async def other_calls() -> None:
+                for _ in range(400):
+                    await asyncio.sleep(0)
+                    if manager.suspended:  # between two steps
+                        r = await h.client.get("/v1/retentions/s")
+                        body = r.json()
+                        seen.append(
+                            None if r.status_code == 404 else (body["keys"], body["in_pool"])
+                        )
+                        if seen[-1] is not None:
+                            return
+
+            looker = asyncio.create_task(other_calls())
+            r = await retain(h, "s", keys)
+            await looker
+            assert r.status_code == 201, r.text
+            assert r.json()["results"] == ["hit"] * 12
+            assert seen[-1] == (12, 12), seen
+            assert set(seen[:-1]) <= {None}, seen
+
+
 async def test_retain_creates_then_extends_a_retention_named_after_the_request(
-    h: Harness,
+    h: Harness, retain_steps: None
 ) -> None:
     await store(h, "w", hexkeys(1, 2, 3))
     r = await h.post("/v1/requests/w/prepare-store", {"keys": hexkeys(4)})  # pending
@@ -297,7 +365,9 @@ async def test_unknown_retentions_are_404(h: Harness) -> None:
     assert error(await h.admin.delete("/admin/v1/retentions/nope")) == (404, "unknown_retention")
 
 
-async def test_retaining_a_key_held_nowhere_is_404_and_changes_nothing(h: Harness) -> None:
+async def test_retaining_a_key_held_nowhere_is_404_and_changes_nothing(
+    h: Harness, retain_steps: None
+) -> None:
     await store(h, "w", hexkeys(1, 2))
     r = await retain(h, "s", hexkeys(1, 999, 2))
     assert error(r) == (404, "unknown_keys"), r.text
@@ -354,7 +424,7 @@ async def test_a_256_character_name_and_the_longest_ttl_are_accepted(h: Harness)
     assert (await h.client.get(f"/v1/retentions/{'n' * 256}")).status_code == 200
 
 
-async def test_the_retained_blocks_quota_is_429_and_changes_nothing() -> None:
+async def test_the_retained_blocks_quota_is_429_and_changes_nothing(retain_steps: None) -> None:
     async with running(make_settings(max_retained_blocks=4)) as h:
         await store(h, "w", hexkeys(*range(1, 9)))
         assert (await retain(h, "a", hexkeys(1, 2, 3))).status_code == 201
@@ -374,7 +444,7 @@ async def test_the_retained_blocks_quota_is_429_and_changes_nothing() -> None:
         assert await lookup(h, hexkeys(1, 2, 3, 4, 5)) == ["hit"] * 4 + ["miss"]
 
 
-async def test_the_retention_keys_bound_is_429_and_changes_nothing() -> None:
+async def test_the_retention_keys_bound_is_429_and_changes_nothing(retain_steps: None) -> None:
     # Keys named by retentions, summed over them: many retentions of the same keys are bounded
     # although they add no distinct block.
     async with running(make_settings(max_retention_keys=5)) as h:
@@ -394,7 +464,9 @@ async def test_the_retention_keys_bound_is_429_and_changes_nothing() -> None:
         assert (await retain(h, "c", hexkeys(1, 2, 3))).status_code == 201
 
 
-async def test_the_retentions_quota_is_429_and_a_taken_name_still_extends() -> None:
+async def test_the_retentions_quota_is_429_and_a_taken_name_still_extends(
+    retain_steps: None,
+) -> None:
     async with running(make_settings(max_retentions=2)) as h:
         await store(h, "w", hexkeys(1, 2, 3))
         assert (await retain(h, "a", hexkeys(1))).status_code == 201
@@ -479,7 +551,7 @@ async def test_a_restart_has_no_retentions() -> None:
 
 
 async def test_retain_promotes_keys_on_disk_and_keeps_them_once_they_land(
-    tmp_path: Path,
+    tmp_path: Path, retain_steps: None
 ) -> None:
     async with disk_node(tmp_path) as h:
         cold, data = await on_disk(h)
@@ -502,6 +574,12 @@ async def test_retain_promotes_keys_on_disk_and_keeps_them_once_they_land(
         assert [pool_bytes(h, s) for s in slots] == [data[k] for k in cold[:4]]
         await unpin(h, "r", cold[:4])
 
+        # The promotions' holds are let go once they settle (a task on the loop: an in-process
+        # client's calls need not give the loop a turn).
+        async def unheld() -> bool:
+            return h.service.pool_manager.num_pinned == 0
+
+        await until_async("no hold left", unheld)
         # Released: a flood pushes them down again.
         assert (await h.client.delete("/v1/retentions/s")).status_code == 200
         await flood(h, FLOOD + 100)
@@ -714,7 +792,7 @@ async def test_a_prefetch_never_evicts_a_retained_or_pinned_block(tmp_path: Path
 
 
 async def test_a_retained_key_on_disk_with_no_room_to_come_up_stays_retained_there(
-    tmp_path: Path,
+    tmp_path: Path, retain_steps: None
 ) -> None:
     async with disk_node(tmp_path) as h:
         cold, _ = await on_disk(h)
@@ -733,17 +811,9 @@ async def test_a_retained_key_on_disk_with_no_room_to_come_up_stays_retained_the
 # --------------------------------------------------------------------------- demote and drop
 
 
-@contextlib.contextmanager
-def demote_in_steps(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Every demote in steps of 2 keys, the loop given way between any two steps."""
-    op = operations.BY_NAME["demote"]
-    object.__setattr__(op, "steps_above", 1)  # a frozen dataclass: restored below
-    monkeypatch.setattr(cache_hints, "DEMOTE_STEP_KEYS", 2)
-    monkeypatch.setattr(steps, "YIELD_AFTER_S", 0.0)
-    try:
-        yield
-    finally:
-        object.__setattr__(op, "steps_above", DEMOTE_STEP_KEYS)
+def demote_in_steps(monkeypatch: pytest.MonkeyPatch) -> contextlib.AbstractContextManager[None]:
+    """Every demote in steps of 2 keys."""
+    return in_steps_of_two(monkeypatch, "demote", [(cache_hints, "DEMOTE_STEP_KEYS")])
 
 
 @pytest.fixture(params=["whole", "in steps"])
@@ -1053,7 +1123,9 @@ async def test_control_metrics() -> None:
 # --------------------------------------------------------------------------- found in review
 
 
-async def test_a_retained_key_with_its_store_in_flight_is_counted_pending(h: Harness) -> None:
+async def test_a_retained_key_with_its_store_in_flight_is_counted_pending(
+    h: Harness, retain_steps: None
+) -> None:
     await store(h, "w", hexkeys(1))
     assert (await h.post("/v1/requests/w/prepare-store", {"keys": hexkeys(2)})).status_code == 200
     r = await retain(h, "s", hexkeys(1, 2))

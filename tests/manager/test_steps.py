@@ -1,5 +1,6 @@
-"""The large write verbs in steps (``manager.steps``) and the suspension that keeps them whole
-(``manager.suspend``), checked against the same verbs called whole (issue #42, finding 10).
+"""The large write verbs in steps (``manager.steps``, ``retain_steps``) and the suspension that
+keeps them whole (``manager.suspend``), checked against the same verbs called whole (issue #42,
+finding 10).
 
 ``StepsMachine`` runs two managers side by side on the same calls: *whole* calls each verb
 once, *stepped* calls its ``*_steps`` twin with a step of two keys, suspending the manager at
@@ -24,6 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from manager import (
     BlockRemoved,
     BlockStored,
+    InvalidArgumentError,
     ManagerError,
     OffloadManager,
     ReqContext,
@@ -188,6 +190,32 @@ class StepsMachine(RuleBasedStateMachine):
         a = (self.whole.drop(movable) if movable else [], kept)
         self.both(a, call(drive, self.stepped, self.stepped.drop_steps(keys, STEP), how))
 
+    @rule(
+        keys=key_lists,
+        name=st.sampled_from(["a", "b"]),
+        bound=st.integers(0, 8),
+        how=st.lists(st.integers(0, 2), max_size=4),
+    )
+    def retain(self, keys: list[bytes], name: str, bound: int, how: list[int]) -> None:
+        """A retention under a caller's bound of the keys it would add (the service's quota
+        check): the whole call measures with the queries, the stepped one is told by
+        ``retain_steps``; over the bound, both refuse and nothing changes."""
+
+        def check(new: int, more: int) -> None:
+            if new + more > bound:
+                raise InvalidArgumentError(f"{new} new, {more} more")
+
+        def whole() -> Any:
+            check(self.whole.new_retained(name, keys), self.whole.new_references(name, keys))
+            return self.whole.retain(keys, 60.0, name)
+
+        steps = self.stepped.retain_steps(keys, 60.0, name, STEP, check)
+        self.both(call(whole), call(drive, self.stepped, steps, how))
+
+    @rule(name=st.sampled_from(["a", "b"]))
+    def release(self, name: str) -> None:
+        self.both(*(call(m.release_retention, name) for m in (self.whole, self.stepped)))
+
     @rule(seat=st.integers(0, SEATS - 1), abort=st.booleans())
     def finish(self, seat: int, abort: bool) -> None:
         ctx = ReqContext(self.reqs[seat])
@@ -207,6 +235,10 @@ class StepsMachine(RuleBasedStateMachine):
         assert self.whole.resident_keys() == self.stepped.resident_keys()
         for k in KEYS:
             assert self.whole.slot_of(k) == self.stepped.slot_of(k)
+        assert self.whole.retentions() == self.stepped.retentions()
+        for r in self.whole.retentions():
+            assert self.whole.retention_keys(r.name) == self.stepped.retention_keys(r.name)
+        assert self.whole.retained_where() == self.stepped.retained_where()
         self.events_whole += flat_events(self.whole)
         self.events_stepped += flat_events(self.stepped)
         assert self.events_whole == self.events_stepped
