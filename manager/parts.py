@@ -8,6 +8,9 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
+#: A step no batch reaches: a ``*_steps`` method given it runs whole, in one step.
+WHOLE = 1 << 62
+
 
 def parts(items: Sequence[T], step: int) -> list[Sequence[T]]:
     """``items`` in consecutive slices of ``step`` (the last one shorter)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Sequence
 
 from manager.events import EventsRoom
-from manager.parts import parts, whole
+from manager.parts import WHOLE, parts, whole
 from manager.slots import check_keys
 from manager.spec import BlockKey, RetentionInfo
 
@@ -26,7 +26,7 @@ class RetainingRoom(EventsRoom):
         kept from the moment it becomes ready. Retaining makes no room: when the pool is full
         of pinned and retained blocks, ``prepare_store`` refuses as it does for pins.
         ``InvalidArgumentError`` for a bad key, name or TTL; nothing changes then."""
-        return whole(self.retain_steps(keys, ttl_s, name, max(1, len(keys))))
+        return whole(self.retain_steps(keys, ttl_s, name, WHOLE))
 
     def retain_steps(
         self,
@@ -71,18 +71,25 @@ class RetainingRoom(EventsRoom):
     def release_retention(self, name: str) -> RetentionInfo:
         """End retention ``name`` now; what it was. Its keys no other retention names go back
         to the policy (head hotter than tail), evictable again."""
-        info = self._retention_info(name)
-        self._end_retention(name)
+        return whole(self.release_retention_steps(name, WHOLE))
+
+    def release_retention_steps(self, name: str, step: int) -> Generator[None, None, RetentionInfo]:
+        """``release_retention`` in steps of about ``step`` keys (``manager.steps``)."""
+        info = yield from self._retention_info_steps(name, step)
+        yield from self._end_retention_steps(name, step)
         self._retentions_released += 1
         return info
 
     def expire_retentions(self) -> list[RetentionInfo]:
         """End every retention whose TTL has passed (by the injected clock); what they were."""
-        now = self._clock()
+        return whole(self.expire_retentions_steps(WHOLE))
+
+    def expire_retentions_steps(self, step: int) -> Generator[None, None, list[RetentionInfo]]:
+        """``expire_retentions`` in steps of about ``step`` keys (``manager.steps``)."""
         out = []
-        for name in self._retentions.due(now):
-            out.append(self._retention_info(name))
-            self._end_retention(name)
+        for name in self._retentions.due(self._clock()):
+            out.append((yield from self._retention_info_steps(name, step)))
+            yield from self._end_retention_steps(name, step)
         self._retentions_expired += len(out)
         return out
 
@@ -147,7 +154,7 @@ class RetainingRoom(EventsRoom):
         return name in self._retentions
 
     def _retention_info(self, name: str) -> RetentionInfo:
-        return whole(self._retention_info_steps(name, 1 << 30))
+        return whole(self._retention_info_steps(name, WHOLE))
 
     def _retention_info_steps(
         self, name: str, step: int, *, added: int = 0, created: bool = False
@@ -161,14 +168,25 @@ class RetainingRoom(EventsRoom):
         return self._retentions.info(name, self._clock(), in_pool, added=added, created=created)
 
     def _end_retention(self, name: str) -> None:
-        freed = self._retentions.remove(name)
+        whole(self._end_retention_steps(name, WHOLE))
+
+    def _end_retention_steps(self, name: str, step: int) -> Generator[None, None, None]:
+        freed = yield from self._retentions.remove_steps(name, step)
         kept = self._kept
-        back = [k for k in freed if k in kept]
-        if back:
-            kept.difference_update(back)
-            self._policy.insert(back)
-            if not kept:
-                kept.clear()  # a set keeps its size after removals: give it back
+        back: list[BlockKey] = []
+        for part in parts(freed, step):
+            yield
+            back += [k for k in part if k in kept]
+        if not back:
+            return
+        for part in parts(back, step):
+            yield
+            kept.difference_update(part)
+        for part in reversed(parts(back, step)):  # tail part first: the head ends hottest
+            yield
+            self._policy.insert(list(part))
+        if not kept:
+            kept.clear()  # a set keeps its size after removals: give it back
 
     def demote(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
         """Evict the ready blocks among ``keys`` that nothing pins and no retention names, now,

@@ -36,7 +36,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from manager.errors import InvalidArgumentError, UnknownRetentionError
-from manager.parts import distinct_steps, parts, whole
+from manager.parts import WHOLE, distinct_steps, parts, whole
 from manager.spec import BlockKey, RetentionInfo
 
 #: The longest retention name (a session id, a request id).
@@ -131,7 +131,7 @@ class RetentionTable:
     def add(self, name: str, keys: Sequence[BlockKey], ttl_s: float, now: float) -> Added:
         """Create or extend retention ``name`` (keys already checked by the caller) and
         restart its TTL; see the module docstring."""
-        return whole(self.add_steps(name, keys, ttl_s, now, max(1, len(keys))))
+        return whole(self.add_steps(name, keys, ttl_s, now, WHOLE))
 
     def add_steps(
         self,
@@ -233,43 +233,67 @@ class RetentionTable:
 
     def remove(self, name: str) -> list[BlockKey]:
         """End retention ``name``; the keys no retention names any more, head to tail."""
+        return whole(self.remove_steps(name, WHOLE))
+
+    def remove_steps(self, name: str, step: int) -> Generator[None, None, list[BlockKey]]:
+        """``remove``, about ``step`` keys' work a step (the caller keeps the table unseen
+        between two steps)."""
         rec = self._get(name)
         del self._by_name[name]
         ids, refs, key_of, free_ids = self.ids, self._refs, self._key_of, self._free_ids
         freed: list[BlockKey] = []
-        for i in rec.ids:
-            left = refs[i] - 1
-            refs[i] = left
-            if not left:
-                key = key_of[i]
-                assert key is not None
-                del ids[key]
-                key_of[i] = None
-                free_ids.append(i)
-                freed.append(key)
+        for part in parts(rec.ids, step):
+            yield
+            for i in part:
+                left = refs[i] - 1
+                refs[i] = left
+                if not left:
+                    key = key_of[i]
+                    assert key is not None
+                    del ids[key]
+                    key_of[i] = None
+                    free_ids.append(i)
+                    freed.append(key)
         self.references -= len(rec.ids)
         if self._peak >= REBUILD_MIN and len(ids) * 4 < self._peak:
-            self._rebuild()
+            yield from self._rebuild_steps(step)
         if self._peak_names >= REBUILD_MIN and len(self._by_name) * 4 < self._peak_names:
             self._by_name = dict(self._by_name)
             self._peak_names = len(self._by_name)
         return freed
 
-    def _rebuild(self) -> None:
+    def _rebuild_steps(self, step: int) -> Generator[None, None, None]:
         """Give back what the shared table grew to: a dict keeps its size after deletions.
-        The ids are renumbered densely, and every retention's array with them."""
+        The ids are renumbered densely, and every retention's array with them; about
+        ``step`` ids' work a step."""
         old_key_of, old_refs = self._key_of, self._refs
-        live = [i for i, k in enumerate(old_key_of) if k is not None]
-        new_of = dict(zip(live, range(len(live)), strict=True))
-        key_of: list[BlockKey | None] = [old_key_of[i] for i in live]
+        live: list[int] = []
+        for at in range(0, len(old_key_of), step):
+            yield
+            chunk = range(at, min(at + step, len(old_key_of)))
+            live += [i for i in chunk if old_key_of[i] is not None]
+        new_of: dict[int, int] = {}
+        key_of: list[BlockKey | None] = []
+        refs = array("I")
+        for part in parts(live, step):
+            yield
+            new_of.update(zip(part, range(len(key_of), len(key_of) + len(part)), strict=True))
+            key_of += map(old_key_of.__getitem__, part)
+            refs.extend(map(old_refs.__getitem__, part))
         # The same dict object, rebuilt in place: the manager holds it (``is_retained``).
-        self.ids.clear()
-        self.ids.update((k, n) for n, k in enumerate(key_of) if k is not None)
-        self._key_of = key_of
-        self._refs = array("I", (old_refs[i] for i in live))
-        self._free_ids = []
+        ids = self.ids
+        ids.clear()
+        for at in range(0, len(key_of), step):
+            yield
+            chunk_keys = key_of[at : at + step]  # every one live: not None
+            ids.update(zip(chunk_keys, range(at, at + len(chunk_keys)), strict=True))  # type: ignore[arg-type]
         for rec in self._by_name.values():
-            rec.ids = array("I", (new_of[i] for i in rec.ids))
+            renumbered = array("I")
+            for ids_part in parts(rec.ids, step):
+                yield
+                renumbered.extend(map(new_of.__getitem__, ids_part))
+            rec.ids = renumbered
+        self._key_of, self._refs, self._free_ids = key_of, refs, []
         self._peak = len(key_of)
 
     def due(self, now: float) -> list[str]:

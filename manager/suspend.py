@@ -10,11 +10,12 @@ every other caller, the call is one.
 
 The check costs nothing while nothing is suspended: a suspended manager's class is swapped for
 a subclass whose public methods and properties settle first, and swapped back when settled or
-resumed. Plain attributes (``num_blocks``, ``store_threshold``) are constants and do not settle,
-nor do the methods a class names in ``_unsettled``: the event stream's (a lower tier's event
-appended, the events taken by their reader) read and change no block's state, and are called
-by the tiers' background work often enough (a disk write's end) to settle every suspended call
-at once.
+resumed. A verb in steps (a generator) settles at its first step, not when it is made: its
+caller may wait for the suspended call to go on before stepping it. Plain attributes
+(``num_blocks``, ``store_threshold``) are constants and do not settle, nor do the methods a
+class names in ``_unsettled``: the event stream's (a lower tier's event appended, the events
+taken by their reader) read and change no block's state, and are called by the tiers'
+background work often enough (a disk write's end) to settle every suspended call at once.
 ``rest`` must not raise (the one who settles it is not its caller): it keeps its outcome for
 its caller.
 """
@@ -22,7 +23,7 @@ its caller.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from functools import wraps
 from typing import Any
 
@@ -76,7 +77,8 @@ class SuspendRoom:
 
 
 def _settling_class(base: type) -> type:
-    """``base`` with every public method and property settling first."""
+    """``base`` with every public method and property settling first (but those of
+    ``_unsettled`` and the suspension's own)."""
     members: dict[str, Any] = {"__slots__": ()} if hasattr(base, "__slots__") else {}
     unsettled = {"suspend", "resume", "settle", "suspended", *getattr(base, "_unsettled", ())}
     for name in dir(base):
@@ -91,9 +93,24 @@ def _settling_class(base: type) -> type:
 
 
 def _settling_first(method: Callable[..., Any]) -> Callable[..., Any]:
+    if inspect.isgeneratorfunction(method):  # a verb in steps: it settles at its first step
+
+        @wraps(method)
+        def settling_steps(self: SuspendRoom, *args: Any, **kwargs: Any) -> Any:
+            return _settled_then(self, method, args, kwargs)
+
+        return settling_steps
+
     @wraps(method)
     def settling(self: SuspendRoom, *args: Any, **kwargs: Any) -> Any:
         self.settle()
         return method(self, *args, **kwargs)
 
     return settling
+
+
+def _settled_then(
+    manager: SuspendRoom, method: Callable[..., Any], args: Any, kwargs: Any
+) -> Generator[None, None, Any]:
+    manager.settle()
+    return (yield from method(manager, *args, **kwargs))

@@ -6,8 +6,9 @@
   round reports the ended jobs to the observer.
 - ``LeaseSweeper``: every ``lease_check_interval_s``, releases the leases of requests gone
   silent (``expire``, so a crashed engine cannot leak the pool), ends expired retentions
-  (``Control.expire``), forgets KV caches whose lease lapsed, lets the service check for a
-  failed transfer backend, and prunes the request-count table.
+  (``Control.expire``, in steps as a large engine call runs), forgets KV caches whose lease
+  lapsed, lets the service check for a failed transfer backend, and prunes the request-count
+  table.
 
 A failed round is logged and the next one runs.
 """
@@ -17,15 +18,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Generator
+from typing import TypeVar
 
 from app.core.control import Control
+from app.core.slices import Slices
 from app.core.transfers import Transfers
 from app.settings import Settings
 from app.telemetry.logging import get_logger
 from app.telemetry.observer import Observer, RequestCounts
 from app.telemetry.request_ids import safe_req_id
 from manager import OffloadManager, ReleasedLeases
+
+T = TypeVar("T")
 
 log = get_logger("service")
 
@@ -118,7 +123,7 @@ class LeaseSweeper:
             try:
                 self.expire()
                 if self._control is not None:
-                    self._control.expire()
+                    await self._control.expire(self._in_steps)
                 transfers = self._transfers()
                 if transfers is not None:
                     transfers.expire_caches()
@@ -128,6 +133,11 @@ class LeaseSweeper:
                     counts.prune(r.req_id for r in self.manager.requests())
             except Exception:
                 log.exception("lease sweep failed; retrying")
+
+    def _in_steps(self, steps: Generator[None, None, T]) -> Awaitable[T]:
+        """The sweep's large work (retentions ending) in steps, giving way between them as an
+        engine's large call does, the manager suspended meanwhile."""
+        return Slices().run(steps, self.manager)
 
     def expire(self) -> list[ReleasedLeases]:
         """Release the leases of requests silent for longer than ``lease_ttl_s`` (the slots of

@@ -129,9 +129,9 @@ class Control:
         """Restart retention ``name``'s TTL."""
         return self.retaining.renew(name, ttl_s)
 
-    def release(self, name: str) -> RetentionInfo:
-        """End retention ``name`` now; what it was."""
-        return self.retaining.release(name)
+    async def release(self, name: str, run: StepRunner = all_at_once) -> RetentionInfo:
+        """End retention ``name`` now, ``run`` driving the steps; what it was."""
+        return await self.retaining.release(name, run)
 
     def retentions(self) -> list[RetentionInfo]:
         """The namespace's live retentions, oldest first."""
@@ -141,10 +141,10 @@ class Control:
         """Retention ``name`` now."""
         return self.retaining.get(name)
 
-    def expire(self) -> list[RetentionInfo]:
+    async def expire(self, run: StepRunner = all_at_once) -> list[RetentionInfo]:
         """``Retentions.expire``: end the retentions whose TTL passed, retry keys below (the
-        lease sweeper calls this every round)."""
-        return self.retaining.expire()
+        lease sweeper calls this every round), ``run`` driving the steps."""
+        return await self.retaining.expire(run)
 
     def retained_by_tier(self) -> dict[str, int]:
         """``Retentions.retained_by_tier``: retained blocks by where they are."""

@@ -64,7 +64,7 @@ STEP_KEYS = 512
 class StepRunner(Protocol):
     """Drives a call's steps (a generator that yields between them) to their end; what they
     return. The HTTP layer's gives way to other work between steps, the namespace's manager
-    suspended meanwhile (``app.http.steps.Slices.run``); ``all_at_once`` does not."""
+    suspended meanwhile (``app.core.slices.Slices.run``); ``all_at_once`` does not."""
 
     def __call__(self, steps: Generator[None, None, T], /) -> Awaitable[T]: ...
 

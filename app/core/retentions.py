@@ -164,9 +164,10 @@ class Retentions:
         self.shared.counts["retentions_renewed"] += 1
         return info
 
-    def release(self, name: str) -> RetentionInfo:
-        """End retention ``name`` now; what it was."""
-        return self.manager.release_retention(name)
+    async def release(self, name: str, run: StepRunner = all_at_once) -> RetentionInfo:
+        """End retention ``name`` now, ``STEP_KEYS`` keys a step (``run`` driving the steps);
+        what it was."""
+        return await run(self.manager.release_retention_steps(name, STEP_KEYS))
 
     def retentions(self) -> list[RetentionInfo]:
         """The namespace's live retentions, oldest first."""
@@ -176,11 +177,12 @@ class Retentions:
         """Retention ``name`` now."""
         return self.manager.retention(name)
 
-    def expire(self) -> list[RetentionInfo]:
-        """End the retentions whose TTL passed, and try again to bring up retained keys that
-        a tier below holds and no promotion could bring up yet (no room then); the lease
-        sweeper calls this every round."""
-        ended = self.manager.expire_retentions()
+    async def expire(self, run: StepRunner = all_at_once) -> list[RetentionInfo]:
+        """End the retentions whose TTL passed, ``STEP_KEYS`` keys a step (``run`` driving the
+        steps: many large retentions ending at once are no one long step), and try again to
+        bring up retained keys that a tier below holds and no promotion could bring up yet (no
+        room then); the lease sweeper calls this every round."""
+        ended = await run(self.manager.expire_retentions_steps(STEP_KEYS))
         self._retry_below()
         if ended:
             log.info(

@@ -20,10 +20,10 @@ from app.core.cache_hints import DEMOTE_STEP_KEYS
 from app.core.control import PREFETCH_COUNTS, Hinted, Prefetch
 from app.core.observed import STEP_KEYS, Bringing, StepRunner, all_at_once
 from app.core.service import Service
+from app.core.slices import Slices
 from app.http import schemas as s
 from app.http.errors import APIError, too_many
 from app.http.limits import transfer_params_error
-from app.http.steps import Slices
 from manager import BlockKey, LookupResult, ReqContext, RetentionInfo
 from transfer import JobRecord
 
@@ -409,15 +409,22 @@ def _results_json_steps(results: list[str]) -> Generator[None, None, str]:
     return '["' + '","'.join(pieces) + '"]' if pieces else "[]"
 
 
+def sliced(service: Service, slices: Slices | None = None) -> StepRunner:
+    """The ``StepRunner`` of a call on ``service``: ``slices.run`` (a new call's when None)
+    with the namespace's manager, suspended while the call gives way."""
+    manager = service.pool_manager
+    hold = Slices() if slices is None else slices
+
+    def run(steps: Generator[None, None, T]) -> Awaitable[T]:
+        return hold.run(steps, manager)
+
+    return run
+
+
 async def _sliced_retain(
     service: Service, req_id: str, body: s.RetainBody, slices: Slices
 ) -> tuple[int, str]:
-    manager = service.pool_manager
-
-    def run(steps: Generator[None, None, T]) -> Awaitable[T]:
-        return slices.run(steps, manager)
-
-    return await _run_retain(service, req_id, body, run)
+    return await _run_retain(service, req_id, body, sliced(service, slices))
 
 
 async def _run_prefetch(service: Service, req_id: str, body: s.PrefetchBody) -> tuple[int, str]:

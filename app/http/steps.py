@@ -1,10 +1,8 @@
 """Large engine calls in steps: no call holds the event loop for long (issue #42, finding 10).
 
 Every tenant's calls share one event loop, so a call that holds it for tens of milliseconds
-delays every other tenant's calls by as much. A call gives way (``Slices.pause``: several loop
-turns, so that a small call that arrived meanwhile ends before it goes on) once it has held the
-loop ``YIELD_AFTER_S`` since it last gave way. A call that ends sooner never gives way, so small
-calls cost nothing more.
+delays every other tenant's calls by as much. A call gives way (``app.core.slices``) once it has
+held the loop 1 ms since it last gave way; a call that ends sooner never gives way.
 
 **Reading in steps** (``value_at``). A large body is never decoded whole: each value (a
 batch's op) is decoded from a window of the body that starts at it.
@@ -18,20 +16,17 @@ real ones). The body is the one a whole validation gives, and a body with one er
 with the same error; of a body with several, the rest's are named before the lists'.
 
 **Running in steps** (``Slices.run`` with the namespace's manager). An op of more than
-``STEP_KEYS`` keys with a ``run_steps`` (``app.http.operations``) runs as a generator over the
-manager's ``*_steps`` verbs; while it gives way the manager is suspended (``manager.suspend``),
-so any other call that reaches it first finishes the op: to every other caller it is one call.
+``STEP_KEYS`` keys with a ``run_steps`` or ``run_sliced`` (``app.http.operations``) runs as a
+generator over the manager's ``*_steps`` verbs; while it gives way the manager is suspended
+(``manager.suspend``), so any other call that reaches it first finishes the op: to every other
+caller it is one call.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import contextvars
 import json
 import json.scanner
 import re
-import time
 from collections.abc import Callable, Generator
 from typing import Any, TypeVar
 
@@ -39,95 +34,11 @@ from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from app.http import schemas as s
 from app.http.errors import validation_error
-from manager.parts import whole
-from manager.suspend import SuspendRoom
 
 T = TypeVar("T")
 
-#: A call gives way to the loop between steps once it has held it this long (other tenants'
-#: calls run in between); a call that ends sooner never gives way.
-YIELD_AFTER_S = 0.001
-#: Loop turns a call gives way for: a small call that arrived meanwhile takes a few turns
-#: (read, route, answer, each a callback of its own); with one turn per slice it would wait one
-#: slice per turn. A turn with nothing else to run costs microseconds.
-GIVE_WAY_TURNS = 8
 #: Items of a long list validated in one step (about 0.2 ms for hex keys).
 STEP_ITEMS = 512
-
-
-async def give_way() -> None:
-    """Let the loop turn ``GIVE_WAY_TURNS`` times before the caller goes on."""
-    for _ in range(GIVE_WAY_TURNS):
-        await asyncio.sleep(0)
-
-
-class Slices:
-    """One call's hold on the loop: ``await pause()`` between steps gives way once the call
-    has held the loop ``YIELD_AFTER_S`` since it started or last gave way."""
-
-    __slots__ = ("held",)
-
-    def __init__(self) -> None:
-        self.held = time.perf_counter()
-
-    async def pause(self) -> None:
-        """Give way if this call has held the loop long enough; else return at once."""
-        if time.perf_counter() - self.held > YIELD_AFTER_S:
-            await give_way()
-            self.held = time.perf_counter()
-
-    async def run(self, steps: Generator[None, None, T], manager: SuspendRoom | None = None) -> T:
-        """Drive ``steps`` to its end, pausing between them; what it returns (or raises).
-
-        With ``manager`` (the steps change it), the manager is suspended while the call gives
-        way: any other entry into it first runs the rest of ``steps`` (``manager.suspend``),
-        so that nobody sees it between two steps. A call cancelled while it gives way runs
-        its rest before it ends: a call is never left half done."""
-        while True:
-            try:
-                next(steps)
-            except StopIteration as end:
-                return end.value  # type: ignore[no-any-return]
-            if time.perf_counter() - self.held <= YIELD_AFTER_S:
-                continue
-            if manager is None:
-                await give_way()
-            else:
-                settled = _Settled(steps)
-                manager.suspend(settled)
-                try:
-                    await give_way()
-                except BaseException:  # cancelled: the rest now, its outcome lost with the call
-                    if manager.resume():
-                        with contextlib.suppress(Exception):
-                            whole(steps)
-                    raise
-                if not manager.resume():  # someone entered meanwhile and ran the rest
-                    return settled.outcome()  # type: ignore[no-any-return]
-            self.held = time.perf_counter()
-
-
-class _Settled:
-    """The rest of a suspended call, run by whoever enters the manager next: its outcome
-    kept for the call (the one who runs it is not its caller), in the call's own context
-    (its request id in the logs)."""
-
-    def __init__(self, steps: Generator[None, Any, Any]) -> None:
-        self.steps = steps
-        self.context = contextvars.copy_context()
-        self.value: Any = None
-        self.error: Exception | None = None
-
-    def __call__(self) -> None:
-        try:
-            self.value = self.context.run(whole, self.steps)
-        except Exception as exc:  # the call's own outcome: raised again by the call
-            self.error = exc
-
-    def outcome(self) -> Any:
-        if self.error is not None:
-            raise self.error
-        return self.value
 
 
 _WIRE = ConfigDict(strict=True, val_json_bytes="hex")

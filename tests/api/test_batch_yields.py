@@ -16,8 +16,8 @@ import httpx
 import pytest
 import uvicorn
 
+import app.core.slices as slices
 import app.http.routes.engine as engine
-import app.http.steps as steps
 from app.http.errors import APIError
 from app.http.routes.engine import _BatchRunner
 from testsupport.api_harness import Harness, hexkeys, make_settings, running
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.anyio
 def every_op_yields(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every body validated op by op, a yield after every op (the thresholds at zero)."""
     monkeypatch.setattr(engine, "SPLIT_ABOVE_BYTES", 0)
-    monkeypatch.setattr(steps, "YIELD_AFTER_S", 0.0)
+    monkeypatch.setattr(slices, "YIELD_AFTER_S", 0.0)
 
 
 async def ticking() -> tuple[list[int], Callable[[], object]]:

@@ -21,8 +21,8 @@ import pytest
 import app.core.cache_hints as cache_hints
 import app.core.control_shared as control_shared
 import app.core.retentions as retentions_module
+import app.core.slices as slices
 import app.http.operations as operations
-import app.http.steps as steps
 from app.core.disk import DiskLink
 from app.telemetry.logging import AUDIT_LOGGER, fields_of
 from manager import OffloadManager
@@ -165,7 +165,7 @@ def in_steps_of_two(
     object.__setattr__(op, "steps_above", 1)  # a frozen dataclass: restored below
     for module, name in step_keys:
         monkeypatch.setattr(module, name, 2)
-    monkeypatch.setattr(steps, "YIELD_AFTER_S", 0.0)
+    monkeypatch.setattr(slices, "YIELD_AFTER_S", 0.0)
     try:
         yield
     finally:
@@ -320,7 +320,9 @@ async def test_a_pool_full_of_retained_and_pinned_blocks_refuses_stores(h: Harne
     assert await lookup(h, keys) == ["hit"] * 16 + ["miss"] * 16
 
 
-async def test_a_retention_expires_through_the_lease_sweeper(h: Harness) -> None:
+async def test_a_retention_expires_through_the_lease_sweeper(
+    h: Harness, retain_steps: None
+) -> None:
     await store(h, "w", hexkeys(1, 2, 3))
     r = await retain(h, "s", hexkeys(1, 2), ttl_s=0.3)
     assert r.status_code == 201, r.text

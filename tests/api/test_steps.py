@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import app.core.background as background
 import app.core.observed as observed
+import app.core.slices as slices
 import app.http.operations as operations
 import app.http.routes.engine as engine
 import app.http.steps as steps
@@ -186,7 +187,7 @@ async def test_a_large_call_gives_way_and_is_one_call_to_the_others(
     store's answer is the one a whole call gives."""
     monkeypatch.setattr(operations, "STEP_KEYS", 2)
     monkeypatch.setattr(observed, "STEP_KEYS", 2)
-    monkeypatch.setattr(steps, "YIELD_AFTER_S", 0.0)
+    monkeypatch.setattr(slices, "YIELD_AFTER_S", 0.0)
     await h.start()
     keys = hexkeys(*range(12))
     manager = h.service.pool_manager
@@ -278,3 +279,30 @@ async def test_housekeeping_waits_no_longer_than_its_patience() -> None:
     manager.suspend(lambda: None)
     await background.unsuspended(manager, 0.01)
     assert manager.suspended  # the sweep goes on and settles it
+
+
+async def test_a_call_in_steps_waits_for_another_rather_than_run_its_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two calls in steps on one manager at once (a large engine call and the sweep's expiry,
+    say): the second waits for the first to go on rather than settle it, so neither call's
+    steps run inside the other's (one long step); both end with their own outcome."""
+    monkeypatch.setattr(slices, "YIELD_AFTER_S", 0.0)
+    manager = create_manager(4)
+    ran: list[tuple[str, str]] = []
+
+    def steps(name: str) -> Generator[None, None, str]:
+        for _ in range(4):
+            manager.stats()  # an entry: it would settle a suspended call
+            task = asyncio.current_task()
+            ran.append((name, "" if task is None else task.get_name()))
+            yield
+        return name
+
+    calls = [
+        asyncio.create_task(slices.Slices().run(steps(name), manager), name=name)
+        for name in ("a", "b")
+    ]
+    assert await asyncio.gather(*calls) == ["a", "b"]
+    assert sorted(ran) == [("a", "a")] * 4 + [("b", "b")] * 4, ran  # each in its own task
+    assert not manager.suspended

@@ -63,10 +63,10 @@ def test_a_retained_key_behind_released_ones_is_tried_without_a_scrape() -> None
     async def run() -> None:
         for n in range(0, 2 * RETRY_KEYS, 64):  # released retentions of keys below
             await control.retain(keys_of(n, 64), 30, f"gone{n}", "r")
-            control.release(f"gone{n}")
+            await control.release(f"gone{n}")
         await control.retain(keys_of(10_000, 1), 30, "live", "r")
         tier.asked.clear()
-        control.expire()  # one sweep round
+        await control.expire()  # one sweep round
 
     asyncio.run(run())
     assert tier.asked == keys_of(10_000, 1)
@@ -80,7 +80,7 @@ def test_every_retained_key_below_gets_its_turn() -> None:
         await control.retain(wanted, 30, "a", "r")
         tier.asked.clear()
         for _ in range(3):
-            control.expire()
+            await control.expire()
 
     asyncio.run(run())
     assert sorted(tier.asked) == wanted  # each once, in three rounds of RETRY_KEYS
@@ -92,7 +92,7 @@ def test_the_list_of_keys_below_stays_bounded_without_a_scrape() -> None:
     async def run() -> None:
         for n in range(0, 1600, 16):
             await control.retain(keys_of(n, 16), 30, "s", "r")
-            control.release("s")
+            await control.release("s")
 
     asyncio.run(run())
     assert manager.num_retained == 0

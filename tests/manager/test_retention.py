@@ -1036,3 +1036,25 @@ def test_references_and_the_shared_table_come_back_as_retentions_end() -> None:
     assert (table.references, len(table.ids)) == (0, 0)
     table.add("c", ks[:3], 60.0, 0.0)
     assert table.keys_of("c") == ks[:3]
+
+
+def test_the_table_ended_in_steps_is_the_table_ended_whole() -> None:
+    """Ending a retention a few ids a step, its table rebuilt too (it held under a quarter
+    of its peak), leaves the table ``remove`` leaves: the same ids, keys and counts, and the
+    next retention gets the same ids."""
+    big = [f"k{i}".encode() for i in range(3000)]
+    tables = (RetentionTable(), RetentionTable())
+    for t in tables:
+        t.add("a", big, 60.0, 0.0)
+        t.add("b", [*big[2900:], b"x", b"y"], 60.0, 0.0)
+    whole, stepped = tables
+    freed = whole.remove("a")
+    assert freed == big[:2900]
+    assert len([*stepped.remove_steps("a", 7)]) > 400  # a step per 7 ids, and the rebuild's
+    for t in tables:
+        t.add("c", [b"z", *big[:5]], 60.0, 0.0)
+    assert whole.ids == stepped.ids
+    assert len(whole.ids) == 108
+    for name in ("b", "c"):
+        assert whole.keys_of(name) == stepped.keys_of(name)
+    assert (whole.references, len(whole)) == (stepped.references, len(stepped)) == (108, 2)
