@@ -18,19 +18,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Generator
-from typing import TypeVar
+from collections.abc import Callable
 
 from app.core.control import Control
-from app.core.slices import Slices
+from app.core.slices import stepper
 from app.core.transfers import Transfers
 from app.settings import Settings
 from app.telemetry.logging import get_logger
 from app.telemetry.observer import Observer, RequestCounts
 from app.telemetry.request_ids import safe_req_id
 from manager import OffloadManager, ReleasedLeases
-
-T = TypeVar("T")
 
 log = get_logger("service")
 
@@ -123,7 +120,9 @@ class LeaseSweeper:
             try:
                 self.expire()
                 if self._control is not None:
-                    await self._control.expire(self._in_steps)
+                    # In steps, as an engine's large call: many large retentions ending at
+                    # once are no one long step.
+                    await self._control.expire(stepper(self.manager))
                 transfers = self._transfers()
                 if transfers is not None:
                     transfers.expire_caches()
@@ -133,11 +132,6 @@ class LeaseSweeper:
                     counts.prune(r.req_id for r in self.manager.requests())
             except Exception:
                 log.exception("lease sweep failed; retrying")
-
-    def _in_steps(self, steps: Generator[None, None, T]) -> Awaitable[T]:
-        """The sweep's large work (retentions ending) in steps, giving way between them as an
-        engine's large call does, the manager suspended meanwhile."""
-        return Slices().run(steps, self.manager)
 
     def expire(self) -> list[ReleasedLeases]:
         """Release the leases of requests silent for longer than ``lease_ttl_s`` (the slots of

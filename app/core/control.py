@@ -48,7 +48,6 @@ from prometheus_client.metrics_core import Metric
 
 from app.core.cache_hints import CacheHints, Hinted
 from app.core.control_shared import HIT, MISS, PENDING, REFUSED, ControlShared
-from app.core.observed import StepRunner, all_at_once
 from app.core.prefetches import (
     FINISHED_PREFETCHES_KEPT,
     PREFETCH_COUNTS,
@@ -57,6 +56,7 @@ from app.core.prefetches import (
     Prefetches,
 )
 from app.core.retentions import RETRY_KEYS, Retained, Retentions
+from app.core.slices import StepRunner, all_at_once
 from manager import BlockKey, RetentionInfo
 
 __all__ = [

@@ -17,7 +17,8 @@ import time
 from collections.abc import Callable, Generator, Sequence
 
 from app.core.lower_tiers import TierChain
-from app.core.observed import STEP_KEYS, StepRunner, all_at_once
+from app.core.observed import STEP_KEYS
+from app.core.slices import StepRunner, all_at_once
 from app.settings import Settings
 from app.telemetry.observer import Observer
 from manager import BlockKey, InvalidArgumentError, LookupResult, OffloadManager

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from structlog.contextvars import bind_contextvars
 
@@ -52,26 +52,12 @@ from manager import (
     ReleasedLeases,
     ReqContext,
 )
-from manager.parts import whole
 
 T = TypeVar("T")
 
 #: Keys a step of a large call handles (``*_steps``): about a quarter of a millisecond of the
 #: served process's loop (each of its C-level passes over the keys, a part at a time).
 STEP_KEYS = 512
-
-
-class StepRunner(Protocol):
-    """Drives a call's steps (a generator that yields between them) to their end; what they
-    return. The HTTP layer's gives way to other work between steps, the namespace's manager
-    suspended meanwhile (``app.core.slices.Slices.run``); ``all_at_once`` does not."""
-
-    def __call__(self, steps: Generator[None, None, T], /) -> Awaitable[T]: ...
-
-
-async def all_at_once(steps: Generator[None, None, T]) -> T:
-    """The ``StepRunner`` that runs every step at once, giving way to nothing."""
-    return whole(steps)
 
 
 def observed(observer: Observer, op: str, req_id: str, call: Callable[..., T], *args: Any) -> T:

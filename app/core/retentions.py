@@ -22,7 +22,8 @@ from prometheus_client.metrics_core import Metric
 
 from app.core.control_shared import HIT, PENDING, ControlShared, bounded
 from app.core.errors import QuotaExceededError, UnknownKeysError
-from app.core.observed import STEP_KEYS, StepRunner, all_at_once, observed_await
+from app.core.observed import STEP_KEYS, observed_await
+from app.core.slices import StepRunner, all_at_once
 from app.telemetry.logging import get_logger
 from app.telemetry.metrics import PREFIX
 from manager import BlockKey, InvalidArgumentError, RetentionInfo

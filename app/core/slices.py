@@ -16,8 +16,8 @@ import asyncio
 import contextlib
 import contextvars
 import time
-from collections.abc import Generator
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Generator
+from typing import Any, Protocol, TypeVar
 
 from manager.parts import whole
 from manager.suspend import SuspendRoom
@@ -97,6 +97,30 @@ class Slices:
                 if not manager.resume():  # someone entered meanwhile and ran the rest
                     return settled.outcome()  # type: ignore[no-any-return]
             self.held = time.perf_counter()
+
+
+class StepRunner(Protocol):
+    """Drives a call's steps (a generator that yields between them) to their end; what they
+    return. ``stepper``'s gives way to other work between steps, the namespace's manager
+    suspended meanwhile; ``all_at_once`` does not."""
+
+    def __call__(self, steps: Generator[None, None, T], /) -> Awaitable[T]: ...
+
+
+async def all_at_once(steps: Generator[None, None, T]) -> T:
+    """The ``StepRunner`` that runs every step at once, giving way to nothing."""
+    return whole(steps)
+
+
+def stepper(manager: SuspendRoom, slices: Slices | None = None) -> StepRunner:
+    """The ``StepRunner`` of one call on ``manager``: ``slices.run`` with the manager (a new
+    call's ``Slices`` when None)."""
+    hold = Slices() if slices is None else slices
+
+    def run(steps: Generator[None, None, T]) -> Awaitable[T]:
+        return hold.run(steps, manager)
+
+    return run
 
 
 class _Settled:

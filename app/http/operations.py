@@ -14,13 +14,13 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from app.core.cache_hints import DEMOTE_STEP_KEYS
 from app.core.control import PREFETCH_COUNTS, Hinted, Prefetch
-from app.core.observed import STEP_KEYS, Bringing, StepRunner, all_at_once
+from app.core.observed import STEP_KEYS, Bringing
 from app.core.service import Service
-from app.core.slices import Slices
+from app.core.slices import Slices, StepRunner, all_at_once, stepper
 from app.http import schemas as s
 from app.http.errors import APIError, too_many
 from app.http.limits import transfer_params_error
@@ -30,7 +30,6 @@ from transfer import JobRecord
 Run = Callable[[Service, str, Any], tuple[int, str]]
 RunAsync = Callable[[Service, str, Any], Awaitable[tuple[int, str]]]
 RunSteps = Callable[[Service, str, Any], Generator[None, None, tuple[int, str]]]
-T = TypeVar("T")
 RunSliced = Callable[[Service, str, Any, Slices], Awaitable[tuple[int, str]]]
 
 
@@ -70,7 +69,7 @@ class Operation:
         self, service: Service, req_id: str, body: Any, slices: Slices
     ) -> tuple[int, str]:
         """``run_steps`` (or ``run_sliced``), giving way between its steps, the namespace's
-        manager suspended meanwhile (``app.http.steps``)."""
+        manager suspended meanwhile (``app.core.slices``)."""
         if self.run_sliced is not None:
             return await self.run_sliced(service, req_id, body, slices)
         assert self.run_steps is not None
@@ -409,22 +408,10 @@ def _results_json_steps(results: list[str]) -> Generator[None, None, str]:
     return '["' + '","'.join(pieces) + '"]' if pieces else "[]"
 
 
-def sliced(service: Service, slices: Slices | None = None) -> StepRunner:
-    """The ``StepRunner`` of a call on ``service``: ``slices.run`` (a new call's when None)
-    with the namespace's manager, suspended while the call gives way."""
-    manager = service.pool_manager
-    hold = Slices() if slices is None else slices
-
-    def run(steps: Generator[None, None, T]) -> Awaitable[T]:
-        return hold.run(steps, manager)
-
-    return run
-
-
 async def _sliced_retain(
     service: Service, req_id: str, body: s.RetainBody, slices: Slices
 ) -> tuple[int, str]:
-    return await _run_retain(service, req_id, body, sliced(service, slices))
+    return await _run_retain(service, req_id, body, stepper(service.pool_manager, slices))
 
 
 async def _run_prefetch(service: Service, req_id: str, body: s.PrefetchBody) -> tuple[int, str]:

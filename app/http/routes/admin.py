@@ -46,13 +46,14 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.core.admin import Admin
+from app.core.slices import stepper
 from app.http import schemas as s
 from app.http.auth import ambiguous
 from app.http.deps import ServiceDep, tenancy_of
 from app.http.errors import BODY_ERRORS, APIError, responses
 from app.http.middleware import call_info
 from app.http.openapi import KVOffloadAPI
-from app.http.operations import retention_json, retentions_json, sliced
+from app.http.operations import retention_json, retentions_json
 from app.http.routes import health
 from app.http.routes.query import strict_query
 from app.http.routes.raw import body_parser
@@ -486,7 +487,7 @@ async def release_retention(
     name: Annotated[str, Path(min_length=1, max_length=256)],
 ) -> Response:
     _note(request, "admin_release_retention")
-    info = await service.control.release(name, sliced(service))
+    info = await service.control.release(name, stepper(service.pool_manager))
     audit(
         "retention.release",
         actor,

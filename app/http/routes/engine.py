@@ -20,7 +20,7 @@ from fastapi.routing import APIRoute
 
 from app.core.events import event_json
 from app.core.handles import check_registration
-from app.core.slices import Slices
+from app.core.slices import Slices, stepper
 from app.http import schemas as s
 from app.http.deps import service_of, tenancy_of
 from app.http.errors import (
@@ -41,7 +41,6 @@ from app.http.operations import (
     prefetch_json,
     retention_json,
     retentions_json,
-    sliced,
 )
 from app.http.routes.raw import RawRoute, body_parser, check_path_param, read_body
 from app.http.steps import OpParser, long_lists, value_at
@@ -604,7 +603,7 @@ async def renew_retention(request: Request, name: NamePath) -> Response:
 async def release_retention(request: Request, name: NamePath) -> Response:
     check_path_param("name", name)
     service = service_of(request)
-    info = await service.control.release(name, sliced(service))
+    info = await service.control.release(name, stepper(service.pool_manager))
     return json_response(json.dumps(retention_json(info)))
 
 
