@@ -101,11 +101,19 @@ def hex_list_steps(keys: Sequence[BlockKey]) -> Generator[None, None, str]:
     """``hex_list`` in steps of ``STEP_KEYS`` keys."""
     if len(keys) <= STEP_KEYS:
         return hex_list(keys)
-    parts = []
-    for i in range(0, len(keys), STEP_KEYS):
+    return (yield from _plain_list_steps(keys, bytes.hex))
+
+
+def _plain_list_steps(
+    items: Sequence[Any], text: Callable[[Any], str] = str
+) -> Generator[None, None, str]:
+    """The JSON array of ``items`` as strings that need no escaping (hex digits, a state's
+    or tier's name), ``text`` making each one, ``STEP_KEYS`` items a step."""
+    pieces = []
+    for at in range(0, len(items), STEP_KEYS):
         yield
-        parts.append('","'.join(map(bytes.hex, keys[i : i + STEP_KEYS])))
-    return '["' + '","'.join(parts) + '"]'
+        pieces.append('","'.join(map(text, items[at : at + STEP_KEYS])))
+    return '["' + '","'.join(pieces) + '"]' if pieces else "[]"
 
 
 def job_json(job: JobRecord) -> dict[str, Any]:
@@ -395,17 +403,8 @@ async def _run_retain(
             "promoting": done.promoting,
         }
     )
-    results = await run(_results_json_steps(done.results))
+    results = await run(_plain_list_steps(done.results))
     return (201 if done.created else 200), f'{head[:-1]},"results":{results}}}'
-
-
-def _results_json_steps(results: list[str]) -> Generator[None, None, str]:
-    """The JSON array of per-key states (plain names: no escaping), ``STEP_KEYS`` a step."""
-    pieces = []
-    for at in range(0, len(results), STEP_KEYS):
-        yield
-        pieces.append('","'.join(results[at : at + STEP_KEYS]))
-    return '["' + '","'.join(pieces) + '"]' if pieces else "[]"
 
 
 async def _sliced_retain(
