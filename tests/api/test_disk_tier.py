@@ -140,7 +140,7 @@ async def invariants(h: Harness) -> None:
 
     async def settled() -> bool:
         return (
-            not d._queue
+            not len(d.writes)
             and d.index.index.stats().pending == 0
             and d.promotions.in_flight == 0
             and not d.store.held_slots()
@@ -612,7 +612,7 @@ async def test_a_block_evicted_twice_before_it_is_written_leaks_no_staging_buffe
     # Batches of 32 on a disk of 64: one write in flight at most (half the disk).
     async with disk_node(tmp_path, disk_batch_bytes=32 * 4096) as h:
         d = link(h)
-        assert d._max_writes == 1
+        assert d.writes._max_writes == 1
         keys = hexkeys(*range(1, 33))
         data = await store(h, "w", keys)
         gate = gated(d.store, "pwritev")
@@ -635,7 +635,7 @@ async def test_a_block_evicted_twice_before_it_is_written_leaks_no_staging_buffe
         gate.set()
 
         async def settled() -> bool:
-            return d.store.staging_free == d.store.staging_blocks and not d._queue
+            return d.store.staging_free == d.store.staging_blocks and not len(d.writes)
 
         await until_async("settled", settled)
         assert d.index.found([k]) == [True]
@@ -905,7 +905,7 @@ async def test_a_disk_smaller_than_a_write_batch_still_takes_the_victims(tmp_pat
         await h.post("/v1/requests/w2/complete-store", {"keys": more})
 
         async def full() -> bool:
-            return len(d.index.index.resident_keys()) == 8 and not d._queue
+            return len(d.index.index.resident_keys()) == 8 and not len(d.writes)
 
         await until_async("full", full)
         s = await stats(h)
@@ -1006,7 +1006,7 @@ async def test_mixed_concurrent_stores_onloads_and_loads_never_serve_wrong_bytes
             m = h.service.pool_manager
             return (
                 d.promotions.in_flight == 0
-                and not d._queue
+                and not len(d.writes)
                 and d.index.index.stats().pending == 0
                 and m.stats().pending == 0
             )
