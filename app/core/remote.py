@@ -21,16 +21,17 @@ run on its own threads. ``RemoteLink``, the ``remote`` tier of the lower-tier co
   read in full are never made loadable. While a read may still write into its slots (it
   outlived its timeout), their stores stay pending; the request's id is in ``writing()`` so no
   lease expiry frees them under it.
-- **Write-behind** (``stored``): a block that becomes ready in the pool (an engine's or a job's
-  completed store) is queued; a background task puts batches of up to ``remote_batch_blocks``
-  with ``put_from``, each block *held* in the pool (``OffloadManager.hold``: not evicted, its
-  slot not reused) until the put has let go of its slot. The queue is bounded: what does not fit
-  is dropped and counted, never waited for. A stored batch is one ``BlockStored`` event with
-  medium ``REMOTE``. A queued block the pool evicts before its turn (a burst of stores larger
-  than the pool, exactly when a lower tier matters) is *staged*: its bytes are copied out at
-  the eviction, while its slot still holds them, and its put sends the copy (``put_bytes``).
-  Staging is bounded in bytes (``staging_bytes``) and never makes the pool wait: a block the
-  bound cannot take is dropped and counted (``staging_full``).
+- **Write-behind** (``stored``; ``app.core.remote_writes``): a block that becomes ready in the
+  pool (an engine's or a job's completed store) is queued; a background task puts batches of
+  up to ``remote_batch_blocks`` with ``put_from``, each block *held* in the pool
+  (``OffloadManager.hold``: not evicted, its slot not reused) until the put has let go of its
+  slot. The queue is bounded: what does not fit is dropped and counted, never waited for. A
+  stored batch is one ``BlockStored`` event with medium ``REMOTE``. A queued block the pool
+  evicts before its turn (a burst of stores larger than the pool, exactly when a lower tier
+  matters) is *staged*: its bytes are copied out at the eviction, while its slot still holds
+  them, and its put sends the copy (``put_bytes``). Staging is bounded in bytes
+  (``staging_bytes``) and never makes the pool wait: a block the bound cannot take is dropped
+  and counted (``staging_full``).
 - **Removals** (``sweep``): the store evicts on its own and tells nobody (nor does a lone
   master that restarts empty), so the node keeps the keys it reported stored (at most
   ``tracked_blocks``, in line: the one asked after longest ago first) and asks the store
@@ -71,6 +72,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from app.core.promotion import Promotions
+from app.core.remote_writes import RemoteWrites
 from app.core.tier import LowerTier, TierBackend, TierContext, dropped_by_reason, register
 from app.settings import Settings, config_error
 from app.telemetry.logging import get_logger
@@ -270,25 +272,25 @@ class RemoteLink(LowerTier):
         self.tier = tier
         self.manager = manager
         self.lookup_timeout_s = lookup_timeout_s
-        self.queue_blocks = queue_blocks
-        self.batch_blocks = batch_blocks
         self._on_call = on_call
-        self._queue: collections.deque[BlockKey] = collections.deque()
-        self._queued: set[BlockKey] = set()
-        self.pool = pool
-        self.staging_bytes = staging_bytes if pool is not None else 0
-        # Queued blocks the pool evicted, their bytes copied out; and those it evicted that the
-        # bound could not take (counted then, so their turn in the queue counts nothing more).
-        self._staged: dict[BlockKey, bytes] = {}
-        self._staged_total = 0
-        self._unstaged: set[BlockKey] = set()
-        self._wakeup = asyncio.Event()
-        self._drain: asyncio.Task[None] | None = None
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.writes = RemoteWrites(
+            tier,
+            manager,
+            self.counts,
+            name=name,
+            queue_blocks=queue_blocks,
+            batch_blocks=batch_blocks,
+            pool=pool,
+            staging_bytes=staging_bytes,
+            observe=self._observe,
+            written=self._written,
+            released=self._until_released,
+        )
         self.sweep_s = sweep_s
         self.lookups = LookupLane(LOOKUP_LANE_WIDTH, f"kvoffload-{name}-lookup")
         self.written = WrittenKeys(tracked_blocks, removal_confirm_s)
         self._sweep: asyncio.Task[None] | None = None
-        self.counts: collections.Counter[str] = collections.Counter()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -296,26 +298,20 @@ class RemoteLink(LowerTier):
         """Start the write-behind task (and the sweep, unless ``sweep_s`` is 0) on the
         running loop."""
         loop = asyncio.get_running_loop()
-        self._drain = loop.create_task(self._drain_loop(), name="kvoffload-remote-write-behind")
+        self.writes.start()
         if self.sweep_s > 0:
             self._sweep = loop.create_task(self._sweep_loop(), name="kvoffload-remote-sweep")
 
     async def close(self) -> None:
         """Stop writing behind, wait for promotions in flight, close the tier (it waits for
         its calls still touching the pool)."""
-        for task in (self._drain, self._sweep):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        self._drain = self._sweep = None
+        await self.writes.close()
+        if self._sweep is not None:
+            self._sweep.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweep
+        self._sweep = None
         await self.promotions.close()
-        self.counts["dropped_shutdown"] += len(self._queue)
-        self._queue.clear()
-        self._queued.clear()
-        self._staged.clear()
-        self._staged_total = 0
-        self._unstaged.clear()
         self.lookups.close()
         await asyncio.to_thread(self.tier.close)
 
@@ -337,13 +333,9 @@ class RemoteLink(LowerTier):
         health["namespace"] = self.tier.namespace
         dropped = dropped_by_reason(self.counts)
         health["queue"] = {
-            "depth": len(self._queue),
-            "capacity": self.queue_blocks,
+            **self.writes.state(),
             "dropped": sum(dropped.values()),
             "dropped_by": dropped,
-            "staged_blocks": len(self._staged),
-            "staged_bytes": self._staged_total,
-            "staging_capacity_bytes": self.staging_bytes,
         }
         promoted = self.promotions.counts
         health["promotions"] = {
@@ -375,13 +367,13 @@ class RemoteLink(LowerTier):
 
     @property
     def queue_depth(self) -> int:
-        return len(self._queue)
+        return len(self.writes)
 
     def report(self) -> TierReport:
         counters = self.tier.health().counters
         return TierReport(
             up=self.tier.health().ok,
-            queue_depth=len(self._queue),
+            queue_depth=len(self.writes),
             demoted=self.counts["written"],
             dropped=dropped_by_reason(self.counts),
             promoted=self.promotions.counts["promoted_ready"],
@@ -462,111 +454,17 @@ class RemoteLink(LowerTier):
     def evicted(
         self, victims: list[BlockKey], slots: list[int], *, promoting: bool = False
     ) -> None:
-        """The pool evicts ``victims``: copy out the queued ones (their put has not started;
-        a block being put is held, never evicted), as far as ``staging_bytes`` allows; the
-        rest of them are counted dropped (``staging_full``). Runs inside the manager's
-        ``prepare_store``, on the loop: never calls the manager."""
-        queued = self._queued
-        if not queued:
-            return
-        staged, unstaged = self._staged, self._unstaged
-        pool = self.pool
-        for key, slot in zip(victims, slots, strict=True):
-            if key not in queued or key in staged:
-                continue
-            if pool is None or self._staged_total + pool.block_bytes > self.staging_bytes:
-                if key not in unstaged:
-                    unstaged.add(key)
-                    self.counts["dropped_staging_full"] += 1
-                continue
-            staged[key] = pool.tensor[slot].numpy().tobytes()
-            self._staged_total += pool.block_bytes
-            self.counts["staged"] += 1
+        """The pool evicts ``victims``: the queued ones are staged (``RemoteWrites``)."""
+        self.writes.evicted(victims, slots, promoting=promoting)
 
     def stored(self, keys: Sequence[BlockKey]) -> None:
-        """Queue blocks that became ready for the remote tier; what does not fit is dropped."""
-        if not keys:
-            return
-        room = self.queue_blocks - len(self._queue)
-        queued = self._queued
-        taken = 0
-        for key in keys:
-            if key in queued:
-                continue
-            if taken >= room:
-                self.counts["dropped_queue_full"] += 1
-                continue
-            self._queue.append(key)
-            queued.add(key)
-            taken += 1
-        if taken:
-            self._wakeup.set()
+        """Queue blocks that became ready for the tier (``RemoteWrites``)."""
+        self.writes.stored(keys)
 
-    async def _drain_loop(self) -> None:
-        while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            while self._queue:
-                try:
-                    await self._put_batch()
-                except Exception:
-                    log.exception("remote write-behind batch failed; its blocks are dropped")
-
-    async def _put_batch(self) -> None:
-        batch: list[BlockKey] = []
-        while self._queue and len(batch) < self.batch_blocks:
-            key = self._queue.popleft()
-            self._queued.discard(key)
-            batch.append(key)
-        if not self.tier.health().ok:
-            self.counts["dropped_degraded"] += len(batch)
-            return
-        manager = self.manager
-        held = manager.hold(batch)
-        keys: list[BlockKey] = []
-        slots: list[int] = []
-        copied: list[BlockKey] = []
-        blocks: list[bytes] = []
-        for key, slot in zip(batch, held, strict=True):
-            block = self._unstage(key)
-            if slot is not None:  # in the pool (again): put from there, the copy let go
-                self._unstaged.discard(key)
-                keys.append(key)
-                slots.append(slot)
-            elif block is not None:
-                copied.append(key)
-                blocks.append(block)
-            elif key in self._unstaged:
-                self._unstaged.discard(key)  # counted dropped at its eviction
-            else:
-                self.counts["gone_before_put"] += 1  # dropped from the pool, or lost
-        if not keys and not copied:
-            return
-        started = time.perf_counter()
-        ok: list[bool] = []
-        try:
-            if keys:
-                ok = await asyncio.to_thread(self.tier.put_from, keys, slots)
-            if copied:
-                ok += await asyncio.to_thread(self.tier.put_bytes, copied, blocks)
-            self._observe("put", started, len(keys) + len(copied), None)
-            await self._until_released(slots)
-        finally:
-            manager.release_hold(keys)
-        keys += copied
-        stored = [k for k, good in zip(keys, ok, strict=True) if good]
-        self.counts["written"] += len(stored)
-        self.counts["put_failed"] += len(keys) - len(stored)
-        if stored:
-            manager.record_event("stored", stored, self.medium)
-            self._track(stored)
-
-    def _unstage(self, key: BlockKey) -> bytes | None:
-        """The staged copy of ``key``, let go of (None: none)."""
-        block = self._staged.pop(key, None)
-        if block is not None:
-            self._staged_total -= len(block)
-        return block
+    def _written(self, keys: list[BlockKey]) -> None:
+        """A put stored ``keys``: one event, and they are tracked for removal."""
+        self.manager.record_event("stored", keys, self.medium)
+        self._track(keys)
 
     # ------------------------------------------------------------------ removals
 

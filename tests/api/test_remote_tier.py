@@ -560,7 +560,7 @@ async def test_demote_moves_what_the_remote_tier_wrote_and_keeps_what_it_did_not
         data = await store_on(h, "w", keys, fill=7)
         await written(h, 2)
         stopped = remote_of(h)  # a third key the write-behind never takes: its queue is full
-        stopped.queue_blocks = 0
+        stopped.writes.queue_blocks = 0
         late = bytes([0x0A, 3]).hex()
         await store_on(h, "x", [late], fill=9)
         r = await h.post("/v1/requests/hint/demote", {"keys": [*keys, late]})
