@@ -29,23 +29,21 @@ might (a mapping outlives ``HostPool.close()`` while a reference to it is held).
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import logging
 import socket
 import threading
-import time
 import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from transfer.errors import RemoteTierError
+from transfer.health import HealthTracker
 from transfer.host_pool import HostPool
 from transfer.remote import (
     COUNTERS,
     RemoteHealth,
-    RemoteState,
     check_blocks,
     check_slots,
     remote_name,
@@ -163,28 +161,18 @@ class MooncakeTier:
         self._block_bytes = pool.block_bytes
         self._replicate = self._module.ReplicateConfig()
         self._replicate.replica_num = config.replicas
-        self._lock = threading.Lock()
+        self._health = HealthTracker("remote tier (mooncake)", COUNTERS, "not connected yet", log)
+        self._lock = self._health.lock
         self._idle = threading.Condition(self._lock)
         self._inflight = 0
-        self._counters = dict.fromkeys(COUNTERS, 0)
-        self._held: collections.Counter[int] = collections.Counter()
-        self._state: RemoteState = "degraded"
-        self._since = time.time()
-        self._last_error: str | None = "not connected yet"
-        self._closed = False
         self._store: Any = None
         self._executor = concurrent.futures.ThreadPoolExecutor(
             config.threads, thread_name_prefix="mooncake"
         )
-        self._wake = threading.Event()
         self._probing: concurrent.futures.Future[None] | None = None
         # The first connection is the first probe: a master that is down at start leaves the
         # tier degraded, and the probe thread keeps trying.
-        if self._probe():
-            self._state, self._since, self._last_error = "ok", time.time(), None
-        else:
-            self._counters["incidents"] += 1
-            log.warning("remote tier (mooncake) starts degraded: %s", self._last_error)
+        self._health.started(self._probe())
         self._prober = threading.Thread(target=self._probe_loop, name="mooncake-probe", daemon=True)
         self._prober.start()
 
@@ -210,10 +198,7 @@ class MooncakeTier:
             return [None] * len(keys)
         found: list[bool | None] = [c == 1 if c in (0, 1) else None for c in codes]
         errors = [c for c in codes if c not in (0, 1)]
-        with self._lock:
-            self._counters["exists_calls"] += 1
-            self._counters["hits"] += codes.count(1)
-            self._counters["misses"] += codes.count(0)
+        self._health.count(exists_calls=1, hits=codes.count(1), misses=codes.count(0))
         self._judge("exists", len(errors), len(codes), errors)
         return found
 
@@ -229,11 +214,11 @@ class MooncakeTier:
 
         codes = self._call("get", get, slots, len(keys))
         if codes is None:
-            self._count(get_failures=len(keys))
+            self._health.count(get_failures=len(keys))
             return [False] * len(keys)
         read = [c == self._block_bytes for c in codes]
         bad = [c for c, ok in zip(codes, read, strict=True) if not ok and c not in _GET_ANSWERS]
-        self._count(
+        self._health.count(
             gets=sum(read),
             get_failures=len(read) - sum(read),
             bytes_read=sum(read) * self._block_bytes,
@@ -272,11 +257,11 @@ class MooncakeTier:
         """Per key of a put, whether the store holds it now, from the call's codes (None: the
         call failed); counted, and judged for the tier's health."""
         if codes is None:
-            self._count(put_failures=n)
+            self._health.count(put_failures=n)
             return [False] * n
         stored = [c in (0, _OBJECT_ALREADY_EXISTS) for c in codes]
         bad = [c for c, ok in zip(codes, stored, strict=True) if not ok and c not in _PUT_ANSWERS]
-        self._count(
+        self._health.count(
             puts=sum(stored),
             put_failures=len(stored) - sum(stored),
             bytes_written=codes.count(0) * self._block_bytes,
@@ -294,12 +279,10 @@ class MooncakeTier:
         return names, ptrs, [self._block_bytes] * len(keys)
 
     def health(self) -> RemoteHealth:
-        with self._lock:
-            return RemoteHealth(self._state, self._since, self._last_error, dict(self._counters))
+        return self._health.snapshot()
 
     def held_slots(self) -> frozenset[int]:
-        with self._lock:
-            return frozenset(self._held)
+        return self._health.held_slots()
 
     def close(self) -> None:
         """Stop probing, wait for calls in flight (up to ``timeout_s``), close the client.
@@ -308,18 +291,15 @@ class MooncakeTier:
         teardown would hold the interpreter lock while it retries), is left open rather than
         torn down under them; the pool's memory then stays mapped until the process ends.
         """
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._wake.set()
+        if not self._health.close():
+            return
         self._prober.join(self.config.timeout_s)
         with self._idle:
             settled = self._idle.wait_for(lambda: self._inflight == 0, self.config.timeout_s)
             store, self._store = self._store, None
         if store is not None and not settled:
             log.warning("remote tier (mooncake) closed with calls in flight: client left open")
-        elif store is not None and self._state != "ok":
+        elif store is not None and self._health.state != "ok":
             log.warning("remote tier (mooncake) closed while degraded: client left open")
         elif store is not None:
             base = self._base
@@ -345,7 +325,7 @@ class MooncakeTier:
     def __repr__(self) -> str:
         return (
             f"MooncakeTier(namespace={self._namespace!r}, master={self.config.master}, "
-            f"state={self._state})"
+            f"state={self._health.state})"
         )
 
     # -- machinery ---------------------------------------------------------------------------
@@ -376,10 +356,10 @@ class MooncakeTier:
             budget_s = None
         with self._lock:
             store = self._store
-            if self._closed or self._state != "ok" or store is None:
-                self._counters["skipped"] += 1
+            if self._health.closed or self._health.state != "ok" or store is None:
+                self._health.counters["skipped"] += 1
                 return None
-            self._held.update(slots)
+            self._health.held.update(slots)
             self._inflight += 1
 
         def task() -> list[int]:
@@ -392,7 +372,7 @@ class MooncakeTier:
             future = self._executor.submit(task)
         except RuntimeError:  # shut down by close() in the meantime
             self._release(slots)
-            self._count(skipped=1)
+            self._health.count(skipped=1)
             return None
         try:
             try:
@@ -407,80 +387,43 @@ class MooncakeTier:
                 return None
             if len(codes) == n:
                 return codes
-            self._count(errors=1)
-            self._fail(f"{what}: {len(codes)} results for {n} keys")
+            self._health.count(errors=1)
+            self._health.fail(f"{what}: {len(codes)} results for {n} keys")
         except concurrent.futures.TimeoutError:
             if future.cancel():  # still queued behind hung calls: it never touched the slots
                 self._release(slots)
                 if budget_s is not None:  # it never started: the caller's time is up
                     return None
-            self._count(timeouts=1)
-            self._fail(f"{what} did not finish within {self.config.timeout_s:g} s")
+            self._health.count(timeouts=1)
+            self._health.fail(f"{what} did not finish within {self.config.timeout_s:g} s")
         except Exception as exc:
-            self._count(errors=1)
-            self._fail(f"{what} raised {type(exc).__name__}: {exc}")
+            self._health.count(errors=1)
+            self._health.fail(f"{what} raised {type(exc).__name__}: {exc}")
         return None
 
     def _release(self, slots: Sequence[int]) -> None:
         with self._idle:
-            self._held.subtract(slots)
-            self._held += collections.Counter()  # drops the zero counts
+            self._health.release(slots)
             self._inflight -= 1
             self._idle.notify_all()
 
     def _judge(self, what: str, bad: int, total: int, codes: list[int]) -> None:
         """Count a call's per-key errors; every key failing with one degrades the tier."""
-        if not bad:
-            return
-        self._count(errors=1)
-        message = f"{what}: {bad} of {total} keys failed (codes {sorted(set(codes))})"
-        if bad == total:
-            self._fail(message)
-        else:
-            with self._lock:
-                self._last_error = message
-
-    def _count(self, **deltas: int) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                self._counters[name] += delta
-
-    def _fail(self, reason: str) -> None:
-        with self._lock:
-            self._last_error = reason
-            if self._state != "ok" or self._closed:
-                return
-            self._state = "degraded"
-            self._since = time.time()
-            self._counters["incidents"] += 1
-        log.warning("remote tier (mooncake) degraded: %s", reason)
-        self._wake.set()
-
-    def _set_ok(self) -> None:
-        with self._lock:
-            if self._state == "ok" or self._closed:
-                return
-            was = time.time() - self._since
-            self._state = "ok"
-            self._since = time.time()
-        log.info("remote tier (mooncake) ok again after %.1f s degraded", was)
+        self._health.judge(what, bad, total, f"codes {sorted(set(codes))}")
 
     def _probe_loop(self) -> None:
         interval = self.config.probe_interval_s
         while True:
-            if self._wake.wait(interval):  # a state change or close: look again at once
-                self._wake.clear()
-            with self._lock:
-                closed, state = self._closed, self._state
+            closed, state = self._health.next_look(interval)  # woken: look again at once
             if closed:
                 return
             if state == "ok":
                 # Ok: the master's health check every interval, bounded by it, so a master
                 # lost while no call flows degrades the tier within two intervals.
                 if not self._probe(full=False, within=interval):
-                    self._fail(f"master health check failed: {self._last_error}")
+                    self._health.fail(f"master health check failed: {self._health.last_error}")
             elif self._probe():  # degraded: the whole probe now and then until it answers
-                self._set_ok()
+                self._health.recovered()
 
     def _probe(self, *, full: bool = True, within: float | None = None) -> bool:
         """Connect if never connected; else ask the master for its health and (``full``) one
@@ -504,23 +447,19 @@ class MooncakeTier:
         # One probe at a time: a connection attempt still hanging must not be joined by a
         # second one (two clients, one leaked).
         if self._probing is not None and not self._probing.done():
-            self._note("the previous probe has not finished")
+            self._health.note("the previous probe has not finished")
             return False
         limit = self.config.timeout_s if within is None else min(within, self.config.timeout_s)
         try:
             self._probing = self._executor.submit(probe)
             self._probing.result(limit)
         except concurrent.futures.TimeoutError:
-            self._note(f"probe did not finish within {limit:g} s")
+            self._health.note(f"probe did not finish within {limit:g} s")
             return False
         except Exception as exc:
-            self._note(f"probe: {exc}")
+            self._health.note(f"probe: {exc}")
             return False
         return True
-
-    def _note(self, reason: str) -> None:
-        with self._lock:
-            self._last_error = reason
 
     def _connect(self) -> Any:
         """A set-up client with the pool registered; raises ``RemoteTierError`` otherwise."""

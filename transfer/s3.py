@@ -34,7 +34,6 @@ the ``object`` extra.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import hmac
 import logging
@@ -50,8 +49,9 @@ import numpy as np
 from blake3 import blake3
 
 from transfer.errors import RemoteTierError
+from transfer.health import HealthTracker
 from transfer.host_pool import HostPool
-from transfer.remote import COUNTERS, RemoteHealth, RemoteState, check_blocks, check_slots
+from transfer.remote import COUNTERS, RemoteHealth, check_blocks, check_slots
 
 __all__ = [
     "MAC_BYTES",
@@ -138,6 +138,35 @@ def _load_client() -> Any:
     return obstore
 
 
+def _open_store(config: S3Config) -> Any:
+    """The bucket's store: ``config``'s endpoint, addressing, TLS check, timeouts and retries,
+    and its credentials (``_credentials``). Makes no request."""
+    from obstore.store import S3Store
+
+    return S3Store(
+        config.bucket,
+        endpoint=config.endpoint,
+        region=config.region,
+        virtual_hosted_style_request=config.addressing == "virtual",
+        client_options={
+            "allow_http": True,
+            "allow_invalid_certificates": not config.verify_tls,
+            "timeout": timedelta(seconds=config.timeout_s),
+            "connect_timeout": timedelta(seconds=config.connect_timeout_s),
+        },
+        retry_config={
+            "max_retries": config.max_retries,
+            "retry_timeout": timedelta(seconds=config.timeout_s),
+            "backoff": {
+                "init_backoff": timedelta(milliseconds=20),
+                "max_backoff": timedelta(seconds=1),
+                "base": 2,
+            },
+        },
+        **_credentials(config),
+    )
+
+
 def _credentials(config: S3Config) -> dict[str, Any]:
     """The store's credential options: the configured keys, or a provider over botocore's
     standard chain (``RemoteTierError`` when boto3 is missing)."""
@@ -172,252 +201,20 @@ class _Outcome:
     UNANSWERED = "unanswered"
 
 
-class S3Tier:
-    """The object tier on one S3 bucket, over ``pool``'s slots, under ``namespace``."""
+class _Requests:
+    """A store's calls, one per key, on its threads: each one bounded in time, its outcome
+    judged for the store's health (``HealthTracker``), the pool slots it touches held until
+    it ends."""
 
-    def __init__(self, pool: HostPool, namespace: str, config: S3Config) -> None:
-        """Build the client (no request yet) and start the probe, whose first answer makes
-        the tier ok. ``RemoteTierError``: the library is missing or no credentials are
-        found (the service refuses to start, naming the fix)."""
-        if not namespace or namespace.startswith("/") or namespace.endswith("/"):
-            raise RemoteTierError(f"namespace {namespace!r} must be non-empty, without edge '/'")
-        self._client = _load_client()
-        from obstore.store import S3Store
-
-        self.config = config
-        self._pool = pool
-        # Held while a request may still touch the pool: a GET that ends after close() writes
-        # into memory that is still mapped (the mapping outlives HostPool.close()).
-        self._memory = pool.tensor
-        self._namespace = namespace
-        self._block_bytes = pool.block_bytes
-        self._object_bytes = pool.block_bytes + MAC_BYTES
-        key_material = (config.secret or b"") + namespace.encode()
-        self._mac_key = blake3(key_material, derive_key_context=_MAC_CONTEXT).digest()
-        self._store = S3Store(
-            config.bucket,
-            endpoint=config.endpoint,
-            region=config.region,
-            virtual_hosted_style_request=config.addressing == "virtual",
-            client_options={
-                "allow_http": True,
-                "allow_invalid_certificates": not config.verify_tls,
-                "timeout": timedelta(seconds=config.timeout_s),
-                "connect_timeout": timedelta(seconds=config.connect_timeout_s),
-            },
-            retry_config={
-                "max_retries": config.max_retries,
-                "retry_timeout": timedelta(seconds=config.timeout_s),
-                "backoff": {
-                    "init_backoff": timedelta(milliseconds=20),
-                    "max_backoff": timedelta(seconds=1),
-                    "base": 2,
-                },
-            },
-            **_credentials(config),
+    def __init__(self, health: HealthTracker, timeout_s: float, concurrency: int) -> None:
+        self.health = health
+        self.timeout_s = timeout_s
+        self.concurrency = concurrency
+        self.executor = concurrent.futures.ThreadPoolExecutor(
+            concurrency, thread_name_prefix="kvoffload-s3"
         )
-        self._lock = threading.Lock()
-        self._counters = dict.fromkeys(OBJECT_COUNTERS, 0)
-        self._held: collections.Counter[int] = collections.Counter()
-        self._state: RemoteState = "degraded"
-        self._since = time.time()
-        self._last_error: str | None = "not checked yet"
-        self._closed = False
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            config.concurrency, thread_name_prefix="kvoffload-s3"
-        )
-        self._prober_pool = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="kvoffload-s3-probe"
-        )
-        self._probing: concurrent.futures.Future[None] | None = None
-        self._wake = threading.Event()
-        if self._probe():
-            self._state, self._since, self._last_error = "ok", time.time(), None
-        else:
-            self._counters["incidents"] += 1
-            log.warning("object tier starts degraded: %s", self._last_error)
-        self._prober = threading.Thread(target=self._probe_loop, name="s3-probe", daemon=True)
-        self._prober.start()
 
-    # -- the contract ------------------------------------------------------------------------
-
-    @property
-    def namespace(self) -> str:
-        return self._namespace
-
-    @property
-    def block_bytes(self) -> int:
-        return self._block_bytes
-
-    def path(self, key: bytes) -> str:
-        """The object's key in the bucket."""
-        return f"{self._namespace}/{key.hex()}"
-
-    def exists(self, keys: Sequence[bytes], timeout_s: float | None = None) -> list[bool | None]:
-        """One HEAD per key: True for an object of the right length, False for none (404)
-        or one of another length, None where no answer came (error, timeout, degraded).
-        ``timeout_s``: the caller's own budget (a lookup's), below the tier's: a HEAD not
-        started by then never starts (those queued are dropped), and a key not answered by then
-        is no answer (None), not a fault of the tier."""
-        if not keys:
-            return []
-        if timeout_s is not None and timeout_s < self.config.timeout_s:
-            # Nothing built per key up front: a lookup of 8,192 keys that has time for a few
-            # hundred HEADs holds no call objects for the rest (they would outlive the young
-            # collections and bring on full ones, every thread of the process stopped while
-            # the collector walks the heap: another namespace's lookups run out of time).
-            outcomes = self._batch_within("exists", self._head, keys, max(0.0, timeout_s))
-        else:
-            outcomes = self._batch("exists", [(self._head, (k,)) for k in keys], [])
-        answers: dict[str, bool | None] = {
-            _Outcome.OK: True,
-            _Outcome.ABSENT: False,
-            _Outcome.CORRUPT: False,  # another length: not a block of this tier, not loadable
-        }
-        found = [answers.get(o) for o in outcomes]
-        self._count(
-            exists_calls=1,
-            hits=found.count(True),
-            misses=found.count(False),
-            checksum_failures=outcomes.count(_Outcome.CORRUPT),
-        )
-        return found
-
-    def get_into(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
-        """One GET per key into its slot; True only where the whole block was read and its MAC
-        matches (a False slot holds undefined bytes)."""
-        check_slots(keys, slots, self._pool.num_blocks)
-        if not keys:
-            return []
-        calls = [(self._get, (k, s)) for k, s in zip(keys, slots, strict=True)]
-        outcomes = self._batch("get", calls, slots)
-        read = [o == _Outcome.OK for o in outcomes]
-        self._count(
-            gets=sum(read),
-            get_failures=len(read) - sum(read),
-            bytes_read=sum(read) * self._block_bytes,
-            checksum_failures=outcomes.count(_Outcome.CORRUPT),
-        )
-        return read
-
-    def put_from(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
-        """One PUT per key out of its slot (the block and its MAC); True once stored. A slot
-        is read (copied) at the start of its request and released then."""
-        check_slots(keys, slots, self._pool.num_blocks)
-        if not keys:
-            return []
-        calls = [(self._put, (k, s)) for k, s in zip(keys, slots, strict=True)]
-        return self._counted_puts(self._batch("put", calls, slots, released_by_call=True))
-
-    def _counted_puts(self, outcomes: list[str]) -> list[bool]:
-        stored = [o == _Outcome.OK for o in outcomes]
-        self._count(
-            puts=sum(stored),
-            put_failures=len(stored) - sum(stored),
-            bytes_written=sum(stored) * self._object_bytes,
-        )
-        return stored
-
-    def put_bytes(self, keys: Sequence[bytes], blocks: Sequence[bytes]) -> list[bool]:
-        """``put_from`` for blocks staged outside the pool: the same objects (block and MAC)."""
-        check_blocks(keys, blocks, self._block_bytes)
-        if not keys:
-            return []
-        calls = [(self._put_block, (k, b)) for k, b in zip(keys, blocks, strict=True)]
-        return self._counted_puts(self._batch("put", calls, []))
-
-    def delete(self, keys: Sequence[bytes]) -> bool:
-        """Delete the keys' objects (one bulk call per 1000 keys; a key with no object counts
-        as deleted); whether every call succeeded. Skipped (False) while degraded."""
-        if not keys:
-            return True
-        paths = [self.path(k) for k in keys]
-        ok = True
-        for start in range(0, len(paths), 1000):
-            part = paths[start : start + 1000]
-            outcomes = self._batch("delete", [(self._delete, (part,))], [])
-            if outcomes == [_Outcome.OK]:
-                self._count(deletes=len(part))
-            else:
-                self._count(delete_failures=len(part))
-                ok = False
-        return ok
-
-    def health(self) -> RemoteHealth:
-        with self._lock:
-            return RemoteHealth(self._state, self._since, self._last_error, dict(self._counters))
-
-    def held_slots(self) -> frozenset[int]:
-        with self._lock:
-            return frozenset(self._held)
-
-    def close(self) -> None:
-        """Stop probing; requests in flight end on their own (bounded by the client's timeout,
-        their slots held meanwhile); later calls answer as failures. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._wake.set()
-        self._prober.join(self.config.timeout_s)
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        self._prober_pool.shutdown(wait=False, cancel_futures=True)
-
-    def __enter__(self) -> S3Tier:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"S3Tier(namespace={self._namespace!r}, {self.config!r}, state={self._state})"
-
-    # -- one key's request (on the tier's threads) --------------------------------------------
-
-    def _head(self, key: bytes) -> str:
-        meta = self._client.head(self._store, self.path(key))
-        return _Outcome.OK if meta["size"] == self._object_bytes else _Outcome.CORRUPT
-
-    def _get(self, key: bytes, slot: int) -> str:
-        body = self._client.get(self._store, self.path(key)).bytes()
-        view = memoryview(body)
-        if len(view) != self._object_bytes:
-            return _Outcome.CORRUPT
-        bb = self._block_bytes
-        mac = object_mac(self._mac_key, key, view[:bb])
-        if not hmac.compare_digest(mac, bytes(view[bb:])):
-            return _Outcome.CORRUPT
-        # numpy's copy lets go of the GIL.
-        self._memory[slot].numpy()[:] = np.frombuffer(body, dtype=np.uint8, count=bb)
-        return _Outcome.OK
-
-    def _put(self, key: bytes, slot: int) -> str:
-        body = np.empty(self._object_bytes, dtype=np.uint8)
-        try:
-            body[: self._block_bytes] = self._memory[slot].numpy()
-        finally:
-            self._release([slot])
-        return self._put_object(key, body)
-
-    def _put_block(self, key: bytes, block: bytes) -> str:
-        body = np.empty(self._object_bytes, dtype=np.uint8)
-        body[: self._block_bytes] = np.frombuffer(block, np.uint8)
-        return self._put_object(key, body)
-
-    def _put_object(self, key: bytes, body: np.ndarray[Any, Any]) -> str:
-        """Store ``body`` (the block in its first ``block_bytes``) with the block's MAC after it."""
-        bb = self._block_bytes
-        body[bb:] = np.frombuffer(object_mac(self._mac_key, key, body[:bb].data), np.uint8)
-        self._client.put(self._store, self.path(key), body.data)
-        return _Outcome.OK
-
-    def _delete(self, paths: list[str]) -> str:
-        self._client.delete(self._store, paths)
-        return _Outcome.OK
-
-    # -- machinery ---------------------------------------------------------------------------
-
-    def _batch(
+    def batch(
         self,
         what: str,
         calls: list[tuple[Callable[..., str], tuple[Any, ...]]],
@@ -429,11 +226,8 @@ class S3Tier:
         them: each one's outcome (``ERROR`` where skipped, failed or late). ``slots`` are held
         until their call ends; ``released_by_call``: each call releases its own slot itself,
         once (a put, as soon as it copied it), so this does not."""
-        with self._lock:
-            if self._closed or self._state != "ok":
-                self._counters["skipped"] += 1
-                return [_Outcome.ERROR] * len(calls)
-            self._held.update(slots)
+        if not self.health.hold(slots):
+            return [_Outcome.ERROR] * len(calls)
         pending = list(slots)
 
         def run(fn: Callable[..., str], args: tuple[Any, ...], slot: int | None) -> str:
@@ -441,19 +235,19 @@ class S3Tier:
                 return fn(*args)
             finally:
                 if slot is not None and not released_by_call:
-                    self._release([slot])
+                    self.release([slot])
 
         futures: list[concurrent.futures.Future[str] | None] = []
         for i, (fn, args) in enumerate(calls):
             slot = pending[i] if i < len(pending) else None
             try:
-                futures.append(self._executor.submit(run, fn, args, slot))
+                futures.append(self.executor.submit(run, fn, args, slot))
             except RuntimeError:  # closed meanwhile: never started, its slot free now
                 if slot is not None:
-                    self._release([slot])
+                    self.release([slot])
                 futures.append(None)
         live = [f for f in futures if f is not None]
-        done, _ = concurrent.futures.wait(live, timeout=self.config.timeout_s)
+        done, _ = concurrent.futures.wait(live, timeout=self.timeout_s)
         outcomes: list[str] = []
         errors: list[str] = []
         late = 0
@@ -463,7 +257,7 @@ class S3Tier:
                 continue
             if future not in done:
                 if future.cancel() and i < len(pending):  # never started: its slot is free
-                    self._release([pending[i]])
+                    self.release([pending[i]])
                 late += 1
                 outcomes.append(_Outcome.ERROR)
                 continue
@@ -478,7 +272,7 @@ class S3Tier:
         self._judge(what, outcomes, errors, late)
         return outcomes
 
-    def _batch_within(
+    def within(
         self, what: str, fn: Callable[[bytes], str], keys: Sequence[bytes], budget_s: float
     ) -> list[str]:
         """Slot-free calls ``fn(key)`` (HEADs), one per key, for a caller who waits
@@ -486,10 +280,8 @@ class S3Tier:
         ends, none after the budget; each one's outcome (``UNANSWERED`` where not asked or not
         answered in time: no fault of the tier, and nothing of the call left queued behind
         it). What it holds meanwhile is bounded by ``concurrency``, not by the keys."""
-        with self._lock:
-            if self._closed or self._state != "ok":
-                self._counters["skipped"] += 1
-                return [_Outcome.ERROR] * len(keys)
+        if not self.health.hold(()):
+            return [_Outcome.ERROR] * len(keys)
         deadline = time.monotonic() + budget_s
         outcomes = [_Outcome.UNANSWERED] * len(keys)
         errors: list[str] = []
@@ -498,11 +290,11 @@ class S3Tier:
         while True:
             while (
                 following < len(keys)
-                and len(running) < self.config.concurrency
+                and len(running) < self.concurrency
                 and time.monotonic() < deadline
             ):
                 try:
-                    running[self._executor.submit(fn, keys[following])] = following
+                    running[self.executor.submit(fn, keys[following])] = following
                 except RuntimeError:  # closed meanwhile
                     following = len(keys)
                     break
@@ -534,68 +326,234 @@ class S3Tier:
         """Count a batch's errors and timeouts; every key failing degrades the tier."""
         bad = outcomes.count(_Outcome.ERROR)
         if late:
-            self._count(timeouts=1)
-        if not bad:
-            return
-        self._count(errors=1)
-        why = errors[0] if errors else f"no answer within {self.config.timeout_s:g} s"
-        message = f"{what}: {bad} of {len(outcomes)} keys failed ({why})"
-        if bad == len(outcomes):
-            self._fail(message)
+            self.health.count(timeouts=1)
+        why = errors[0] if errors else f"no answer within {self.timeout_s:g} s"
+        self.health.judge(what, bad, len(outcomes), why)
+
+    def release(self, slots: Sequence[int]) -> None:
+        with self.health.lock:
+            self.health.release(slots)
+
+
+class S3Tier:
+    """The object tier on one S3 bucket, over ``pool``'s slots, under ``namespace``."""
+
+    def __init__(self, pool: HostPool, namespace: str, config: S3Config) -> None:
+        """Build the client (no request yet) and start the probe, whose first answer makes
+        the tier ok. ``RemoteTierError``: the library is missing or no credentials are
+        found (the service refuses to start, naming the fix)."""
+        if not namespace or namespace.startswith("/") or namespace.endswith("/"):
+            raise RemoteTierError(f"namespace {namespace!r} must be non-empty, without edge '/'")
+        self._client = _load_client()
+        self.config = config
+        self._pool = pool
+        # Held while a request may still touch the pool: a GET that ends after close() writes
+        # into memory that is still mapped (the mapping outlives HostPool.close()).
+        self._memory = pool.tensor
+        self._namespace = namespace
+        self._block_bytes = pool.block_bytes
+        self._object_bytes = pool.block_bytes + MAC_BYTES
+        key_material = (config.secret or b"") + namespace.encode()
+        self._mac_key = blake3(key_material, derive_key_context=_MAC_CONTEXT).digest()
+        self._store = _open_store(config)
+        self._health = HealthTracker("object tier", OBJECT_COUNTERS, "not checked yet", log)
+        self._requests = _Requests(self._health, config.timeout_s, config.concurrency)
+        self._prober_pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="kvoffload-s3-probe"
+        )
+        self._probing: concurrent.futures.Future[None] | None = None
+        self._health.started(self._probe())
+        self._prober = threading.Thread(target=self._probe_loop, name="s3-probe", daemon=True)
+        self._prober.start()
+
+    # -- the contract ------------------------------------------------------------------------
+
+    @property
+    def namespace(self) -> str:
+        return self._namespace
+
+    @property
+    def block_bytes(self) -> int:
+        return self._block_bytes
+
+    def path(self, key: bytes) -> str:
+        """The object's key in the bucket."""
+        return f"{self._namespace}/{key.hex()}"
+
+    def exists(self, keys: Sequence[bytes], timeout_s: float | None = None) -> list[bool | None]:
+        """One HEAD per key: True for an object of the right length, False for none (404)
+        or one of another length, None where no answer came (error, timeout, degraded).
+        ``timeout_s``: the caller's own budget (a lookup's), below the tier's: a HEAD not
+        started by then never starts (those queued are dropped), and a key not answered by then
+        is no answer (None), not a fault of the tier."""
+        if not keys:
+            return []
+        if timeout_s is not None and timeout_s < self.config.timeout_s:
+            # Nothing built per key up front: a lookup of 8,192 keys that has time for a few
+            # hundred HEADs holds no call objects for the rest (they would outlive the young
+            # collections and bring on full ones, every thread of the process stopped while
+            # the collector walks the heap: another namespace's lookups run out of time).
+            outcomes = self._requests.within("exists", self._head, keys, max(0.0, timeout_s))
         else:
-            with self._lock:
-                self._last_error = message
+            outcomes = self._requests.batch("exists", [(self._head, (k,)) for k in keys], [])
+        answers: dict[str, bool | None] = {
+            _Outcome.OK: True,
+            _Outcome.ABSENT: False,
+            _Outcome.CORRUPT: False,  # another length: not a block of this tier, not loadable
+        }
+        found = [answers.get(o) for o in outcomes]
+        self._health.count(
+            exists_calls=1,
+            hits=found.count(True),
+            misses=found.count(False),
+            checksum_failures=outcomes.count(_Outcome.CORRUPT),
+        )
+        return found
 
-    def _release(self, slots: Sequence[int]) -> None:
-        with self._lock:
-            self._held.subtract(slots)
-            self._held += collections.Counter()  # drops the zero counts
+    def get_into(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
+        """One GET per key into its slot; True only where the whole block was read and its MAC
+        matches (a False slot holds undefined bytes)."""
+        check_slots(keys, slots, self._pool.num_blocks)
+        if not keys:
+            return []
+        calls = [(self._get, (k, s)) for k, s in zip(keys, slots, strict=True)]
+        outcomes = self._requests.batch("get", calls, slots)
+        read = [o == _Outcome.OK for o in outcomes]
+        self._health.count(
+            gets=sum(read),
+            get_failures=len(read) - sum(read),
+            bytes_read=sum(read) * self._block_bytes,
+            checksum_failures=outcomes.count(_Outcome.CORRUPT),
+        )
+        return read
 
-    def _count(self, **deltas: int) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                self._counters[name] += delta
+    def put_from(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
+        """One PUT per key out of its slot (the block and its MAC); True once stored. A slot
+        is read (copied) at the start of its request and released then."""
+        check_slots(keys, slots, self._pool.num_blocks)
+        if not keys:
+            return []
+        calls = [(self._put, (k, s)) for k, s in zip(keys, slots, strict=True)]
+        return self._counted_puts(self._requests.batch("put", calls, slots, released_by_call=True))
 
-    def _fail(self, reason: str) -> None:
-        with self._lock:
-            self._last_error = reason
-            if self._state != "ok" or self._closed:
-                return
-            self._state = "degraded"
-            self._since = time.time()
-            self._counters["incidents"] += 1
-        log.warning("object tier degraded: %s", reason)
-        self._wake.set()
+    def _counted_puts(self, outcomes: list[str]) -> list[bool]:
+        stored = [o == _Outcome.OK for o in outcomes]
+        self._health.count(
+            puts=sum(stored),
+            put_failures=len(stored) - sum(stored),
+            bytes_written=sum(stored) * self._object_bytes,
+        )
+        return stored
 
-    def _set_ok(self) -> None:
-        with self._lock:
-            if self._state == "ok" or self._closed:
-                return
-            was = time.time() - self._since
-            self._state = "ok"
-            self._since = time.time()
-        log.info("object tier ok again after %.1f s degraded", was)
+    def put_bytes(self, keys: Sequence[bytes], blocks: Sequence[bytes]) -> list[bool]:
+        """``put_from`` for blocks staged outside the pool: the same objects (block and MAC)."""
+        check_blocks(keys, blocks, self._block_bytes)
+        if not keys:
+            return []
+        calls = [(self._put_block, (k, b)) for k, b in zip(keys, blocks, strict=True)]
+        return self._counted_puts(self._requests.batch("put", calls, []))
+
+    def delete(self, keys: Sequence[bytes]) -> bool:
+        """Delete the keys' objects (one bulk call per 1000 keys; a key with no object counts
+        as deleted); whether every call succeeded. Skipped (False) while degraded."""
+        if not keys:
+            return True
+        paths = [self.path(k) for k in keys]
+        ok = True
+        for start in range(0, len(paths), 1000):
+            part = paths[start : start + 1000]
+            outcomes = self._requests.batch("delete", [(self._delete, (part,))], [])
+            if outcomes == [_Outcome.OK]:
+                self._health.count(deletes=len(part))
+            else:
+                self._health.count(delete_failures=len(part))
+                ok = False
+        return ok
+
+    def health(self) -> RemoteHealth:
+        return self._health.snapshot()
+
+    def held_slots(self) -> frozenset[int]:
+        return self._health.held_slots()
+
+    def close(self) -> None:
+        """Stop probing; requests in flight end on their own (bounded by the client's timeout,
+        their slots held meanwhile); later calls answer as failures. Idempotent."""
+        if not self._health.close():
+            return
+        self._prober.join(self.config.timeout_s)
+        self._requests.executor.shutdown(wait=False, cancel_futures=True)
+        self._prober_pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> S3Tier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"S3Tier(namespace={self._namespace!r}, {self.config!r}, state={self._health.state})"
+
+    # -- one key's request (on the tier's threads) --------------------------------------------
+
+    def _head(self, key: bytes) -> str:
+        meta = self._client.head(self._store, self.path(key))
+        return _Outcome.OK if meta["size"] == self._object_bytes else _Outcome.CORRUPT
+
+    def _get(self, key: bytes, slot: int) -> str:
+        body = self._client.get(self._store, self.path(key)).bytes()
+        view = memoryview(body)
+        if len(view) != self._object_bytes:
+            return _Outcome.CORRUPT
+        bb = self._block_bytes
+        mac = object_mac(self._mac_key, key, view[:bb])
+        if not hmac.compare_digest(mac, bytes(view[bb:])):
+            return _Outcome.CORRUPT
+        # numpy's copy lets go of the GIL.
+        self._memory[slot].numpy()[:] = np.frombuffer(body, dtype=np.uint8, count=bb)
+        return _Outcome.OK
+
+    def _put(self, key: bytes, slot: int) -> str:
+        body = np.empty(self._object_bytes, dtype=np.uint8)
+        try:
+            body[: self._block_bytes] = self._memory[slot].numpy()
+        finally:
+            self._requests.release([slot])
+        return self._put_object(key, body)
+
+    def _put_block(self, key: bytes, block: bytes) -> str:
+        body = np.empty(self._object_bytes, dtype=np.uint8)
+        body[: self._block_bytes] = np.frombuffer(block, np.uint8)
+        return self._put_object(key, body)
+
+    def _put_object(self, key: bytes, body: np.ndarray[Any, Any]) -> str:
+        """Store ``body`` (the block in its first ``block_bytes``) with the block's MAC after it."""
+        bb = self._block_bytes
+        body[bb:] = np.frombuffer(object_mac(self._mac_key, key, body[:bb].data), np.uint8)
+        self._client.put(self._store, self.path(key), body.data)
+        return _Outcome.OK
+
+    def _delete(self, paths: list[str]) -> str:
+        self._client.delete(self._store, paths)
+        return _Outcome.OK
 
     def _probe_loop(self) -> None:
         interval = self.config.probe_interval_s
         while True:
-            if self._wake.wait(interval):
-                self._wake.clear()
-            with self._lock:
-                closed, state = self._closed, self._state
+            closed, state = self._health.next_look(interval)
             if closed:
                 return
             if self._probe():
                 if state != "ok":
-                    self._set_ok()
+                    self._health.recovered()
             elif state == "ok":
-                self._fail(f"probe: {self._last_error}")
+                self._health.fail(f"probe: {self._health.last_error}")
 
     def _probe(self) -> bool:
         """List an empty prefix of the namespace (bucket there, credentials accepted, gateway
         answering), within ``timeout_s``; one probe at a time."""
         if self._probing is not None and not self._probing.done():
-            self._note("the previous probe has not finished")
+            self._health.note("the previous probe has not finished")
             return False
 
         prefix = f"{self._namespace}/{_PROBE_PREFIX}"
@@ -607,19 +565,15 @@ class S3Tier:
             self._probing = self._prober_pool.submit(probe)
             self._probing.result(self.config.timeout_s)
         except concurrent.futures.TimeoutError:
-            self._note(f"probe did not finish within {self.config.timeout_s:g} s")
+            self._health.note(f"probe did not finish within {self.config.timeout_s:g} s")
             return False
         except BaseException as exc:  # the gateway's answer, the prober shut down (closing), or
             # a panic in the client library (a BaseException: it must not end the probe loop)
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 raise
-            self._note(f"probe: {type(exc).__name__}: {_first_line(exc)}")
+            self._health.note(f"probe: {type(exc).__name__}: {_first_line(exc)}")
             return False
         return True
-
-    def _note(self, reason: str) -> None:
-        with self._lock:
-            self._last_error = reason
 
 
 def _first_line(exc: BaseException) -> str:

@@ -120,11 +120,11 @@ def test_a_put_lets_go_of_its_slot_once_and_not_of_another_call_s_hold() -> None
     )
     with S3Tier(pool, "kvoffload/default/4096", config) as tier:
         tier._client = Client()
-        tier._state = "ok"  # nothing listens at the endpoint: as if the probe had answered
+        tier._health.state = "ok"  # nothing listens at the endpoint: as if the probe had answered
         assert tier.get_into([b"k"], [3]) == [False]  # late: its batch gave up
         assert entered.is_set()
         assert tier.held_slots() == {3}
-        tier._state = "ok"  # the late batch degraded it
+        tier._health.state = "ok"  # the late batch degraded it
         assert tier.put_from([b"k"], [3]) == [True]
         assert tier.held_slots() == {3}  # the GET's hold, still
         gate.set()
