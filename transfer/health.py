@@ -100,9 +100,10 @@ class HealthTracker:
             return True
 
     def release(self, slots: Sequence[int]) -> None:
-        """The calls over ``slots`` no longer touch them. Call with ``lock`` held."""
-        self.held.subtract(slots)
-        self.held += collections.Counter()  # drops the zero counts
+        """The calls over ``slots`` no longer touch them."""
+        with self.lock:
+            self.held.subtract(slots)
+            self.held += collections.Counter()  # drops the zero counts
 
     def held_slots(self) -> frozenset[int]:
         with self.lock:

@@ -402,8 +402,8 @@ class MooncakeTier:
         return None
 
     def _release(self, slots: Sequence[int]) -> None:
+        self._health.release(slots)
         with self._idle:
-            self._health.release(slots)
             self._inflight -= 1
             self._idle.notify_all()
 

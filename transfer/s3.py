@@ -235,7 +235,7 @@ class _Requests:
                 return fn(*args)
             finally:
                 if slot is not None and not released_by_call:
-                    self.release([slot])
+                    self.health.release([slot])
 
         futures: list[concurrent.futures.Future[str] | None] = []
         for i, (fn, args) in enumerate(calls):
@@ -244,7 +244,7 @@ class _Requests:
                 futures.append(self.executor.submit(run, fn, args, slot))
             except RuntimeError:  # closed meanwhile: never started, its slot free now
                 if slot is not None:
-                    self.release([slot])
+                    self.health.release([slot])
                 futures.append(None)
         live = [f for f in futures if f is not None]
         done, _ = concurrent.futures.wait(live, timeout=self.timeout_s)
@@ -257,7 +257,7 @@ class _Requests:
                 continue
             if future not in done:
                 if future.cancel() and i < len(pending):  # never started: its slot is free
-                    self.release([pending[i]])
+                    self.health.release([pending[i]])
                 late += 1
                 outcomes.append(_Outcome.ERROR)
                 continue
@@ -329,10 +329,6 @@ class _Requests:
             self.health.count(timeouts=1)
         why = errors[0] if errors else f"no answer within {self.timeout_s:g} s"
         self.health.judge(what, bad, len(outcomes), why)
-
-    def release(self, slots: Sequence[int]) -> None:
-        with self.health.lock:
-            self.health.release(slots)
 
 
 class S3Tier:
@@ -518,7 +514,7 @@ class S3Tier:
         try:
             body[: self._block_bytes] = self._memory[slot].numpy()
         finally:
-            self._requests.release([slot])
+            self._health.release([slot])
         return self._put_object(key, body)
 
     def _put_block(self, key: bytes, block: bytes) -> str:
