@@ -84,7 +84,7 @@ _IDLE_S = 0.5
 #: and sends each topic's as one message: one wake-up, conversion and send per window instead
 #: of one per engine call (a wake-up per call cost the engine calls 5-9% of their rate on 2
 #: cores). Routers hear of a block this much later at most.
-COALESCE_S = 0.005
+COALESCE_S = 0.02
 
 EventSink = Callable[[Sequence[KVEvent]], None]
 # One event as it goes out, before its format (map or array) is chosen: the type, then the
@@ -132,6 +132,10 @@ class BlockInfo:
 # one packed buffer): a store call notes each key it stores, and a Python step per key cost as
 # much as the rest of the call's bookkeeping.
 _Entry = tuple[bytes, int, BlockKey | None]
+# One store call's word as ``note`` queues it: keys, token_ids, block_size, parent, stored.
+_Note = tuple[
+    Sequence[BlockKey], Sequence[int] | None, int | None, BlockKey | None, Sequence[BlockKey] | None
+]
 
 
 def _pick(picked: itemgetter[Any], items: list[Any]) -> list[Any]:
@@ -153,7 +157,16 @@ class BlockMetadata:
     Two generations of at most ``capacity`` keys each: a call's keys go into the young one,
     which becomes the old one (the old one dropped whole) when they would not fit. So a note
     costs a dict update, with no per-key eviction, and memory holds at most ``2 * capacity``
-    keys: about 200 bytes and 4 bytes a token each."""
+    keys: about 200 bytes and 4 bytes a token each.
+
+    ``note`` (the engine call, on the loop) only queues what the call said; the readers
+    (``get``, ``entries``: the publisher's thread) take the queued notes in first, in order,
+    under a lock. So the per-key work runs on the publisher's thread, between the engine's
+    calls rather than inside them; a queue that reaches ``PENDING_NOTES`` is taken in by the
+    caller, so that it stays bounded when nothing reads."""
+
+    #: Notes queued before the one that adds a note takes them in itself.
+    PENDING_NOTES = 1024
 
     def __init__(self, capacity: int) -> None:
         if capacity <= 0:
@@ -161,13 +174,17 @@ class BlockMetadata:
         self.capacity = capacity
         self._young: dict[BlockKey, _Entry] = {}
         self._old: dict[BlockKey, _Entry] = {}
+        self._notes: deque[_Note] = deque()
+        self._taking = threading.Lock()
 
     def __len__(self) -> int:
         """The distinct keys held."""
+        self._take_notes()
         return len(self._young.keys() | self._old.keys())
 
     def get(self, key: BlockKey) -> BlockInfo | None:
         """The engine's word on ``key``, if kept."""
+        self._take_notes()
         entry = self._young.get(key) or self._old.get(key)
         if entry is None:
             return None
@@ -187,7 +204,42 @@ class BlockMetadata:
         were noted when they were stored; an engine offers a whole prompt at every step, and
         noting its hits again would cost every call). A key noted again takes its new word.
         The caller has checked that ``token_ids`` has ``block_size`` tokens per key (each
-        below 2**32)."""
+        below 2**32), and changes none of the sequences afterwards (they are kept as given
+        until a reader takes the note in)."""
+        notes = self._notes
+        notes.append((keys, token_ids, block_size, parent, stored))
+        if len(notes) >= self.PENDING_NOTES:
+            self._take_notes()
+
+    def entries(self, keys: Sequence[BlockKey]) -> list[_Entry | None]:
+        """Each key's entry (None: no word on it), or an empty list when there is none at
+        all (the common case of engines that pass no metadata, answered without a loop)."""
+        self._take_notes()
+        young, old = self._young, self._old
+        if young.keys().isdisjoint(keys) and old.keys().isdisjoint(keys):
+            return []
+        if not old:
+            return list(map(young.get, keys))
+        return [young.get(k) or old.get(k) for k in keys]
+
+    def _take_notes(self) -> None:
+        """Apply the queued notes, oldest first (one taker at a time keeps their order)."""
+        notes = self._notes
+        if not notes:
+            return
+        with self._taking:
+            while notes:
+                self._apply(*notes.popleft())
+
+    def _apply(
+        self,
+        keys: Sequence[BlockKey],
+        token_ids: Sequence[int] | None,
+        block_size: int | None,
+        parent: BlockKey | None,
+        stored: Sequence[BlockKey] | None,
+    ) -> None:
+        """One note's entries into the young generation (``note``)."""
         size = block_size or 0
         raw = array("I", token_ids).tobytes() if token_ids and size else b""
         step = size * 4
@@ -224,16 +276,6 @@ class BlockMetadata:
             young = self._young
         young.update(entries)
 
-    def entries(self, keys: Sequence[BlockKey]) -> list[_Entry | None]:
-        """Each key's entry (None: no word on it), or an empty list when there is none at
-        all (the common case of engines that pass no metadata, answered without a loop)."""
-        young, old = self._young, self._old
-        if young.keys().isdisjoint(keys) and old.keys().isdisjoint(keys):
-            return []
-        if not old:
-            return list(map(young.get, keys))
-        return [young.get(k) or old.get(k) for k in keys]
-
 
 def wire_events(events: Sequence[KVEvent], meta: BlockMetadata | None) -> list[WireEvent]:
     """The router events for pull-feed ``events`` (see the module docstring)."""
@@ -253,10 +295,10 @@ def _hashes(keys: Sequence[BlockKey]) -> list[int]:
     keys are), one ``struct`` call over them all takes every key's last 8 bytes."""
     if keys:
         size = len(keys[0])
-        if size % 8 == 0 and size and all(len(k) == size for k in keys):
-            words = size // 8
-            joined = b"".join(keys)
-            return list(struct.unpack(f">{len(keys) * words}Q", joined)[words - 1 :: words])
+        if size % 8 == 0 and size and len(set(map(len, keys))) == 1:
+            # Skip each key's leading bytes, unpack its last 8 (``struct`` caches the format).
+            skip = f"{size - 8}x" if size > 8 else ""
+            return list(struct.unpack(">" + f"{skip}Q" * len(keys), b"".join(keys)))
     return [int.from_bytes(k, "big") & _MASK64 for k in keys]
 
 
@@ -523,17 +565,27 @@ class KVEventPublisher:
 
     def _run(self) -> None:
         pack = self._msgpack.Packer(use_bin_type=True)
+        busy = False
         while True:
             if self._replay is not None:
                 self._serve_replays()
-            woken = self._wake.wait(_IDLE_S if self._replay is None else _POLL_S)
             stopping = self._stopping.is_set()
-            if not woken and not stopping:
-                continue
-            self._wake.clear()
-            if not stopping:
-                time.sleep(COALESCE_S)  # the window: the next calls' batches join this one
-            for batch in self._window():
+            if not self._pending and not busy:
+                if stopping:
+                    return
+                # Idle: sleep until the loop queues a batch (``_put`` wakes us at the first).
+                self._wake.clear()
+                if not self._pending:
+                    self._wake.wait(_IDLE_S if self._replay is None else _POLL_S)
+                busy = bool(self._pending)
+            if busy and not self._stopping.is_set():
+                # The window: the next calls' batches join this one. While calls keep coming,
+                # the thread goes from window to window without waiting to be woken: a wake-up
+                # (the loop's set, this thread's wait) costs more than the window's sleep.
+                time.sleep(COALESCE_S)
+            window = self._window()
+            busy = bool(window)
+            for batch in window:
                 try:
                     events = wire_events(batch.events, batch.meta)
                     self._send(pack, batch.topic, batch.ts, events)
@@ -541,8 +593,6 @@ class KVEventPublisher:
                     # The batch is lost (its events counted dropped); the next one goes on.
                     self._unsent += len(batch.events)
                     log.exception("KV event batch not sent")
-            if stopping:
-                return
 
     def _window(self) -> list[_Batch]:
         """The batches queued so far, in order, consecutive batches of one topic merged into one
