@@ -29,7 +29,9 @@ requests, repeated) against two nodes of ``--cost-pool`` blocks (256 by default,
 every call stores and evicts its ~30 blocks: the most events a call makes), one with the
 publisher off and one with it on and a
 pyzmq subscriber attached reading every batch, taking turns for ``--rounds`` rounds of
-``--seconds`` each (one client, sequential calls), after a second's warm-up each. Both
+``--seconds`` each (one client, sequential calls), after a second's warm-up each. Each round
+also reads its server's CPU time (``/proc``): CPU µs per call, on / off as the median of the
+rounds' ratios, steadier than the rates on a noisy machine. Both
 servers run on one core and the client on the others, so that a side's rate is its own
 server's work (unpinned, one run's rounds spread 1.5x). Twice: stores that say their tokens (as in
 part (a): the service notes them for the events) and stores with hashes only (the vLLM tier's
@@ -297,17 +299,30 @@ class Subscriber:
         self.context.term()
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds process ``pid`` has used (all its threads, user and system)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def calls_per_s(
-    client: httpx.Client, reqs: Sequence[Request], seconds: float, tokens: bool
-) -> float:
+    client: httpx.Client,
+    reqs: Sequence[Request],
+    seconds: float,
+    tokens: bool,
+    pid: int | None = None,
+) -> tuple[float, float]:
+    """Calls per second of one round, and the server's CPU µs per call (``pid``'s; 0 without)."""
     done = 0
+    used = cpu_s(pid) if pid else 0.0
     start = time.perf_counter()
     for i in itertools.count():
         run_step(client, f"c{i}", reqs[i % len(reqs)], tokens)
         done += 1
         if time.perf_counter() - start >= seconds:
             break
-    return done / (time.perf_counter() - start)
+    rate = done / (time.perf_counter() - start)
+    return rate, ((cpu_s(pid) - used) / done * 1e6 if pid else 0.0)
 
 
 def part_b(
@@ -337,19 +352,27 @@ def part_b(
         try:
             for kind, tokens in (("tokens", True), ("hashes", False)):
                 rates: dict[str, list[float]] = {"off": [], "on": []}
+                cpu: dict[str, list[float]] = {"off": [], "on": []}
                 for client in (c_off, c_on):  # warm: not counted
                     calls_per_s(client, reqs, min(seconds, 1.0), tokens)
                 for n in range(rounds):
-                    order = [("off", c_off), ("on", c_on)]
+                    order = [("off", c_off, off), ("on", c_on, on)]
                     if n % 2:
                         order.reverse()
-                    for name, client in order:
-                        rates[name].append(calls_per_s(client, reqs, seconds, tokens))
+                    for name, client, server in order:
+                        pid = server.proc.pid if server.proc else None  # taskset execs it
+                        rate, us = calls_per_s(client, reqs, seconds, tokens, pid)
+                        rates[name].append(rate)
+                        cpu[name].append(us)
                 ratios = [a / b for a, b in zip(rates["on"], rates["off"], strict=True)]
+                cpu_ratios = [a / b for a, b in zip(cpu["on"], cpu["off"], strict=True) if b]
                 out[kind] = {
                     "calls_per_s": {k: statistics.median(v) for k, v in rates.items()},
                     "per_round": rates,
                     "on_vs_off": statistics.median(ratios),
+                    # The server's CPU per call: steadier than the rate on a noisy machine.
+                    "cpu_us_per_call": {k: statistics.median(v) for k, v in cpu.items()},
+                    "cpu_on_vs_off": statistics.median(cpu_ratios) if cpu_ratios else None,
                 }
             out["subscriber_batches"] = sub.batches
         finally:
@@ -419,11 +442,16 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"(b) publisher cost, median of {cost['rounds']} rounds (target >= {COST_TARGET})"
             )
-            print(f"{'stores say':<11} {'off calls/s':>11} {'on calls/s':>10} {'on / off':>8}")
+            print(
+                f"{'stores say':<11} {'off calls/s':>11} {'on calls/s':>10} {'on / off':>8} "
+                f"{'CPU µs/call off':>15} {'on':>5} {'on / off':>8}"
+            )
             for kind in ("tokens", "hashes"):
-                c = cost[kind]["calls_per_s"]
+                row = cost[kind]
+                c, u, ratio = row["calls_per_s"], row["cpu_us_per_call"], row["cpu_on_vs_off"]
                 print(
-                    f"{kind:<11} {c['off']:>11.0f} {c['on']:>10.0f} {cost[kind]['on_vs_off']:>8.3f}"
+                    f"{kind:<11} {c['off']:>11.0f} {c['on']:>10.0f} {row['on_vs_off']:>8.3f} "
+                    f"{u['off']:>15.0f} {u['on']:>5.0f} {ratio or 0:>8.3f}"
                 )
     harness.write_results(args.out, record)
     return 0

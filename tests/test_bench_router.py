@@ -69,3 +69,4 @@ def test_a_short_run_writes_both_parts(tmp_path: Path):
     for kind in ("tokens", "hashes"):
         assert cost[kind]["calls_per_s"]["on"] > 0
         assert cost[kind]["calls_per_s"]["off"] > 0
+        assert cost[kind]["cpu_us_per_call"]["on"] > 0  # the server's own CPU, read from /proc

@@ -13,15 +13,18 @@ least ``start_seq`` (each ``["", topic, seq, payload]``), then the end marker ``
 
 Contract:
 
-- **Never waits.** A namespace's sink runs on the event loop and puts the batch, as the pull
-  feed's events, on a bounded queue without blocking; a full queue drops the batch and counts
-  its events (``counts().dropped``). Converting (``wire_events``: the hashes, the engine's
-  metadata), encoding, sending and replay run on the publisher's own thread, so an engine call
-  pays for none of them; a slow or absent subscriber costs only its own messages (ZMQ's
-  high-water mark drops them). The thread reads ``BlockMetadata`` while the loop writes it:
-  each dict operation is atomic under the GIL and the generations are taken once per read, so
-  a generation turning old meanwhile only makes a key read as forgotten (its event carries the
-  hash alone), and a batch converted late reads the newest word on its keys.
+- **Never waits, and out of the engine's calls.** A namespace's sink runs on the event loop
+  and puts the batch, as the pull feed's events, on a bounded queue; a full queue drops the
+  batch and counts its events (``counts().dropped``). The first batch of a window sets a timer
+  (``COALESCE_S``); when it fires, between the engine's calls, the loop converts the window
+  (``wire_events``: the hashes, the engine's metadata), encodes it and sends it without
+  blocking (``NOBLOCK``: a slow or absent subscriber loses only its own messages, ZMQ's
+  high-water mark drops them), at most ``FLUSH_KEYS`` keys a turn of the loop. It is on the
+  loop rather than a thread of its own because the conversion is Python either way: on a
+  thread it held the same interpreter lock, and each window added a wake-up and two lock
+  hand-offs, which cost the engine calls more than the conversion did (``bench/router.py``
+  part b). Replay requests are answered on a thread of its own, which blocks on the replay
+  socket. Outside an event loop (a caller that is not the service), a batch goes out at once.
 - **Media routers index.** ``ROUTER_MEDIA``: the pool is ``CPU``, the disk tier ``DISK``, the
   remote tier ``REMOTE``, the object tier ``STORAGE`` (the pull feed's ``OBJECT``, a name no
   router indexes).
@@ -46,6 +49,7 @@ Contract:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib
 import itertools
@@ -76,15 +80,17 @@ ROUTER_MEDIA = {"CPU": "CPU", "DISK": "DISK", "REMOTE": "REMOTE", "OBJECT": "STO
 #: The replay answer's last message: sequence number -1.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _MASK64 = (1 << 64) - 1
-# How long the publisher thread waits on its queue before it looks at the replay socket again
-# (how late a replay request may be answered), or, without one, at whether it must stop.
-_POLL_S = 0.05
-_IDLE_S = 0.5
-#: Once woken by a batch, the publisher's thread waits this long for the next calls' batches
-#: and sends each topic's as one message: one wake-up, conversion and send per window instead
-#: of one per engine call (a wake-up per call cost the engine calls 5-9% of their rate on 2
-#: cores). Routers hear of a block this much later at most.
+# How long the replay thread waits on its socket before it looks at whether it must stop.
+_POLL_S = 0.1
+# How long closing the PUB socket lets ZMQ deliver what the last flush sent.
+_CLOSE_LINGER_MS = 200
+#: How long the batches after a window's first wait for the next calls' batches: each topic's
+#: go out as one message, one conversion and send per window rather than per engine call.
+#: Routers hear of a block this much later at most (plus a loop turn).
 COALESCE_S = 0.02
+#: The most keys one turn of the loop converts and sends; a window with more (a flood of the
+#: largest batches) goes on in the next turns, so that no turn holds the loop long.
+FLUSH_KEYS = 4096
 
 EventSink = Callable[[Sequence[KVEvent]], None]
 # One event as it goes out, before its format (map or array) is chosen: the type, then the
@@ -159,11 +165,11 @@ class BlockMetadata:
     costs a dict update, with no per-key eviction, and memory holds at most ``2 * capacity``
     keys: about 200 bytes and 4 bytes a token each.
 
-    ``note`` (the engine call, on the loop) only queues what the call said; the readers
-    (``get``, ``entries``: the publisher's thread) take the queued notes in first, in order,
-    under a lock. So the per-key work runs on the publisher's thread, between the engine's
-    calls rather than inside them; a queue that reaches ``PENDING_NOTES`` is taken in by the
-    caller, so that it stays bounded when nothing reads."""
+    ``note`` (inside the engine's store call) only queues what the call said; the readers
+    (``get``, ``entries``: the publisher's flush) take the queued notes in first, in order. So
+    the per-key work runs between the engine's calls rather than inside them; a queue that
+    reaches ``PENDING_NOTES`` is taken in by the caller, so that it stays bounded when nothing
+    reads. One thread uses it (the service's loop)."""
 
     #: Notes queued before the one that adds a note takes them in itself.
     PENDING_NOTES = 1024
@@ -175,7 +181,6 @@ class BlockMetadata:
         self._young: dict[BlockKey, _Entry] = {}
         self._old: dict[BlockKey, _Entry] = {}
         self._notes: deque[_Note] = deque()
-        self._taking = threading.Lock()
 
     def __len__(self) -> int:
         """The distinct keys held."""
@@ -223,13 +228,10 @@ class BlockMetadata:
         return [young.get(k) or old.get(k) for k in keys]
 
     def _take_notes(self) -> None:
-        """Apply the queued notes, oldest first (one taker at a time keeps their order)."""
+        """Apply the queued notes, oldest first."""
         notes = self._notes
-        if not notes:
-            return
-        with self._taking:
-            while notes:
-                self._apply(*notes.popleft())
+        while notes:
+            self._apply(*notes.popleft())
 
     def _apply(
         self,
@@ -396,8 +398,9 @@ class KVEventPublisher:
     """The process's KV-event publisher; see the module docstring.
 
     ``start()`` binds both sockets (a ``ConfigError`` naming the setting when one cannot be
-    bound) and starts the thread; ``close()`` stops it and closes them. ``sink(namespace)``
-    is what a namespace's service calls with its events.
+    bound) and starts the replay thread; ``close()`` sends what is queued, stops the thread
+    and closes the sockets. ``sink(namespace)`` is what a namespace's service calls with its
+    events, on the loop. Before ``start`` batches only queue.
     """
 
     def __init__(self, settings: Settings, *, socket_mode: int = 0o600) -> None:
@@ -412,22 +415,22 @@ class KVEventPublisher:
         self.node = settings.kv_events_node or socket.gethostname()
         self._array = settings.kv_events_format == "array"
         self._socket_mode = socket_mode
-        # Batches on their way to the thread: the loop appends (and wakes the thread when the
-        # deque was empty), the thread takes them all at once; both are atomic under the GIL.
+        # The window's batches, and whether a flush of them is due (its timer set).
         self._pending: deque[_Batch] = deque()
         self._capacity = settings.kv_events_queue_batches
-        self._wake = threading.Event()
+        self._flush_due = False
         self._replay_buffer: deque[tuple[int, bytes, bytes]] = deque(
             maxlen=settings.kv_events_replay_batches
         )
+        self._pack = self._msgpack.Packer(use_bin_type=True)
         self._ctx: Any = None
         self._pub: Any = None
         self._replay: Any = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._seq = first_seq()
-        # Written by the loop (dropped) or the thread (the rest); read at scrape time. Each
-        # has one writer, and an int store is atomic under the GIL.
+        # Written by the loop (replays: by the replay thread); read at scrape time. Each has
+        # one writer, and an int store is atomic under the GIL.
         self._published = 0
         self._dropped = 0
         self._unsent = 0
@@ -457,8 +460,11 @@ class KVEventPublisher:
         except BaseException:
             self._close_sockets()
             raise
-        self._thread = threading.Thread(target=self._run, name="kvoffload-kv-events", daemon=True)
-        self._thread.start()
+        if self._replay is not None:
+            self._thread = threading.Thread(
+                target=self._run_replays, name="kvoffload-kv-events-replay", daemon=True
+            )
+            self._thread.start()
         log.info(
             "KV events published",
             extra={
@@ -487,19 +493,22 @@ class KVEventPublisher:
                 os.chown(path, -1, gid)
 
     def close(self) -> None:
-        """Stop the thread (what is still queued is sent first, briefly) and close the
-        sockets. Idempotent."""
+        """Send what is still queued, stop the replay thread and close the sockets.
+        Idempotent; a flush whose timer fires later finds nothing to do."""
+        if self._pub is not None:
+            self._flush(budget=None)
         thread, self._thread = self._thread, None
         if thread is not None:
             self._stopping.set()
-            self._wake.set()
             thread.join(timeout=2.0)
         self._close_sockets()
 
     def _close_sockets(self) -> None:
-        for sock in (self._pub, self._replay):
+        # The last window was just sent: let ZMQ pass it on for a moment, not wait for a
+        # subscriber that reads nothing.
+        for sock, linger_ms in ((self._pub, _CLOSE_LINGER_MS), (self._replay, 0)):
             if sock is not None:
-                sock.close(linger=0)
+                sock.close(linger=linger_ms)
         self._pub = self._replay = None
         if self._ctx is not None:
             self._ctx.term()
@@ -546,7 +555,9 @@ class KVEventPublisher:
         self._started = True
 
     def _put(self, batch: _Batch) -> None:
-        """Queue one batch for the thread, never waiting: a full queue drops it (counted)."""
+        """Queue one batch for the window's flush, never waiting: a full queue drops it
+        (counted). The window's first batch sets the flush's timer on the running loop;
+        without one, the batch goes out at once."""
         if not batch.events:
             return
         pending = self._pending
@@ -554,54 +565,51 @@ class KVEventPublisher:
             self._dropped += len(batch.events)
             return
         pending.append(batch)
-        if len(pending) == 1:  # the thread sleeps until the first batch of a window
-            self._wake.set()
+        if self._flush_due or self._pub is None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._flush(budget=None)
+            return
+        self._flush_due = True
+        loop.call_later(COALESCE_S, self._flush_turn)
+
+    def _flush_turn(self) -> None:
+        """The window's timer: send up to ``FLUSH_KEYS`` keys of it, the rest next turn."""
+        self._flush_due = False
+        if self._pub is None:  # closed meanwhile: ``close`` sent the queue
+            return
+        self._flush(budget=FLUSH_KEYS)
+        if self._pending:
+            self._flush_due = True
+            asyncio.get_running_loop().call_soon(self._flush_turn)
 
     def counts(self) -> PublisherCounts:
         """Events sent and dropped so far, replay requests answered."""
         return PublisherCounts(self._published, self._dropped + self._unsent, self._replays)
 
-    # ------------------------------------------------------------------ the thread
+    # ------------------------------------------------------------------ sending
 
-    def _run(self) -> None:
-        pack = self._msgpack.Packer(use_bin_type=True)
-        busy = False
-        while True:
-            if self._replay is not None:
-                self._serve_replays()
-            stopping = self._stopping.is_set()
-            if not self._pending and not busy:
-                if stopping:
-                    return
-                # Idle: sleep until the loop queues a batch (``_put`` wakes us at the first).
-                self._wake.clear()
-                if not self._pending:
-                    self._wake.wait(_IDLE_S if self._replay is None else _POLL_S)
-                busy = bool(self._pending)
-            if busy and not self._stopping.is_set():
-                # The window: the next calls' batches join this one. While calls keep coming,
-                # the thread goes from window to window without waiting to be woken: a wake-up
-                # (the loop's set, this thread's wait) costs more than the window's sleep.
-                time.sleep(COALESCE_S)
-            window = self._window()
-            busy = bool(window)
-            for batch in window:
-                try:
-                    events = wire_events(batch.events, batch.meta)
-                    self._send(pack, batch.topic, batch.ts, events)
-                except Exception:
-                    # The batch is lost (its events counted dropped); the next one goes on.
-                    self._unsent += len(batch.events)
-                    log.exception("KV event batch not sent")
+    def _flush(self, budget: int | None) -> None:
+        """Convert, encode and send the queued batches, consecutive batches of one topic as
+        one message (the first one's time stamp), until ``budget`` keys are sent (None: all).
+        A batch that fails is lost, its events counted dropped; the next one goes on."""
+        for batch in self._window(budget):
+            try:
+                self._send(batch.topic, batch.ts, wire_events(batch.events, batch.meta))
+            except Exception:
+                self._unsent += len(batch.events)
+                log.exception("KV event batch not sent")
 
-    def _window(self) -> list[_Batch]:
-        """The batches queued so far, in order, consecutive batches of one topic merged into one
-        (the first one's time stamp)."""
+    def _window(self, budget: int | None) -> list[_Batch]:
+        """The batches queued, in order, merged by topic, while their keys fit ``budget``
+        (the first always taken). One list per run of one topic, extended in place."""
         pending, merged = self._pending, list[_Batch]()
-        # A batch comes from every event the manager emits: a window holds many, merged into
-        # one list per run of one topic (extended in place, not copied at each batch).
-        while pending:
+        keys = 0
+        while pending and (budget is None or keys < budget):
             batch = pending.popleft()
+            keys += sum(len(getattr(e, "block_hashes", ())) for e in batch.events)
             last = merged[-1] if merged else None
             if last is not None and last.topic == batch.topic and last.meta is batch.meta:
                 cast("list[KVEvent]", last.events).extend(batch.events)
@@ -609,9 +617,9 @@ class KVEventPublisher:
                 merged.append(batch._replace(events=list(batch.events)))
         return merged
 
-    def _send(self, pack: Any, topic: bytes, ts: float, events: list[WireEvent]) -> None:
+    def _send(self, topic: bytes, ts: float, events: list[WireEvent]) -> None:
         body = [list(e) for e in events] if self._array else [as_map(e) for e in events]
-        payload = pack.pack([ts, body, 0])
+        payload = self._pack.pack([ts, body, 0])
         seq = self._seq.to_bytes(8, "big")
         # Counted and kept before it is sent: a subscriber that got it finds it counted.
         self._published += len(events)
@@ -619,6 +627,19 @@ class KVEventPublisher:
         self._seq += 1
         # NOBLOCK: PUB never blocks (past its high-water mark ZMQ drops per subscriber).
         self._pub.send_multipart((topic, seq, payload), flags=self._zmq.NOBLOCK)
+
+    # ------------------------------------------------------------------ the replay thread
+
+    def _run_replays(self) -> None:
+        poll_ms = int(_POLL_S * 1000)
+        while not self._stopping.is_set():
+            try:
+                if self._replay.poll(poll_ms):
+                    self._serve_replays()
+            except Exception:
+                if self._stopping.is_set():
+                    return
+                log.exception("KV event replay request not answered")
 
     def _serve_replays(self) -> None:
         zmq = self._zmq

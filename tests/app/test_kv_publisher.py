@@ -3,6 +3,7 @@ vLLM 0.33's framing on real ZMQ sockets on 127.0.0.1, replay, drops, and its set
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import subprocess
 import sys
@@ -274,9 +275,9 @@ def test_batches_go_out_in_vllm_framing_and_replay_answers_from_a_seq(tmp_path, 
 
 
 def test_batches_of_one_window_go_out_as_one_message_per_topic_in_order(tmp_path, ctx, monkeypatch):
-    """The calls of one coalescing window cost one wake-up and one message per topic: a
-    topic's consecutive batches merged in order, another topic's between them kept apart, and
-    metadata noted after a batch was offered still read when it is converted."""
+    """On the loop, the calls of one coalescing window cost one conversion and one message
+    per topic: a topic's consecutive batches merged in order, another topic's between them
+    kept apart, and metadata noted after a batch was offered still read when it is sent."""
     import app.core.kv_publisher as kv_publisher
 
     pub = KVEventPublisher(settings(tmp_path))
@@ -284,14 +285,22 @@ def test_batches_of_one_window_go_out_as_one_message_per_topic_in_order(tmp_path
     try:
         sub = subscriber(ctx, pub.endpoint)
         publish_until_received(pub, sub)
-        monkeypatch.setattr(kv_publisher, "COALESCE_S", 0.5)  # the calls below fit in it
+        monkeypatch.setattr(kv_publisher, "COALESCE_S", 0.3)  # the calls below fit in it
         meta = BlockMetadata(8)
         a, b = pub.sink("a", meta), pub.sink("b", None)
-        a([BlockStored(1, K[:1])])
-        a([BlockRemoved(2, K[:1])])
-        b([BlockStored(3, K[1:2])])
-        a([BlockStored(4, K[2:3])])
-        meta.note(K[:1], [7], 1, None)  # noted before the window ends: the event carries it
+
+        async def offer() -> int:
+            a([BlockStored(1, K[:1])])
+            a([BlockRemoved(2, K[:1])])
+            b([BlockStored(3, K[1:2])])
+            a([BlockStored(4, K[2:3])])
+            meta.note(K[:1], [7], 1, None)  # noted before the window ends: the event carries it
+            sent = pub.counts().published  # nothing goes out before the window's end
+            await asyncio.sleep(0.6)
+            return sent
+
+        before = pub.counts().published  # the warm-up markers
+        assert asyncio.run(offer()) == before
         got: list[tuple[bytes, list[Any]]] = []
         tokens: list[Any] = []
         while len(got) < 3:
@@ -308,6 +317,70 @@ def test_batches_of_one_window_go_out_as_one_message_per_topic_in_order(tmp_path
         ]
     finally:
         pub.close()
+
+
+def test_a_window_larger_than_a_turn_goes_out_over_several_turns_in_order(
+    tmp_path, ctx, monkeypatch
+):
+    """A flood's window is sent ``FLUSH_KEYS`` keys a loop turn: other callbacks run between
+    its messages, and every event still goes out once, in order."""
+    import app.core.kv_publisher as kv_publisher
+
+    monkeypatch.setattr(kv_publisher, "FLUSH_KEYS", 4)
+    pub = KVEventPublisher(settings(tmp_path))
+    pub.start()
+    try:
+        sub = subscriber(ctx, pub.endpoint)
+        publish_until_received(pub, sub)
+        sink = pub.sink("big", None)
+        keys = [bytes([i]) * 32 for i in range(1, 13)]
+        base = pub.counts().published  # the warm-up markers
+        turns: list[int] = []
+
+        async def flood() -> None:
+            for i in range(0, 12, 2):
+                sink([BlockStored(i, keys[i : i + 2])])
+            loop = asyncio.get_running_loop()
+            # A callback per turn while the window goes out: it must run between its messages.
+            end = loop.time() + kv_publisher.COALESCE_S + 0.5
+            while loop.time() < end:
+                turns.append(pub.counts().published)
+                await asyncio.sleep(0)
+
+        asyncio.run(flood())
+        hashes: list[int] = []
+        while len(hashes) < 12:
+            topic, _, payload = sub.recv_multipart()
+            if topic == b"big":
+                for event in msgpack.unpackb(payload)[1]:
+                    hashes.extend(event["block_hashes"])
+        assert hashes == [hash64(k) for k in keys]
+        # Two batches (4 keys) a turn: the counts seen between turns went up 4 at a time,
+        # never all 6 events in one turn.
+        assert {base + n for n in (0, 2, 4, 6)} <= set(turns)
+        sink([BlockRemoved(99, keys[:1])])  # outside a loop: at once
+        assert pub.counts().published == base + 7
+    finally:
+        pub.close()
+
+
+def test_close_sends_a_window_whose_timer_has_not_fired(tmp_path, ctx):
+    pub = KVEventPublisher(settings(tmp_path))
+    pub.start()
+    sub = subscriber(ctx, pub.endpoint)
+    publish_until_received(pub, sub)
+    base = pub.counts().published
+
+    async def offer_and_close() -> None:
+        pub.sink("m", None)([BlockStored(1, K[:1])])
+        assert pub.counts().published == base  # waiting for its window
+        pub.close()
+
+    asyncio.run(offer_and_close())
+    assert pub.counts().published == base + 1
+    while (frames := sub.recv_multipart())[0] != b"m":
+        pass
+    assert msgpack.unpackb(frames[2])[1][0]["block_hashes"] == [hash64(K[0])]
 
 
 def test_array_format_for_llm_d(tmp_path, ctx):
