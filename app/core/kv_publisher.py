@@ -24,7 +24,9 @@ Contract:
   thread it held the same interpreter lock, and each window added a wake-up and two lock
   hand-offs, which cost the engine calls more than the conversion did (``bench/router.py``
   part b). Replay requests are answered on a thread of its own, which blocks on the replay
-  socket. Outside an event loop (a caller that is not the service), a batch goes out at once.
+  socket. A batch from another thread is handed to the loop ``start`` ran on; with no loop
+  at all (a caller that is not the service), it goes out at once. Before ``start`` batches
+  queue; ``close`` sends what is queued.
 - **Media routers index.** ``ROUTER_MEDIA``: the pool is ``CPU``, the disk tier ``DISK``, the
   remote tier ``REMOTE``, the object tier ``STORAGE`` (the pull feed's ``OBJECT``, a name no
   router indexes).
@@ -86,7 +88,8 @@ _POLL_S = 0.1
 _CLOSE_LINGER_MS = 200
 #: How long the batches after a window's first wait for the next calls' batches: each topic's
 #: go out as one message, one conversion and send per window rather than per engine call.
-#: Routers hear of a block this much later at most (plus a loop turn).
+#: Routers hear of a block this much later (a flood's window, ``FLUSH_KEYS`` a loop turn,
+#: a few turns more).
 COALESCE_S = 0.02
 #: The most keys one turn of the loop converts and sends; a window with more (a flood of the
 #: largest batches) goes on in the next turns, so that no turn holds the loop long.
@@ -138,10 +141,9 @@ class BlockInfo:
 # one packed buffer): a store call notes each key it stores, and a Python step per key cost as
 # much as the rest of the call's bookkeeping.
 _Entry = tuple[bytes, int, BlockKey | None]
-# One store call's word as ``note`` queues it: keys, token_ids, block_size, parent, stored.
-_Note = tuple[
-    Sequence[BlockKey], Sequence[int] | None, int | None, BlockKey | None, Sequence[BlockKey] | None
-]
+# One store call's word as ``note`` queues it: keys, the tokens packed as unsigned 32-bit
+# words, the block size (0: none given), parent, the keys stored (None: all).
+_Note = tuple[Sequence[BlockKey], bytes, int, BlockKey | None, Sequence[BlockKey] | None]
 
 
 def _pick(picked: itemgetter[Any], items: list[Any]) -> list[Any]:
@@ -167,12 +169,13 @@ class BlockMetadata:
 
     ``note`` (inside the engine's store call) only queues what the call said; the readers
     (``get``, ``entries``: the publisher's flush) take the queued notes in first, in order. So
-    the per-key work runs between the engine's calls rather than inside them; a queue that
-    reaches ``PENDING_NOTES`` is taken in by the caller, so that it stays bounded when nothing
-    reads. One thread uses it (the service's loop)."""
+    the per-key work runs between the engine's calls rather than inside them. A note keeps the
+    tokens packed (4 bytes each, made in C) and a call that stores nothing queues none; once
+    the queued notes name ``PENDING_KEYS`` keys, the noting call takes them in itself, so that
+    the queue stays bounded when nothing reads. One thread uses it (the service's loop)."""
 
-    #: Notes queued before the one that adds a note takes them in itself.
-    PENDING_NOTES = 1024
+    #: Keys the queued notes may name before the call that adds one takes them in itself.
+    PENDING_KEYS = 16384
 
     def __init__(self, capacity: int) -> None:
         if capacity <= 0:
@@ -181,6 +184,7 @@ class BlockMetadata:
         self._young: dict[BlockKey, _Entry] = {}
         self._old: dict[BlockKey, _Entry] = {}
         self._notes: deque[_Note] = deque()
+        self._noted_keys = 0  # keys the queued notes name
 
     def __len__(self) -> int:
         """The distinct keys held."""
@@ -211,9 +215,12 @@ class BlockMetadata:
         The caller has checked that ``token_ids`` has ``block_size`` tokens per key (each
         below 2**32), and changes none of the sequences afterwards (they are kept as given
         until a reader takes the note in)."""
-        notes = self._notes
-        notes.append((keys, token_ids, block_size, parent, stored))
-        if len(notes) >= self.PENDING_NOTES:
+        if stored is not None and not stored:
+            return  # every key resident: noted when it was stored
+        raw = array("I", token_ids).tobytes() if token_ids and block_size else b""
+        self._notes.append((keys, raw, block_size or 0, parent, stored))
+        self._noted_keys += len(keys)
+        if self._noted_keys >= self.PENDING_KEYS:
             self._take_notes()
 
     def entries(self, keys: Sequence[BlockKey]) -> list[_Entry | None]:
@@ -228,22 +235,26 @@ class BlockMetadata:
         return [young.get(k) or old.get(k) for k in keys]
 
     def _take_notes(self) -> None:
-        """Apply the queued notes, oldest first."""
+        """Apply the queued notes, oldest first. A note that fails is logged and skipped (its
+        keys' events carry their hashes alone): the caller is another call, or a flush."""
         notes = self._notes
+        self._noted_keys = 0
         while notes:
-            self._apply(*notes.popleft())
+            try:
+                self._apply(*notes.popleft())
+            except Exception:
+                log.exception("KV event metadata note skipped")
 
     def _apply(
         self,
         keys: Sequence[BlockKey],
-        token_ids: Sequence[int] | None,
-        block_size: int | None,
+        raw: bytes,
+        size: int,
         parent: BlockKey | None,
         stored: Sequence[BlockKey] | None,
     ) -> None:
-        """One note's entries into the young generation (``note``)."""
-        size = block_size or 0
-        raw = array("I", token_ids).tobytes() if token_ids and size else b""
+        """One note's entries into the young generation (``note``); ``raw``: its tokens
+        packed, ``size`` per key (empty: none given)."""
         step = size * 4
         # Every list below is made in C (slices, ``map``, ``itemgetter``): no Python step per
         # key. The keys stored are most often the offer's tail (its head was resident).
@@ -376,7 +387,7 @@ def load_modules() -> tuple[Any, Any]:
 
 
 class _Batch(NamedTuple):
-    """One batch on its way to the publisher's thread: the pull feed's events, with their
+    """One batch waiting for its window's flush: the pull feed's events, with their
     namespace's metadata."""
 
     topic: bytes
@@ -415,10 +426,12 @@ class KVEventPublisher:
         self.node = settings.kv_events_node or socket.gethostname()
         self._array = settings.kv_events_format == "array"
         self._socket_mode = socket_mode
-        # The window's batches, and whether a flush of them is due (its timer set).
+        # The window's batches, and the loop whose timer will flush them (None: none set).
         self._pending: deque[_Batch] = deque()
         self._capacity = settings.kv_events_queue_batches
-        self._flush_due = False
+        self._flush_loop: asyncio.AbstractEventLoop | None = None
+        # The loop ``start`` ran on: another thread's batches are handed to it.
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._replay_buffer: deque[tuple[int, bytes, bytes]] = deque(
             maxlen=settings.kv_events_replay_batches
         )
@@ -460,6 +473,10 @@ class KVEventPublisher:
         except BaseException:
             self._close_sockets()
             raise
+        with contextlib.suppress(RuntimeError):
+            self._loop = asyncio.get_running_loop()
+        if self._pending:  # queued before the start
+            self._schedule()
         if self._replay is not None:
             self._thread = threading.Thread(
                 target=self._run_replays, name="kvoffload-kv-events-replay", daemon=True
@@ -497,10 +514,16 @@ class KVEventPublisher:
         Idempotent; a flush whose timer fires later finds nothing to do."""
         if self._pub is not None:
             self._flush(budget=None)
+        self._dropped += sum(len(batch.events) for batch in self._pending)  # never started
+        self._pending.clear()
+        self._flush_loop = None
         thread, self._thread = self._thread, None
         if thread is not None:
             self._stopping.set()
             thread.join(timeout=2.0)
+            if thread.is_alive():  # still using its socket: leave it to the process's end
+                log.warning("KV event replay thread did not stop; its socket is left open")
+                self._replay = None
         self._close_sockets()
 
     def _close_sockets(self) -> None:
@@ -556,34 +579,50 @@ class KVEventPublisher:
 
     def _put(self, batch: _Batch) -> None:
         """Queue one batch for the window's flush, never waiting: a full queue drops it
-        (counted). The window's first batch sets the flush's timer on the running loop;
-        without one, the batch goes out at once."""
+        (counted). The window's first batch sets the flush's timer on the running loop.
+        Outside a loop: from another thread while the loop ``start`` ran on runs, the batch
+        is handed to that loop; otherwise (no loop at all) it goes out at once."""
         if not batch.events:
             return
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+            home = self._loop
+            if home is not None and home.is_running():
+                home.call_soon_threadsafe(self._put, batch)
+                return
         pending = self._pending
         if len(pending) >= self._capacity:
             self._dropped += len(batch.events)
             return
         pending.append(batch)
-        if self._flush_due or self._pub is None:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
+        if self._pub is not None:
+            self._schedule(loop)
+
+    def _schedule(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """See that the queued batches go out: a timer on ``loop`` unless one is set there
+        already (a timer left on a loop that has ended does not count), or at once without
+        a loop."""
+        if loop is None:
+            with contextlib.suppress(RuntimeError):
+                loop = asyncio.get_running_loop()
+        if loop is None:
             self._flush(budget=None)
-            return
-        self._flush_due = True
-        loop.call_later(COALESCE_S, self._flush_turn)
+        elif self._flush_loop is not loop:
+            self._flush_loop = loop
+            loop.call_later(COALESCE_S, self._flush_turn)
 
     def _flush_turn(self) -> None:
         """The window's timer: send up to ``FLUSH_KEYS`` keys of it, the rest next turn."""
-        self._flush_due = False
+        self._flush_loop = None
         if self._pub is None:  # closed meanwhile: ``close`` sent the queue
             return
         self._flush(budget=FLUSH_KEYS)
         if self._pending:
-            self._flush_due = True
-            asyncio.get_running_loop().call_soon(self._flush_turn)
+            loop = asyncio.get_running_loop()
+            self._flush_loop = loop
+            loop.call_soon(self._flush_turn)
 
     def counts(self) -> PublisherCounts:
         """Events sent and dropped so far, replay requests answered."""
@@ -640,6 +679,7 @@ class KVEventPublisher:
                 if self._stopping.is_set():
                     return
                 log.exception("KV event replay request not answered")
+                self._stopping.wait(_POLL_S)  # a socket that keeps failing: not a busy loop
 
     def _serve_replays(self) -> None:
         zmq = self._zmq

@@ -383,6 +383,47 @@ def test_close_sends_a_window_whose_timer_has_not_fired(tmp_path, ctx):
     assert msgpack.unpackb(frames[2])[1][0]["block_hashes"] == [hash64(K[0])]
 
 
+def test_batches_queued_before_start_go_out_after_it_and_a_timer_of_an_ended_loop_holds_none(
+    tmp_path, ctx
+):
+    pub = KVEventPublisher(settings(tmp_path))
+    sink = pub.sink("m", None)
+    sink([BlockStored(1, K[:1])])  # not started: queued
+    assert pub.counts().published == 0
+
+    async def start_and_end() -> None:
+        pub.start()  # the queue's timer is set on this loop, which ends before it fires
+
+    asyncio.run(start_and_end())
+    try:
+        assert pub.counts().published == 0
+        sink([BlockRemoved(2, K[:1])])  # outside a loop: at once, behind the queued batch
+        assert pub.counts().published == 2
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.RCVTIMEO, RECV_MS)
+        dealer.connect(pub.replay_endpoint)
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        events = []
+        while (frames := dealer.recv_multipart())[2] != END_SEQ:
+            events += [e["type"] for e in msgpack.unpackb(frames[3])[1]]
+        assert events == ["BlockStored", "BlockRemoved"]
+    finally:
+        pub.close()
+
+
+def test_a_note_that_stores_nothing_is_not_kept_and_a_bad_note_is_skipped(caplog):
+    meta = BlockMetadata(8)
+    meta.note(K[:2], [1, 2], 1, None, stored=[])  # every key resident
+    assert meta.get(K[0]) is None
+    meta.note(K[:2], None, None, K[5])
+    meta._notes.append((K[2:3], b"\x00", 4, None, None))  # tokens not a whole block: fails
+    meta.note(K[3:4], [9], 1, None)
+    assert meta.get(K[3]) == BlockInfo((9,), 1, None)  # the later note still applied
+    assert meta.get(K[0]) == BlockInfo((), 0, K[5])
+    assert meta.get(K[2]) is None
+    assert "KV event metadata note skipped" in caplog.text
+
+
 def test_array_format_for_llm_d(tmp_path, ctx):
     pub = KVEventPublisher(settings(tmp_path, kv_events_format="array"))
     pub.start()
